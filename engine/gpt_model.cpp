@@ -1,0 +1,342 @@
+// GPT-2 stage: parameter layout, initialisation, forward and backward. See gpt_model.hpp.
+#include "engine/gpt_model.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "engine/random.hpp"
+
+namespace troupe::engine {
+
+using kernels::tensor;
+
+void gpt_config::validate() const {
+  auto positive = [](int v, const char* key) {
+    if (v <= 0) throw std::invalid_argument(std::string(key) + ": must be positive, got " + std::to_string(v));
+  };
+  positive(vocab_size, "model.vocab_size");
+  positive(padded_vocab_size, "model.padded_vocab_size");
+  positive(context, "model.context");
+  positive(layers, "model.layers");
+  positive(heads, "model.heads");
+  positive(width, "model.width");
+  if (padded_vocab_size < vocab_size) {
+    throw std::invalid_argument("model.padded_vocab_size: " + std::to_string(padded_vocab_size) +
+                                " is smaller than model.vocab_size " + std::to_string(vocab_size));
+  }
+  if (width % heads != 0) {
+    throw std::invalid_argument("model.heads: width " + std::to_string(width) +
+                                " is not divisible by " + std::to_string(heads) + " heads");
+  }
+}
+
+std::int64_t gpt_config::parameter_count() const {
+  const std::int64_t C = width;
+  const std::int64_t per_layer = 12 * C * C + 13 * C;
+  return std::int64_t{padded_vocab_size} * C + std::int64_t{context} * C + layers * per_layer + 2 * C;
+}
+
+double gpt_config::train_flops_per_token(int T) const {
+  // 6 flops per parameter per token for the matmuls (embedding lookups excluded, tied head
+  // included once as a matmul), plus attention scores and weighted sums: 6 * 2 * L * T * C.
+  const double C = width;
+  const double matmul_params = layers * 12.0 * C * C + double(padded_vocab_size) * C;
+  return 6.0 * matmul_params + 12.0 * layers * double(T) * C;
+}
+
+std::vector<stage_range> partition_layers(const gpt_config& c, int stages) {
+  if (stages < 1 || stages > c.layers) {
+    throw std::invalid_argument("cannot split " + std::to_string(c.layers) + " layers into " +
+                                std::to_string(stages) + " stages");
+  }
+  std::vector<stage_range> out;
+  int first = 0;
+  for (int s = 0; s < stages; ++s) {
+    const int n = c.layers / stages + (s < c.layers % stages ? 1 : 0);
+    out.push_back({first, first + n, s == 0, s == stages - 1});
+    first += n;
+  }
+  return out;
+}
+
+std::vector<parameter_info> stage_parameter_layout(const gpt_config& config, const stage_range& range) {
+  config.validate();
+  if (range.first_layer < 0 || range.last_layer > config.layers || range.first_layer > range.last_layer) {
+    throw std::invalid_argument("stage layer range [" + std::to_string(range.first_layer) + ", " +
+                                std::to_string(range.last_layer) + ") is outside the model");
+  }
+  std::vector<parameter_info> params;
+  auto add = [&params](const std::string& name, kernels::shape_t shape, bool conv1d) {
+    parameter_info p;
+    p.name = name;
+    p.numel = kernels::shape_numel(shape);
+    p.decay = shape.size() >= 2;
+    p.shape = std::move(shape);
+    p.conv1d = conv1d;
+    // Keep every parameter 64-byte aligned (16 floats) for vectorised kernels.
+    const std::int64_t end = params.empty() ? 0 : params.back().offset + params.back().numel;
+    p.offset = (end + 15) / 16 * 16;
+    params.push_back(std::move(p));
+  };
+  const std::int64_t C = config.width, Vp = config.padded_vocab_size;
+  if (range.embedding || range.head) add("transformer.wte.weight", {Vp, C}, false);
+  if (range.embedding) add("transformer.wpe.weight", {config.context, C}, false);
+  for (int l = range.first_layer; l < range.last_layer; ++l) {
+    const std::string p = "transformer.h." + std::to_string(l) + ".";
+    add(p + "ln_1.weight", {C}, false);
+    add(p + "ln_1.bias", {C}, false);
+    add(p + "attn.c_attn.weight", {3 * C, C}, true);
+    add(p + "attn.c_attn.bias", {3 * C}, false);
+    add(p + "attn.c_proj.weight", {C, C}, true);
+    add(p + "attn.c_proj.bias", {C}, false);
+    add(p + "ln_2.weight", {C}, false);
+    add(p + "ln_2.bias", {C}, false);
+    add(p + "mlp.c_fc.weight", {4 * C, C}, true);
+    add(p + "mlp.c_fc.bias", {4 * C}, false);
+    add(p + "mlp.c_proj.weight", {C, 4 * C}, true);
+    add(p + "mlp.c_proj.bias", {C}, false);
+  }
+  if (range.head) {
+    add("transformer.ln_f.weight", {C}, false);
+    add("transformer.ln_f.bias", {C}, false);
+  }
+  return params;
+}
+
+gpt_stage::gpt_stage(const gpt_config& config, const stage_range& range)
+    : config_(config), range_(range), params_(stage_parameter_layout(config, range)) {
+  const std::int64_t total = params_.empty() ? 0 : params_.back().offset + params_.back().numel;
+  param_buf_ = tensor::zeros({total});
+  grad_buf_ = tensor::zeros({total});
+}
+
+const parameter_info& gpt_stage::parameter(const std::string& name) const {
+  for (const auto& p : params_) {
+    if (p.name == name) return p;
+  }
+  throw std::out_of_range("no parameter " + name + " in this stage");
+}
+
+tensor gpt_stage::param(const std::string& name) const {
+  const auto& p = parameter(name);
+  return param_buf_.view(p.offset, p.shape);
+}
+
+tensor gpt_stage::grad(const std::string& name) const {
+  const auto& p = parameter(name);
+  return grad_buf_.view(p.offset, p.shape);
+}
+
+void gpt_stage::init_gpt2(std::uint64_t seed) {
+  const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config_.layers));
+  for (const auto& p : params_) {
+    float* w = params() + p.offset;
+    const bool is_bias = p.name.ends_with(".bias");
+    const bool is_ln = p.name.find(".ln_") != std::string::npos;
+    if (is_ln && !is_bias) {
+      std::fill(w, w + p.numel, 1.0f);
+    } else if (is_bias) {
+      std::fill(w, w + p.numel, 0.0f);
+    } else {
+      const float stddev = p.name.ends_with("c_proj.weight") ? residual_std : 0.02f;
+      std::int64_t n = p.numel;
+      if (p.name == "transformer.wte.weight") n = std::int64_t{config_.vocab_size} * config_.width;
+      fill_normal(w, n, 0.0f, stddev, seed, p.name);
+      std::fill(w + n, w + p.numel, 0.0f);  // padded vocabulary rows
+    }
+  }
+}
+
+// ---- activations ---------------------------------------------------------------------------
+
+gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T) : B_(B), T_(T) {
+  const auto& c = stage.config();
+  if (B <= 0 || T <= 0 || T > c.context) {
+    throw std::invalid_argument("micro-batch " + std::to_string(B) + "x" + std::to_string(T) +
+                                " does not fit context " + std::to_string(c.context));
+  }
+  const std::int64_t N = std::int64_t{B} * T, C = c.width, NH = c.heads;
+  if (stage.range().embedding) encoded_ = tensor::empty({N, C});
+  for (int l = stage.range().first_layer; l < stage.range().last_layer; ++l) {
+    layer_acts a;
+    a.ln1 = tensor::empty({N, C});
+    a.ln1_mean = tensor::empty({N});
+    a.ln1_rstd = tensor::empty({N});
+    a.qkv = tensor::empty({N, 3 * C});
+    a.att = tensor::empty({B, NH, T, T});
+    a.atty = tensor::empty({N, C});
+    a.res2 = tensor::empty({N, C});
+    a.ln2 = tensor::empty({N, C});
+    a.ln2_mean = tensor::empty({N});
+    a.ln2_rstd = tensor::empty({N});
+    a.fch = tensor::empty({N, 4 * C});
+    a.fch_gelu = tensor::empty({N, 4 * C});
+    a.res3 = tensor::empty({N, C});
+    layers_.push_back(std::move(a));
+  }
+  if (stage.range().head) {
+    lnf_ = tensor::empty({N, C});
+    lnf_mean_ = tensor::empty({N});
+    lnf_rstd_ = tensor::empty({N});
+    logits_ = tensor::empty({N, std::int64_t{c.padded_vocab_size}});
+  }
+  dres_ = tensor::empty({N, C});
+  dres_mid_ = tensor::empty({N, C});
+  dln_ = tensor::empty({N, C});
+  datty_ = tensor::empty({N, C});
+  if (!layers_.empty()) {
+    dqkv_ = tensor::empty({N, 3 * C});
+    dfch_ = tensor::empty({N, 4 * C});
+    dfch_gelu_ = tensor::empty({N, 4 * C});
+  }
+}
+
+namespace {
+
+void add_into(float* out, const float* a, std::int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) out[i] += a[i];
+}
+
+}  // namespace
+
+const float* stage_output(const gpt_activations& acts) {
+  if (acts.logits_.defined() && acts.logits_.numel() > 0) return acts.logits_.f32();
+  if (!acts.layers_.empty()) return acts.layers_.back().res3.f32();
+  return acts.encoded_.numel() > 0 ? acts.encoded_.f32() : acts.input_;
+}
+
+void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_t* tokens,
+                   const float* input) {
+  const auto& c = stage.config();
+  const int B = a.B_, T = a.T_, C = c.width, NH = c.heads, Vp = c.padded_vocab_size;
+  const int N = B * T;
+  const float* x;
+  if (stage.range().embedding) {
+    a.tokens_ = tokens;
+    kernels::embedding_forward(a.encoded_.f32(), tokens, stage.param("transformer.wte.weight").f32(),
+                               stage.param("transformer.wpe.weight").f32(), B, T, C);
+    x = a.encoded_.f32();
+  } else {
+    a.input_ = input;
+    x = input;
+  }
+  for (int i = 0; i < static_cast<int>(a.layers_.size()); ++i) {
+    auto& L = a.layers_[static_cast<std::size_t>(i)];
+    const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + i) + ".";
+    auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
+    kernels::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, P("ln_1.weight"),
+                               P("ln_1.bias"), N, C);
+    kernels::linear_forward(L.qkv.f32(), L.ln1.f32(), P("attn.c_attn.weight"), P("attn.c_attn.bias"),
+                            N, C, 3 * C);
+    kernels::attention_forward(L.atty.f32(), L.att.f32(), L.qkv.f32(), B, T, C, NH);
+    kernels::linear_forward(L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"), P("attn.c_proj.bias"),
+                            N, C, C);
+    add_into(L.res2.f32(), x, std::int64_t{N} * C);
+    kernels::layernorm_forward(L.ln2.f32(), L.ln2_mean.f32(), L.ln2_rstd.f32(), L.res2.f32(),
+                               P("ln_2.weight"), P("ln_2.bias"), N, C);
+    kernels::linear_forward(L.fch.f32(), L.ln2.f32(), P("mlp.c_fc.weight"), P("mlp.c_fc.bias"), N, C,
+                            4 * C);
+    kernels::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), std::int64_t{N} * 4 * C);
+    kernels::linear_forward(L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
+                            P("mlp.c_proj.bias"), N, 4 * C, C);
+    add_into(L.res3.f32(), L.res2.f32(), std::int64_t{N} * C);
+    x = L.res3.f32();
+  }
+  if (stage.range().head) {
+    kernels::layernorm_forward(a.lnf_.f32(), a.lnf_mean_.f32(), a.lnf_rstd_.f32(), x,
+                               stage.param("transformer.ln_f.weight").f32(),
+                               stage.param("transformer.ln_f.bias").f32(), N, C);
+    kernels::linear_forward(a.logits_.f32(), a.lnf_.f32(), stage.param("transformer.wte.weight").f32(),
+                            nullptr, N, C, Vp);
+    a.logits_are_grads_ = false;
+  }
+}
+
+kernels::cross_entropy_result stage_loss(const gpt_stage& stage, gpt_activations& a,
+                                         const std::int32_t* targets) {
+  if (!stage.range().head || a.logits_are_grads_) throw std::logic_error("stage_loss needs fresh logits");
+  const auto& c = stage.config();
+  return kernels::cross_entropy_forward(nullptr, a.logits_.f32(), targets, a.B_ * a.T_, c.vocab_size,
+                                        c.padded_vocab_size, ignore_index);
+}
+
+kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage, gpt_activations& a,
+                                                        const std::int32_t* targets,
+                                                        float grad_scale) {
+  if (!stage.range().head || a.logits_are_grads_) {
+    throw std::logic_error("stage_loss_backward_start needs fresh logits");
+  }
+  const auto& c = stage.config();
+  auto r = kernels::softmax_cross_entropy_backward(a.logits_.f32(), a.logits_.f32(), targets,
+                                                   a.B_ * a.T_, c.vocab_size, c.padded_vocab_size,
+                                                   ignore_index, grad_scale);
+  a.logits_are_grads_ = true;
+  return r;
+}
+
+void stage_backward(const gpt_stage& stage, gpt_activations& a, const float* doutput, float* dinput) {
+  const auto& c = stage.config();
+  const int B = a.B_, T = a.T_, C = c.width, NH = c.heads, Vp = c.padded_vocab_size;
+  const int N = B * T;
+  const std::int64_t NC = std::int64_t{N} * C;
+  float* dres = a.dres_.f32();
+  // The input of layer i (or of the head when i == number of layers).
+  auto layer_input = [&](std::size_t i) -> const float* {
+    if (i > 0) return a.layers_[i - 1].res3.f32();
+    return stage.range().embedding ? a.encoded_.f32() : a.input_;
+  };
+  if (stage.range().head) {
+    if (!a.logits_are_grads_) throw std::logic_error("stage_backward on the last stage needs the loss first");
+    a.dln_.fill_zero();
+    kernels::linear_backward(a.dln_.f32(), stage.grads() + stage.parameter("transformer.wte.weight").offset,
+                             nullptr, a.logits_.f32(), a.lnf_.f32(),
+                             stage.param("transformer.wte.weight").f32(), N, C, Vp);
+    a.dres_.fill_zero();
+    kernels::layernorm_backward(dres, stage.grad("transformer.ln_f.weight").f32(),
+                                stage.grad("transformer.ln_f.bias").f32(), a.dln_.f32(),
+                                layer_input(a.layers_.size()), stage.param("transformer.ln_f.weight").f32(),
+                                a.lnf_mean_.f32(), a.lnf_rstd_.f32(), N, C);
+  } else {
+    std::memcpy(dres, doutput, static_cast<std::size_t>(NC) * sizeof(float));
+  }
+  for (std::size_t i = a.layers_.size(); i-- > 0;) {
+    auto& L = a.layers_[i];
+    const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + static_cast<int>(i)) + ".";
+    auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
+    auto G = [&](const char* n) { return stage.grads() + stage.parameter(p + n).offset; };
+    // MLP branch: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))).
+    a.dfch_gelu_.fill_zero();
+    kernels::linear_backward(a.dfch_gelu_.f32(), G("mlp.c_proj.weight"), G("mlp.c_proj.bias"), dres,
+                             L.fch_gelu.f32(), P("mlp.c_proj.weight"), N, 4 * C, C);
+    a.dfch_.fill_zero();
+    kernels::gelu_backward(a.dfch_.f32(), L.fch.f32(), a.dfch_gelu_.f32(), std::int64_t{N} * 4 * C);
+    a.dln_.fill_zero();
+    kernels::linear_backward(a.dln_.f32(), G("mlp.c_fc.weight"), G("mlp.c_fc.bias"), a.dfch_.f32(),
+                             L.ln2.f32(), P("mlp.c_fc.weight"), N, C, 4 * C);
+    std::memcpy(a.dres_mid_.f32(), dres, static_cast<std::size_t>(NC) * sizeof(float));
+    kernels::layernorm_backward(a.dres_mid_.f32(), G("ln_2.weight"), G("ln_2.bias"), a.dln_.f32(),
+                                L.res2.f32(), P("ln_2.weight"), L.ln2_mean.f32(), L.ln2_rstd.f32(), N, C);
+    // Attention branch: res2 = x + c_proj(attn(c_attn(ln_1(x)))).
+    a.datty_.fill_zero();
+    kernels::linear_backward(a.datty_.f32(), G("attn.c_proj.weight"), G("attn.c_proj.bias"),
+                             a.dres_mid_.f32(), L.atty.f32(), P("attn.c_proj.weight"), N, C, C);
+    a.dqkv_.fill_zero();
+    kernels::attention_backward(a.dqkv_.f32(), a.datty_.f32(), L.qkv.f32(), L.att.f32(), B, T, C, NH);
+    a.dln_.fill_zero();
+    kernels::linear_backward(a.dln_.f32(), G("attn.c_attn.weight"), G("attn.c_attn.bias"),
+                             a.dqkv_.f32(), L.ln1.f32(), P("attn.c_attn.weight"), N, C, 3 * C);
+    std::memcpy(dres, a.dres_mid_.f32(), static_cast<std::size_t>(NC) * sizeof(float));
+    kernels::layernorm_backward(dres, G("ln_1.weight"), G("ln_1.bias"), a.dln_.f32(), layer_input(i),
+                                P("ln_1.weight"), L.ln1_mean.f32(), L.ln1_rstd.f32(), N, C);
+  }
+  if (stage.range().embedding) {
+    kernels::embedding_backward(stage.grad("transformer.wte.weight").f32(),
+                                stage.grad("transformer.wpe.weight").f32(), dres, a.tokens_, B, T, C);
+  } else if (dinput) {
+    std::memcpy(dinput, dres, static_cast<std::size_t>(NC) * sizeof(float));
+  }
+}
+
+}  // namespace troupe::engine

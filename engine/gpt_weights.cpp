@@ -1,0 +1,128 @@
+// Hugging Face GPT-2 safetensors import/export. See gpt_weights.hpp.
+#include "engine/gpt_weights.hpp"
+
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+#include "engine/safetensors.hpp"
+
+namespace troupe::engine {
+namespace {
+
+// The shape a parameter has in a Hugging Face file.
+kernels::shape_t hf_shape(const gpt_config& c, const parameter_info& p) {
+  if (p.name == "transformer.wte.weight") return {c.vocab_size, c.width};
+  if (p.conv1d) return {p.shape[1], p.shape[0]};
+  return p.shape;
+}
+
+bool is_ignored_buffer(const std::string& name) {
+  return name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
+}
+
+// Maps each file tensor name to the Troupe ("transformer."-prefixed) name.
+std::string canonical_name(const std::string& name) {
+  if (name.starts_with("transformer.") || name == "lm_head.weight") return name;
+  return "transformer." + name;
+}
+
+std::runtime_error weights_error(const std::filesystem::path& path, const std::string& what) {
+  return std::runtime_error(path.string() + ": " + what);
+}
+
+// Validates the file against the whole model; returns canonical name -> file name.
+std::map<std::string, std::string> check_file(const gpt_config& config, const safetensors_file& file) {
+  std::map<std::string, std::string> names;
+  for (const auto& [name, entry] : file.entries()) {
+    if (is_ignored_buffer(name)) continue;
+    const std::string canon = canonical_name(name);
+    if (!names.emplace(canon, name).second) {
+      throw weights_error(file.path(), "tensor " + name + " appears twice (with and without prefix)");
+    }
+  }
+  const auto whole = stage_parameter_layout(config, stage_range::whole(config));
+  for (const auto& p : whole) {
+    auto it = names.find(p.name);
+    if (it == names.end()) throw weights_error(file.path(), "missing tensor " + p.name);
+    const auto& entry = file.at(it->second);
+    const auto want = hf_shape(config, p);
+    if (entry.shape != want) {
+      throw weights_error(file.path(), "tensor " + it->second + " has shape " +
+                                           kernels::shape_string(entry.shape) + ", expected " +
+                                           kernels::shape_string(want));
+    }
+    if (entry.dtype != "F32" && entry.dtype != "BF16" && entry.dtype != "F16") {
+      throw weights_error(file.path(), "tensor " + it->second + " has dtype " + entry.dtype +
+                                           ", expected F32, BF16 or F16");
+    }
+  }
+  for (const auto& [canon, name] : names) {
+    if (canon == "lm_head.weight") continue;  // checked below
+    bool known = false;
+    for (const auto& p : whole) known = known || p.name == canon;
+    if (!known) throw weights_error(file.path(), "unexpected tensor " + name + " for this model");
+  }
+  return names;
+}
+
+}  // namespace
+
+void check_hf_weights(const gpt_config& config, const std::filesystem::path& path) {
+  const safetensors_file file(path);
+  check_file(config, file);
+}
+
+void load_hf_weights(gpt_stage& stage, const std::filesystem::path& path) {
+  const safetensors_file file(path);
+  const gpt_config& c = stage.config();
+  const auto names = check_file(c, file);
+  if (auto head = names.find("lm_head.weight"); head != names.end()) {
+    const kernels::tensor lm = file.read_f32(head->second);
+    const kernels::tensor wte = file.read_f32(names.at("transformer.wte.weight"));
+    if (lm.shape() != wte.shape() || std::memcmp(lm.data(), wte.data(), wte.nbytes()) != 0) {
+      throw weights_error(path, "tensor lm_head.weight differs from transformer.wte.weight: "
+                                "untied heads are not supported");
+    }
+  }
+  // Read everything first, then copy: a failure leaves the stage untouched.
+  std::vector<std::pair<const parameter_info*, kernels::tensor>> loaded;
+  for (const auto& p : stage.parameters()) loaded.emplace_back(&p, file.read_f32(names.at(p.name)));
+  for (auto& [p, t] : loaded) {
+    float* dst = stage.params() + p->offset;
+    const float* src = t.f32();
+    if (p->conv1d) {  // [in, out] -> [out, in]
+      const std::int64_t out = p->shape[0], in = p->shape[1];
+      for (std::int64_t i = 0; i < in; ++i) {
+        for (std::int64_t o = 0; o < out; ++o) dst[o * in + i] = src[i * out + o];
+      }
+    } else {
+      std::memcpy(dst, src, t.nbytes());
+      std::fill(dst + t.numel(), dst + p->numel, 0.0f);  // padded vocabulary rows
+    }
+  }
+}
+
+void save_hf_weights(const gpt_stage& stage, const std::filesystem::path& path) {
+  const gpt_config& c = stage.config();
+  std::vector<kernels::tensor> buffers;  // keeps transposed copies alive until written
+  std::map<std::string, safetensors_tensor> out;
+  for (const auto& p : stage.parameters()) {
+    const float* src = stage.params() + p.offset;
+    const auto shape = hf_shape(c, p);
+    if (p.conv1d) {
+      kernels::tensor t = kernels::tensor::empty(shape);
+      const std::int64_t o_n = p.shape[0], in = p.shape[1];
+      for (std::int64_t o = 0; o < o_n; ++o) {
+        for (std::int64_t i = 0; i < in; ++i) t.f32()[i * o_n + o] = src[o * in + i];
+      }
+      src = t.f32();
+      buffers.push_back(t);
+    }
+    out[p.name] = safetensors_tensor{"F32", shape, src,
+                                     static_cast<std::size_t>(kernels::shape_numel(shape)) * 4};
+  }
+  write_safetensors(path, out, {{"format", "pt"}});
+}
+
+}  // namespace troupe::engine

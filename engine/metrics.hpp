@@ -1,0 +1,44 @@
+// Per-step training metrics, their JSONL form, and the arithmetic behind them (throughput,
+// model FLOPs utilisation, corpus unigram entropy).
+// Invariants: one JSON object per line, flushed after each step, so a crash loses at most the
+// step in progress; field names are stable (docs/train.md lists them).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+
+#include "engine/data/corpus.hpp"
+
+namespace troupe::engine {
+
+struct step_metrics {
+  int step = 0;             // 1-based: steps completed
+  int total_steps = 0;
+  double loss = 0;          // mean over the step's micro-batches
+  std::optional<double> val_loss;
+  double lr = 0;
+  double grad_norm = 0;     // before clipping
+  double tokens_per_s = 0;
+  double step_ms = 0;
+  double elapsed_s = 0;     // since training began
+  std::int64_t tokens = 0;  // tokens processed so far
+  double flops_per_s = 0;   // model FLOPs (6N + attention) per second
+};
+
+class jsonl_writer {
+ public:
+  explicit jsonl_writer(const std::filesystem::path& path);  // truncates; throws naming the file
+  void write(const step_metrics& m);
+
+ private:
+  std::filesystem::path path_;
+  std::ofstream out_;
+};
+
+// Shannon entropy of the corpus's token frequencies, in nats per token: the loss of the best
+// model that ignores context. A trained model must end well below it.
+double unigram_entropy(const data::token_corpus& corpus, int vocab_size);
+
+}  // namespace troupe::engine

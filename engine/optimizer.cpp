@@ -1,0 +1,41 @@
+// AdamW step and learning-rate schedule. See optimizer.hpp.
+#include "engine/optimizer.hpp"
+
+#include <cmath>
+#include <numbers>
+
+namespace troupe::engine {
+
+double learning_rate(const optimizer_config& c, int step, int total_steps) {
+  if (step < c.warmup_steps) return double(c.lr) * (step + 1) / c.warmup_steps;
+  if (c.decay == "constant") return c.lr;
+  const double ratio = double(step - c.warmup_steps) / std::max(1, total_steps - c.warmup_steps);
+  if (c.decay == "linear") return c.lr + ratio * (double(c.min_lr) - c.lr);
+  const double coeff = 0.5 * (1.0 + std::cos(std::numbers::pi * ratio));
+  return c.min_lr + coeff * (double(c.lr) - c.min_lr);
+}
+
+adamw_optimizer::adamw_optimizer(const gpt_stage& stage)
+    : m_(kernels::tensor::zeros({stage.parameter_count()})),
+      v_(kernels::tensor::zeros({stage.parameter_count()})) {}
+
+adamw_optimizer::step_result adamw_optimizer::step(gpt_stage& stage, const optimizer_config& c,
+                                                   int step, int total_steps) {
+  step_result r;
+  const kernels::gradient_span all{stage.grads(), stage.parameter_count()};
+  r.grad_norm = kernels::clip_grad_norm({&all, 1}, c.grad_clip);
+  r.lr = learning_rate(c, step, total_steps);
+  kernels::adamw_hparams hp;
+  hp.lr = static_cast<float>(r.lr);
+  hp.beta1 = c.beta1;
+  hp.beta2 = c.beta2;
+  hp.eps = c.eps;
+  hp.weight_decay = c.weight_decay;
+  for (const auto& p : stage.parameters()) {
+    kernels::adamw_update(stage.params() + p.offset, stage.grads() + p.offset, m_.f32() + p.offset,
+                          v_.f32() + p.offset, p.numel, hp, step + 1, p.decay);
+  }
+  return r;
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,47 @@
+// AdamW over a stage's flat parameter buffer, with global gradient-norm clipping and the
+// learning-rate schedule (linear warmup, then cosine/linear decay to min_lr, or constant).
+// Invariants: the moment buffers share the stage's parameter layout (so a ZeRO shard is a
+// slice of them); weight decay applies to parameters whose info says decay (2-D tensors).
+#pragma once
+
+#include <string>
+
+#include "engine/gpt_model.hpp"
+
+namespace troupe::engine {
+
+struct optimizer_config {
+  float lr = 1e-3f;
+  float min_lr = 1e-4f;
+  int warmup_steps = 20;
+  std::string decay = "cosine";  // cosine | linear | constant
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;
+  float grad_clip = 1.0f;  // 0: off
+};
+
+// The learning rate of 0-based step `step` out of `total_steps` (docs/recipe.md).
+double learning_rate(const optimizer_config& config, int step, int total_steps);
+
+class adamw_optimizer {
+ public:
+  explicit adamw_optimizer(const gpt_stage& stage);
+
+  struct step_result {
+    double grad_norm = 0;  // before clipping
+    double lr = 0;
+  };
+  // Clips the stage's gradients (global norm over the stage) and applies one AdamW update.
+  // step is 0-based; the bias correction uses step + 1.
+  step_result step(gpt_stage& stage, const optimizer_config& config, int step, int total_steps);
+
+  const kernels::tensor& first_moment() const { return m_; }
+  const kernels::tensor& second_moment() const { return v_; }
+
+ private:
+  kernels::tensor m_, v_;
+};
+
+}  // namespace troupe::engine

@@ -1,0 +1,258 @@
+// Recipe parsing (toml++), overrides, and checks. See recipe.hpp and docs/recipe.md.
+#include "engine/recipe.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <toml++/toml.h>
+#include <variant>
+
+#include "engine/gpt_weights.hpp"
+
+namespace troupe::engine {
+namespace {
+
+enum class kind { integer, floating, string };
+
+struct field {
+  kind type;
+  std::function<void(recipe&, const toml::node&)> set;
+};
+
+template <class T>
+field int_field(T recipe::*member) {
+  return {kind::integer, [member](recipe& r, const toml::node& n) {
+            r.*member = static_cast<T>(*n.value<std::int64_t>());
+          }};
+}
+
+// Fields of nested structs: a getter to the sub-struct and a member of it.
+template <class S, class T>
+field nested(S recipe::*sub, T S::*member) {
+  kind k;
+  if constexpr (std::is_same_v<T, std::string>) {
+    k = kind::string;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    k = kind::floating;
+  } else {
+    k = kind::integer;
+  }
+  return {k, [sub, member](recipe& r, const toml::node& n) {
+            if constexpr (std::is_same_v<T, std::string>) {
+              (r.*sub).*member = *n.value<std::string>();
+            } else if constexpr (std::is_floating_point_v<T>) {
+              (r.*sub).*member = static_cast<T>(*n.value<double>());
+            } else {
+              (r.*sub).*member = static_cast<T>(*n.value<std::int64_t>());
+            }
+          }};
+}
+
+const std::map<std::string, field>& schema() {
+  static const std::map<std::string, field> fields = {
+      {"seed", int_field(&recipe::seed)},
+      {"steps", int_field(&recipe::steps)},
+      {"eval_interval", int_field(&recipe::eval_interval)},
+      {"eval_batches", int_field(&recipe::eval_batches)},
+      {"init", {kind::string, [](recipe& r, const toml::node& n) { r.init = *n.value<std::string>(); }}},
+      {"model.vocab_size", nested(&recipe::model, &gpt_config::vocab_size)},
+      {"model.padded_vocab_size", nested(&recipe::model, &gpt_config::padded_vocab_size)},
+      {"model.context", nested(&recipe::model, &gpt_config::context)},
+      {"model.layers", nested(&recipe::model, &gpt_config::layers)},
+      {"model.heads", nested(&recipe::model, &gpt_config::heads)},
+      {"model.width", nested(&recipe::model, &gpt_config::width)},
+      {"data.format", nested(&recipe::data, &data_config::format)},
+      {"data.train", nested(&recipe::data, &data_config::train)},
+      {"data.val", nested(&recipe::data, &data_config::val)},
+      {"data.val_fraction", nested(&recipe::data, &data_config::val_fraction)},
+      {"data.order", nested(&recipe::data, &data_config::order)},
+      {"batch.micro_batch", nested(&recipe::batch, &batch_config::micro_batch)},
+      {"batch.seq_len", nested(&recipe::batch, &batch_config::seq_len)},
+      {"batch.grad_accum", nested(&recipe::batch, &batch_config::grad_accum)},
+      {"optimizer.lr", nested(&recipe::optimizer, &optimizer_config::lr)},
+      {"optimizer.min_lr", nested(&recipe::optimizer, &optimizer_config::min_lr)},
+      {"optimizer.warmup_steps", nested(&recipe::optimizer, &optimizer_config::warmup_steps)},
+      {"optimizer.decay", nested(&recipe::optimizer, &optimizer_config::decay)},
+      {"optimizer.beta1", nested(&recipe::optimizer, &optimizer_config::beta1)},
+      {"optimizer.beta2", nested(&recipe::optimizer, &optimizer_config::beta2)},
+      {"optimizer.eps", nested(&recipe::optimizer, &optimizer_config::eps)},
+      {"optimizer.weight_decay", nested(&recipe::optimizer, &optimizer_config::weight_decay)},
+      {"optimizer.grad_clip", nested(&recipe::optimizer, &optimizer_config::grad_clip)},
+      {"output.dir", nested(&recipe::output, &output_config::dir)},
+      {"output.metrics", nested(&recipe::output, &output_config::metrics)},
+      {"output.weights", nested(&recipe::output, &output_config::weights)},
+  };
+  return fields;
+}
+
+const char* kind_name(kind k) {
+  switch (k) {
+    case kind::integer:
+      return "an integer";
+    case kind::floating:
+      return "a number";
+    case kind::string:
+      return "a string";
+  }
+  return "?";
+}
+
+void apply(recipe& r, const std::string& key, const toml::node& node, const std::string& source) {
+  const auto& fields = schema();
+  auto it = fields.find(key);
+  if (it == fields.end()) throw recipe_error(source + ": unknown key " + key);
+  const kind k = it->second.type;
+  bool ok = false;
+  if (k == kind::integer) ok = node.is_integer();
+  if (k == kind::floating) ok = node.is_integer() || node.is_floating_point();
+  if (k == kind::string) ok = node.is_string();
+  if (!ok) throw recipe_error(source + ": key " + key + " must be " + kind_name(k));
+  if (k == kind::integer) {
+    const auto v = *node.value<std::int64_t>();
+    if (key != "seed" && (v < INT32_MIN || v > INT32_MAX)) {
+      throw recipe_error(source + ": key " + key + " is out of range");
+    }
+  }
+  it->second.set(r, node);
+}
+
+void apply_table(recipe& r, const toml::table& table, const std::string& prefix,
+                 const std::string& source) {
+  for (const auto& [k, node] : table) {
+    const std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (const auto* sub = node.as_table()) {
+      apply_table(r, *sub, key, source);
+    } else {
+      apply(r, key, node, source);
+    }
+  }
+}
+
+void apply_override(recipe& r, const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw recipe_error("--set " + text + ": expected key=value");
+  }
+  std::string key = text.substr(0, eq);
+  const std::string value = text.substr(eq + 1);
+  if (!schema().count(key)) throw recipe_error("--set: unknown key " + key);
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    parsed = toml::table{{"v", value}};  // a bare word is a string
+  }
+  const toml::node* node = parsed.get("v");
+  if (schema().at(key).type == kind::string && !node->is_string()) {
+    parsed = toml::table{{"v", value}};
+    node = parsed.get("v");
+  }
+  apply(r, key, *node, "--set");
+}
+
+void require(bool ok, const std::string& key, const std::string& what) {
+  if (!ok) throw recipe_error("key " + key + ": " + what);
+}
+
+}  // namespace
+
+std::filesystem::path recipe::metrics_path() const {
+  return std::filesystem::path(output.dir) / output.metrics;
+}
+
+std::filesystem::path recipe::weights_path() const {
+  if (output.weights.empty()) return {};
+  return std::filesystem::path(output.dir) / output.weights;
+}
+
+recipe parse_recipe(std::string_view toml_text, const std::string& source,
+                    const std::vector<std::string>& overrides) {
+  recipe r;
+  r.model.padded_vocab_size = 0;  // 0 = same as vocab_size unless set
+  toml::table table;
+  try {
+    table = toml::parse(toml_text, source);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream msg;
+    msg << source << ":" << e.source().begin.line << ": " << e.description();
+    throw recipe_error(msg.str());
+  }
+  apply_table(r, table, "", source);
+  for (const auto& o : overrides) apply_override(r, o);
+  if (r.model.padded_vocab_size == 0) r.model.padded_vocab_size = r.model.vocab_size;
+  validate_recipe(r);
+  return r;
+}
+
+recipe load_recipe(const std::filesystem::path& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) throw recipe_error(path.string() + ": cannot read recipe");
+  std::stringstream text;
+  text << in.rdbuf();
+  recipe r = parse_recipe(text.str(), path.string(), overrides);
+  check_recipe_inputs(r);
+  return r;
+}
+
+void validate_recipe(const recipe& r) {
+  try {
+    r.model.validate();
+  } catch (const std::invalid_argument& e) {
+    throw recipe_error(std::string("key ") + e.what());
+  }
+  require(r.steps > 0, "steps", "must be positive");
+  require(r.eval_interval >= 0, "eval_interval", "must be >= 0");
+  require(r.eval_batches > 0, "eval_batches", "must be positive");
+  require(r.batch.micro_batch > 0, "batch.micro_batch", "must be positive");
+  require(r.batch.seq_len > 0, "batch.seq_len", "must be positive");
+  require(r.batch.seq_len <= r.model.context, "batch.seq_len",
+          std::to_string(r.batch.seq_len) + " exceeds model.context " + std::to_string(r.model.context));
+  require(r.batch.grad_accum > 0, "batch.grad_accum", "must be positive");
+  require(r.data.format == "text" || r.data.format == "shards", "data.format",
+          "must be \"text\" or \"shards\", got \"" + r.data.format + "\"");
+  require(r.data.order == "random" || r.data.order == "sequential", "data.order",
+          "must be \"random\" or \"sequential\", got \"" + r.data.order + "\"");
+  require(r.data.val_fraction >= 0 && r.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)");
+  require(!r.data.train.empty(), "data.train", "must name a file or directory");
+  require(r.data.format != "text" || r.model.vocab_size >= 256, "model.vocab_size",
+          "byte-level text needs at least 256, got " + std::to_string(r.model.vocab_size));
+  const auto& o = r.optimizer;
+  require(o.lr >= 0 && std::isfinite(o.lr), "optimizer.lr", "must be a finite number >= 0");
+  require(o.min_lr >= 0 && o.min_lr <= o.lr, "optimizer.min_lr", "must be in [0, optimizer.lr]");
+  require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0");
+  require(o.decay == "cosine" || o.decay == "linear" || o.decay == "constant", "optimizer.decay",
+          "must be \"cosine\", \"linear\" or \"constant\", got \"" + o.decay + "\"");
+  require(o.beta1 >= 0 && o.beta1 < 1, "optimizer.beta1", "must be in [0, 1)");
+  require(o.beta2 >= 0 && o.beta2 < 1, "optimizer.beta2", "must be in [0, 1)");
+  require(o.eps > 0, "optimizer.eps", "must be positive");
+  require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0");
+  require(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)");
+  require(!r.output.dir.empty(), "output.dir", "must not be empty");
+  require(!r.output.metrics.empty(), "output.metrics", "must not be empty");
+}
+
+void check_recipe_inputs(const recipe& r) {
+  namespace fs = std::filesystem;
+  auto exists = [](const std::string& path, const std::string& key) {
+    std::error_code ec;
+    if (!fs::exists(path, ec)) throw recipe_error("key " + key + ": file " + path + " does not exist");
+  };
+  exists(r.data.train, "data.train");
+  if (!r.data.val.empty()) exists(r.data.val, "data.val");
+  if (!r.init.empty()) {
+    exists(r.init, "init");
+    try {
+      check_hf_weights(r.model, r.init);
+    } catch (const std::exception& e) {
+      throw recipe_error(std::string("key init: ") + e.what());
+    }
+  }
+  std::error_code ec;
+  if (fs::exists(r.output.dir, ec) && !fs::is_directory(r.output.dir, ec)) {
+    throw recipe_error("key output.dir: " + r.output.dir + " exists and is not a directory");
+  }
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,71 @@
+// Recipes: the TOML file that describes a training run (docs/recipe.md lists every key).
+// Invariants: load_recipe either returns a fully checked recipe or throws recipe_error whose
+// message is one line naming the key or file at fault; it never writes anything.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "engine/optimizer.hpp"
+
+namespace troupe::engine {
+
+class recipe_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct data_config {
+  std::string format = "text";  // text | shards
+  std::string train = "/usr/share/games/fortunes";
+  std::string val;              // "" = split val_fraction off the end of train
+  double val_fraction = 0.05;
+  std::string order = "random";  // random | sequential
+};
+
+struct batch_config {
+  int micro_batch = 8;
+  int seq_len = 128;
+  int grad_accum = 1;
+};
+
+struct output_config {
+  std::string dir = "runs/default";
+  std::string metrics = "metrics.jsonl";
+  std::string weights = "final.safetensors";
+};
+
+struct recipe {
+  std::int64_t seed = 1337;
+  int steps = 200;
+  int eval_interval = 50;
+  int eval_batches = 8;
+  std::string init;
+  gpt_config model;
+  data_config data;
+  batch_config batch;
+  optimizer_config optimizer;
+  output_config output;
+
+  std::filesystem::path metrics_path() const;
+  std::filesystem::path weights_path() const;  // empty when output.weights == ""
+};
+
+// Parses the file, applies "key=value" overrides, checks types, ranges, shapes and that the
+// input files exist (and that `init` matches the model). Throws recipe_error.
+recipe load_recipe(const std::filesystem::path& path, const std::vector<std::string>& overrides);
+
+// The same from TOML text (source names the origin in messages).
+recipe parse_recipe(std::string_view toml_text, const std::string& source,
+                    const std::vector<std::string>& overrides);
+
+// Checks everything that does not need the file system; throws recipe_error.
+void validate_recipe(const recipe& r);
+// Checks input files exist and match the model; throws recipe_error.
+void check_recipe_inputs(const recipe& r);
+
+}  // namespace troupe::engine

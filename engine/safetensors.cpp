@@ -1,0 +1,219 @@
+// Safetensors reader (mmap, validated) and atomic writer. See safetensors.hpp.
+#include "engine/safetensors.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace troupe::engine {
+namespace {
+
+using json = nlohmann::json;
+
+std::runtime_error file_error(const std::filesystem::path& path, const std::string& what) {
+  return std::runtime_error(path.string() + ": " + what);
+}
+
+std::size_t safetensors_dtype_size(const std::string& dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL") return 1;
+  return 0;
+}
+
+}  // namespace
+
+safetensors_file::safetensors_file(const std::filesystem::path& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw file_error(path, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    throw file_error(path, "cannot stat");
+  }
+  map_size_ = static_cast<std::size_t>(st.st_size);
+  if (map_size_ < 8) {
+    ::close(fd);
+    throw file_error(path, "too short for a safetensors file (" + std::to_string(map_size_) + " bytes)");
+  }
+  map_ = ::mmap(nullptr, map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    throw file_error(path, "cannot mmap");
+  }
+  try {
+    const auto* bytes = static_cast<const std::byte*>(map_);
+    std::uint64_t header_len = 0;
+    std::memcpy(&header_len, bytes, 8);
+    if (header_len > map_size_ - 8 || header_len > (100u << 20)) {
+      throw file_error(path, "header length " + std::to_string(header_len) + " exceeds the file");
+    }
+    const char* header_begin = reinterpret_cast<const char*>(bytes + 8);
+    json header;
+    try {
+      header = json::parse(header_begin, header_begin + header_len);
+    } catch (const json::exception& e) {
+      throw file_error(path, std::string("bad JSON header: ") + e.what());
+    }
+    if (!header.is_object()) throw file_error(path, "header is not a JSON object");
+    const std::byte* data_begin = bytes + 8 + header_len;
+    const std::size_t data_size = map_size_ - 8 - header_len;
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      if (it.key() == "__metadata__") {
+        if (it.value().is_object()) {
+          for (auto m = it.value().begin(); m != it.value().end(); ++m) {
+            if (m.value().is_string()) metadata_[m.key()] = m.value().get<std::string>();
+          }
+        }
+        continue;
+      }
+      const std::string& name = it.key();
+      const json& e = it.value();
+      try {
+        safetensors_entry entry;
+        entry.name = name;
+        entry.dtype = e.at("dtype").get<std::string>();
+        entry.shape = e.at("shape").get<kernels::shape_t>();
+        const auto offsets = e.at("data_offsets").get<std::vector<std::uint64_t>>();
+        const std::size_t elem = safetensors_dtype_size(entry.dtype);
+        if (elem == 0) throw file_error(path, "tensor " + name + ": unknown dtype " + entry.dtype);
+        if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size) {
+          throw file_error(path, "tensor " + name + ": data offsets outside the file");
+        }
+        entry.nbytes = offsets[1] - offsets[0];
+        const auto numel = static_cast<std::size_t>(kernels::shape_numel(entry.shape));
+        if (numel * elem != entry.nbytes) {
+          throw file_error(path, "tensor " + name + ": " + std::to_string(entry.nbytes) +
+                                     " bytes do not hold shape " +
+                                     kernels::shape_string(entry.shape) + " of " + entry.dtype);
+        }
+        entry.data = data_begin + offsets[0];
+        entries_.emplace(name, std::move(entry));
+      } catch (const json::exception& ex) {
+        throw file_error(path, "tensor " + name + ": bad header entry (" + ex.what() + ")");
+      }
+    }
+  } catch (...) {
+    ::munmap(map_, map_size_);
+    map_ = nullptr;
+    throw;
+  }
+}
+
+safetensors_file::~safetensors_file() {
+  if (map_) ::munmap(map_, map_size_);
+}
+
+const safetensors_entry& safetensors_file::at(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) throw file_error(path_, "missing tensor " + name);
+  return it->second;
+}
+
+kernels::tensor safetensors_file::read_f32(const std::string& name) const {
+  const auto& e = at(name);
+  kernels::tensor t = kernels::tensor::empty(e.shape);
+  float* out = t.f32();
+  const auto n = static_cast<std::size_t>(t.numel());
+  if (e.dtype == "F32") {
+    std::memcpy(out, e.data, n * 4);
+  } else if (e.dtype == "BF16" || e.dtype == "F16") {
+    const bool bf = e.dtype == "BF16";
+    for (std::size_t i = 0; i < n; ++i) {
+      std::uint16_t h;
+      std::memcpy(&h, e.data + 2 * i, 2);
+      out[i] = bf ? kernels::bf16_to_f32(h) : kernels::f16_to_f32(h);
+    }
+  } else {
+    throw file_error(path_, "tensor " + name + " has dtype " + e.dtype + ", expected F32/BF16/F16");
+  }
+  return t;
+}
+
+std::vector<std::int32_t> safetensors_file::read_i32(const std::string& name) const {
+  const auto& e = at(name);
+  const auto n = static_cast<std::size_t>(kernels::shape_numel(e.shape));
+  std::vector<std::int32_t> out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (e.dtype == "I32") {
+      std::memcpy(&out[i], e.data + 4 * i, 4);
+    } else if (e.dtype == "I64") {
+      std::int64_t v;
+      std::memcpy(&v, e.data + 8 * i, 8);
+      out[i] = static_cast<std::int32_t>(v);
+    } else if (e.dtype == "U16") {
+      std::uint16_t v;
+      std::memcpy(&v, e.data + 2 * i, 2);
+      out[i] = v;
+    } else {
+      throw file_error(path_, "tensor " + name + " has dtype " + e.dtype + ", expected I32/I64/U16");
+    }
+  }
+  return out;
+}
+
+void write_file_atomically(const std::filesystem::path& path, const std::vector<std::byte>& bytes) {
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw file_error(tmp, std::string("cannot create: ") + std::strerror(errno));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      const std::string err = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw file_error(tmp, "write failed: " + err);
+    }
+    done += static_cast<std::size_t>(w);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    throw file_error(tmp, "fsync/close failed");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    ::unlink(tmp.c_str());
+    throw file_error(path, "cannot rename into place: " + ec.message());
+  }
+}
+
+void write_safetensors(const std::filesystem::path& path,
+                       const std::map<std::string, safetensors_tensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::size_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    const std::size_t elem = safetensors_dtype_size(t.dtype);
+    if (elem == 0 || static_cast<std::size_t>(kernels::shape_numel(t.shape)) * elem != t.nbytes) {
+      throw file_error(path, "tensor " + name + ": size does not match shape and dtype");
+    }
+    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.nbytes}}};
+    offset += t.nbytes;
+  }
+  std::string text = header.dump();
+  while ((8 + text.size()) % 8 != 0) text.push_back(' ');
+  std::vector<std::byte> bytes(8 + text.size() + offset);
+  const std::uint64_t len = text.size();
+  std::memcpy(bytes.data(), &len, 8);
+  std::memcpy(bytes.data() + 8, text.data(), text.size());
+  std::byte* data = bytes.data() + 8 + text.size();
+  for (const auto& [name, t] : tensors) {
+    if (t.nbytes) std::memcpy(data, t.data, t.nbytes);
+    data += t.nbytes;
+  }
+  write_file_atomically(path, bytes);
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,56 @@
+// Token + position embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:].
+// Backward scatters dout into dwte/dwpe (+=). Tokens may repeat, so the backward pass is
+// parallel over channel blocks (not rows): race-free and deterministic for any thread count.
+// Token ids are not range-checked here (the vocabulary size is not part of the signature).
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cpu_ops.hpp"
+
+namespace troupe::kernels {
+
+void embedding_forward(float* out, const std::int32_t* tokens, const float* wte, const float* wpe,
+                       int B, int T, int C) {
+  const std::int64_t N = static_cast<std::int64_t>(B) * T;
+#pragma omp parallel for schedule(static)
+  for (std::int64_t n = 0; n < N; ++n) {
+    const std::int64_t t = n % T;
+    const float* te = wte + static_cast<std::int64_t>(tokens[n]) * C;
+    const float* pe = wpe + t * C;
+    float* o = out + n * C;
+#pragma omp simd
+    for (int c = 0; c < C; ++c) o[c] = te[c] + pe[c];
+  }
+}
+
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
+                        int B, int T, int C) {
+  const std::int64_t N = static_cast<std::int64_t>(B) * T;
+  if (N <= 0 || C <= 0) return;
+#pragma omp parallel
+  {
+    // This thread's block of channels, a multiple of 16 floats wide.
+    const int nt = omp_get_num_threads();
+    const int tid = omp_get_thread_num();
+    const int chunk = ((C + nt - 1) / nt + 15) / 16 * 16;
+    const int c0 = std::min(C, tid * chunk);
+    const int c1 = std::min(C, c0 + chunk);
+    for (std::int64_t n = 0; n < N && c0 < c1; ++n) {
+      const float* d = dout + n * C;
+      if (dwte) {
+        float* g = dwte + static_cast<std::int64_t>(tokens[n]) * C;
+#pragma omp simd
+        for (int c = c0; c < c1; ++c) g[c] += d[c];
+      }
+      if (dwpe) {
+        float* g = dwpe + (n % T) * C;
+#pragma omp simd
+        for (int c = c0; c < c1; ++c) g[c] += d[c];
+      }
+    }
+  }
+}
+
+}  // namespace troupe::kernels

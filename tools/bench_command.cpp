@@ -1,0 +1,157 @@
+// `troupe bench train-step [--json]`: Troupe's train step next to PyTorch eager (same model,
+// same thread count, measured in the same run), with the ratio and each one's share of the
+// machine's measured FP32 peak. A benchmark: it prints, it asserts nothing.
+#include <omp.h>
+
+#include <array>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "bench/peak_flops.hpp"
+#include "bench/train_step.hpp"
+#include "tools/commands.hpp"
+
+namespace troupe::tools {
+namespace {
+
+using nlohmann::json;
+
+struct bench_options {
+  bool json_output = false;
+  bool no_peer = false;
+  std::string python;
+  int steps = 5;
+  int warmup = 2;
+};
+
+// Runs a command and returns its stdout, or nullopt when it fails.
+std::optional<std::string> capture(const std::string& command) {
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(::popen(command.c_str(), "r"), ::pclose);
+  if (!pipe) return std::nullopt;
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), pipe.get())) out += buf.data();
+  const int status = ::pclose(pipe.release());
+  if (status != 0) return std::nullopt;
+  return out;
+}
+
+std::string find_python(const bench_options& o) {
+  if (!o.python.empty()) return o.python;
+  std::fprintf(stderr, "bench: preparing the PyTorch peer venv (tests/oracle/venv.sh)...\n");
+  auto out = capture("bash '" TROUPE_SOURCE_DIR "/tests/oracle/venv.sh'");
+  if (!out) return "";
+  while (!out->empty() && (out->back() == '\n' || out->back() == ' ')) out->pop_back();
+  return *out;
+}
+
+std::optional<json> run_peer(const std::string& python, const bench::train_step_case& c,
+                             int threads, const bench_options& o) {
+  char cmd[1024];
+  std::snprintf(cmd, sizeof cmd,
+                "OMP_NUM_THREADS=%d '%s' '" TROUPE_SOURCE_DIR
+                "/bench/pytorch_train_step.py' --layers %d --heads %d --width %d --vocab %d "
+                "--context %d --batch %d --seq %d --steps %d --warmup %d --threads %d",
+                threads, python.c_str(), c.model.layers, c.model.heads, c.model.width,
+                c.model.vocab_size, c.model.context, c.batch, c.seq_len, o.steps, o.warmup, threads);
+  auto out = capture(cmd);
+  if (!out) return std::nullopt;
+  const auto nl = out->find_last_of('{');
+  if (nl == std::string::npos) return std::nullopt;
+  try {
+    return json::parse(out->substr(nl));
+  } catch (const json::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::vector<bench::train_step_case> cases(const bench_options& o) {
+  bench::train_step_case small;
+  small.name = "default (4L, width 256, vocab 256, B8 T128)";
+  small.model = engine::gpt_config{256, 256, 128, 4, 4, 256};
+  small.batch = 8;
+  small.seq_len = 128;
+  bench::train_step_case gpt2;
+  gpt2.name = "gpt2-small shape, 2 layers (width 768, vocab 50257, B4 T64)";
+  gpt2.model = engine::gpt_config{50257, 50304, 1024, 2, 12, 768};
+  gpt2.batch = 4;
+  gpt2.seq_len = 64;
+  for (auto* c : {&small, &gpt2}) {
+    c->steps = o.steps;
+    c->warmup = o.warmup;
+  }
+  return {small, gpt2};
+}
+
+int run_bench(const bench_options& o) {
+  const int threads = omp_get_max_threads();
+  const bench::peak_result peak = bench::measure_fp32_peak();
+  std::string python;
+  if (!o.no_peer) {
+    python = find_python(o);
+    if (python.empty()) std::fprintf(stderr, "bench: PyTorch peer unavailable (venv could not be built)\n");
+  }
+  json report = {{"threads", threads},
+                 {"peak_flops_per_s", peak.flops_per_s},
+                 {"peak_isa", peak.isa},
+                 {"cases", json::array()}};
+  if (!o.json_output) {
+    std::printf("FP32 peak (measured, %s, %d threads): %.1f GFLOP/s\n", peak.isa.c_str(),
+                peak.threads, peak.flops_per_s / 1e9);
+    std::printf("%-60s %12s %12s %7s %8s %8s\n", "case", "troupe tok/s", "torch tok/s", "ratio",
+                "troupe%", "torch%");
+  }
+  for (const auto& c : cases(o)) {
+    const auto mine = bench::measure_troupe_train_step(c);
+    std::optional<json> peer;
+    if (!python.empty()) peer = run_peer(python, c, threads, o);
+    json entry = {{"case", c.name},
+                  {"parameters", mine.parameters},
+                  {"troupe_tokens_per_s", mine.tokens_per_s},
+                  {"troupe_step_ms", mine.step_ms_median},
+                  {"troupe_peak_share", mine.flops_per_s / peak.flops_per_s}};
+    double peer_tps = 0;
+    if (peer && peer->contains("tokens_per_s")) {
+      peer_tps = (*peer)["tokens_per_s"].get<double>();
+      const double peer_flops = peer_tps * c.model.train_flops_per_token(c.seq_len);
+      entry["pytorch"] = *peer;
+      entry["pytorch_tokens_per_s"] = peer_tps;
+      entry["pytorch_peak_share"] = peer_flops / peak.flops_per_s;
+      entry["ratio"] = mine.tokens_per_s / peer_tps;
+    }
+    report["cases"].push_back(entry);
+    if (!o.json_output) {
+      if (peer_tps > 0) {
+        std::printf("%-60s %12.0f %12.0f %6.2fx %7.1f%% %7.1f%%\n", c.name.c_str(), mine.tokens_per_s,
+                    peer_tps, mine.tokens_per_s / peer_tps, 100 * mine.flops_per_s / peak.flops_per_s,
+                    100 * entry["pytorch_peak_share"].get<double>());
+      } else {
+        std::printf("%-60s %12.0f %12s %7s %7.1f%% %8s\n", c.name.c_str(), mine.tokens_per_s, "n/a",
+                    "n/a", 100 * mine.flops_per_s / peak.flops_per_s, "n/a");
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (o.json_output) std::printf("%s\n", report.dump(2).c_str());
+  return exit_ok;
+}
+
+}  // namespace
+
+std::function<int()> add_bench_command(CLI::App& app) {
+  auto opts = std::make_shared<bench_options>();
+  auto* bench = app.add_subcommand("bench", "Benchmarks against peers measured in the same run");
+  bench->require_subcommand(1);
+  auto* step = bench->add_subcommand("train-step", "Forward + backward + AdamW tokens/s vs PyTorch eager");
+  step->add_flag("--json", opts->json_output, "Print one JSON report");
+  step->add_flag("--no-peer", opts->no_peer, "Skip the PyTorch peer");
+  step->add_option("--python", opts->python, "Python with torch for the peer (default: the oracle venv)");
+  step->add_option("--steps", opts->steps, "Timed steps per case")->check(CLI::PositiveNumber);
+  step->add_option("--warmup", opts->warmup, "Untimed warm-up steps per case")->check(CLI::NonNegativeNumber);
+  return [opts]() { return run_bench(*opts); };
+}
+
+}  // namespace troupe::tools

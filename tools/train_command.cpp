@@ -1,0 +1,60 @@
+// `troupe train RECIPE.toml [--set key=value ...]`: one process, the serial training loop.
+// Exit 2 with one line naming the key or file on bad input (nothing written), 1 on a failed run.
+#include <cmath>
+#include <cstdio>
+
+#include "engine/trainer.hpp"
+#include "tools/commands.hpp"
+#include "tools/progress.hpp"
+
+namespace troupe::tools {
+
+std::function<int()> add_train_command(CLI::App& app) {
+  struct options {
+    std::string recipe;
+    std::vector<std::string> overrides;
+  };
+  auto opts = std::make_shared<options>();
+  auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
+  cmd->add_option("recipe", opts->recipe, "Recipe TOML file")->required();
+  cmd->add_option("--set", opts->overrides, "Override a recipe key: --set optimizer.lr=3e-4")
+      ->take_all()
+      ->allow_extra_args(false);
+  return [opts]() -> int {
+    engine::recipe r;
+    try {
+      r = engine::load_recipe(opts->recipe, opts->overrides);
+    } catch (const engine::recipe_error& e) {
+      std::fprintf(stderr, "troupe train: %s\n", e.what());
+      return exit_bad_input;
+    }
+    progress_printer progress(stdout);
+    engine::train_callbacks cb;
+    cb.on_step = [&](const engine::step_metrics& m) { progress.step(m); };
+    cb.on_message = [&](const std::string& s) { progress.message(s); };
+    engine::train_summary summary;
+    try {
+      summary = engine::train(r, cb);
+    } catch (const engine::recipe_error& e) {
+      progress.finish();
+      std::fprintf(stderr, "troupe train: %s\n", e.what());
+      return exit_bad_input;
+    } catch (const std::exception& e) {
+      progress.finish();
+      std::fprintf(stderr, "troupe train: error: %s\n", e.what());
+      return exit_failure;
+    }
+    progress.finish();
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "done: %d steps in %s, %.0f tokens/s; final loss %.4f, val loss %.4f, "
+                  "corpus unigram entropy %.4f nats/token",
+                  summary.steps, format_duration(summary.seconds).c_str(), summary.tokens_per_s,
+                  summary.final_loss, summary.final_val_loss, summary.unigram_entropy);
+    progress.message(line);
+    progress.message("metrics: " + r.metrics_path().string());
+    return exit_ok;
+  };
+}
+
+}  // namespace troupe::tools

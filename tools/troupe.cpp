@@ -1,0 +1,27 @@
+// `troupe`: the command line. Subcommands: train, bench.
+#include <cstdio>
+#include <exception>
+
+#include "tools/commands.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"troupe: trains transformer language models as a system of actors"};
+  app.require_subcommand(1);
+  std::function<int()> run;
+  auto train = troupe::tools::add_train_command(app);
+  auto bench = troupe::tools::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : troupe::tools::exit_bad_input;
+  }
+  try {
+    if (app.got_subcommand("train")) return train();
+    if (app.got_subcommand("bench")) return bench();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "troupe: error: %s\n", e.what());
+    return troupe::tools::exit_failure;
+  }
+  return troupe::tools::exit_bad_input;
+}
