@@ -22,13 +22,13 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   for (int bh = 0; bh < BH; ++bh) {
     const int b = bh / NH;
     const int h = bh % NH;
-    const float* q = qkv + static_cast<std::int64_t>(b) * T * C3 + static_cast<std::int64_t>(h) * hs;
+    const float* q =
+        qkv + static_cast<std::int64_t>(b) * T * C3 + static_cast<std::int64_t>(h) * hs;
     const float* k = q + C;
     const float* v = q + 2 * C;
     float* a = att + static_cast<std::int64_t>(bh) * T * T;
     // a[T,T] = scale * q[T,hs] k[T,hs]^T
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, q, C3, k, C3, 0.0f, a,
-                T);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, q, C3, k, C3, 0.0f, a, T);
     for (int t = 0; t < T; ++t) {
       float* row = a + static_cast<std::int64_t>(t) * T;
       float mx = row[0];

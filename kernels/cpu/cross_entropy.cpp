@@ -79,8 +79,9 @@ cross_entropy_result softmax_cross_entropy_backward(float* dlogits, const float*
   if (N <= 0) return r;
   r.count = count_targets(targets, N, V, Vp, ignore_index);
   const float factor =
-      r.count > 0 ? static_cast<float>(static_cast<double>(grad_scale) / static_cast<double>(r.count))
-                  : 0.0f;
+      r.count > 0
+          ? static_cast<float>(static_cast<double>(grad_scale) / static_cast<double>(r.count))
+          : 0.0f;
   std::vector<double> row_loss(static_cast<std::size_t>(N), 0.0);
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {

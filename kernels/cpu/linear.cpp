@@ -30,8 +30,8 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
     if (!bias) std::fill(out, out + static_cast<std::int64_t>(N) * OC, 0.0f);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, beta,
-              out, OC);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, beta, out,
+              OC);
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,

@@ -51,7 +51,9 @@ reference attention_reference(const std::vector<float>& qkv, const std::vector<f
       }
       for (int i = 0; i < T * T; ++i) r.att[(b * NH + h) * T * T + i] = P[i];
       // backward
-      auto dO = [&](int t, int d) { return static_cast<double>(dout[(b * T + t) * C + h * hs + d]); };
+      auto dO = [&](int t, int d) {
+        return static_cast<double>(dout[(b * T + t) * C + h * hs + d]);
+      };
       auto dq = [&](int t, int d) -> double& { return r.dqkv[(b * T + t) * 3 * C + h * hs + d]; };
       auto dk = [&](int t, int d) -> double& {
         return r.dqkv[(b * T + t) * 3 * C + C + h * hs + d];

@@ -61,8 +61,8 @@ TEST_CASE("cross-entropy forward matches the reference", "[cross_entropy]") {
   fixture f;
   const reference ref = ce_reference(f.logits, f.targets, 1.0);
   std::vector<float> losses(N, 99.0f);
-  const auto r = cross_entropy_forward(losses.data(), f.logits.data(), f.targets.data(), N, V, Vp,
-                                       kIgnore);
+  const auto r =
+      cross_entropy_forward(losses.data(), f.logits.data(), f.targets.data(), N, V, Vp, kIgnore);
   CHECK(r.count == 8);
   CHECK(r.count == ref.count);
   CHECK(r.loss_sum == Approx(ref.loss_sum).epsilon(1e-6));
@@ -115,9 +115,9 @@ TEST_CASE("cross-entropy gradient matches finite differences", "[cross_entropy]"
   softmax_cross_entropy_backward(dlogits.data(), f.logits.data(), f.targets.data(), N, V, Vp,
                                  kIgnore, grad_scale);
   auto loss = [&] {
-    return grad_scale * cross_entropy_forward(nullptr, f.logits.data(), f.targets.data(), N, V, Vp,
-                                              kIgnore)
-                            .mean();
+    return grad_scale *
+           cross_entropy_forward(nullptr, f.logits.data(), f.targets.data(), N, V, Vp, kIgnore)
+               .mean();
   };
   CHECK(max_rel_error(dlogits, finite_difference(loss, f.logits.data(), f.logits.size())) < 1e-2);
 }

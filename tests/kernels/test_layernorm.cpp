@@ -16,8 +16,8 @@ struct reference {
 
 // Plain double-precision LayerNorm forward and backward.
 reference layernorm_reference(const std::vector<float>& inp, const std::vector<float>& weight,
-                              const std::vector<float>& bias, const std::vector<float>& dout,
-                              int N, int C) {
+                              const std::vector<float>& bias, const std::vector<float>& dout, int N,
+                              int C) {
   reference r;
   r.out.assign(N * C, 0.0);
   r.mean.assign(N, 0.0);
@@ -69,8 +69,8 @@ TEST_CASE("layernorm matches the reference", "[layernorm]") {
   const reference ref = layernorm_reference(inp, weight, bias, dout, N, C);
 
   std::vector<float> out(N * C), mean(N), rstd(N);
-  layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(),
-                    N, C);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N,
+                    C);
   CHECK(max_rel_error(out, ref.out) < 1e-5);
   CHECK(max_rel_error(mean, ref.mean) < 1e-5);
   CHECK(max_rel_error(rstd, ref.rstd) < 1e-5);
@@ -102,14 +102,14 @@ TEST_CASE("layernorm gradients match finite differences", "[layernorm]") {
   const auto w = random_vec(N * C, rng);
   std::vector<float> out(N * C), mean(N), rstd(N);
   auto loss = [&] {
-    layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(),
-                      bias.data(), N, C);
+    layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(),
+                      N, C);
     return weighted_sum(out.data(), w);
   };
   loss();
   std::vector<float> dinp(N * C, 0.0f), dweight(C, 0.0f), dbias(C, 0.0f);
-  layernorm_backward(dinp.data(), dweight.data(), dbias.data(), w.data(), inp.data(),
-                     weight.data(), mean.data(), rstd.data(), N, C);
+  layernorm_backward(dinp.data(), dweight.data(), dbias.data(), w.data(), inp.data(), weight.data(),
+                     mean.data(), rstd.data(), N, C);
   CHECK(max_rel_error(dinp, finite_difference(loss, inp.data(), inp.size())) < 1e-2);
   CHECK(max_rel_error(dweight, finite_difference(loss, weight.data(), weight.size())) < 1e-2);
   CHECK(max_rel_error(dbias, finite_difference(loss, bias.data(), bias.size())) < 1e-2);

@@ -56,8 +56,8 @@ TEST_CASE("linear matches the reference", "[linear]") {
   SECTION("backward twice doubles the gradients") {
     std::vector<float> gi(N * C, 0.0f), gw(OC * C, 0.0f), gb(OC, 0.0f);
     for (int rep = 0; rep < 2; ++rep) {
-      linear_backward(gi.data(), gw.data(), gb.data(), dout.data(), inp.data(), weight.data(), N,
-                      C, OC);
+      linear_backward(gi.data(), gw.data(), gb.data(), dout.data(), inp.data(), weight.data(), N, C,
+                      OC);
     }
     for (auto* v : {&dinp_ref, &dw_ref, &db_ref}) {
       for (auto& x : *v) x *= 2;

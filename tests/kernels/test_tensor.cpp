@@ -66,9 +66,9 @@ TEST_CASE("bf16 conversions", "[tensor][bf16]") {
   CHECK(f32_to_bf16(1.0f) == 0x3f80);
   CHECK(bf16_to_f32(0xc020) == -2.5f);
   // Round to nearest even: ties go to the even mantissa.
-  CHECK(f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80);              // tie -> 1.0
-  CHECK(f32_to_bf16(1.0f + 3 * 0x1p-8f) == 0x3f82);          // tie -> 1 + 2^-6
-  CHECK(f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);   // above tie -> up
+  CHECK(f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80);             // tie -> 1.0
+  CHECK(f32_to_bf16(1.0f + 3 * 0x1p-8f) == 0x3f82);         // tie -> 1 + 2^-6
+  CHECK(f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);  // above tie -> up
   CHECK(f32_to_bf16(-(1.0f + 0x1p-8f + 0x1p-20f)) == 0xbf81);
   CHECK(f32_to_bf16(std::numeric_limits<float>::infinity()) == 0x7f80);
   CHECK(std::isnan(bf16_to_f32(f32_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
@@ -93,10 +93,10 @@ TEST_CASE("f16 conversions", "[tensor][f16]") {
   CHECK(f16_to_f32(0x0001) == 0x1p-24f);
   CHECK(f16_to_f32(0x03ff) == 1023 * 0x1p-24f);
   CHECK(f32_to_f16(0x1p-24f) == 0x0001);
-  CHECK(f32_to_f16(0x1p-25f) == 0x0000);         // tie -> 0 (even)
+  CHECK(f32_to_f16(0x1p-25f) == 0x0000);          // tie -> 0 (even)
   CHECK(f32_to_f16(0x1p-25f * 1.01f) == 0x0001);  // above the tie
-  CHECK(f32_to_f16(1.5f * 0x1p-24f) == 0x0002);  // tie -> even
-  CHECK(f32_to_f16(2.5f * 0x1p-24f) == 0x0002);  // tie -> even
+  CHECK(f32_to_f16(1.5f * 0x1p-24f) == 0x0002);   // tie -> even
+  CHECK(f32_to_f16(2.5f * 0x1p-24f) == 0x0002);   // tie -> even
   CHECK(f32_to_f16(3.5f * 0x1p-24f) == 0x0004);
   CHECK(f32_to_f16(-0x1p-24f) == 0x8001);
   CHECK(f32_to_f16(0x1p-14f) == 0x0400);  // smallest normal
