@@ -9,7 +9,7 @@ namespace troupe::bench {
 struct peak_result {
   double flops_per_s = 0;  // all threads together
   int threads = 0;
-  std::string isa;         // "avx512f", "avx2+fma", "sse2"
+  std::string isa;  // "avx512f", "avx2+fma", "sse2"
 };
 
 peak_result measure_fp32_peak(double seconds = 0.3);

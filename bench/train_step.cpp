@@ -20,8 +20,10 @@ train_step_result measure_troupe_train_step(const train_step_case& c) {
   const std::size_t n = static_cast<std::size_t>(c.batch) * c.seq_len;
   std::vector<std::int32_t> inputs(n), targets(n);
   for (std::size_t i = 0; i < n; ++i) {
-    inputs[i] = static_cast<std::int32_t>(splitmix64(i) % static_cast<std::uint64_t>(c.model.vocab_size));
-    targets[i] = static_cast<std::int32_t>(splitmix64(i + n) % static_cast<std::uint64_t>(c.model.vocab_size));
+    inputs[i] =
+        static_cast<std::int32_t>(splitmix64(i) % static_cast<std::uint64_t>(c.model.vocab_size));
+    targets[i] = static_cast<std::int32_t>(splitmix64(i + n) %
+                                           static_cast<std::uint64_t>(c.model.vocab_size));
   }
   std::vector<double> times;
   for (int s = 0; s < c.warmup + c.steps; ++s) {

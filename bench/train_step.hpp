@@ -19,9 +19,9 @@ struct train_step_case {
 };
 
 struct train_step_result {
-  double tokens_per_s = 0;   // from the median step time
+  double tokens_per_s = 0;  // from the median step time
   double step_ms_median = 0;
-  double flops_per_s = 0;    // model FLOPs (6N + attention) per second
+  double flops_per_s = 0;  // model FLOPs (6N + attention) per second
   std::int64_t parameters = 0;
 };
 

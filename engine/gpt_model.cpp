@@ -13,7 +13,9 @@ using kernels::tensor;
 
 void gpt_config::validate() const {
   auto positive = [](int v, const char* key) {
-    if (v <= 0) throw std::invalid_argument(std::string(key) + ": must be positive, got " + std::to_string(v));
+    if (v <= 0)
+      throw std::invalid_argument(std::string(key) + ": must be positive, got " +
+                                  std::to_string(v));
   };
   positive(vocab_size, "model.vocab_size");
   positive(padded_vocab_size, "model.padded_vocab_size");
@@ -34,7 +36,8 @@ void gpt_config::validate() const {
 std::int64_t gpt_config::parameter_count() const {
   const std::int64_t C = width;
   const std::int64_t per_layer = 12 * C * C + 13 * C;
-  return std::int64_t{padded_vocab_size} * C + std::int64_t{context} * C + layers * per_layer + 2 * C;
+  return std::int64_t{padded_vocab_size} * C + std::int64_t{context} * C + layers * per_layer +
+         2 * C;
 }
 
 double gpt_config::train_flops_per_token(int T) const {
@@ -60,9 +63,11 @@ std::vector<stage_range> partition_layers(const gpt_config& c, int stages) {
   return out;
 }
 
-std::vector<parameter_info> stage_parameter_layout(const gpt_config& config, const stage_range& range) {
+std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
+                                                   const stage_range& range) {
   config.validate();
-  if (range.first_layer < 0 || range.last_layer > config.layers || range.first_layer > range.last_layer) {
+  if (range.first_layer < 0 || range.last_layer > config.layers ||
+      range.first_layer > range.last_layer) {
     throw std::invalid_argument("stage layer range [" + std::to_string(range.first_layer) + ", " +
                                 std::to_string(range.last_layer) + ") is outside the model");
   }
@@ -215,7 +220,8 @@ void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_
   const float* x;
   if (stage.range().embedding) {
     a.tokens_ = tokens;
-    kernels::embedding_forward(a.encoded_.f32(), tokens, stage.param("transformer.wte.weight").f32(),
+    kernels::embedding_forward(a.encoded_.f32(), tokens,
+                               stage.param("transformer.wte.weight").f32(),
                                stage.param("transformer.wpe.weight").f32(), B, T, C);
     x = a.encoded_.f32();
   } else {
@@ -228,16 +234,16 @@ void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_
     auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
     kernels::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, P("ln_1.weight"),
                                P("ln_1.bias"), N, C);
-    kernels::linear_forward(L.qkv.f32(), L.ln1.f32(), P("attn.c_attn.weight"), P("attn.c_attn.bias"),
-                            N, C, 3 * C);
+    kernels::linear_forward(L.qkv.f32(), L.ln1.f32(), P("attn.c_attn.weight"),
+                            P("attn.c_attn.bias"), N, C, 3 * C);
     kernels::attention_forward(L.atty.f32(), L.att.f32(), L.qkv.f32(), B, T, C, NH);
-    kernels::linear_forward(L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"), P("attn.c_proj.bias"),
-                            N, C, C);
+    kernels::linear_forward(L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"),
+                            P("attn.c_proj.bias"), N, C, C);
     add_into(L.res2.f32(), x, std::int64_t{N} * C);
     kernels::layernorm_forward(L.ln2.f32(), L.ln2_mean.f32(), L.ln2_rstd.f32(), L.res2.f32(),
                                P("ln_2.weight"), P("ln_2.bias"), N, C);
-    kernels::linear_forward(L.fch.f32(), L.ln2.f32(), P("mlp.c_fc.weight"), P("mlp.c_fc.bias"), N, C,
-                            4 * C);
+    kernels::linear_forward(L.fch.f32(), L.ln2.f32(), P("mlp.c_fc.weight"), P("mlp.c_fc.bias"), N,
+                            C, 4 * C);
     kernels::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), std::int64_t{N} * 4 * C);
     kernels::linear_forward(L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
                             P("mlp.c_proj.bias"), N, 4 * C, C);
@@ -248,18 +254,19 @@ void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_
     kernels::layernorm_forward(a.lnf_.f32(), a.lnf_mean_.f32(), a.lnf_rstd_.f32(), x,
                                stage.param("transformer.ln_f.weight").f32(),
                                stage.param("transformer.ln_f.bias").f32(), N, C);
-    kernels::linear_forward(a.logits_.f32(), a.lnf_.f32(), stage.param("transformer.wte.weight").f32(),
-                            nullptr, N, C, Vp);
+    kernels::linear_forward(a.logits_.f32(), a.lnf_.f32(),
+                            stage.param("transformer.wte.weight").f32(), nullptr, N, C, Vp);
     a.logits_are_grads_ = false;
   }
 }
 
 kernels::cross_entropy_result stage_loss(const gpt_stage& stage, gpt_activations& a,
                                          const std::int32_t* targets) {
-  if (!stage.range().head || a.logits_are_grads_) throw std::logic_error("stage_loss needs fresh logits");
+  if (!stage.range().head || a.logits_are_grads_)
+    throw std::logic_error("stage_loss needs fresh logits");
   const auto& c = stage.config();
-  return kernels::cross_entropy_forward(nullptr, a.logits_.f32(), targets, a.B_ * a.T_, c.vocab_size,
-                                        c.padded_vocab_size, ignore_index);
+  return kernels::cross_entropy_forward(nullptr, a.logits_.f32(), targets, a.B_ * a.T_,
+                                        c.vocab_size, c.padded_vocab_size, ignore_index);
 }
 
 kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage, gpt_activations& a,
@@ -276,7 +283,8 @@ kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage, 
   return r;
 }
 
-void stage_backward(const gpt_stage& stage, gpt_activations& a, const float* doutput, float* dinput) {
+void stage_backward(const gpt_stage& stage, gpt_activations& a, const float* doutput,
+                    float* dinput) {
   const auto& c = stage.config();
   const int B = a.B_, T = a.T_, C = c.width, NH = c.heads, Vp = c.padded_vocab_size;
   const int N = B * T;
@@ -288,22 +296,24 @@ void stage_backward(const gpt_stage& stage, gpt_activations& a, const float* dou
     return stage.range().embedding ? a.encoded_.f32() : a.input_;
   };
   if (stage.range().head) {
-    if (!a.logits_are_grads_) throw std::logic_error("stage_backward on the last stage needs the loss first");
+    if (!a.logits_are_grads_)
+      throw std::logic_error("stage_backward on the last stage needs the loss first");
     a.dln_.fill_zero();
-    kernels::linear_backward(a.dln_.f32(), stage.grads() + stage.parameter("transformer.wte.weight").offset,
-                             nullptr, a.logits_.f32(), a.lnf_.f32(),
-                             stage.param("transformer.wte.weight").f32(), N, C, Vp);
+    kernels::linear_backward(
+        a.dln_.f32(), stage.grads() + stage.parameter("transformer.wte.weight").offset, nullptr,
+        a.logits_.f32(), a.lnf_.f32(), stage.param("transformer.wte.weight").f32(), N, C, Vp);
     a.dres_.fill_zero();
-    kernels::layernorm_backward(dres, stage.grad("transformer.ln_f.weight").f32(),
-                                stage.grad("transformer.ln_f.bias").f32(), a.dln_.f32(),
-                                layer_input(a.layers_.size()), stage.param("transformer.ln_f.weight").f32(),
-                                a.lnf_mean_.f32(), a.lnf_rstd_.f32(), N, C);
+    kernels::layernorm_backward(
+        dres, stage.grad("transformer.ln_f.weight").f32(),
+        stage.grad("transformer.ln_f.bias").f32(), a.dln_.f32(), layer_input(a.layers_.size()),
+        stage.param("transformer.ln_f.weight").f32(), a.lnf_mean_.f32(), a.lnf_rstd_.f32(), N, C);
   } else {
     std::memcpy(dres, doutput, static_cast<std::size_t>(NC) * sizeof(float));
   }
   for (std::size_t i = a.layers_.size(); i-- > 0;) {
     auto& L = a.layers_[i];
-    const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + static_cast<int>(i)) + ".";
+    const std::string p =
+        "transformer.h." + std::to_string(stage.range().first_layer + static_cast<int>(i)) + ".";
     auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
     auto G = [&](const char* n) { return stage.grads() + stage.parameter(p + n).offset; };
     // MLP branch: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))).
@@ -317,23 +327,27 @@ void stage_backward(const gpt_stage& stage, gpt_activations& a, const float* dou
                              L.ln2.f32(), P("mlp.c_fc.weight"), N, C, 4 * C);
     std::memcpy(a.dres_mid_.f32(), dres, static_cast<std::size_t>(NC) * sizeof(float));
     kernels::layernorm_backward(a.dres_mid_.f32(), G("ln_2.weight"), G("ln_2.bias"), a.dln_.f32(),
-                                L.res2.f32(), P("ln_2.weight"), L.ln2_mean.f32(), L.ln2_rstd.f32(), N, C);
+                                L.res2.f32(), P("ln_2.weight"), L.ln2_mean.f32(), L.ln2_rstd.f32(),
+                                N, C);
     // Attention branch: res2 = x + c_proj(attn(c_attn(ln_1(x)))).
     a.datty_.fill_zero();
     kernels::linear_backward(a.datty_.f32(), G("attn.c_proj.weight"), G("attn.c_proj.bias"),
                              a.dres_mid_.f32(), L.atty.f32(), P("attn.c_proj.weight"), N, C, C);
     a.dqkv_.fill_zero();
-    kernels::attention_backward(a.dqkv_.f32(), a.datty_.f32(), L.qkv.f32(), L.att.f32(), B, T, C, NH);
+    kernels::attention_backward(a.dqkv_.f32(), a.datty_.f32(), L.qkv.f32(), L.att.f32(), B, T, C,
+                                NH);
     a.dln_.fill_zero();
     kernels::linear_backward(a.dln_.f32(), G("attn.c_attn.weight"), G("attn.c_attn.bias"),
                              a.dqkv_.f32(), L.ln1.f32(), P("attn.c_attn.weight"), N, C, 3 * C);
     std::memcpy(dres, a.dres_mid_.f32(), static_cast<std::size_t>(NC) * sizeof(float));
-    kernels::layernorm_backward(dres, G("ln_1.weight"), G("ln_1.bias"), a.dln_.f32(), layer_input(i),
-                                P("ln_1.weight"), L.ln1_mean.f32(), L.ln1_rstd.f32(), N, C);
+    kernels::layernorm_backward(dres, G("ln_1.weight"), G("ln_1.bias"), a.dln_.f32(),
+                                layer_input(i), P("ln_1.weight"), L.ln1_mean.f32(),
+                                L.ln1_rstd.f32(), N, C);
   }
   if (stage.range().embedding) {
     kernels::embedding_backward(stage.grad("transformer.wte.weight").f32(),
-                                stage.grad("transformer.wpe.weight").f32(), dres, a.tokens_, B, T, C);
+                                stage.grad("transformer.wpe.weight").f32(), dres, a.tokens_, B, T,
+                                C);
   } else if (dinput) {
     std::memcpy(dinput, dres, static_cast<std::size_t>(NC) * sizeof(float));
   }

@@ -56,12 +56,13 @@ struct parameter_info {
   kernels::shape_t shape;   // Troupe layout ([out, in] for linear weights)
   std::int64_t offset = 0;  // into the flat buffers
   std::int64_t numel = 0;
-  bool conv1d = false;      // Hugging Face stores it transposed ([in, out])
-  bool decay = false;       // receives weight decay (2-D tensors)
+  bool conv1d = false;  // Hugging Face stores it transposed ([in, out])
+  bool decay = false;   // receives weight decay (2-D tensors)
 };
 
 // The parameters of a stage, in order, with their offsets into the flat buffers.
-std::vector<parameter_info> stage_parameter_layout(const gpt_config& config, const stage_range& range);
+std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
+                                                   const stage_range& range);
 
 class gpt_stage {
  public:
@@ -100,8 +101,7 @@ class gpt_activations {
 
  private:
   friend void stage_forward(const gpt_stage&, gpt_activations&, const std::int32_t*, const float*);
-  friend kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage&,
-                                                                 gpt_activations&,
+  friend kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage&, gpt_activations&,
                                                                  const std::int32_t*, float);
   friend kernels::cross_entropy_result stage_loss(const gpt_stage&, gpt_activations&,
                                                   const std::int32_t*);

@@ -32,13 +32,15 @@ std::runtime_error weights_error(const std::filesystem::path& path, const std::s
 }
 
 // Validates the file against the whole model; returns canonical name -> file name.
-std::map<std::string, std::string> check_file(const gpt_config& config, const safetensors_file& file) {
+std::map<std::string, std::string> check_file(const gpt_config& config,
+                                              const safetensors_file& file) {
   std::map<std::string, std::string> names;
   for (const auto& [name, entry] : file.entries()) {
     if (is_ignored_buffer(name)) continue;
     const std::string canon = canonical_name(name);
     if (!names.emplace(canon, name).second) {
-      throw weights_error(file.path(), "tensor " + name + " appears twice (with and without prefix)");
+      throw weights_error(file.path(),
+                          "tensor " + name + " appears twice (with and without prefix)");
     }
   }
   const auto whole = stage_parameter_layout(config, stage_range::whole(config));
@@ -81,8 +83,9 @@ void load_hf_weights(gpt_stage& stage, const std::filesystem::path& path) {
     const kernels::tensor lm = file.read_f32(head->second);
     const kernels::tensor wte = file.read_f32(names.at("transformer.wte.weight"));
     if (lm.shape() != wte.shape() || std::memcmp(lm.data(), wte.data(), wte.nbytes()) != 0) {
-      throw weights_error(path, "tensor lm_head.weight differs from transformer.wte.weight: "
-                                "untied heads are not supported");
+      throw weights_error(path,
+                          "tensor lm_head.weight differs from transformer.wte.weight: "
+                          "untied heads are not supported");
     }
   }
   // Read everything first, then copy: a failure leaves the stage untouched.

@@ -8,15 +8,22 @@
 
 namespace troupe::engine {
 
-jsonl_writer::jsonl_writer(const std::filesystem::path& path) : path_(path), out_(path, std::ios::trunc) {
+jsonl_writer::jsonl_writer(const std::filesystem::path& path)
+    : path_(path), out_(path, std::ios::trunc) {
   if (!out_) throw std::runtime_error(path.string() + ": cannot open for writing");
 }
 
 void jsonl_writer::write(const step_metrics& m) {
   nlohmann::json j = {
-      {"step", m.step},           {"loss", m.loss},           {"lr", m.lr},
-      {"grad_norm", m.grad_norm}, {"tokens_per_s", m.tokens_per_s}, {"step_ms", m.step_ms},
-      {"elapsed_s", m.elapsed_s}, {"tokens", m.tokens},       {"flops_per_s", m.flops_per_s},
+      {"step", m.step},
+      {"loss", m.loss},
+      {"lr", m.lr},
+      {"grad_norm", m.grad_norm},
+      {"tokens_per_s", m.tokens_per_s},
+      {"step_ms", m.step_ms},
+      {"elapsed_s", m.elapsed_s},
+      {"tokens", m.tokens},
+      {"flops_per_s", m.flops_per_s},
   };
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   out_ << j.dump() << '\n';
@@ -32,7 +39,8 @@ double unigram_entropy(const data::token_corpus& corpus, int vocab_size) {
     const std::int64_t k = std::min<std::int64_t>(static_cast<std::int64_t>(chunk.size()), n - off);
     corpus.read(off, k, chunk.data());
     for (std::int64_t i = 0; i < k; ++i) {
-      if (chunk[static_cast<std::size_t>(i)] < vocab_size) ++counts[chunk[static_cast<std::size_t>(i)]];
+      if (chunk[static_cast<std::size_t>(i)] < vocab_size)
+        ++counts[chunk[static_cast<std::size_t>(i)]];
     }
   }
   double h = 0;

@@ -14,12 +14,12 @@
 namespace troupe::engine {
 
 struct step_metrics {
-  int step = 0;             // 1-based: steps completed
+  int step = 0;  // 1-based: steps completed
   int total_steps = 0;
-  double loss = 0;          // mean over the step's micro-batches
+  double loss = 0;  // mean over the step's micro-batches
   std::optional<double> val_loss;
   double lr = 0;
-  double grad_norm = 0;     // before clipping
+  double grad_norm = 0;  // before clipping
   double tokens_per_s = 0;
   double step_ms = 0;
   double elapsed_s = 0;     // since training began

@@ -1,12 +1,12 @@
 // Recipe parsing (toml++), overrides, and checks. See recipe.hpp and docs/recipe.md.
 #include "engine/recipe.hpp"
 
+#include <toml++/toml.h>
 #include <cmath>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <sstream>
-#include <toml++/toml.h>
 #include <variant>
 
 #include "engine/gpt_weights.hpp"
@@ -56,7 +56,8 @@ const std::map<std::string, field>& schema() {
       {"steps", int_field(&recipe::steps)},
       {"eval_interval", int_field(&recipe::eval_interval)},
       {"eval_batches", int_field(&recipe::eval_batches)},
-      {"init", {kind::string, [](recipe& r, const toml::node& n) { r.init = *n.value<std::string>(); }}},
+      {"init",
+       {kind::string, [](recipe& r, const toml::node& n) { r.init = *n.value<std::string>(); }}},
       {"model.vocab_size", nested(&recipe::model, &gpt_config::vocab_size)},
       {"model.padded_vocab_size", nested(&recipe::model, &gpt_config::padded_vocab_size)},
       {"model.context", nested(&recipe::model, &gpt_config::context)},
@@ -121,7 +122,8 @@ void apply(recipe& r, const std::string& key, const toml::node& node, const std:
 void apply_table(recipe& r, const toml::table& table, const std::string& prefix,
                  const std::string& source) {
   for (const auto& [k, node] : table) {
-    const std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    const std::string key =
+        prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
     if (const auto* sub = node.as_table()) {
       apply_table(r, *sub, key, source);
     } else {
@@ -208,13 +210,15 @@ void validate_recipe(const recipe& r) {
   require(r.batch.micro_batch > 0, "batch.micro_batch", "must be positive");
   require(r.batch.seq_len > 0, "batch.seq_len", "must be positive");
   require(r.batch.seq_len <= r.model.context, "batch.seq_len",
-          std::to_string(r.batch.seq_len) + " exceeds model.context " + std::to_string(r.model.context));
+          std::to_string(r.batch.seq_len) + " exceeds model.context " +
+              std::to_string(r.model.context));
   require(r.batch.grad_accum > 0, "batch.grad_accum", "must be positive");
   require(r.data.format == "text" || r.data.format == "shards", "data.format",
           "must be \"text\" or \"shards\", got \"" + r.data.format + "\"");
   require(r.data.order == "random" || r.data.order == "sequential", "data.order",
           "must be \"random\" or \"sequential\", got \"" + r.data.order + "\"");
-  require(r.data.val_fraction >= 0 && r.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)");
+  require(r.data.val_fraction >= 0 && r.data.val_fraction < 1, "data.val_fraction",
+          "must be in [0, 1)");
   require(!r.data.train.empty(), "data.train", "must name a file or directory");
   require(r.data.format != "text" || r.model.vocab_size >= 256, "model.vocab_size",
           "byte-level text needs at least 256, got " + std::to_string(r.model.vocab_size));
@@ -237,7 +241,8 @@ void check_recipe_inputs(const recipe& r) {
   namespace fs = std::filesystem;
   auto exists = [](const std::string& path, const std::string& key) {
     std::error_code ec;
-    if (!fs::exists(path, ec)) throw recipe_error("key " + key + ": file " + path + " does not exist");
+    if (!fs::exists(path, ec))
+      throw recipe_error("key " + key + ": file " + path + " does not exist");
   };
   exists(r.data.train, "data.train");
   if (!r.data.val.empty()) exists(r.data.val, "data.val");

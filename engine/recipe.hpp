@@ -22,7 +22,7 @@ class recipe_error : public std::runtime_error {
 struct data_config {
   std::string format = "text";  // text | shards
   std::string train = "/usr/share/games/fortunes";
-  std::string val;              // "" = split val_fraction off the end of train
+  std::string val;  // "" = split val_fraction off the end of train
   double val_fraction = 0.05;
   std::string order = "random";  // random | sequential
 };

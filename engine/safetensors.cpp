@@ -41,7 +41,8 @@ safetensors_file::safetensors_file(const std::filesystem::path& path) : path_(pa
   map_size_ = static_cast<std::size_t>(st.st_size);
   if (map_size_ < 8) {
     ::close(fd);
-    throw file_error(path, "too short for a safetensors file (" + std::to_string(map_size_) + " bytes)");
+    throw file_error(path,
+                     "too short for a safetensors file (" + std::to_string(map_size_) + " bytes)");
   }
   map_ = ::mmap(nullptr, map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
@@ -154,7 +155,8 @@ std::vector<std::int32_t> safetensors_file::read_i32(const std::string& name) co
       std::memcpy(&v, e.data + 2 * i, 2);
       out[i] = v;
     } else {
-      throw file_error(path_, "tensor " + name + " has dtype " + e.dtype + ", expected I32/I64/U16");
+      throw file_error(path_,
+                       "tensor " + name + " has dtype " + e.dtype + ", expected I32/I64/U16");
     }
   }
   return out;
@@ -199,7 +201,8 @@ void write_safetensors(const std::filesystem::path& path,
     if (elem == 0 || static_cast<std::size_t>(kernels::shape_numel(t.shape)) * elem != t.nbytes) {
       throw file_error(path, "tensor " + name + ": size does not match shape and dtype");
     }
-    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.nbytes}}};
+    header[name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.nbytes}}};
     offset += t.nbytes;
   }
   std::string text = header.dump();

@@ -127,7 +127,8 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
     for (int a = 0; a < accum; ++a) {
       train_sampler.fill(std::int64_t{s} * accum + a, inputs.data(), targets.data());
       stage_forward(model, acts, inputs.data(), nullptr);
-      loss_sum += stage_loss_backward_start(model, acts, targets.data(), 1.0f / float(accum)).mean();
+      loss_sum +=
+          stage_loss_backward_start(model, acts, targets.data(), 1.0f / float(accum)).mean();
       stage_backward(model, acts, nullptr, nullptr);
     }
     const auto opt = optimizer.step(model, r.optimizer, s, r.steps);

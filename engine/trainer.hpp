@@ -14,17 +14,17 @@
 namespace troupe::engine {
 
 struct train_callbacks {
-  std::function<void(const step_metrics&)> on_step;   // after every step
+  std::function<void(const step_metrics&)> on_step;    // after every step
   std::function<void(const std::string&)> on_message;  // one-off lines (start, summary)
 };
 
 struct train_summary {
   int steps = 0;
   double final_loss = 0;
-  double final_val_loss = 0;     // NaN when no validation ran
-  double unigram_entropy = 0;    // of the training corpus, nats per token
+  double final_val_loss = 0;   // NaN when no validation ran
+  double unigram_entropy = 0;  // of the training corpus, nats per token
   double seconds = 0;
-  double tokens_per_s = 0;       // over the whole run
+  double tokens_per_s = 0;  // over the whole run
   std::int64_t parameters = 0;
 };
 

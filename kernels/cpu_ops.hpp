@@ -60,8 +60,8 @@ void residual_backward(float* da, float* db, const float* dout, std::int64_t n);
 // Rows whose target equals ignore_index contribute nothing. Loss = mean over counted rows
 // (0 if none). losses[N] (may be nullptr) receives each row's loss (0 for ignored rows).
 struct cross_entropy_result {
-  double loss_sum = 0;      // sum of counted rows' losses
-  std::int64_t count = 0;   // counted rows
+  double loss_sum = 0;     // sum of counted rows' losses
+  std::int64_t count = 0;  // counted rows
   double mean() const { return count > 0 ? loss_sum / static_cast<double>(count) : 0.0; }
 };
 cross_entropy_result cross_entropy_forward(float* losses, const float* logits,

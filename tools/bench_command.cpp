@@ -56,7 +56,8 @@ std::optional<json> run_peer(const std::string& python, const bench::train_step_
                 "/bench/pytorch_train_step.py' --layers %d --heads %d --width %d --vocab %d "
                 "--context %d --batch %d --seq %d --steps %d --warmup %d --threads %d",
                 threads, python.c_str(), c.model.layers, c.model.heads, c.model.width,
-                c.model.vocab_size, c.model.context, c.batch, c.seq_len, o.steps, o.warmup, threads);
+                c.model.vocab_size, c.model.context, c.batch, c.seq_len, o.steps, o.warmup,
+                threads);
   auto out = capture(cmd);
   if (!out) return std::nullopt;
   const auto nl = out->find_last_of('{');
@@ -92,7 +93,8 @@ int run_bench(const bench_options& o) {
   std::string python;
   if (!o.no_peer) {
     python = find_python(o);
-    if (python.empty()) std::fprintf(stderr, "bench: PyTorch peer unavailable (venv could not be built)\n");
+    if (python.empty())
+      std::fprintf(stderr, "bench: PyTorch peer unavailable (venv could not be built)\n");
   }
   json report = {{"threads", threads},
                  {"peak_flops_per_s", peak.flops_per_s},
@@ -125,8 +127,9 @@ int run_bench(const bench_options& o) {
     report["cases"].push_back(entry);
     if (!o.json_output) {
       if (peer_tps > 0) {
-        std::printf("%-60s %12.0f %12.0f %6.2fx %7.1f%% %7.1f%%\n", c.name.c_str(), mine.tokens_per_s,
-                    peer_tps, mine.tokens_per_s / peer_tps, 100 * mine.flops_per_s / peak.flops_per_s,
+        std::printf("%-60s %12.0f %12.0f %6.2fx %7.1f%% %7.1f%%\n", c.name.c_str(),
+                    mine.tokens_per_s, peer_tps, mine.tokens_per_s / peer_tps,
+                    100 * mine.flops_per_s / peak.flops_per_s,
                     100 * entry["pytorch_peak_share"].get<double>());
       } else {
         std::printf("%-60s %12.0f %12s %7s %7.1f%% %8s\n", c.name.c_str(), mine.tokens_per_s, "n/a",
@@ -145,12 +148,15 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto opts = std::make_shared<bench_options>();
   auto* bench = app.add_subcommand("bench", "Benchmarks against peers measured in the same run");
   bench->require_subcommand(1);
-  auto* step = bench->add_subcommand("train-step", "Forward + backward + AdamW tokens/s vs PyTorch eager");
+  auto* step =
+      bench->add_subcommand("train-step", "Forward + backward + AdamW tokens/s vs PyTorch eager");
   step->add_flag("--json", opts->json_output, "Print one JSON report");
   step->add_flag("--no-peer", opts->no_peer, "Skip the PyTorch peer");
-  step->add_option("--python", opts->python, "Python with torch for the peer (default: the oracle venv)");
+  step->add_option("--python", opts->python,
+                   "Python with torch for the peer (default: the oracle venv)");
   step->add_option("--steps", opts->steps, "Timed steps per case")->check(CLI::PositiveNumber);
-  step->add_option("--warmup", opts->warmup, "Untimed warm-up steps per case")->check(CLI::NonNegativeNumber);
+  step->add_option("--warmup", opts->warmup, "Untimed warm-up steps per case")
+      ->check(CLI::NonNegativeNumber);
   return [opts]() { return run_bench(*opts); };
 }
 

@@ -8,8 +8,8 @@ namespace troupe::tools {
 
 // Exit codes shared by every command.
 constexpr int exit_ok = 0;
-constexpr int exit_failure = 1;   // the run failed after starting
-constexpr int exit_bad_input = 2; // bad recipe, key, file or argument: nothing was done
+constexpr int exit_failure = 1;    // the run failed after starting
+constexpr int exit_bad_input = 2;  // bad recipe, key, file or argument: nothing was done
 
 // Each returns the function to run when the subcommand was chosen.
 std::function<int()> add_train_command(CLI::App& app);

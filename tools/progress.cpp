@@ -26,13 +26,15 @@ std::string format_step_line(const engine::step_metrics& m) {
   char val[32] = "";
   if (m.val_loss) std::snprintf(val, sizeof val, " | val %.4f", *m.val_loss);
   char buf[256];
-  std::snprintf(buf, sizeof buf, "step %d/%d | loss %.4f%s | %.0f tok/s | lr %.2e | norm %.3f | ETA %s",
-                m.step, m.total_steps, m.loss, val, m.tokens_per_s, m.lr, m.grad_norm,
+  std::snprintf(buf, sizeof buf,
+                "step %d/%d | loss %.4f%s | %.0f tok/s | lr %.2e | norm %.3f | ETA %s", m.step,
+                m.total_steps, m.loss, val, m.tokens_per_s, m.lr, m.grad_norm,
                 format_duration(eta).c_str());
   return buf;
 }
 
-progress_printer::progress_printer(std::FILE* out) : out_(out), tty_(::isatty(::fileno(out)) != 0) {}
+progress_printer::progress_printer(std::FILE* out)
+    : out_(out), tty_(::isatty(::fileno(out)) != 0) {}
 
 void progress_printer::step(const engine::step_metrics& m) {
   std::string line = format_step_line(m);

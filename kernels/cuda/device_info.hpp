@@ -6,8 +6,8 @@
 
 namespace troupe::kernels {
 
-bool cuda_compiled();          // true when the build included CUDA
-int cuda_device_count();       // 0 when there is no usable GPU
+bool cuda_compiled();                     // true when the build included CUDA
+int cuda_device_count();                  // 0 when there is no usable GPU
 std::string cuda_device_name(int index);  // "" when not available
 
 }  // namespace troupe::kernels

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what is missing on a Debian 12 machine (Debian packages only) and builds Troupe into
+# ${BUILD_DIR:-build}. Safe to run again: it installs nothing that is already there and
+# rebuilds only what changed. CUDA is built when nvcc exists (/usr/local/cuda), never required.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+packages=(g++ meson ninja-build pkg-config ccache clang-format
+          libopenblas-openmp-dev catch2 libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
+          libxxhash-dev fortunes python3-venv)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+build="${BUILD_DIR:-build}"
+if [ ! -f "$build/build.ninja" ]; then
+  meson setup "$build" ${MESON_ARGS:-} >&2
+fi
+ninja -C "$build" >&2

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs the whole test suite:
+#   1. unit, cli and oracle suites on the release build (the oracle builds a cached Python venv
+#      with torch/transformers from PyPI the first time; SKIP if it cannot);
+#   2. unit and cli suites again under AddressSanitizer + UndefinedBehaviorSanitizer;
+#   3. clang-format check of every C++ source.
+# Ends with one line "tests: N passed, N failed, N skipped" and a non-zero exit on any failure.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/setup.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+passed=0 failed=0 skipped=0
+tally() {  # tally LOG: adds meson's summary counts
+  local ok fail skip tout
+  ok=$(awk '/^Ok:/ {print $2}' "$1" | tail -1)
+  fail=$(awk '/^Fail:/ {print $2}' "$1" | tail -1)
+  skip=$(awk '/^Skipped:/ {print $2}' "$1" | tail -1)
+  tout=$(awk '/^Timeout:/ {print $2}' "$1" | tail -1)
+  passed=$((passed + ${ok:-0})); failed=$((failed + ${fail:-0} + ${tout:-0})); skipped=$((skipped + ${skip:-0}))
+}
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+
+echo "== release build: unit, cli, oracle =="
+meson test -C build --print-errorlogs --num-processes 2 2>&1 | tee "$log" || status=1
+tally "$log"
+
+echo "== ASan + UBSan build: unit, cli =="
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+if BUILD_DIR=build-asan MESON_ARGS="-Dbuildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dwith_cuda=disabled" bash scripts/setup.sh; then
+  meson test -C build-asan --suite unit --suite cli --print-errorlogs --num-processes 2 2>&1 | tee "$log" || status=1
+  tally "$log"
+else
+  echo "sanitizer build failed"; failed=$((failed + 1)); status=1
+fi
+
+echo "== clang-format =="
+if git ls-files '*.cpp' '*.hpp' '*.cu' | xargs -r clang-format --dry-run --Werror; then
+  passed=$((passed + 1))
+else
+  echo "clang-format: files above need formatting (clang-format -i)"; failed=$((failed + 1)); status=1
+fi
+
+echo "tests: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ] && [ "$status" -eq 0 ]
