@@ -172,7 +172,6 @@ std::filesystem::path recipe::weights_path() const {
 recipe parse_recipe(std::string_view toml_text, const std::string& source,
                     const std::vector<std::string>& overrides) {
   recipe r;
-  r.model.padded_vocab_size = 0;  // 0 = same as vocab_size unless set
   toml::table table;
   try {
     table = toml::parse(toml_text, source);
@@ -183,12 +182,20 @@ recipe parse_recipe(std::string_view toml_text, const std::string& source,
   }
   apply_table(r, table, "", source);
   for (const auto& o : overrides) apply_override(r, o);
-  if (r.model.padded_vocab_size == 0) r.model.padded_vocab_size = r.model.vocab_size;
+  // padded_vocab_size defaults to vocab_size (whatever value vocab_size ends up with).
+  bool padded_set = table.at_path("model.padded_vocab_size").node() != nullptr;
+  for (const auto& o : overrides)
+    padded_set = padded_set || o.starts_with("model.padded_vocab_size=");
+  if (!padded_set) r.model.padded_vocab_size = r.model.vocab_size;
   validate_recipe(r);
   return r;
 }
 
 recipe load_recipe(const std::filesystem::path& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    throw recipe_error(path.string() + ": cannot read recipe (not a file)");
+  }
   std::ifstream in(path);
   if (!in) throw recipe_error(path.string() + ": cannot read recipe");
   std::stringstream text;

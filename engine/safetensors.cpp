@@ -100,6 +100,8 @@ safetensors_file::safetensors_file(const std::filesystem::path& path) : path_(pa
         entries_.emplace(name, std::move(entry));
       } catch (const json::exception& ex) {
         throw file_error(path, "tensor " + name + ": bad header entry (" + ex.what() + ")");
+      } catch (const std::invalid_argument& ex) {
+        throw file_error(path, "tensor " + name + ": " + ex.what());
       }
     }
   } catch (...) {

@@ -25,11 +25,19 @@ data::token_corpus load_corpus(const data_config& d, const std::string& path) {
 
 datasets load_datasets(const recipe& r) {
   datasets out;
+  if (!r.data.val.empty()) {
+    try {
+      out.val = load_corpus(r.data, r.data.val);
+      out.val.check_vocab(r.model.vocab_size);
+    } catch (const std::exception& e) {
+      throw recipe_error(std::string("key data.val: ") + e.what());
+    }
+  }
   try {
     data::token_corpus all = load_corpus(r.data, r.data.train);
+    all.check_vocab(r.model.vocab_size);
     if (!r.data.val.empty()) {
       out.train = all;
-      out.val = load_corpus(r.data, r.data.val);
     } else if (r.data.val_fraction > 0) {
       auto split = data::split_validation(all, r.data.val_fraction);
       out.train = split.train;
@@ -37,8 +45,6 @@ datasets load_datasets(const recipe& r) {
     } else {
       out.train = all;
     }
-    out.train.check_vocab(r.model.vocab_size);
-    if (!out.val.empty()) out.val.check_vocab(r.model.vocab_size);
   } catch (const recipe_error&) {
     throw;
   } catch (const std::exception& e) {

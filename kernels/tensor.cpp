@@ -2,6 +2,7 @@
 #include "kernels/tensor.hpp"
 
 #include <bit>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -36,6 +37,9 @@ std::int64_t shape_numel(const shape_t& shape) {
   std::int64_t n = 1;
   for (auto d : shape) {
     if (d < 0) throw std::invalid_argument("negative dimension in shape " + shape_string(shape));
+    if (d != 0 && n > INT64_MAX / d) {
+      throw std::invalid_argument("shape " + shape_string(shape) + " has too many elements");
+    }
     n *= d;
   }
   return n;

@@ -4,9 +4,9 @@
 // hf_reference.py. Error of a tensor = max|troupe - hf| / max|hf| (relative to the tensor's
 // scale, so near-zero entries do not divide by ~0). Exit 0 when every error <= 1e-4.
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -55,7 +55,8 @@ int main(int argc, char** argv) {
     engine::gpt_config config;
     config.vocab_size = V;
     config.padded_vocab_size = V + 6;  // exercise vocabulary padding: must not change anything
-    const auto& wpe = weights.at(weights.contains("transformer.wpe.weight") ? "transformer.wpe.weight" : "wpe.weight");
+    const auto& wpe = weights.at(
+        weights.contains("transformer.wpe.weight") ? "transformer.wpe.weight" : "wpe.weight");
     config.context = static_cast<int>(wpe.shape[0]);
     config.width = static_cast<int>(wpe.shape[1]);
     config.layers = 0;
