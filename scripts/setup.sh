@@ -27,5 +27,7 @@ fi
 build="${BUILD_DIR:-build}"
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" ${MESON_ARGS:-} >&2
+elif [ -n "${MESON_ARGS:-}" ]; then
+  meson configure "$build" ${MESON_ARGS} >&2
 fi
 ninja -C "$build" >&2

@@ -31,9 +31,11 @@ meson test -C build --print-errorlogs --num-processes 2 2>&1 | tee "$log" || sta
 tally "$log"
 
 echo "== ASan + UBSan build: unit, cli =="
+# GCC 12 reports false maybe-uninitialized warnings inside libstdc++ (std::regex, std::function)
+# when sanitizers are on; that one warning is not an error in this build only.
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
-if BUILD_DIR=build-asan MESON_ARGS="-Dbuildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dwith_cuda=disabled" bash scripts/setup.sh; then
+if BUILD_DIR=build-asan MESON_ARGS="-Dbuildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dwith_cuda=disabled -Dcpp_args=-Wno-maybe-uninitialized" bash scripts/setup.sh; then
   meson test -C build-asan --suite unit --suite cli --print-errorlogs --num-processes 2 2>&1 | tee "$log" || status=1
   tally "$log"
 else

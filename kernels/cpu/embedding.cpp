@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu_ops.hpp"
 
 namespace troupe::kernels {
@@ -31,12 +32,9 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::
   if (N <= 0 || C <= 0) return;
 #pragma omp parallel
   {
-    // This thread's block of channels, a multiple of 16 floats wide.
-    const int nt = omp_get_num_threads();
-    const int tid = omp_get_thread_num();
-    const int chunk = ((C + nt - 1) / nt + 15) / 16 * 16;
-    const int c0 = std::min(C, tid * chunk);
-    const int c1 = std::min(C, c0 + chunk);
+    const channel_block block = thread_channel_block(C);
+    const int c0 = block.begin;
+    const int c1 = block.end;
     for (std::int64_t n = 0; n < N && c0 < c1; ++n) {
       const float* d = dout + n * C;
       if (dwte) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu_ops.hpp"
 
 namespace troupe::kernels {
@@ -77,11 +78,9 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   if (dweight || dbias) {
 #pragma omp parallel
     {
-      const int nt = omp_get_num_threads();
-      const int tid = omp_get_thread_num();
-      const int chunk = ((C + nt - 1) / nt + 15) / 16 * 16;
-      const int c0 = std::min(C, tid * chunk);
-      const int c1 = std::min(C, c0 + chunk);
+      const channel_block block = thread_channel_block(C);
+      const int c0 = block.begin;
+      const int c1 = block.end;
       const int len = c1 - c0;
       if (len > 0) {
         std::vector<double> acc_w(static_cast<std::size_t>(len), 0.0);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu_ops.hpp"
 
 namespace troupe::kernels {
@@ -52,11 +53,9 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
   if (dbias) {
 #pragma omp parallel
     {
-      const int nt = omp_get_num_threads();
-      const int tid = omp_get_thread_num();
-      const int chunk = ((OC + nt - 1) / nt + 15) / 16 * 16;
-      const int j0 = std::min(OC, tid * chunk);
-      const int j1 = std::min(OC, j0 + chunk);
+      const channel_block block = thread_channel_block(OC);
+      const int j0 = block.begin;
+      const int j1 = block.end;
       const int len = j1 - j0;
       if (len > 0) {
         std::vector<double> acc(static_cast<std::size_t>(len), 0.0);
