@@ -207,7 +207,7 @@ void add_into(float* out, const float* a, std::int64_t n) {
 }  // namespace
 
 const float* stage_output(const gpt_activations& acts) {
-  if (acts.logits_.defined() && acts.logits_.numel() > 0) return acts.logits_.f32();
+  if (acts.logits_.numel() > 0) return acts.logits_.f32();
   if (!acts.layers_.empty()) return acts.layers_.back().res3.f32();
   return acts.encoded_.numel() > 0 ? acts.encoded_.f32() : acts.input_;
 }

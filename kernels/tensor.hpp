@@ -46,7 +46,6 @@ class tensor {
   dtype type() const { return type_; }
   device_kind device() const { return device_; }
   bool owns_storage() const { return storage_ != nullptr; }
-  bool defined() const { return data_ != nullptr || numel_ == 0; }
 
   void* data() const { return data_; }
   float* f32() const;  // checks dtype::f32
