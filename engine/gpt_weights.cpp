@@ -95,10 +95,7 @@ void load_hf_weights(gpt_stage& stage, const std::filesystem::path& path) {
     float* dst = stage.params() + p->offset;
     const float* src = t.f32();
     if (p->conv1d) {  // [in, out] -> [out, in]
-      const std::int64_t out = p->shape[0], in = p->shape[1];
-      for (std::int64_t i = 0; i < in; ++i) {
-        for (std::int64_t o = 0; o < out; ++o) dst[o * in + i] = src[i * out + o];
-      }
+      kernels::transpose_2d(dst, src, p->shape[1], p->shape[0]);
     } else {
       std::memcpy(dst, src, t.nbytes());
       std::fill(dst + t.numel(), dst + p->numel, 0.0f);  // padded vocabulary rows
@@ -115,10 +112,7 @@ void save_hf_weights(const gpt_stage& stage, const std::filesystem::path& path) 
     const auto shape = hf_shape(c, p);
     if (p.conv1d) {
       kernels::tensor t = kernels::tensor::empty(shape);
-      const std::int64_t o_n = p.shape[0], in = p.shape[1];
-      for (std::int64_t o = 0; o < o_n; ++o) {
-        for (std::int64_t i = 0; i < in; ++i) t.f32()[i * o_n + o] = src[o * in + i];
-      }
+      kernels::transpose_2d(t.f32(), src, p.shape[0], p.shape[1]);
       src = t.f32();
       buffers.push_back(t);
     }

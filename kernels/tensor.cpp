@@ -110,6 +110,12 @@ void tensor::fill_zero() const {
   if (numel_ > 0) std::memset(data_, 0, nbytes());
 }
 
+void transpose_2d(float* dst, const float* src, std::int64_t rows, std::int64_t cols) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  }
+}
+
 float bf16_to_f32(std::uint16_t x) { return std::bit_cast<float>(std::uint32_t{x} << 16); }
 
 std::uint16_t f32_to_bf16(float x) {

@@ -65,6 +65,9 @@ class tensor {
   device_kind device_ = device_kind::cpu;
 };
 
+// dst[cols, rows] = src[rows, cols]^T (row-major). Hugging Face Conv1D <-> [out, in] layout.
+void transpose_2d(float* dst, const float* src, std::int64_t rows, std::int64_t cols);
+
 // bf16 / f16 <-> f32 conversions (round to nearest even), for import and export.
 float bf16_to_f32(std::uint16_t x);
 std::uint16_t f32_to_bf16(float x);

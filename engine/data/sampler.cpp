@@ -3,6 +3,8 @@
 // state exists and fill(i) never depends on call history.
 #include "engine/data/sampler.hpp"
 
+#include "engine/random.hpp"
+
 #include <limits>
 #include <stdexcept>
 #include <utility>
@@ -18,13 +20,6 @@ sample_order parse_sample_order(std::string_view name) {
 
 std::string_view to_string(sample_order order) {
   return order == sample_order::random ? "random" : "sequential";
-}
-
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
 }
 
 namespace {

@@ -27,9 +27,6 @@ struct sampler_config {
   std::int64_t dp_size = 1;
 };
 
-// splitmix64 finaliser (counter-based hash used by the random order).
-std::uint64_t splitmix64(std::uint64_t x);
-
 class batch_sampler {
  public:
   // Validates the config and that the corpus is large enough: sequential needs B*T+1 tokens,

@@ -94,10 +94,7 @@ int main(int argc, char** argv) {
       std::vector<float> got(static_cast<std::size_t>(want.numel()));
       const float* g = model.grads() + p.offset;
       if (p.conv1d) {
-        const std::int64_t out = p.shape[0], in = p.shape[1];
-        for (std::int64_t o = 0; o < out; ++o) {
-          for (std::int64_t i = 0; i < in; ++i) got[i * out + o] = g[o * in + i];
-        }
+        kernels::transpose_2d(got.data(), g, p.shape[0], p.shape[1]);
       } else {
         std::copy(g, g + want.numel(), got.begin());
       }
