@@ -14,5 +14,6 @@ constexpr int exit_bad_input = 2;  // bad recipe, key, file or argument: nothing
 // Each returns the function to run when the subcommand was chosen.
 std::function<int()> add_train_command(CLI::App& app);
 std::function<int()> add_bench_command(CLI::App& app);
+std::function<int()> add_trace_command(CLI::App& app);
 
 }  // namespace troupe::tools

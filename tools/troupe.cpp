@@ -1,4 +1,4 @@
-// `troupe`: the command line. Subcommands: train, bench.
+// `troupe`: the command line. Subcommands: train, bench, trace.
 #include <cstdio>
 #include <exception>
 
@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   std::function<int()> run;
   auto train = troupe::tools::add_train_command(app);
   auto bench = troupe::tools::add_bench_command(app);
+  auto trace = troupe::tools::add_trace_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("bench")) return bench();
+    if (app.got_subcommand("trace")) return trace();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "troupe: error: %s\n", e.what());
     return troupe::tools::exit_failure;
