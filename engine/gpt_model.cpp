@@ -1,8 +1,9 @@
-// GPT-2 stage: parameter layout, initialisation, forward and backward. See gpt_model.hpp.
+// GPT-2 stage: parameter layout, initialisation and forward (backward: gpt_backward.cpp).
+// See gpt_model.hpp.
 #include "engine/gpt_model.hpp"
 
+#include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <stdexcept>
 
 #include "engine/random.hpp"
@@ -187,10 +188,12 @@ gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T) : B_(B), 
     logits_ = tensor::empty({N, std::int64_t{c.padded_vocab_size}});
   }
   dres_ = tensor::empty({N, C});
+  dres_next_ = tensor::empty({N, C});
   dres_mid_ = tensor::empty({N, C});
   dln_ = tensor::empty({N, C});
   datty_ = tensor::empty({N, C});
   if (!layers_.empty()) {
+    dln1_ = tensor::empty({N, C});
     dqkv_ = tensor::empty({N, 3 * C});
     dfch_ = tensor::empty({N, 4 * C});
     dfch_gelu_ = tensor::empty({N, 4 * C});
@@ -217,6 +220,10 @@ void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_
   const auto& c = stage.config();
   const int B = a.B_, T = a.T_, C = c.width, NH = c.heads, Vp = c.padded_vocab_size;
   const int N = B * T;
+  if (a.weight_grads_pending_) {
+    throw std::logic_error(
+        "stage_forward: these activations still wait for stage_backward_weight, which needs them");
+  }
   const float* x;
   if (stage.range().embedding) {
     a.tokens_ = tokens;
@@ -281,76 +288,6 @@ kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage, 
                                                    ignore_index, grad_scale);
   a.logits_are_grads_ = true;
   return r;
-}
-
-void stage_backward(const gpt_stage& stage, gpt_activations& a, const float* doutput,
-                    float* dinput) {
-  const auto& c = stage.config();
-  const int B = a.B_, T = a.T_, C = c.width, NH = c.heads, Vp = c.padded_vocab_size;
-  const int N = B * T;
-  const std::int64_t NC = std::int64_t{N} * C;
-  float* dres = a.dres_.f32();
-  // The input of layer i (or of the head when i == number of layers).
-  auto layer_input = [&](std::size_t i) -> const float* {
-    if (i > 0) return a.layers_[i - 1].res3.f32();
-    return stage.range().embedding ? a.encoded_.f32() : a.input_;
-  };
-  if (stage.range().head) {
-    if (!a.logits_are_grads_)
-      throw std::logic_error("stage_backward on the last stage needs the loss first");
-    a.dln_.fill_zero();
-    kernels::linear_backward(
-        a.dln_.f32(), stage.grads() + stage.parameter("transformer.wte.weight").offset, nullptr,
-        a.logits_.f32(), a.lnf_.f32(), stage.param("transformer.wte.weight").f32(), N, C, Vp);
-    a.dres_.fill_zero();
-    kernels::layernorm_backward(
-        dres, stage.grad("transformer.ln_f.weight").f32(),
-        stage.grad("transformer.ln_f.bias").f32(), a.dln_.f32(), layer_input(a.layers_.size()),
-        stage.param("transformer.ln_f.weight").f32(), a.lnf_mean_.f32(), a.lnf_rstd_.f32(), N, C);
-  } else {
-    std::memcpy(dres, doutput, static_cast<std::size_t>(NC) * sizeof(float));
-  }
-  for (std::size_t i = a.layers_.size(); i-- > 0;) {
-    auto& L = a.layers_[i];
-    const std::string p =
-        "transformer.h." + std::to_string(stage.range().first_layer + static_cast<int>(i)) + ".";
-    auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
-    auto G = [&](const char* n) { return stage.grads() + stage.parameter(p + n).offset; };
-    // MLP branch: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))).
-    a.dfch_gelu_.fill_zero();
-    kernels::linear_backward(a.dfch_gelu_.f32(), G("mlp.c_proj.weight"), G("mlp.c_proj.bias"), dres,
-                             L.fch_gelu.f32(), P("mlp.c_proj.weight"), N, 4 * C, C);
-    a.dfch_.fill_zero();
-    kernels::gelu_backward(a.dfch_.f32(), L.fch.f32(), a.dfch_gelu_.f32(), std::int64_t{N} * 4 * C);
-    a.dln_.fill_zero();
-    kernels::linear_backward(a.dln_.f32(), G("mlp.c_fc.weight"), G("mlp.c_fc.bias"), a.dfch_.f32(),
-                             L.ln2.f32(), P("mlp.c_fc.weight"), N, C, 4 * C);
-    std::memcpy(a.dres_mid_.f32(), dres, static_cast<std::size_t>(NC) * sizeof(float));
-    kernels::layernorm_backward(a.dres_mid_.f32(), G("ln_2.weight"), G("ln_2.bias"), a.dln_.f32(),
-                                L.res2.f32(), P("ln_2.weight"), L.ln2_mean.f32(), L.ln2_rstd.f32(),
-                                N, C);
-    // Attention branch: res2 = x + c_proj(attn(c_attn(ln_1(x)))).
-    a.datty_.fill_zero();
-    kernels::linear_backward(a.datty_.f32(), G("attn.c_proj.weight"), G("attn.c_proj.bias"),
-                             a.dres_mid_.f32(), L.atty.f32(), P("attn.c_proj.weight"), N, C, C);
-    a.dqkv_.fill_zero();
-    kernels::attention_backward(a.dqkv_.f32(), a.datty_.f32(), L.qkv.f32(), L.att.f32(), B, T, C,
-                                NH);
-    a.dln_.fill_zero();
-    kernels::linear_backward(a.dln_.f32(), G("attn.c_attn.weight"), G("attn.c_attn.bias"),
-                             a.dqkv_.f32(), L.ln1.f32(), P("attn.c_attn.weight"), N, C, 3 * C);
-    std::memcpy(dres, a.dres_mid_.f32(), static_cast<std::size_t>(NC) * sizeof(float));
-    kernels::layernorm_backward(dres, G("ln_1.weight"), G("ln_1.bias"), a.dln_.f32(),
-                                layer_input(i), P("ln_1.weight"), L.ln1_mean.f32(),
-                                L.ln1_rstd.f32(), N, C);
-  }
-  if (stage.range().embedding) {
-    kernels::embedding_backward(stage.grad("transformer.wte.weight").f32(),
-                                stage.grad("transformer.wpe.weight").f32(), dres, a.tokens_, B, T,
-                                C);
-  } else if (dinput) {
-    std::memcpy(dinput, dres, static_cast<std::size_t>(NC) * sizeof(float));
-  }
 }
 
 }  // namespace troupe::engine

@@ -11,10 +11,17 @@
 //    stage can hold several micro-batches in flight.
 //  - A last stage without the embedding holds its own copy of the tied wte; keeping the two
 //    copies equal (summing their gradients) is the pipeline's job.
+//  - Backward can run whole (stage_backward) or split (Qi et al. 2024, zero-bubble pipelines):
+//    B = stage_backward_input (input gradient only, no weight-gradient GEMM) and later
+//    W = stage_backward_weight (the weight gradients from what B saved). Both give
+//    stage_backward's numbers bitwise. The forward/backward code is in gpt_model.cpp and
+//    gpt_backward.cpp.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu_ops.hpp"
@@ -105,12 +112,29 @@ class gpt_activations {
                                                                  const std::int32_t*, float);
   friend kernels::cross_entropy_result stage_loss(const gpt_stage&, gpt_activations&,
                                                   const std::int32_t*);
-  friend void stage_backward(const gpt_stage&, gpt_activations&, const float*, float*);
   friend const float* stage_output(const gpt_activations&);
+  friend struct backward_pass;  // stage_backward, _input and _weight (gpt_backward.cpp)
 
   struct layer_acts {
     kernels::tensor ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2;
     kernels::tensor ln2, ln2_mean, ln2_rstd, fch, fch_gelu, res3;
+  };
+  // The gradients of one block's linear and layernorm outputs, which its weight gradients need.
+  // [N,C] unless noted.
+  struct layer_output_grads {
+    kernels::tensor mlp_proj;   // of res3 (mlp.c_proj output)
+    kernels::tensor fc;         // of mlp.c_fc output, before GELU [N,4C]
+    kernels::tensor ln2;        // of ln_2 output
+    kernels::tensor attn_proj;  // of res2 (attn.c_proj output)
+    kernels::tensor qkv;        // of attn.c_attn output [N,3C]
+    kernels::tensor ln1;        // of ln_1 output
+  };
+  // What stage_backward_input saves for stage_backward_weight. Allocated by the first
+  // stage_backward_input only. The head's dlogits stay in logits_.
+  struct saved_output_grads {
+    std::vector<layer_output_grads> layers;
+    kernels::tensor lnf;      // of ln_f output (last stage)
+    kernels::tensor encoded;  // of the embedding output (first stage)
   };
   int B_, T_;
   const std::int32_t* tokens_ = nullptr;  // first stage: the micro-batch's tokens (caller keeps)
@@ -118,13 +142,19 @@ class gpt_activations {
   kernels::tensor encoded_;               // first stage: embedding output
   std::vector<layer_acts> layers_;
   kernels::tensor lnf_, lnf_mean_, lnf_rstd_, logits_;  // last stage
-  // Gradient scratch, reused layer by layer.
-  kernels::tensor dres_, dln_, dqkv_, datty_, dfch_, dfch_gelu_, dres_mid_;
+  // Gradient scratch, reused layer by layer. dres_ and dres_next_ take turns holding the
+  // gradient of a block's output and of its input.
+  kernels::tensor dres_, dres_next_, dln_, dln1_, dqkv_, datty_, dfch_, dfch_gelu_, dres_mid_;
   bool logits_are_grads_ = false;
+  saved_output_grads saved_;
+  bool saved_allocated_ = false;
+  bool weight_grads_pending_ = false;  // stage_backward_input ran, stage_backward_weight not yet
 };
 
 // Forward through the stage. First stage: tokens[B*T] (input ignored). Later stages:
-// input[B*T*C] (tokens ignored). Pointers must stay valid until backward.
+// input[B*T*C] (tokens ignored). Pointers must stay valid until backward (until
+// stage_backward_weight when the backward is split). Throws std::logic_error while the
+// activations still wait for a stage_backward_weight (the forward would overwrite what it needs).
 void stage_forward(const gpt_stage& stage, gpt_activations& acts, const std::int32_t* tokens,
                    const float* input);
 // Last stage only, after stage_forward: the loss against targets (ignore index -100), no grads.
@@ -136,12 +166,40 @@ kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage,
                                                         gpt_activations& acts,
                                                         const std::int32_t* targets,
                                                         float grad_scale);
+// Contiguous parameter ranges of a stage whose gradients become final together in backward.
+struct grad_block {
+  std::string name;                                           // "head", "h.<layer>", "embedding"
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  // (offset, numel) into flat buffers
+};
+// In the order backward completes them: "head" (ln_f, plus the tied wte copy on a last stage
+// WITHOUT the embedding), then "h.N" from the last layer to the first, then "embedding" (wte +
+// wpe; on a stage with both embedding and head the wte belongs here because the embedding
+// backward is the last to touch it). Every parameter is in exactly one block. A range spans
+// consecutive parameters of the layout and so includes the alignment padding between them
+// (never written, zero in the gradient buffer); ranges are in increasing offset order.
+std::vector<grad_block> stage_grad_blocks(const gpt_stage& stage);
+// Called with an index into stage_grad_blocks(stage).
+using grad_block_fn = std::function<void(int block_index)>;
+
 // Backward through the stage, ACCUMULATING parameter gradients into stage.grads().
 // Last stage: doutput is ignored (the loss gradient is used). Other stages: doutput[B*T*C].
 // dinput[B*T*C] (not for the first stage; may be nullptr) is OVERWRITTEN with the gradient of
-// the stage's input.
+// the stage's input. on_block_done(i) (if set) runs right after block i's gradient for this
+// micro-batch is fully accumulated, so a data-parallel reduction can start on it while
+// backward continues on earlier layers.
 void stage_backward(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
-                    float* dinput);
+                    float* dinput, const grad_block_fn& on_block_done = {});
+// B of a split backward: dinput exactly as stage_backward (same doutput and loss rules), and
+// the output gradients that the weight gradients need saved in acts (allocated on first use).
+// No parameter gradient is touched and no weight-gradient GEMM runs. Throws std::logic_error
+// while an earlier B on these activations waits for its W.
+void stage_backward_input(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+                          float* dinput);
+// W of a split backward: the weight gradients of the micro-batch whose stage_backward_input
+// ran, ACCUMULATED into stage.grads() (bitwise what stage_backward adds), calling
+// on_block_done as stage_backward does. Throws std::logic_error if no B waits for its W.
+void stage_backward_weight(const gpt_stage& stage, gpt_activations& acts,
+                           const grad_block_fn& on_block_done = {});
 // The stage's output hidden state [B,T,C] (not for the last stage) or logits [B,T,Vp].
 const float* stage_output(const gpt_activations& acts);
 

@@ -19,11 +19,50 @@ adamw_optimizer::adamw_optimizer(const gpt_stage& stage)
     : m_(kernels::tensor::zeros({stage.parameter_count()})),
       v_(kernels::tensor::zeros({stage.parameter_count()})) {}
 
+double grad_square_sum(const gpt_stage& stage, bool count_tied_copy) {
+  double sum = 0;
+  const bool tied_copy = stage.range().head && !stage.range().embedding;
+  for (const auto& p : stage.parameters()) {
+    if (tied_copy && !count_tied_copy && p.name == "transformer.wte.weight") continue;
+    const kernels::gradient_span g{stage.grads() + p.offset, p.numel};
+    const double n = kernels::global_grad_norm({&g, 1});
+    sum += n * n;
+  }
+  return sum;
+}
+
+double clip_coefficient(double grad_norm, double max_norm) {
+  if (max_norm <= 0) return 1.0;
+  const double coef = max_norm / (grad_norm + 1e-6);
+  return coef < 1.0 ? coef : 1.0;
+}
+
 adamw_optimizer::step_result adamw_optimizer::step(gpt_stage& stage, const optimizer_config& c,
                                                    int step, int total_steps) {
   step_result r;
   const kernels::gradient_span all{stage.grads(), stage.parameter_count()};
   r.grad_norm = kernels::clip_grad_norm({&all, 1}, c.grad_clip);
+  update(stage, c, step, total_steps, r);
+  return r;
+}
+
+adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_stage& stage,
+                                                             const optimizer_config& c, int step,
+                                                             int total_steps, double grad_norm) {
+  step_result r;
+  r.grad_norm = grad_norm;
+  const double coef = clip_coefficient(grad_norm, c.grad_clip);
+  if (coef < 1.0) {
+    const float f = static_cast<float>(coef);
+    float* g = stage.grads();
+    for (std::int64_t i = 0; i < stage.parameter_count(); ++i) g[i] *= f;
+  }
+  update(stage, c, step, total_steps, r);
+  return r;
+}
+
+void adamw_optimizer::update(gpt_stage& stage, const optimizer_config& c, int step, int total_steps,
+                             step_result& r) {
   r.lr = learning_rate(c, step, total_steps);
   kernels::adamw_hparams hp;
   hp.lr = static_cast<float>(r.lr);
@@ -35,7 +74,6 @@ adamw_optimizer::step_result adamw_optimizer::step(gpt_stage& stage, const optim
     kernels::adamw_update(stage.params() + p.offset, stage.grads() + p.offset, m_.f32() + p.offset,
                           v_.f32() + p.offset, p.numel, hp, step + 1, p.decay);
   }
-  return r;
 }
 
 }  // namespace troupe::engine

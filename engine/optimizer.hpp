@@ -25,6 +25,14 @@ struct optimizer_config {
 // The learning rate of 0-based step `step` out of `total_steps` (docs/recipe.md).
 double learning_rate(const optimizer_config& config, int step, int total_steps);
 
+// Sum of squared gradients of a stage, in double. A last stage without the embedding holds a
+// copy of the tied wte; pass count_tied_copy = false so the pipeline counts wte once.
+double grad_square_sum(const gpt_stage& stage, bool count_tied_copy = true);
+
+// torch.nn.utils.clip_grad_norm_'s factor for a global norm: max_norm / (norm + 1e-6) when
+// that is < 1, else 1 (and 1 when max_norm <= 0).
+double clip_coefficient(double grad_norm, double max_norm);
+
 class adamw_optimizer {
  public:
   explicit adamw_optimizer(const gpt_stage& stage);
@@ -37,10 +45,17 @@ class adamw_optimizer {
   // step is 0-based; the bias correction uses step + 1.
   step_result step(gpt_stage& stage, const optimizer_config& config, int step, int total_steps);
 
+  // The same, when the gradient norm is global over several stages (a pipeline): the caller
+  // computed grad_norm from every stage's grad_square_sum; this clips with it and updates.
+  step_result step_with_norm(gpt_stage& stage, const optimizer_config& config, int step,
+                             int total_steps, double grad_norm);
+
   const kernels::tensor& first_moment() const { return m_; }
   const kernels::tensor& second_moment() const { return v_; }
 
  private:
+  void update(gpt_stage& stage, const optimizer_config& config, int step, int total_steps,
+              step_result& r);
   kernels::tensor m_, v_;
 };
 

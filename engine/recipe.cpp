@@ -10,11 +10,12 @@
 #include <variant>
 
 #include "engine/gpt_weights.hpp"
+#include "engine/schedule.hpp"
 
 namespace troupe::engine {
 namespace {
 
-enum class kind { integer, floating, string };
+enum class kind { integer, floating, string, integer_array };
 
 struct field {
   kind type;
@@ -34,6 +35,8 @@ field nested(S recipe::*sub, T S::*member) {
   kind k;
   if constexpr (std::is_same_v<T, std::string>) {
     k = kind::string;
+  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+    k = kind::integer_array;
   } else if constexpr (std::is_floating_point_v<T>) {
     k = kind::floating;
   } else {
@@ -42,6 +45,11 @@ field nested(S recipe::*sub, T S::*member) {
   return {k, [sub, member](recipe& r, const toml::node& n) {
             if constexpr (std::is_same_v<T, std::string>) {
               (r.*sub).*member = *n.value<std::string>();
+            } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+              auto& out = (r.*sub).*member;
+              out.clear();
+              for (const auto& e : *n.as_array())
+                out.push_back(static_cast<int>(*e.value<std::int64_t>()));
             } else if constexpr (std::is_floating_point_v<T>) {
               (r.*sub).*member = static_cast<T>(*n.value<double>());
             } else {
@@ -84,6 +92,15 @@ const std::map<std::string, field>& schema() {
       {"output.dir", nested(&recipe::output, &output_config::dir)},
       {"output.metrics", nested(&recipe::output, &output_config::metrics)},
       {"output.weights", nested(&recipe::output, &output_config::weights)},
+      {"parallel.pp", nested(&recipe::parallel, &parallel_config::pp)},
+      {"parallel.dp", nested(&recipe::parallel, &parallel_config::dp)},
+      {"parallel.schedule", nested(&recipe::parallel, &parallel_config::schedule)},
+      {"parallel.virtual_stages", nested(&recipe::parallel, &parallel_config::virtual_stages)},
+      {"parallel.micro_batches", nested(&recipe::parallel, &parallel_config::micro_batches)},
+      {"parallel.layer_split", nested(&recipe::parallel, &parallel_config::layer_split)},
+      {"parallel.link_credits", nested(&recipe::parallel, &parallel_config::link_credits)},
+      {"parallel.prefetch", nested(&recipe::parallel, &parallel_config::prefetch)},
+      {"parallel.bucket_layers", nested(&recipe::parallel, &parallel_config::bucket_layers)},
   };
   return fields;
 }
@@ -96,6 +113,8 @@ const char* kind_name(kind k) {
       return "a number";
     case kind::string:
       return "a string";
+    case kind::integer_array:
+      return "an array of integers";
   }
   return "?";
 }
@@ -109,6 +128,15 @@ void apply(recipe& r, const std::string& key, const toml::node& node, const std:
   if (k == kind::integer) ok = node.is_integer();
   if (k == kind::floating) ok = node.is_integer() || node.is_floating_point();
   if (k == kind::string) ok = node.is_string();
+  if (k == kind::integer_array) {
+    const auto* a = node.as_array();
+    ok = a != nullptr;
+    if (a) {
+      for (const auto& e : *a)
+        ok = ok && e.is_integer() && *e.value<std::int64_t>() >= INT32_MIN &&
+             *e.value<std::int64_t>() <= INT32_MAX;
+    }
+  }
   if (!ok) throw recipe_error(source + ": key " + key + " must be " + kind_name(k));
   if (k == kind::integer) {
     const auto v = *node.value<std::int64_t>();
@@ -156,6 +184,47 @@ void apply_override(recipe& r, const std::string& text) {
 
 void require(bool ok, const std::string& key, const std::string& what) {
   if (!ok) throw recipe_error("key " + key + ": " + what);
+}
+
+// Nonsensical parallel layouts are refused here, before anything runs.
+void validate_parallel(const recipe& r) {
+  const auto& p = r.parallel;
+  require(p.pp >= 1, "parallel.pp", "must be >= 1");
+  require(p.dp >= 1, "parallel.dp", "must be >= 1");
+  require(p.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1");
+  require(p.micro_batches >= 1, "parallel.micro_batches", "must be >= 1");
+  require(p.link_credits >= 0, "parallel.link_credits", "must be >= 0 (0: micro_batches)");
+  require(p.prefetch >= 1, "parallel.prefetch", "must be >= 1");
+  require(p.bucket_layers >= 1, "parallel.bucket_layers", "must be >= 1");
+  const int chunks = p.pp * p.virtual_stages;
+  require(chunks <= r.model.layers, "parallel.pp",
+          std::to_string(p.pp) + " ranks x " + std::to_string(p.virtual_stages) +
+              " virtual stages need at least " + std::to_string(chunks) +
+              " layers, model.layers is " + std::to_string(r.model.layers));
+  if (!p.layer_split.empty()) {
+    require(static_cast<int>(p.layer_split.size()) == chunks, "parallel.layer_split",
+            "has " + std::to_string(p.layer_split.size()) + " entries, expected pp x " +
+                "virtual_stages = " + std::to_string(chunks));
+    int sum = 0;
+    for (int n : p.layer_split) {
+      require(n >= 1, "parallel.layer_split", "every stage needs at least one layer");
+      sum += n;
+    }
+    require(
+        sum == r.model.layers, "parallel.layer_split",
+        "sums to " + std::to_string(sum) + ", model.layers is " + std::to_string(r.model.layers));
+  }
+  if (!has_schedule(p.schedule)) {
+    std::string known;
+    for (const auto& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
+    throw recipe_error("key parallel.schedule: unknown schedule \"" + p.schedule +
+                       "\" (known: " + known + ")");
+  }
+  try {
+    make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages});
+  } catch (const std::invalid_argument& e) {
+    throw recipe_error(std::string("key parallel.schedule: ") + e.what());
+  }
 }
 
 }  // namespace
@@ -240,6 +309,7 @@ void validate_recipe(const recipe& r) {
   require(o.eps > 0, "optimizer.eps", "must be positive");
   require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0");
   require(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)");
+  validate_parallel(r);
   require(!r.output.dir.empty(), "output.dir", "must not be empty");
   require(!r.output.metrics.empty(), "output.metrics", "must not be empty");
 }

@@ -51,7 +51,9 @@ pipeline_action parse_token(std::string_view token);
 // One line per rank: "rank 0: 0F0 0F1 0B0 ...".
 std::string format_plan(const pipeline_plan& plan);
 // Parses whitespace-separated tokens, one line per rank (an optional "rank N:" prefix is
-// ignored; '#' starts a comment). split_backward is set when any W appears. Does not check.
+// ignored; '#' starts a comment; commas count as spaces, as in torchtitan's CSV files; a line
+// that is blank after its comment is skipped, "rank N:" alone is an empty rank).
+// split_backward is set when any W appears. Does not check.
 pipeline_plan parse_plan(std::string_view text, const schedule_shape& shape,
                          const std::string& name);
 

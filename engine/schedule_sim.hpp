@@ -34,16 +34,18 @@ struct simulation {
   bool deadlock = false;
   std::string deadlock_report;  // which rank waits for which action, when deadlock
   double makespan = 0;
-  double bubble_fraction = 0;             // 1 - sum(busy) / (p * makespan)
-  std::vector<double> busy;               // per rank
-  std::vector<int> peak_in_flight;        // per rank: max micro-batch activations held (F done,
-                                          // last backward action of that (stage, mb) not done)
-  std::vector<int> peak_link_messages;    // per rank r: max messages sent to rank r but not yet
-                                          // consumed by it (activations + gradients)
+  double bubble_fraction = 0;           // 1 - sum(busy) / (p * makespan)
+  std::vector<double> busy;             // per rank
+  std::vector<int> peak_in_flight;      // per rank: max micro-batch activations held (F done,
+                                        // last backward action of that (stage, mb) not done)
+  std::vector<int> peak_link_messages;  // per rank r: max messages sent to rank r but not yet
+                                        // consumed by it (activations + gradients)
   std::vector<std::vector<timed_action>> timeline;  // per rank, in execution order
   bool ok() const { return errors.empty() && !deadlock; }
 };
 
+// Structural errors are found first; when there are any, no timing is run (makespan 0, no
+// timeline). Throws std::invalid_argument for negative costs.
 simulation simulate(const pipeline_plan& plan, const action_costs& costs = {});
 
 // Throws std::invalid_argument naming the plan and its first error or the deadlock.

@@ -46,10 +46,10 @@ struct event {
 
 struct metadata {
   std::string schedule;
-  int ranks = 1;           // p
-  int micro_batches = 1;   // m
-  int virtual_stages = 1;  // v
-  int replicas = 1;        // d
+  int ranks = 1;                  // p
+  int micro_batches = 1;          // m
+  int virtual_stages = 1;         // v
+  int replicas = 1;               // d
   double theory_bubble = -1;      // the simulator's bubble for the plan with the measured mean
                                   // F/B/W costs; -1 when unknown
   std::vector<std::string> plan;  // format_plan lines, one per rank
@@ -62,10 +62,14 @@ struct trace_file {
 };
 
 // Chrome trace-event JSON: {"traceEvents": [...], "displayTimeUnit": "ms",
-// "otherData": {metadata}}. Track names become thread_name metadata events (pid 1, tid = id).
+// "otherData": {metadata}}. Track names become thread_name metadata events (pid 1, tid = id;
+// role, rank and replica ride in its args). otherData also carries "format": "troupe-trace" and
+// "version": 1. Perfetto pairs flow ends by (id, category, name): keep all three equal.
 // Writes atomically (temporary file, then rename).
 void write_json(const trace_file& trace, const std::filesystem::path& path);
-// Throws std::runtime_error naming the file and what is wrong with it.
+// Throws std::runtime_error "<file>: <what>": missing file, invalid JSON, no traceEvents, another
+// format or version, an event phase other than X/i/s/f/M, an event on a track without a
+// thread_name.
 trace_file read_json(const std::filesystem::path& path);
 
 }  // namespace troupe::engine::trace

@@ -1,8 +1,19 @@
 // `troupe trace summary`: per-stage busy and idle time, the measured bubble beside the
 // schedule's theoretical one, and the share of data-parallel communication hidden behind compute.
+//
+// How the figures are measured (docs/trace.md):
+//  - Steps are the distinct `step` values of "compute" spans on stage tracks; compute spans
+//    without a step are ignored. The leading skip_steps of them are left out.
+//  - A step's pipeline window runs from its first compute start to its last compute end over all
+//    stage tracks. A stage's busy time is the time covered by its compute spans (overlaps counted
+//    once), idle = window - busy. measured bubble = 1 - sum(busy) / (stage tracks * sum(window)).
+//  - DP: "collective" spans and stage-track "wait" spans named "dp" count when their `step` is a
+//    counted step, or when they have no step and no step was skipped.
 #pragma once
 
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/trace.hpp"
@@ -21,19 +32,32 @@ struct stage_summary {
 
 struct summary {
   int steps = 0;               // steps with compute, after skipping
+  int skipped_steps = 0;       // steps with compute left out (at most skip_steps)
   double window_us = 0;        // sum over steps of the pipeline window (first compute start to
                                // last compute end, over all stage tracks of the step)
-  double measured_bubble = 0;  // 1 - sum(busy) / (stage tracks * window)
+  double measured_bubble = 0;  // 1 - sum(busy) / (stage tracks * window); -1 when steps == 0
   double theory_bubble = -1;   // from the metadata
   double dp_comm_us = 0;       // sum of "collective" spans
-  double dp_exposed_us = 0;    // sum of stage-track "wait" spans named "dp" (waiting for
-                               // reductions after compute finished)
-  double dp_hidden_fraction = -1;  // 1 - exposed / comm, clamped to [0, 1]; -1 without DP
-  std::vector<stage_summary> stages;
+  double dp_exposed_us = 0;    // for each track holding collective spans: the mean, over the stage
+                               // tracks it serves (same rank, and same replica when the track has
+                               // one), of their "wait" spans named "dp" (waiting for reductions
+                               // after compute finished); summed over those tracks. With one
+                               // collective track per rank and d replicas waiting on it, this
+                               // counts each wait once, not d times.
+  double dp_wait_us = 0;       // plain sum of stage-track "wait" spans named "dp"
+  double dp_hidden_fraction = -1;     // 1 - exposed / comm, clamped to [0, 1]; -1 without DP
+  std::vector<stage_summary> stages;  // stage tracks sorted by (replica, rank)
 };
+
+// Stage tracks sorted by (replica, rank, id): the rows of the summary and of the timeline.
+std::vector<const track*> sorted_stage_tracks(const trace_file& trace);
+// step -> its pipeline window [first compute start, last compute end] in µs over stage tracks.
+std::map<int, std::pair<double, double>> pipeline_windows(const trace_file& trace);
 
 // skip_steps: leading steps left out (warm-up).
 summary summarize(const trace_file& trace, int skip_steps = 0);
+// One step only (the step's `step` value, not its position); steps == 0 when it has no compute.
+summary summarize_step(const trace_file& trace, int step);
 std::string format_summary(const summary& s, const metadata& meta);  // human-readable table
 std::string summary_json(const summary& s, const metadata& meta);    // one JSON object
 

@@ -14,17 +14,15 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-struct datasets {
-  data::token_corpus train, val;
-};
-
 data::token_corpus load_corpus(const data_config& d, const std::string& path) {
   if (d.format == "text") return data::load_text_corpus(path);
   return data::load_shard_corpus(std::filesystem::path(path));
 }
 
-datasets load_datasets(const recipe& r) {
-  datasets out;
+}  // namespace
+
+training_data load_training_data(const recipe& r) {
+  training_data out;
   if (!r.data.val.empty()) {
     try {
       out.val = load_corpus(r.data, r.data.val);
@@ -53,11 +51,12 @@ datasets load_datasets(const recipe& r) {
   return out;
 }
 
-data::batch_sampler make_sampler(const data::token_corpus& corpus, const recipe& r,
-                                 data::sample_order order, std::uint64_t seed, const char* key) {
+data::batch_sampler make_batch_sampler(const data::token_corpus& corpus, const recipe& r,
+                                       data::sample_order order, int T, const char* key) {
   data::sampler_config sc;
   sc.B = r.batch.micro_batch;
-  sc.T = r.batch.seq_len;
+  sc.T = T;
+  const auto seed = static_cast<std::uint64_t>(r.seed);
   sc.order = order;
   sc.seed = seed;
   try {
@@ -67,20 +66,19 @@ data::batch_sampler make_sampler(const data::token_corpus& corpus, const recipe&
   }
 }
 
-}  // namespace
-
 train_summary train(const recipe& r, const train_callbacks& cb) {
   auto say = [&](const std::string& s) {
     if (cb.on_message) cb.on_message(s);
   };
   // 1. Everything that can fail on bad input, before anything is written.
-  datasets ds = load_datasets(r);
+  training_data ds = load_training_data(r);
   const auto seed = static_cast<std::uint64_t>(r.seed);
-  data::batch_sampler train_sampler =
-      make_sampler(ds.train, r, data::parse_sample_order(r.data.order), seed, "data.train");
+  data::batch_sampler train_sampler = make_batch_sampler(
+      ds.train, r, data::parse_sample_order(r.data.order), r.batch.seq_len, "data.train");
   std::optional<data::batch_sampler> val_sampler;
   if (!ds.val.empty() && r.eval_interval > 0) {
-    val_sampler.emplace(make_sampler(ds.val, r, data::sample_order::sequential, seed, "data.val"));
+    val_sampler.emplace(make_batch_sampler(ds.val, r, data::sample_order::sequential,
+                                           r.batch.seq_len, "data.val"));
   }
   gpt_stage model(r.model, stage_range::whole(r.model));
   if (r.init.empty()) {

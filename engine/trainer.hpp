@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "engine/data/sampler.hpp"
 #include "engine/metrics.hpp"
 #include "engine/recipe.hpp"
 
@@ -28,6 +29,17 @@ struct train_summary {
   std::int64_t parameters = 0;
 };
 
+// The serial reference loop: one whole-model stage, grad_accum micro-batches per step. The
+// actor engine (actors/pipeline_run.hpp) must match it step for step.
 train_summary train(const recipe& r, const train_callbacks& callbacks);
+
+// Shared by both engines: the corpora of a recipe (recipe_error naming data.train / data.val)
+// and a sampler over one of them with sequence length T.
+struct training_data {
+  data::token_corpus train, val;
+};
+training_data load_training_data(const recipe& r);
+data::batch_sampler make_batch_sampler(const data::token_corpus& corpus, const recipe& r,
+                                       data::sample_order order, int T, const char* key);
 
 }  // namespace troupe::engine

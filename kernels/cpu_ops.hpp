@@ -5,6 +5,9 @@
 //  - Backward kernels ACCUMULATE (+=) into every gradient output (input and parameter
 //    gradients alike); the caller zeroes buffers. This makes residual branches and gradient
 //    accumulation free. A gradient pointer may be nullptr where documented: it is then skipped.
+//  - Where the gradient outputs may be nullptr, each part's arithmetic does not depend on the
+//    others: an input-only call (parameter gradients nullptr) and a weight-only call (dinp
+//    nullptr) together give the full call's results bitwise. Split backward (B/W) relies on it.
 //  - Linear weights are stored [out, in] (torch.nn.Linear / llm.c layout). Hugging Face's Conv1D
 //    [in, out] layout is transposed at import/export, not here.
 //  - GEMMs go through CBLAS (OpenBLAS); the rest is parallelised with OpenMP.
@@ -21,12 +24,12 @@ namespace troupe::kernels {
 // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]
 void embedding_forward(float* out, const std::int32_t* tokens, const float* wte, const float* wpe,
                        int B, int T, int C);
-// dwte[tokens[b,t],:] += dout[b,t,:]; dwpe[t,:] += dout[b,t,:]
+// dwte[tokens[b,t],:] += dout[b,t,:]; dwpe[t,:] += dout[b,t,:] (each may be nullptr)
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
                         int B, int T, int C);
 
 // ---- layer normalisation (eps = 1e-5, biased variance, as torch.nn.LayerNorm) -------------
-// mean[N], rstd[N] are saved for backward.
+// mean[N], rstd[N] are saved for backward. In backward dinp, dweight, dbias may each be nullptr.
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int N, int C);
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
@@ -34,7 +37,9 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
                         int N, int C);
 
 // ---- linear: out[N,OC] = inp[N,C] * weight[OC,C]^T (+ bias[OC]) ----------------------------
-// bias may be nullptr (no bias). In backward dinp, dweight, dbias may each be nullptr.
+// bias may be nullptr (no bias). In backward dinp, dweight, dbias may each be nullptr; a
+// weight-only call (dinp nullptr) runs no input-gradient GEMM and an input-only call no
+// weight-gradient GEMM.
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int N,
                     int C, int OC);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,

@@ -1,8 +1,11 @@
-// `troupe train RECIPE.toml [--set key=value ...]`: one process, the serial training loop.
+// `troupe train RECIPE.toml [--set key=value ...] [--trace FILE] [--engine actors|serial]`: one
+// process; the actor engine (pipeline stages, schedule, data loaders, coordinator) by default,
+// or the serial reference loop.
 // Exit 2 with one line naming the key or file on bad input (nothing written), 1 on a failed run.
 #include <cmath>
 #include <cstdio>
 
+#include "actors/pipeline_run.hpp"
 #include "engine/trainer.hpp"
 #include "tools/commands.hpp"
 #include "tools/progress.hpp"
@@ -13,6 +16,8 @@ std::function<int()> add_train_command(CLI::App& app) {
   struct options {
     std::string recipe;
     std::vector<std::string> overrides;
+    std::string trace;
+    std::string engine = "actors";
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
@@ -20,6 +25,10 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--set", opts->overrides, "Override a recipe key: --set optimizer.lr=3e-4")
       ->take_all()
       ->allow_extra_args(false);
+  cmd->add_option("--trace", opts->trace,
+                  "Write a Chrome trace-event file of every message and action (Perfetto)");
+  cmd->add_option("--engine", opts->engine, "actors (default) or serial (the reference loop)")
+      ->check(CLI::IsMember({"actors", "serial"}));
   return [opts]() -> int {
     engine::recipe r;
     try {
@@ -34,7 +43,15 @@ std::function<int()> add_train_command(CLI::App& app) {
     cb.on_message = [&](const std::string& s) { progress.message(s); };
     engine::train_summary summary;
     try {
-      summary = engine::train(r, cb);
+      if (opts->engine == "serial") {
+        if (!opts->trace.empty())
+          throw engine::recipe_error("--trace needs the actor engine (--engine actors)");
+        summary = engine::train(r, cb);
+      } else {
+        actors::run_options o;
+        o.trace_path = opts->trace;
+        summary = actors::run_training(r, cb, o).summary;
+      }
     } catch (const engine::recipe_error& e) {
       progress.finish();
       std::fprintf(stderr, "troupe train: %s\n", e.what());

@@ -1,1 +1,338 @@
-// placeholder: being written
+// Split backward (B = stage_backward_input, W = stage_backward_weight) against the whole
+// stage_backward, for a first, a middle, a last and a whole-model stage of a tiny model:
+// B then W gives the same dinput and gradients bitwise; micro-batches may run B0 B1 W1 W0;
+// B alone touches no gradient; W without B throws; the gradient blocks cover every parameter
+// once, and on_block_done fires once per block, in order, when the block's gradient is final.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "tests/engine/engine_test_util.hpp"
+
+using namespace troupe::engine;
+using namespace troupe::engine::test;
+
+namespace {
+
+struct stage_case {
+  const char* name;
+  stage_range range;
+};
+
+// 3 layers: first = embedding + h.0, middle = h.1, last = h.2 + head, whole = everything.
+const gpt_config kConfig = tiny_config(3);
+
+std::vector<stage_case> all_cases() {
+  return {{"first", {0, 1, true, false}},
+          {"middle", {1, 2, false, false}},
+          {"last", {2, 3, false, true}},
+          {"whole", {0, 3, true, true}}};
+}
+
+// One micro-batch's inputs for a stage in isolation: tokens/targets, a hidden-state input (for
+// stages without the embedding) and an output gradient (for stages without the head).
+struct micro_data {
+  micro_batch mb;
+  std::vector<float> input, doutput;
+};
+
+micro_data make_micro(std::uint32_t seed, int B = 2, int T = 5) {
+  micro_data d{make_batch(kConfig, B, T, seed), {}, {}};
+  std::mt19937 rng(seed * 31 + 7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const std::size_t NC = std::size_t(B) * T * std::size_t(kConfig.width);
+  d.input.resize(NC);
+  d.doutput.resize(NC);
+  for (auto& x : d.input) x = u(rng);
+  for (auto& x : d.doutput) x = 0.1f * u(rng);
+  return d;
+}
+
+// A stage with parameters far from init and gradients already holding something, so that the
+// tests see accumulation (+=), not overwriting.
+std::unique_ptr<gpt_stage> make_stage(const stage_range& range) {
+  auto s = std::make_unique<gpt_stage>(kConfig, range);
+  randomize_params(*s, 42);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-0.01f, 0.01f);
+  s->zero_grad();
+  for (const auto& p : s->parameters()) {
+    for (std::int64_t i = 0; i < p.numel; ++i) s->grads()[p.offset + i] = u(rng);
+  }
+  return s;
+}
+
+// Forward, plus the loss gradient on a last stage: ready for backward.
+void forward(const gpt_stage& s, gpt_activations& acts, const micro_data& d) {
+  const bool emb = s.range().embedding;
+  stage_forward(s, acts, emb ? d.mb.tokens.data() : nullptr, emb ? nullptr : d.input.data());
+  if (s.range().head) stage_loss_backward_start(s, acts, d.mb.targets.data(), 1.0f);
+}
+
+const float* doutput_of(const gpt_stage& s, const micro_data& d) {
+  return s.range().head ? nullptr : d.doutput.data();
+}
+
+std::vector<float> grads_of(const gpt_stage& s) {
+  return std::vector<float>(s.grads(), s.grads() + s.parameter_count());
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// max |a - b| over max |b|.
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0, mag = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
+    mag = std::max(mag, std::abs(double(b[i])));
+  }
+  return mag > 0 ? diff / mag : diff;
+}
+
+std::vector<float> nan_buffer() {
+  return std::vector<float>(std::size_t(2) * 5 * std::size_t(kConfig.width), std::nanf(""));
+}
+
+}  // namespace
+
+TEST_CASE("B then W gives stage_backward's dinput and gradients", "[split_backward]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  INFO("stage " << sc.name);
+  const micro_data d = make_micro(3);
+  auto whole = make_stage(sc.range);
+  auto split = make_stage(sc.range);
+  gpt_activations wa(*whole, 2, 5), sa(*split, 2, 5);
+  auto din_whole = nan_buffer(), din_split = nan_buffer();  // overwritten, not accumulated
+  float* dw = sc.range.embedding ? nullptr : din_whole.data();
+  float* ds = sc.range.embedding ? nullptr : din_split.data();
+
+  forward(*whole, wa, d);
+  stage_backward(*whole, wa, doutput_of(*whole, d), dw);
+  forward(*split, sa, d);
+  const auto before = grads_of(*split);
+  stage_backward_input(*split, sa, doutput_of(*split, d), ds);
+  CHECK(same_bits(grads_of(*split), before));  // B touches no parameter gradient
+  if (!sc.range.embedding) {
+    INFO("dinput relative difference " << rel_diff(din_split, din_whole));
+    CHECK(same_bits(din_split, din_whole));
+  }
+  stage_backward_weight(*split, sa);
+  INFO("gradient relative difference " << rel_diff(grads_of(*split), grads_of(*whole)));
+  CHECK(same_bits(grads_of(*split), grads_of(*whole)));
+  CHECK(!same_bits(grads_of(*split), before));
+}
+
+TEST_CASE("micro-batches in the order B0 B1 W1 W0 accumulate what whole backward does",
+          "[split_backward]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  INFO("stage " << sc.name);
+  const micro_data d0 = make_micro(11), d1 = make_micro(12);
+  auto whole = make_stage(sc.range);
+  auto split = make_stage(sc.range);
+  const bool emb = sc.range.embedding;
+
+  gpt_activations wa(*whole, 2, 5);
+  std::vector<std::vector<float>> din_whole{nan_buffer(), nan_buffer()};
+  forward(*whole, wa, d0);
+  stage_backward(*whole, wa, doutput_of(*whole, d0), emb ? nullptr : din_whole[0].data());
+  forward(*whole, wa, d1);
+  stage_backward(*whole, wa, doutput_of(*whole, d1), emb ? nullptr : din_whole[1].data());
+
+  gpt_activations a0(*split, 2, 5), a1(*split, 2, 5);
+  std::vector<std::vector<float>> din_split{nan_buffer(), nan_buffer()};
+  forward(*split, a0, d0);
+  forward(*split, a1, d1);
+  stage_backward_input(*split, a0, doutput_of(*split, d0), emb ? nullptr : din_split[0].data());
+  stage_backward_input(*split, a1, doutput_of(*split, d1), emb ? nullptr : din_split[1].data());
+  stage_backward_weight(*split, a1);
+  stage_backward_weight(*split, a0);
+
+  if (!emb) {
+    CHECK(same_bits(din_split[0], din_whole[0]));
+    CHECK(same_bits(din_split[1], din_whole[1]));
+  }
+  // Summed in another order: equal within rounding.
+  CHECK(rel_diff(grads_of(*split), grads_of(*whole)) <= 1e-6);
+}
+
+TEST_CASE("split backward misuse throws std::logic_error", "[split_backward]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  INFO("stage " << sc.name);
+  const micro_data d = make_micro(21);
+  auto s = make_stage(sc.range);
+  gpt_activations acts(*s, 2, 5);
+  auto din = nan_buffer();
+  float* dinput = sc.range.embedding ? nullptr : din.data();
+  const auto start = grads_of(*s);
+
+  // W before any B, and W after a forward without B.
+  CHECK_THROWS_AS(stage_backward_weight(*s, acts), std::logic_error);
+  forward(*s, acts, d);
+  CHECK(error_message<std::logic_error>([&] {
+          stage_backward_weight(*s, acts);
+        }).find("stage_backward_input") != std::string::npos);
+  CHECK(same_bits(grads_of(*s), start));
+
+  stage_backward_input(*s, acts, doutput_of(*s, d), dinput);
+  // While W is pending: a second B and a new forward would lose what W needs.
+  CHECK_THROWS_AS(stage_backward_input(*s, acts, doutput_of(*s, d), dinput), std::logic_error);
+  const bool emb = sc.range.embedding;
+  CHECK_THROWS_AS(
+      stage_forward(*s, acts, emb ? d.mb.tokens.data() : nullptr, emb ? nullptr : d.input.data()),
+      std::logic_error);
+  CHECK(same_bits(grads_of(*s), start));  // nothing so far touched a gradient
+  stage_backward_weight(*s, acts);
+  const auto after = grads_of(*s);
+  CHECK(!same_bits(after, start));
+  // A second W does not add the gradients twice.
+  CHECK_THROWS_AS(stage_backward_weight(*s, acts), std::logic_error);
+  CHECK(same_bits(grads_of(*s), after));
+  // After W the activations take a new forward.
+  CHECK_NOTHROW(forward(*s, acts, d));
+}
+
+TEST_CASE("B on a last stage needs the loss first", "[split_backward]") {
+  auto s = make_stage({2, 3, false, true});
+  gpt_activations acts(*s, 2, 5);
+  const micro_data d = make_micro(4);
+  stage_forward(*s, acts, nullptr, d.input.data());
+  auto din = nan_buffer();
+  CHECK_THROWS_AS(stage_backward_input(*s, acts, nullptr, din.data()), std::logic_error);
+}
+
+TEST_CASE("grad blocks cover every parameter once, in backward order", "[split_backward]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  INFO("stage " << sc.name);
+  gpt_stage s(kConfig, sc.range);
+  const auto blocks = stage_grad_blocks(s);
+
+  std::vector<std::string> expected;
+  if (sc.range.head) expected.push_back("head");
+  for (int l = sc.range.last_layer; l-- > sc.range.first_layer;) {
+    expected.push_back("h." + std::to_string(l));
+  }
+  if (sc.range.embedding) expected.push_back("embedding");
+  std::vector<std::string> names;
+  for (const auto& b : blocks) names.push_back(b.name);
+  CHECK(names == expected);
+
+  // Which block holds each element of the flat buffer (-1: none, -2: more than one).
+  std::vector<int> owner(static_cast<std::size_t>(s.parameter_count()), -1);
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    INFO("block " << blocks[b].name);
+    CHECK(!blocks[b].ranges.empty());
+    std::int64_t prev_end = 0;
+    for (const auto& [offset, numel] : blocks[b].ranges) {
+      CHECK(offset >= prev_end);  // increasing, not overlapping
+      REQUIRE(offset >= 0);
+      REQUIRE(numel > 0);
+      REQUIRE(offset + numel <= s.parameter_count());
+      prev_end = offset + numel;
+      for (std::int64_t i = offset; i < offset + numel; ++i) {
+        auto& o = owner[static_cast<std::size_t>(i)];
+        o = o == -1 ? static_cast<int>(b) : -2;
+      }
+    }
+  }
+  for (const auto& p : s.parameters()) {
+    INFO("parameter " << p.name);
+    const int o = owner[static_cast<std::size_t>(p.offset)];
+    CHECK(o >= 0);
+    for (std::int64_t i = p.offset; i < p.offset + p.numel; ++i) {
+      REQUIRE(owner[static_cast<std::size_t>(i)] == o);
+    }
+    if (o < 0) continue;
+    const std::string& block = blocks[static_cast<std::size_t>(o)].name;
+    if (p.name == "transformer.wte.weight") {
+      CHECK(block == (sc.range.embedding ? "embedding" : "head"));
+    } else if (p.name.starts_with("transformer.h.")) {
+      CHECK(p.name.starts_with("transformer." + block + "."));
+    } else if (p.name.starts_with("transformer.ln_f.")) {
+      CHECK(block == "head");
+    } else {
+      CHECK(block == "embedding");
+    }
+  }
+}
+
+namespace {
+
+// Records on_block_done: the order of the calls and each block's gradient at its call.
+struct block_recorder {
+  const gpt_stage& stage;
+  std::vector<grad_block> blocks;
+  std::vector<int> calls;
+  std::vector<std::vector<float>> at_call;
+
+  explicit block_recorder(const gpt_stage& s) : stage(s), blocks(stage_grad_blocks(s)) {}
+  std::vector<float> values(int b) const {
+    std::vector<float> v;
+    for (const auto& [offset, numel] : blocks[static_cast<std::size_t>(b)].ranges) {
+      v.insert(v.end(), stage.grads() + offset, stage.grads() + offset + numel);
+    }
+    return v;
+  }
+  grad_block_fn callback() {
+    return [this](int b) {
+      REQUIRE(b >= 0);
+      REQUIRE(b < static_cast<int>(blocks.size()));
+      calls.push_back(b);
+      at_call.push_back(values(b));
+    };
+  }
+  // Once per block in order, and every block's gradient then equals its final value.
+  void check() const {
+    std::vector<int> expected(blocks.size());
+    for (std::size_t i = 0; i < expected.size(); ++i) expected[i] = static_cast<int>(i);
+    CHECK(calls == expected);
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      INFO("block " << blocks[static_cast<std::size_t>(calls[i])].name);
+      CHECK(same_bits(at_call[i], values(calls[i])));
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("on_block_done fires once per block, in order, when the block is final",
+          "[split_backward]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  INFO("stage " << sc.name);
+  const micro_data d = make_micro(8);
+  auto s = make_stage(sc.range);
+  gpt_activations acts(*s, 2, 5);
+  auto din = nan_buffer();
+  float* dinput = sc.range.embedding ? nullptr : din.data();
+
+  SECTION("stage_backward") {
+    auto ref = make_stage(sc.range);
+    gpt_activations ref_acts(*ref, 2, 5);
+    forward(*ref, ref_acts, d);
+    stage_backward(*ref, ref_acts, doutput_of(*ref, d), dinput);  // no callback
+
+    block_recorder rec(*s);
+    forward(*s, acts, d);
+    stage_backward(*s, acts, doutput_of(*s, d), dinput, rec.callback());
+    rec.check();
+    CHECK(same_bits(grads_of(*s), grads_of(*ref)));  // the callback changes no number
+  }
+  SECTION("stage_backward_weight") {
+    block_recorder rec(*s);
+    forward(*s, acts, d);
+    stage_backward_input(*s, acts, doutput_of(*s, d), dinput);
+    CHECK(rec.calls.empty());
+    stage_backward_weight(*s, acts, rec.callback());
+    rec.check();
+  }
+}

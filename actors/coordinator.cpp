@@ -1,0 +1,155 @@
+// The coordinator. See coordinator.hpp.
+//
+// Invariants:
+//  C1. Step s+1 begins only after every stage reported update_done for step s.
+//  C2. The global gradient norm is the square root of the sum of the ranks' squared norms of
+//      replica 0 (all replicas hold the same reduced gradients).
+//  C3. Every actor of the run is monitored; a stop before run_finished is a failure naming it.
+#include "actors/coordinator.hpp"
+
+#include <chrono>
+#include <cmath>
+
+namespace troupe::actors {
+namespace {
+
+using namespace messages;
+using clock_type = std::chrono::steady_clock;
+
+class coordinator_impl : public coordinator_actor::base {
+ public:
+  coordinator_impl(caf::actor_config& cfg, coordinator_config config)
+      : coordinator_actor::base(cfg), cfg_(std::move(config)) {}
+
+  behavior_type make_behavior() override {
+    set_down_handler([this](caf::down_msg& d) { on_down(d); });
+    return {
+        [this](coordinator_wiring& w) {
+          wiring_ = std::move(w);
+          for (const auto& a : wiring_.watched) monitor(a);
+        },
+        [this](start_run) {
+          start_ = clock_type::now();
+          begin(0);
+        },
+        [this](grads_ready& g) { on_grads(g); },
+        [this](update_done& u) { on_updated(u); },
+        [this](eval_done& e) { on_eval(e); },
+        [this](swap_schedule& s) -> caf::delegated<swap_result> {
+          return delegate(caf::actor_cast<schedule_actor>(wiring_.schedule), s);
+        },
+    };
+  }
+
+ private:
+  int stage_count() const { return cfg_.ranks * cfg_.replicas; }
+
+  void begin(int s) {
+    step_ = s;
+    step_start_ = clock_type::now();
+    trace_start_ = cfg_.trace.now_us();
+    grads_ = updates_ = evals_ = 0;
+    square_sum_ = loss_sum_ = eval_sum_ = 0;
+    losses_ = eval_losses_ = 0;
+    caf::anon_send(caf::actor_cast<schedule_actor>(wiring_.schedule), begin_step{s, cfg_.rounds});
+  }
+
+  void on_grads(const grads_ready& g) {
+    if (g.replica == 0) square_sum_ += g.grad_square_sum;
+    loss_sum_ += g.loss_sum;
+    losses_ += g.losses;
+    if (++grads_ < stage_count()) return;
+    grad_norm_ = std::sqrt(square_sum_);
+    for (const auto& replica : wiring_.stages)
+      for (const auto& st : replica) caf::anon_send(st, apply_update{step_, grad_norm_});
+  }
+
+  bool eval_due() const {
+    if (cfg_.eval_interval <= 0 || cfg_.eval_batches <= 0) return false;
+    return (step_ + 1) % cfg_.eval_interval == 0 || step_ + 1 == cfg_.steps;
+  }
+
+  void on_updated(const update_done& u) {
+    lr_ = u.lr;
+    if (++updates_ < stage_count()) return;
+    if (!eval_due()) {
+      finish_step();
+      return;
+    }
+    evals_expected_ = std::min(cfg_.replicas, cfg_.eval_batches);
+    const begin_eval e{step_, cfg_.eval_batches};
+    caf::anon_send(caf::actor_cast<schedule_actor>(wiring_.schedule), e);
+    for (const auto& l : wiring_.loaders) caf::anon_send(caf::actor_cast<loader_actor>(l), e);
+  }
+
+  void on_eval(const eval_done& e) {
+    eval_sum_ += e.loss_sum;
+    eval_losses_ += e.losses;
+    if (++evals_ == evals_expected_) finish_step();
+  }
+
+  void finish_step() {
+    const auto now = clock_type::now();
+    const double step_s = std::chrono::duration<double>(now - step_start_).count();
+    engine::step_metrics m;
+    m.step = step_ + 1;
+    m.total_steps = cfg_.steps;
+    m.loss = loss_sum_ / std::max(1, losses_);
+    if (eval_losses_ > 0) m.val_loss = eval_sum_ / eval_losses_;
+    m.lr = lr_;
+    m.grad_norm = grad_norm_;
+    m.step_ms = step_s * 1e3;
+    m.tokens_per_s = double(cfg_.tokens_per_step) / step_s;
+    m.flops_per_s = m.tokens_per_s * cfg_.flops_per_token;
+    tokens_ += cfg_.tokens_per_step;
+    m.tokens = tokens_;
+    m.elapsed_s = std::chrono::duration<double>(now - start_).count();
+    cfg_.trace.span("step", "step " + std::to_string(step_ + 1), trace_start_, cfg_.trace.now_us(),
+                    {step_});
+    if (cfg_.trace.enabled()) caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
+    caf::anon_send(wiring_.client, step_report{m});
+    if (!std::isfinite(m.loss)) {
+      finish(false, "step " + std::to_string(m.step) + ": loss is not finite (" +
+                        std::to_string(m.loss) + "); stopping");
+    } else if (step_ + 1 < cfg_.steps) {
+      begin(step_ + 1);
+    } else {
+      finish(true, "");
+    }
+  }
+
+  void finish(bool ok, std::string message) {
+    finished_ = true;
+    caf::anon_send(wiring_.client, run_finished{ok, std::move(message)});
+  }
+
+  void on_down(const caf::down_msg& d) {
+    if (finished_) return;
+    std::string who = "an actor";
+    for (std::size_t i = 0; i < wiring_.watched.size(); ++i)
+      if (wiring_.watched[i].address() == d.source) who = wiring_.watched_names[i];
+    std::string why = d.reason ? to_string(d.reason) : "exited normally";
+    if (d.reason && !d.reason.context().empty()) {
+      why = caf::to_string(d.reason.context());
+    }
+    finish(false, who + " stopped during step " + std::to_string(step_ + 1) + ": " + why);
+  }
+
+  coordinator_config cfg_;
+  coordinator_wiring wiring_;
+  clock_type::time_point start_, step_start_;
+  double trace_start_ = 0;
+  int step_ = 0, grads_ = 0, updates_ = 0, evals_ = 0, evals_expected_ = 0;
+  double square_sum_ = 0, loss_sum_ = 0, eval_sum_ = 0, grad_norm_ = 0, lr_ = 0;
+  int losses_ = 0, eval_losses_ = 0;
+  std::int64_t tokens_ = 0;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+coordinator_actor spawn_coordinator(caf::actor_system& system, coordinator_config config) {
+  return system.spawn<coordinator_impl>(std::move(config));
+}
+
+}  // namespace troupe::actors

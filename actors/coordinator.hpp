@@ -1,0 +1,26 @@
+// The coordinator: drives steps, gathers metrics, and supervises. Per step it sends
+// begin_step to the schedule actor, collects grads_ready from every stage (summing the squared
+// gradient norms into the global norm), sends apply_update, collects update_done, runs an
+// evaluation pass when due, and reports the step's metrics to the client. It monitors every
+// actor of the run: if one stops before the run is over, it reports which one and why to the
+// client (run_finished with ok = false) and stops.
+#pragma once
+
+#include <cstdint>
+
+#include "engine/trace_recorder.hpp"
+#include "messages/protocols.hpp"
+
+namespace troupe::actors {
+
+struct coordinator_config {
+  int steps = 1, rounds = 1, ranks = 1, replicas = 1;
+  int eval_interval = 0, eval_batches = 0;  // eval_interval 0 or no validation data: none
+  std::int64_t tokens_per_step = 0;
+  double flops_per_token = 0;
+  engine::trace::recorder trace;
+};
+
+messages::coordinator_actor spawn_coordinator(caf::actor_system& system, coordinator_config config);
+
+}  // namespace troupe::actors

@@ -1,0 +1,587 @@
+// The pipeline stage actor. See pipeline_stage.hpp and docs/pipeline.md for the protocol.
+//
+// Invariants (tests cite them):
+//  S1. Actions run strictly in plan order; a message that arrives early waits in the stash.
+//  S2. A link message leaves only with its credit (topology/link_credits.hpp).
+//  S3. One action per handler call: the stage yields to its mailbox between actions, so
+//      credits and data that arrive meanwhile are handled before the next action.
+//  S4. grads_ready is sent once per step, after the last action, every data-parallel bucket's
+//      reduction and the tied-wte exchange.
+#include "actors/pipeline_stage.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <stdexcept>
+
+#include "engine/gpt_weights.hpp"
+#include "engine/stage_compute.hpp"
+#include "kernels/cpu_threads.hpp"
+#include "topology/grad_buckets.hpp"
+#include "topology/link_credits.hpp"
+
+namespace troupe::actors {
+namespace {
+
+using namespace messages;
+using topology::link_key;
+using engine::trace::event_kind;
+
+link_key key_of(const link_header& h) {
+  return {static_cast<int>(h.kind), h.eval, h.step, h.stage, h.round, h.micro_batch};
+}
+
+struct batch_key {
+  int part = 0;
+  bool eval = false;
+  int step = 0, round = 0, micro_batch = 0;
+  friend auto operator<=>(const batch_key&, const batch_key&) = default;
+};
+
+batch_key key_of(const batch_message& b) {
+  return {static_cast<int>(b.part), b.eval, b.step, b.round, b.micro_batch};
+}
+
+class stage_impl : public stage_actor::base {
+ public:
+  stage_impl(caf::actor_config& cfg, stage_config config)
+      : stage_actor::base(cfg), cfg_(std::move(config)) {}
+
+  behavior_type make_behavior() override {
+    set_exception_handler([this](std::exception_ptr& e) -> caf::error {
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& x) {
+        return caf::make_error(caf::sec::runtime_error, who() + ": " + x.what());
+      }
+    });
+    kernels::set_compute_threads(cfg_.compute_threads);
+    init_chunks();
+    return {
+        [this](stage_wiring& w) { wiring_ = std::move(w); },
+        [this](step_plan& p) { start_plan(std::move(p)); },
+        [this](link_message& m) { on_link(std::move(m)); },
+        [this](link_credit& c) { on_credit(c); },
+        [this](batch_message& b) { on_batch(std::move(b)); },
+        [this](grad_bucket_reduced& r) { on_reduced(r); },
+        [this](tied_grad& t) { on_tied(std::move(t)); },
+        [this](apply_update& u) { on_update(u); },
+        [this](stage_continue) { advance(); },
+        [this](snapshot_request) { return snapshot(); },
+    };
+  }
+
+ private:
+  std::string who() const {
+    return "stage rank " + std::to_string(cfg_.rank) + " replica " + std::to_string(cfg_.replica);
+  }
+  int last_stage() const { return cfg_.layout.stage_count() - 1; }
+  int my_rank() const { return cfg_.rank; }
+
+  void init_chunks() {
+    compute_ = std::make_unique<engine::stage_compute>(cfg_.model,
+                                                       cfg_.layout.rank_chunks(cfg_.rank));
+    std::vector<engine::gpt_stage*> chunks;
+    for (int c = 0; c < compute_->chunk_count(); ++c) {
+      auto& st = compute_->chunk(c);
+      if (cfg_.init.empty()) {
+        st.init_gpt2(cfg_.seed);
+      } else {
+        engine::load_hf_weights(st, cfg_.init);
+      }
+      st.zero_grad();
+      chunks.push_back(&st);
+      const auto& r = st.range();
+      if (r.embedding) embedding_chunk_ = c;
+      if (r.head) head_chunk_ = c;
+    }
+    buckets_.build(chunks, cfg_.bucket_layers);
+  }
+
+  // ---- plan ---------------------------------------------------------------------------
+  void start_plan(step_plan p) {
+    plan_ = std::move(p);
+    actions_ = &plan_.plan->ranks.at(static_cast<std::size_t>(my_rank()));
+    cursor_ = 0;
+    active_ = true;
+    compute_done_ = grads_sent_ = false;
+    loss_sum_ = 0;
+    losses_ = 0;
+    waiting_since_ = -1;
+    if (!plan_.eval) {
+      buckets_.start_step();
+      buckets_pending_ = cfg_.replicas > 1 ? buckets_.size() : 0;
+      start_tied();
+      find_last_weight_actions();
+    }
+    grant_initial_credits();
+    advance();
+  }
+
+  void find_last_weight_actions() {
+    last_weight_.assign(static_cast<std::size_t>(compute_->chunk_count()), -1);
+    const auto kind = plan_.plan->split_backward ? engine::action_kind::weight
+                                                 : engine::action_kind::backward;
+    for (int i = 0; i < static_cast<int>(actions_->size()); ++i) {
+      const auto& a = (*actions_)[static_cast<std::size_t>(i)];
+      if (a.kind == kind) last_weight_[static_cast<std::size_t>(cfg_.layout.chunk_of(a.stage))] = i;
+    }
+  }
+
+  void grant_initial_credits() {
+    std::vector<link_key> order;
+    for (int round = 0; round < plan_.rounds; ++round) {
+      for (const auto& a : *actions_) {
+        if (auto k = incoming_key(a, round)) order.push_back(*k);
+      }
+    }
+    for (const auto& k : incoming_.start(order, cfg_.link_credits)) grant(k);
+  }
+
+  // The remote link message action `a` consumes, if any.
+  std::optional<link_key> incoming_key(const engine::pipeline_action& a, int round) const {
+    const bool eval = plan_.eval;
+    if (a.kind == engine::action_kind::forward && a.stage > 0 &&
+        cfg_.layout.rank_of(a.stage - 1) != my_rank())
+      return link_key{static_cast<int>(link_kind::activation), eval, plan_.step, a.stage, round,
+                      a.micro_batch};
+    if (a.kind == engine::action_kind::backward && a.stage < last_stage() &&
+        cfg_.layout.rank_of(a.stage + 1) != my_rank())
+      return link_key{static_cast<int>(link_kind::gradient), eval, plan_.step, a.stage, round,
+                      a.micro_batch};
+    return std::nullopt;
+  }
+
+  void grant(const link_key& k) {
+    const int from = k.kind == static_cast<int>(link_kind::activation)
+                         ? cfg_.layout.rank_of(k.stage - 1)
+                         : cfg_.layout.rank_of(k.stage + 1);
+    link_credit c;
+    c.header.kind = static_cast<link_kind>(k.kind);
+    c.header.eval = k.eval;
+    c.header.step = k.step;
+    c.header.stage = k.stage;
+    c.header.round = k.round;
+    c.header.micro_batch = k.micro_batch;
+    c.header.replica = cfg_.replica;
+    caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(from)), c);
+  }
+
+  // ---- the action loop (S1, S3) -------------------------------------------------------
+  void advance() {
+    if (!active_) return;
+    const int per_round = static_cast<int>(actions_->size());
+    if (cursor_ >= per_round * plan_.rounds) {
+      active_ = false;
+      finish_compute();
+      return;
+    }
+    const int round = cursor_ / per_round;
+    const int index = cursor_ % per_round;
+    const auto& a = (*actions_)[static_cast<std::size_t>(index)];
+    if (!ready(a, round)) {
+      if (waiting_since_ < 0) waiting_since_ = cfg_.trace.now_us();
+      return;
+    }
+    if (waiting_since_ >= 0) {
+      cfg_.trace.span("wait", "input", waiting_since_, cfg_.trace.now_us(),
+                      {plan_.step, a.micro_batch, a.stage});
+      waiting_since_ = -1;
+    }
+    execute(a, round, index);
+    ++cursor_;
+    send(this, stage_continue{});
+  }
+
+  link_key make_key(link_kind kind, int stage, int round, int mb) const {
+    return {static_cast<int>(kind), plan_.eval, plan_.step, stage, round, mb};
+  }
+  batch_key make_batch_key(batch_part part, int round, int mb) const {
+    return {static_cast<int>(part), plan_.eval, plan_.step, round, mb};
+  }
+
+  bool ready(const engine::pipeline_action& a, int round) const {
+    using engine::action_kind;
+    if (a.kind == action_kind::forward) {
+      const bool input = a.stage == 0
+                             ? stash_batches_.count(make_batch_key(batch_part::inputs, round,
+                                                                   a.micro_batch)) > 0
+                             : stash_links_.count(make_key(link_kind::activation, a.stage, round,
+                                                           a.micro_batch)) > 0;
+      const bool targets =
+          a.stage != last_stage() ||
+          stash_batches_.count(make_batch_key(batch_part::targets, round, a.micro_batch)) > 0;
+      return input && targets;
+    }
+    if (a.kind == action_kind::backward && a.stage != last_stage())
+      return stash_links_.count(make_key(link_kind::gradient, a.stage, round, a.micro_batch)) > 0;
+    return true;
+  }
+
+  void execute(const engine::pipeline_action& a, int round, int index) {
+    const double t0 = cfg_.trace.now_us();
+    const engine::micro_batch_id id{round, a.micro_batch};
+    const int c = cfg_.layout.chunk_of(a.stage);
+    const bool final_weights = !plan_.eval && round == plan_.rounds - 1 &&
+                               index == last_weight_[static_cast<std::size_t>(c)];
+    engine::grad_block_fn on_block;
+    if (final_weights) on_block = [this, c](int block) { on_block_final(c, block); };
+    std::uint64_t flow = 0;
+    switch (a.kind) {
+      case engine::action_kind::forward:
+        flow = forward(a, round, c, id);
+        break;
+      case engine::action_kind::backward:
+        flow = backward(a, round, c, id, on_block);
+        break;
+      case engine::action_kind::weight:
+        compute_->backward_weight(c, id, on_block);
+        compute_->release(c, id);
+        break;
+    }
+    const double t1 = cfg_.trace.now_us();
+    static const char* names[] = {"F", "B", "W"};
+    cfg_.trace.span("compute", names[static_cast<int>(a.kind)], t0, t1,
+                    {plan_.step, a.micro_batch, a.stage});
+    if (flow) cfg_.trace.flow(event_kind::flow_in, flow, t0, {plan_.step, a.micro_batch, a.stage});
+  }
+
+  // Returns the flow id of the consumed link message (0 if none).
+  std::uint64_t forward(const engine::pipeline_action& a, int round, int c,
+                        engine::micro_batch_id id) {
+    engine::stage_compute::forward_args args;
+    args.train = !plan_.eval;
+    std::uint64_t flow = 0;
+    if (a.stage == 0) {
+      auto b = take_batch(batch_part::inputs, round, a.micro_batch);
+      args.B = b.B;
+      args.T = b.T;
+      args.tokens = b.tokens->data();
+      args.hold.push_back(b.tokens);
+      flow = b.flow_id;
+    } else {
+      auto m = take_link(link_kind::activation, a.stage, round, a.micro_batch);
+      args.B = static_cast<int>(m.header.shape.at(0));
+      args.T = static_cast<int>(m.header.shape.at(1));
+      args.input = m.data->data();
+      args.hold.push_back(m.data);
+      flow = m.flow_id;
+    }
+    std::shared_ptr<std::vector<std::int32_t>> targets;
+    if (a.stage == last_stage()) {
+      auto t = take_batch(batch_part::targets, round, a.micro_batch);
+      targets = t.tokens;
+      args.targets = targets->data();
+      args.hold.push_back(targets);
+      args.loss_scale = 1.0f / static_cast<float>(plan_.rounds * plan_.plan->shape.micro_batches);
+    }
+    const int B = args.B, T = args.T;
+    shapes_[{c, id}] = {B, T};
+    const double loss = compute_->forward(c, id, std::move(args));
+    if (a.stage == last_stage()) {
+      loss_sum_ += loss;
+      ++losses_;
+    } else {
+      const std::size_t n = std::size_t(B) * std::size_t(T) * std::size_t(cfg_.model.width);
+      auto out = std::make_shared<std::vector<float>>(n);
+      std::memcpy(out->data(), compute_->output(c, id), n * sizeof(float));
+      route(link_kind::activation, a.stage + 1, round, a.micro_batch, B, T, std::move(out));
+    }
+    if (plan_.eval) {
+      compute_->release(c, id);
+      shapes_.erase({c, id});
+    }
+    return flow;
+  }
+
+  std::uint64_t backward(const engine::pipeline_action& a, int round, int c,
+                         engine::micro_batch_id id, const engine::grad_block_fn& on_block) {
+    const auto [B, T] = shapes_.at({c, id});
+    float_buffer dout;
+    std::uint64_t flow = 0;
+    if (a.stage != last_stage()) {
+      auto m = take_link(link_kind::gradient, a.stage, round, a.micro_batch);
+      dout = m.data;
+      flow = m.flow_id;
+    }
+    float_buffer din;
+    if (a.stage > 0)
+      din = std::make_shared<std::vector<float>>(std::size_t(B) * std::size_t(T) *
+                                                 std::size_t(cfg_.model.width));
+    const float* dptr = dout ? dout->data() : nullptr;
+    float* iptr = din ? din->data() : nullptr;
+    if (plan_.plan->split_backward) {
+      compute_->backward_input(c, id, dptr, iptr);
+    } else {
+      compute_->backward(c, id, dptr, iptr, on_block);
+      compute_->release(c, id);
+      shapes_.erase({c, id});
+    }
+    if (din) route(link_kind::gradient, a.stage - 1, round, a.micro_batch, B, T, std::move(din));
+    return flow;
+  }
+
+  batch_message take_batch(batch_part part, int round, int mb) {
+    auto it = stash_batches_.find(make_batch_key(part, round, mb));
+    batch_message b = std::move(it->second);
+    stash_batches_.erase(it);
+    if (!b.eval) caf::anon_send(wiring_.loader, batch_credit{part, cfg_.replica});
+    return b;
+  }
+
+  link_message take_link(link_kind kind, int stage, int round, int mb) {
+    const auto key = make_key(kind, stage, round, mb);
+    auto it = stash_links_.find(key);
+    link_message m = std::move(it->second);
+    stash_links_.erase(it);
+    if (auto next = incoming_.consumed(key)) grant(*next);
+    return m;
+  }
+
+  // ---- links (S2) -----------------------------------------------------------------------
+  void route(link_kind kind, int stage, int round, int mb, int B, int T, float_buffer data) {
+    link_message m;
+    m.header = {kind, plan_.step, round, mb, stage, cfg_.replica, plan_.eval,
+                {B, T, cfg_.model.width}};
+    m.data = std::move(data);
+    m.flow_id = engine::trace::flow_id(static_cast<int>(kind), plan_.step, round, mb, stage,
+                                       cfg_.replica, plan_.eval);
+    const auto key = key_of(m.header);
+    if (cfg_.layout.rank_of(stage) == my_rank()) {  // next chunk on this rank: no link
+      m.flow_id = 0;
+      stash_links_.emplace(key, std::move(m));
+      return;
+    }
+    if (outgoing_.produced(key)) {
+      transmit(std::move(m));
+    } else {
+      held_.emplace(key, std::move(m));
+    }
+  }
+
+  void transmit(link_message m) {
+    const double t0 = cfg_.trace.now_us();
+    const int to = cfg_.layout.rank_of(m.header.stage);
+    const engine::trace::recorder::ids ids{m.header.step, m.header.micro_batch, m.header.stage,
+                                           static_cast<std::int64_t>(m.data->size() * 4)};
+    const std::uint64_t flow = m.flow_id;
+    const char* what = m.header.kind == link_kind::activation ? "activation" : "gradient";
+    caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(to)), std::move(m));
+    const double t1 = cfg_.trace.now_us();
+    cfg_.trace.span("send", what, t0, t1, ids);
+    cfg_.trace.flow(event_kind::flow_out, flow, t0, ids);
+  }
+
+  void on_link(link_message m) {
+    const double t0 = cfg_.trace.now_us();
+    const auto key = key_of(m.header);
+    const engine::trace::recorder::ids ids{m.header.step, m.header.micro_batch, m.header.stage,
+                                           static_cast<std::int64_t>(m.data->size() * 4)};
+    const char* what = m.header.kind == link_kind::activation ? "activation" : "gradient";
+    if (!stash_links_.emplace(key, std::move(m)).second)
+      throw std::runtime_error(std::string("duplicate ") + what + " message");
+    cfg_.trace.span("recv", what, t0, cfg_.trace.now_us(), ids);
+    advance_if_waiting();
+  }
+
+  void on_credit(const link_credit& c) {
+    const auto key = key_of(c.header);
+    if (outgoing_.granted(key)) {
+      auto it = held_.find(key);
+      link_message m = std::move(it->second);
+      held_.erase(it);
+      transmit(std::move(m));
+    }
+  }
+
+  void on_batch(batch_message b) {
+    stash_batches_.emplace(key_of(b), std::move(b));
+    advance_if_waiting();
+  }
+
+  // Only a stage that is blocked re-enters the loop here; a running one has a stage_continue
+  // queued already.
+  void advance_if_waiting() {
+    if (active_ && waiting_since_ >= 0) advance();
+  }
+
+  // ---- gradients: buckets, tied wte, grads_ready (S4) -----------------------------------
+  void on_block_final(int chunk, int block) {
+    const auto b = buckets_.block_done(chunk, block);
+    if (!b) return;
+    if (cfg_.replicas > 1) {
+      const double t = cfg_.trace.now_us();
+      caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, *b,
+                                        buckets_.bucket(*b).ranges});
+      cfg_.trace.span("send", "bucket " + buckets_.bucket(*b).name, t, cfg_.trace.now_us(),
+                      {plan_.step});
+    } else {
+      bucket_final(*b);
+    }
+  }
+
+  void on_reduced(const grad_bucket_reduced& r) {
+    --buckets_pending_;
+    bucket_final(r.bucket);
+    check_grads_ready();
+  }
+
+  bool bucket_has_wte(int b, int chunk) const {
+    const auto& info = buckets_.bucket(b);
+    if (info.chunk != chunk) return false;
+    const auto& st = compute_->chunk(chunk);
+    const float* wte = st.grads() + st.parameter("transformer.wte.weight").offset;
+    for (const auto& [ptr, n] : info.ranges)
+      if (ptr <= wte && wte < ptr + n) return true;
+    return false;
+  }
+
+  void start_tied() {
+    tied_partner_.reset();
+    tied_own_ready_ = 0;
+    const bool emb = embedding_chunk_ >= 0, head = head_chunk_ >= 0;
+    tied_needed_ = 0;
+    if (emb && head && embedding_chunk_ == head_chunk_) tied_needed_ = 0;  // one copy
+    else if (emb && head) tied_needed_ = 2;                                // both, local
+    else if (emb || head) tied_needed_ = 1;                                // one, remote
+    tied_done_ = tied_needed_ == 0;
+  }
+
+  float* wte_grad(int chunk) {
+    auto& st = compute_->chunk(chunk);
+    return st.grads() + st.parameter("transformer.wte.weight").offset;
+  }
+  std::size_t wte_numel() const {
+    return std::size_t(cfg_.model.padded_vocab_size) * std::size_t(cfg_.model.width);
+  }
+
+  void bucket_final(int b) {
+    if (tied_done_) return;
+    for (int c : {embedding_chunk_, head_chunk_}) {
+      if (c >= 0 && bucket_has_wte(b, c)) ++tied_own_ready_;
+    }
+    if (tied_own_ready_ < tied_needed_) return;
+    if (tied_needed_ == 2) {  // both copies here: sum them in place
+      float* a = wte_grad(embedding_chunk_);
+      float* h = wte_grad(head_chunk_);
+      for (std::size_t i = 0; i < wte_numel(); ++i) a[i] = h[i] = a[i] + h[i];
+      tied_done_ = true;
+      return;
+    }
+    if (tied_sent_step_ != plan_.step) {
+      const int c = embedding_chunk_ >= 0 ? embedding_chunk_ : head_chunk_;
+      auto copy = std::make_shared<std::vector<float>>(wte_grad(c), wte_grad(c) + wte_numel());
+      caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, cfg_.replica, std::move(copy)});
+      tied_sent_step_ = plan_.step;
+    }
+    finish_tied();
+  }
+
+  void on_tied(tied_grad t) {
+    tied_partner_ = std::move(t.data);
+    finish_tied();
+    check_grads_ready();
+  }
+
+  void finish_tied() {
+    if (tied_done_ || !tied_partner_ || tied_own_ready_ < tied_needed_) return;
+    const int c = embedding_chunk_ >= 0 ? embedding_chunk_ : head_chunk_;
+    float* own = wte_grad(c);
+    // Each side computes own + other: the same float sums on both ranks (addition commutes).
+    for (std::size_t i = 0; i < wte_numel(); ++i) own[i] = own[i] + (*tied_partner_)[i];
+    tied_partner_.reset();
+    tied_done_ = true;
+  }
+
+  void finish_compute() {
+    if (plan_.eval) {
+      if (head_chunk_ >= 0) caf::anon_send(wiring_.coordinator, eval_done{plan_.step, cfg_.replica, loss_sum_, losses_});
+      flush_trace();
+      return;
+    }
+    compute_done_ = true;
+    dp_wait_since_ = cfg_.trace.now_us();
+    check_grads_ready();
+  }
+
+  void check_grads_ready() {
+    if (!compute_done_ || grads_sent_ || buckets_pending_ > 0 || !tied_done_) return;
+    grads_sent_ = true;
+    const double now = cfg_.trace.now_us();
+    if (cfg_.replicas > 1 || tied_needed_ == 1)
+      cfg_.trace.span("wait", cfg_.replicas > 1 ? "dp" : "tied", dp_wait_since_, now, {plan_.step});
+    double sq = 0;
+    for (int c = 0; c < compute_->chunk_count(); ++c) {
+      const auto& st = compute_->chunk(c);
+      sq += engine::grad_square_sum(st, !(st.range().head && !st.range().embedding));
+    }
+    caf::anon_send(wiring_.coordinator,
+         grads_ready{plan_.step, my_rank(), cfg_.replica, sq, loss_sum_, losses_});
+  }
+
+  void on_update(const apply_update& u) {
+    const double t0 = cfg_.trace.now_us();
+    double lr = 0;
+    for (int c = 0; c < compute_->chunk_count(); ++c) {
+      auto& st = compute_->chunk(c);
+      lr = compute_->optimizer(c)
+               .step_with_norm(st, cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm)
+               .lr;
+      st.zero_grad();
+    }
+    cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
+    caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), cfg_.replica, lr});
+    flush_trace();
+  }
+
+  void flush_trace() {
+    if (cfg_.trace.enabled() && !cfg_.trace.empty())
+      caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
+  }
+
+  stage_snapshot snapshot() {
+    stage_snapshot s;
+    s.rank = my_rank();
+    s.replica = cfg_.replica;
+    for (int c = 0; c < compute_->chunk_count(); ++c) {
+      const auto& st = compute_->chunk(c);
+      for (const auto& p : st.parameters()) {
+        const float* v = st.params() + p.offset;
+        s.parameters.emplace_back(p.name, std::vector<float>(v, v + p.numel));
+      }
+    }
+    return s;
+  }
+
+  stage_config cfg_;
+  stage_wiring wiring_;
+  std::unique_ptr<engine::stage_compute> compute_;
+  topology::grad_buckets buckets_;
+  topology::incoming_credits incoming_;
+  topology::outgoing_credits outgoing_;
+  std::map<link_key, link_message> held_, stash_links_;
+  std::map<batch_key, batch_message> stash_batches_;
+  std::map<std::pair<int, engine::micro_batch_id>, std::pair<int, int>> shapes_;
+  step_plan plan_;
+  const std::vector<engine::pipeline_action>* actions_ = nullptr;
+  std::vector<int> last_weight_;
+  int cursor_ = 0;
+  bool active_ = false, compute_done_ = false, grads_sent_ = false;
+  double waiting_since_ = -1, dp_wait_since_ = 0;
+  double loss_sum_ = 0;
+  int losses_ = 0;
+  int buckets_pending_ = 0;
+  int embedding_chunk_ = -1, head_chunk_ = -1;
+  int tied_needed_ = 0, tied_own_ready_ = 0, tied_sent_step_ = -1;
+  bool tied_done_ = true;
+  float_buffer tied_partner_;
+};
+
+}  // namespace
+
+stage_actor spawn_pipeline_stage(caf::actor_system& system, stage_config config) {
+  return system.spawn<stage_impl, caf::detached>(std::move(config));
+}
+
+}  // namespace troupe::actors

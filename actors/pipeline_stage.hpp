@@ -1,0 +1,36 @@
+// The pipeline stage actor: one pipeline rank of one data-parallel replica. It owns the
+// rank's model chunks and their optimizer state, executes the plan it receives each step
+// (stashing messages that arrive early: the plan, not arrival order, decides what runs),
+// sends activations and gradients under link credits, hands final gradient buckets to the
+// data-parallel reducer while backward continues, and applies the coordinator's update.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "engine/optimizer.hpp"
+#include "engine/pipeline_layout.hpp"
+#include "engine/trace_recorder.hpp"
+#include "messages/protocols.hpp"
+
+namespace troupe::actors {
+
+struct stage_config {
+  int rank = 0;
+  int replica = 0;
+  int replicas = 1;
+  engine::gpt_config model;
+  engine::pipeline_layout layout;
+  std::uint64_t seed = 0;
+  std::string init;  // Hugging Face safetensors; empty: GPT-2 init from seed
+  engine::optimizer_config optimizer;
+  int total_steps = 1;
+  int link_credits = 1;
+  int bucket_layers = 1;
+  int compute_threads = 1;
+  engine::trace::recorder trace;
+};
+
+messages::stage_actor spawn_pipeline_stage(caf::actor_system& system, stage_config config);
+
+}  // namespace troupe::actors

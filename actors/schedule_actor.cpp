@@ -1,0 +1,74 @@
+// The schedule actor. See schedule_actor.hpp.
+#include "actors/schedule_actor.hpp"
+
+#include <memory>
+
+namespace troupe::actors {
+namespace {
+
+using namespace messages;
+
+class schedule_impl : public schedule_actor::base {
+ public:
+  schedule_impl(caf::actor_config& cfg, schedule_config config)
+      : schedule_actor::base(cfg), cfg_(std::move(config)) {
+    plan_ = std::make_shared<const engine::pipeline_plan>(engine::make_plan(cfg_.name, cfg_.shape));
+  }
+
+  behavior_type make_behavior() override {
+    return {
+        [this](schedule_wiring& w) { wiring_ = std::move(w); },
+        [this](begin_step& b) {
+          for (const auto& replica : wiring_.stages)
+            for (const auto& stage : replica) caf::anon_send(stage, step_plan{b.step, b.rounds, false, plan_});
+        },
+        [this](begin_eval& e) {
+          for (int r = 0; r < static_cast<int>(wiring_.stages.size()); ++r) {
+            const int n = (e.batches - r + cfg_.replicas - 1) / cfg_.replicas;
+            if (n <= 0) continue;
+            auto shape = cfg_.shape;
+            shape.micro_batches = n;
+            auto plan = std::make_shared<const engine::pipeline_plan>(plan_forward_only(shape));
+            for (const auto& stage : wiring_.stages[static_cast<std::size_t>(r)])
+              caf::anon_send(stage, step_plan{e.step, 1, true, plan});
+          }
+        },
+        [this](swap_schedule& s) -> swap_result {
+          try {
+            auto plan = engine::make_plan(s.name, cfg_.shape);
+            plan_ = std::make_shared<const engine::pipeline_plan>(std::move(plan));
+            cfg_.name = s.name;
+            return {true, "schedule " + s.name + " from the next step"};
+          } catch (const std::exception& e) {
+            return {false, e.what()};
+          }
+        },
+    };
+  }
+
+ private:
+  schedule_config cfg_;
+  schedule_wiring wiring_;
+  std::shared_ptr<const engine::pipeline_plan> plan_;
+};
+
+}  // namespace
+
+engine::pipeline_plan plan_forward_only(const engine::schedule_shape& shape) {
+  engine::pipeline_plan plan;
+  plan.name = "forward-only";
+  plan.shape = shape;
+  plan.ranks.resize(static_cast<std::size_t>(shape.ranks));
+  for (int r = 0; r < shape.ranks; ++r)
+    for (int j = 0; j < shape.micro_batches; ++j)
+      for (int c = 0; c < shape.virtual_stages; ++c)
+        plan.ranks[static_cast<std::size_t>(r)].push_back(
+            {engine::action_kind::forward, c * shape.ranks + r, j});
+  return plan;
+}
+
+schedule_actor spawn_schedule_actor(caf::actor_system& system, schedule_config config) {
+  return system.spawn<schedule_impl>(std::move(config));
+}
+
+}  // namespace troupe::actors

@@ -1,0 +1,25 @@
+// The schedule actor: hands every stage its plan for each step. The schedule is a recipe value
+// and can be swapped between steps with a swap_schedule message; a new schedule is built and
+// checked by the simulator before it is accepted, and takes effect at the next begin_step.
+// For evaluation it hands out forward-only plans.
+#pragma once
+
+#include <string>
+
+#include "engine/schedule.hpp"
+#include "messages/protocols.hpp"
+
+namespace troupe::actors {
+
+struct schedule_config {
+  std::string name = "1f1b";
+  engine::schedule_shape shape;
+  int replicas = 1;
+};
+
+messages::schedule_actor spawn_schedule_actor(caf::actor_system& system, schedule_config config);
+
+// Forward-only plan for evaluation: rank r runs F(c*p + r, j) for j, then c ascending.
+engine::pipeline_plan plan_forward_only(const engine::schedule_shape& shape);
+
+}  // namespace troupe::actors

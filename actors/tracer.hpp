@@ -1,0 +1,11 @@
+// The trace sink: collects every actor's trace batches and writes the Chrome trace-event file
+// when asked (engine/trace.hpp), replying with "" or the error.
+#pragma once
+
+#include "messages/protocols.hpp"
+
+namespace troupe::actors {
+
+messages::tracer_actor spawn_tracer(caf::actor_system& system);
+
+}  // namespace troupe::actors

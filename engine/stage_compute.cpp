@@ -1,0 +1,100 @@
+// One pipeline rank's arithmetic. See stage_compute.hpp.
+#include "engine/stage_compute.hpp"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace troupe::engine {
+namespace {
+
+std::string describe(int c, micro_batch_id id) {
+  return "chunk " + std::to_string(c) + " round " + std::to_string(id.round) + " micro-batch " +
+         std::to_string(id.micro_batch);
+}
+
+}  // namespace
+
+stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks) {
+  for (const auto& r : chunks) {
+    chunk_state s;
+    s.stage = std::make_unique<gpt_stage>(model, r);
+    s.opt = std::make_unique<adamw_optimizer>(*s.stage);
+    chunks_.push_back(std::move(s));
+  }
+}
+
+void stage_compute::zero_grad() {
+  for (auto& c : chunks_) c.stage->zero_grad();
+}
+
+stage_compute::slot& stage_compute::live_slot(int c, micro_batch_id id) {
+  auto& live = chunks_.at(static_cast<std::size_t>(c)).live;
+  auto it = live.find(id);
+  if (it == live.end()) throw std::logic_error("no forward state for " + describe(c, id));
+  return it->second;
+}
+
+const stage_compute::slot& stage_compute::live_slot(int c, micro_batch_id id) const {
+  const auto& live = chunks_.at(static_cast<std::size_t>(c)).live;
+  auto it = live.find(id);
+  if (it == live.end()) throw std::logic_error("no forward state for " + describe(c, id));
+  return it->second;
+}
+
+double stage_compute::forward(int c, micro_batch_id id, forward_args args) {
+  auto& ch = chunks_.at(static_cast<std::size_t>(c));
+  if (ch.live.count(id)) throw std::logic_error("forward twice for " + describe(c, id));
+  slot s;
+  auto pooled = ch.pool.find({args.B, args.T});
+  if (pooled != ch.pool.end()) {
+    s.acts = std::move(pooled->second);
+    ch.pool.erase(pooled);
+  } else {
+    s.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T);
+  }
+  s.hold = std::move(args.hold);
+  const gpt_stage& st = *ch.stage;
+  stage_forward(st, *s.acts, args.tokens, args.input);
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  if (st.range().head) {
+    loss = args.train ? stage_loss_backward_start(st, *s.acts, args.targets, args.loss_scale).mean()
+                      : stage_loss(st, *s.acts, args.targets).mean();
+  }
+  ch.live.emplace(id, std::move(s));
+  return loss;
+}
+
+const float* stage_compute::output(int c, micro_batch_id id) const {
+  return stage_output(*live_slot(c, id).acts);
+}
+
+void stage_compute::backward(int c, micro_batch_id id, const float* doutput, float* dinput,
+                             const grad_block_fn& on_block_done) {
+  stage_backward(chunk(c), *live_slot(c, id).acts, doutput, dinput, on_block_done);
+}
+
+void stage_compute::backward_input(int c, micro_batch_id id, const float* doutput, float* dinput) {
+  stage_backward_input(chunk(c), *live_slot(c, id).acts, doutput, dinput);
+}
+
+void stage_compute::backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) {
+  stage_backward_weight(chunk(c), *live_slot(c, id).acts, on_block_done);
+}
+
+void stage_compute::release(int c, micro_batch_id id) {
+  auto& ch = chunks_.at(static_cast<std::size_t>(c));
+  auto it = ch.live.find(id);
+  if (it == ch.live.end()) throw std::logic_error("release without forward: " + describe(c, id));
+  auto acts = std::move(it->second.acts);
+  ch.live.erase(it);
+  const std::pair<int, int> key{acts->batch(), acts->seq_len()};
+  ch.pool.emplace(key, std::move(acts));
+}
+
+int stage_compute::in_flight(int c) const {
+  return static_cast<int>(chunks_.at(static_cast<std::size_t>(c)).live.size());
+}
+
+}  // namespace troupe::engine

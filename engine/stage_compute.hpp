@@ -1,0 +1,75 @@
+// The arithmetic of one pipeline rank: its model chunks (one gpt_stage + AdamW state each)
+// and the saved activations of every micro-batch in flight. A pipeline stage actor owns one
+// and calls it; this file knows nothing of messages or actors.
+//
+// Invariants:
+//  - A micro-batch is identified per chunk by (round, micro_batch); forward creates its slot,
+//    release frees it (its buffers go back to a pool keyed by the micro-batch's shape, so a
+//    steady pipeline allocates nothing).
+//  - Buffers the caller hands in (tokens, input) are kept alive by the slot through `hold`.
+//  - A head chunk computes the loss in forward and turns its logits into the loss gradient
+//    (scaled by loss_scale), so its backward needs no incoming gradient.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "engine/optimizer.hpp"
+
+namespace troupe::engine {
+
+struct micro_batch_id {
+  int round = 0;
+  int micro_batch = 0;
+  friend auto operator<=>(const micro_batch_id&, const micro_batch_id&) = default;
+};
+
+class stage_compute {
+ public:
+  stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks);
+
+  int chunk_count() const { return static_cast<int>(chunks_.size()); }
+  gpt_stage& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
+  adamw_optimizer& optimizer(int c) { return *chunks_.at(static_cast<std::size_t>(c)).opt; }
+  void zero_grad();
+
+  struct forward_args {
+    int B = 0, T = 0;
+    const std::int32_t* tokens = nullptr;   // embedding chunk
+    const float* input = nullptr;           // other chunks: [B, T, width]
+    const std::int32_t* targets = nullptr;  // head chunk
+    float loss_scale = 1;                   // head chunk, training
+    bool train = true;                      // false: loss only, no gradient (evaluation)
+    std::vector<std::shared_ptr<const void>> hold;  // kept alive until release
+  };
+  // Returns the mean loss of the micro-batch for a head chunk, NaN otherwise.
+  double forward(int c, micro_batch_id id, forward_args args);
+  // The chunk's output hidden state [B, T, width] (not for a head chunk).
+  const float* output(int c, micro_batch_id id) const;
+  void backward(int c, micro_batch_id id, const float* doutput, float* dinput,
+                const grad_block_fn& on_block_done = {});
+  void backward_input(int c, micro_batch_id id, const float* doutput, float* dinput);
+  void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done = {});
+  void release(int c, micro_batch_id id);
+  int in_flight(int c) const;
+
+ private:
+  struct slot {
+    std::unique_ptr<gpt_activations> acts;
+    std::vector<std::shared_ptr<const void>> hold;
+  };
+  struct chunk_state {
+    std::unique_ptr<gpt_stage> stage;
+    std::unique_ptr<adamw_optimizer> opt;
+    std::map<micro_batch_id, slot> live;
+    std::multimap<std::pair<int, int>, std::unique_ptr<gpt_activations>> pool;  // (B, T)
+  };
+  slot& live_slot(int c, micro_batch_id id);
+  const slot& live_slot(int c, micro_batch_id id) const;
+  std::vector<chunk_state> chunks_;
+};
+
+}  // namespace troupe::engine

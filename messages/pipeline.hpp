@@ -1,0 +1,158 @@
+// The vocabulary of one training step, in process: plain structs that actors send each other.
+// Tensor payloads travel as shared handles (std::shared_ptr), never copied by the transport.
+// This header knows nothing of CAF; messages/protocols.hpp declares who accepts what.
+//
+// Invariants:
+//  - Every activation and gradient carries its identity (step, round, micro-batch, receiving
+//    virtual stage, replica) and its shape in a header, so a receiver can stash messages that
+//    arrive early and micro-batches of one step may differ in sequence length.
+//  - A sender may only send a link message the receiver granted a credit for (link_credit);
+//    the receiver grants credits in the order its plan consumes messages, at most k ahead.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/metrics.hpp"
+#include "engine/schedule.hpp"
+#include "engine/trace.hpp"
+
+namespace troupe::messages {
+
+using float_buffer = std::shared_ptr<std::vector<float>>;
+using token_buffer = std::shared_ptr<std::vector<std::int32_t>>;
+
+enum class link_kind : unsigned char { activation, gradient };
+
+struct link_header {
+  link_kind kind = link_kind::activation;
+  int step = 0;
+  int round = 0;
+  int micro_batch = 0;
+  int stage = 0;    // receiving virtual stage
+  int replica = 0;  // data-parallel replica of sender and receiver
+  bool eval = false;
+  std::vector<std::int64_t> shape;  // [B, T, C]
+};
+
+// An activation (forward) or gradient (backward) between pipeline ranks.
+struct link_message {
+  link_header header;
+  float_buffer data;
+  std::uint64_t flow_id = 0;
+};
+
+// Permission to send the one link message named by header (its shape is not used).
+struct link_credit {
+  link_header header;
+};
+
+enum class batch_part : unsigned char { inputs, targets };
+
+// Tokens of one micro-batch from the data loader: inputs to virtual stage 0, targets to the
+// last virtual stage.
+struct batch_message {
+  batch_part part = batch_part::inputs;
+  int step = 0, round = 0, micro_batch = 0, replica = 0;
+  bool eval = false;
+  int B = 0, T = 0;
+  token_buffer tokens;
+  std::uint64_t flow_id = 0;
+};
+
+// A stage consumed a batch_message: the loader may send one more of that part.
+struct batch_credit {
+  batch_part part = batch_part::inputs;
+  int replica = 0;
+};
+
+// What a rank runs in one step: `rounds` passes of the plan (gradient accumulation).
+struct step_plan {
+  int step = 0;
+  int rounds = 1;
+  bool eval = false;
+  std::shared_ptr<const engine::pipeline_plan> plan;
+};
+
+struct begin_step {
+  int step = 0;
+  int rounds = 1;
+};
+
+struct begin_eval {
+  int step = 0;       // the training step after which evaluation runs
+  int batches = 0;    // validation micro-batches over all replicas
+};
+
+// A rank finished its backward work, data-parallel reduction and tied-weight sync of a step.
+struct grads_ready {
+  int step = 0, rank = 0, replica = 0;
+  double grad_square_sum = 0;  // this rank's gradients (tied wte counted once)
+  double loss_sum = 0;         // head rank: sum of micro-batch mean losses
+  int losses = 0;
+};
+
+struct apply_update {
+  int step = 0;
+  double grad_norm = 0;  // global, before clipping
+};
+
+struct update_done {
+  int step = 0, rank = 0, replica = 0;
+  double lr = 0;
+};
+
+struct eval_done {
+  int step = 0, replica = 0;
+  double loss_sum = 0;
+  int losses = 0;
+};
+
+// Data-parallel gradient bucket: the sender's gradient ranges, final for this step.
+struct grad_bucket {
+  int step = 0, rank = 0, replica = 0, bucket = 0;
+  std::vector<std::pair<float*, std::int64_t>> ranges;
+};
+
+// The bucket's ranges now hold the mean over all replicas.
+struct grad_bucket_reduced {
+  int step = 0, bucket = 0;
+};
+
+// The tied wte gradient, exchanged between the embedding rank and the head rank.
+struct tied_grad {
+  int step = 0, replica = 0;
+  float_buffer data;
+};
+
+// Switch the pipeline schedule from the next step on. Refused (with a reason) if the schedule
+// is unknown, cannot serve the current shape, or fails the simulator.
+struct swap_schedule {
+  std::string name;
+};
+struct swap_result {
+  bool ok = false;
+  std::string message;
+};
+
+// Trace events recorded by an actor, flushed in batches.
+struct trace_batch {
+  std::vector<engine::trace::event> events;
+};
+struct trace_finish {
+  engine::trace::metadata meta;
+  std::vector<engine::trace::track> tracks;
+};
+
+// Coordinator -> whoever started the run.
+struct step_report {
+  engine::step_metrics metrics;
+};
+struct run_finished {
+  bool ok = true;
+  std::string message;  // the failure, naming the actor
+};
+
+}  // namespace troupe::messages

@@ -1,0 +1,112 @@
+// Who accepts which message: the typed interface of every actor role, declared once.
+// Only actors/ and tools/ include this header (it pulls in CAF); engine/ and kernels/ never do.
+//
+//   coordinator --begin_step--> schedule --step_plan--> every stage
+//   data loader --batch_message(inputs)--> stage of virtual stage 0
+//               --batch_message(targets)--> stage of the last virtual stage
+//   stage --link_message--> neighbour stage, only after a link_credit for that message
+//   stage --grad_bucket--> dp reducer --grad_bucket_reduced--> stage
+//   stage --grads_ready--> coordinator --apply_update--> stage --update_done--> coordinator
+//   every actor --trace_batch--> tracer
+#pragma once
+
+#include <caf/all.hpp>
+
+#include "messages/pipeline.hpp"
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::link_message)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::link_credit)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::batch_message)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::batch_credit)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::step_plan)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::begin_step)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::begin_eval)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::grads_ready)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::apply_update)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::update_done)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::eval_done)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::grad_bucket)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::grad_bucket_reduced)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::tied_grad)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::swap_schedule)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::swap_result)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_batch)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_finish)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::step_report)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::run_finished)
+
+namespace troupe::messages {
+
+// Peers of a stage, sent once before the first step. Entries are untyped so that a test can
+// put a relay between two stages; `ranks` are this replica's stages by pipeline rank.
+struct stage_wiring {
+  std::vector<caf::actor> ranks;
+  caf::actor loader, coordinator, reducer, tracer;
+  caf::actor tied_partner;  // the stage holding the other copy of wte (may be this one)
+};
+struct loader_wiring {
+  caf::actor first_stage, last_stage, tracer;
+};
+struct schedule_wiring {
+  std::vector<std::vector<caf::actor>> stages;  // [replica][rank]
+};
+struct coordinator_wiring {
+  caf::actor schedule, tracer, client;
+  std::vector<caf::actor> loaders;              // by replica
+  std::vector<std::vector<caf::actor>> stages;  // [replica][rank]
+  std::vector<caf::actor> watched;              // every actor of the run, monitored
+  std::vector<std::string> watched_names;
+};
+struct start_run {};
+// A stage's note to itself: run the next action (after the mailbox had its turn).
+struct stage_continue {};
+// Snapshot of a stage's parameters by Hugging Face name (for final weights and tests).
+struct snapshot_request {};
+struct stage_snapshot {
+  int rank = 0, replica = 0;
+  std::vector<std::pair<std::string, std::vector<float>>> parameters;
+};
+struct trace_write {
+  std::string path;
+  trace_finish finish;
+};
+
+}  // namespace troupe::messages
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_wiring)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::loader_wiring)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::schedule_wiring)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::coordinator_wiring)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::start_run)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_continue)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::snapshot_request)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_snapshot)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_write)
+
+namespace troupe::messages {
+
+using stage_actor = caf::typed_actor<
+    caf::reacts_to<stage_wiring>, caf::reacts_to<step_plan>, caf::reacts_to<link_message>,
+    caf::reacts_to<link_credit>, caf::reacts_to<batch_message>,
+    caf::reacts_to<grad_bucket_reduced>, caf::reacts_to<tied_grad>,
+    caf::reacts_to<apply_update>, caf::reacts_to<stage_continue>,
+    caf::replies_to<snapshot_request>::with<stage_snapshot>>;
+
+using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,
+                                      caf::reacts_to<begin_eval>>;
+
+using schedule_actor =
+    caf::typed_actor<caf::reacts_to<schedule_wiring>, caf::reacts_to<begin_step>,
+                     caf::reacts_to<begin_eval>, caf::replies_to<swap_schedule>::with<swap_result>>;
+
+using reducer_actor = caf::typed_actor<caf::reacts_to<grad_bucket>>;
+
+using tracer_actor =
+    caf::typed_actor<caf::reacts_to<trace_batch>, caf::replies_to<trace_write>::with<std::string>>;
+
+using coordinator_actor =
+    caf::typed_actor<caf::reacts_to<coordinator_wiring>, caf::reacts_to<start_run>,
+                     caf::reacts_to<grads_ready>, caf::reacts_to<update_done>,
+                     caf::reacts_to<eval_done>, caf::replies_to<swap_schedule>::with<swap_result>>;
+
+}  // namespace troupe::messages

@@ -1,0 +1,73 @@
+// Gradient buckets and the in-process mean. See grad_buckets.hpp.
+#include "topology/grad_buckets.hpp"
+
+#include <stdexcept>
+
+namespace troupe::topology {
+
+void grad_buckets::build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket) {
+  buckets_.clear();
+  bucket_of_block_.clear();
+  for (int c = 0; c < static_cast<int>(chunks.size()); ++c) {
+    const auto& stage = *chunks[static_cast<std::size_t>(c)];
+    const auto blocks = engine::stage_grad_blocks(stage);
+    std::vector<int> owner(blocks.size(), -1);
+    int layers_in_open = 0;
+    int open = -1;
+    for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {
+      const auto& blk = blocks[static_cast<std::size_t>(b)];
+      const bool layer = blk.name.rfind("h.", 0) == 0;
+      if (!layer || open < 0 || layers_in_open >= layers_per_bucket) {
+        buckets_.push_back({c, blk.name, {}, {}});
+        open = layer ? static_cast<int>(buckets_.size()) - 1 : -1;
+        layers_in_open = 0;
+      } else {
+        buckets_.back().name += "," + blk.name;
+      }
+      auto& bk = buckets_.back();
+      for (const auto& [offset, n] : blk.ranges) bk.ranges.emplace_back(stage.grads() + offset, n);
+      bk.blocks.push_back(b);
+      owner[static_cast<std::size_t>(b)] = static_cast<int>(buckets_.size()) - 1;
+      if (layer) ++layers_in_open;
+    }
+    bucket_of_block_.push_back(std::move(owner));
+  }
+  start_step();
+}
+
+void grad_buckets::start_step() {
+  remaining_.assign(buckets_.size(), 0);
+  for (std::size_t i = 0; i < buckets_.size(); ++i)
+    remaining_[i] = static_cast<int>(buckets_[i].blocks.size());
+}
+
+std::optional<int> grad_buckets::block_done(int chunk, int block) {
+  const int b = bucket_of_block_.at(static_cast<std::size_t>(chunk)).at(static_cast<std::size_t>(block));
+  if (--remaining_.at(static_cast<std::size_t>(b)) == 0) return b;
+  if (remaining_[static_cast<std::size_t>(b)] < 0)
+    throw std::logic_error("gradient block reported final twice in one step");
+  return std::nullopt;
+}
+
+void mean_over_replicas(
+    const std::vector<std::vector<std::pair<float*, std::int64_t>>>& replicas) {
+  if (replicas.empty()) return;
+  const std::size_t d = replicas.size();
+  const float scale = 1.0f / static_cast<float>(d);
+  for (std::size_t r = 0; r < replicas[0].size(); ++r) {
+    const std::int64_t n = replicas[0][r].second;
+    for (std::size_t k = 1; k < d; ++k) {
+      if (replicas[k].size() != replicas[0].size() || replicas[k][r].second != n)
+        throw std::logic_error("data-parallel replicas disagree on a bucket's layout");
+    }
+    float* out0 = replicas[0][r].first;
+    for (std::int64_t i = 0; i < n; ++i) {
+      float sum = out0[i];
+      for (std::size_t k = 1; k < d; ++k) sum += replicas[k][r].first[i];
+      const float mean = sum * scale;
+      for (std::size_t k = 0; k < d; ++k) replicas[k][r].first[i] = mean;
+    }
+  }
+}
+
+}  // namespace troupe::topology

@@ -1,0 +1,46 @@
+// Data-parallel gradient buckets of one pipeline rank: consecutive gradient blocks of a chunk
+// (engine::stage_grad_blocks: head, layers from last to first, embedding) grouped so that a
+// bucket is complete as soon as its last block's gradient is final. Backward reports blocks as
+// they finish; a complete bucket can be reduced while backward continues on earlier layers.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+
+namespace troupe::topology {
+
+struct grad_bucket_info {
+  int chunk = 0;
+  std::string name;  // e.g. "h.3-h.2"
+  std::vector<std::pair<float*, std::int64_t>> ranges;
+  std::vector<int> blocks;  // block indices within the chunk
+};
+
+class grad_buckets {
+ public:
+  // layers_per_bucket: "h.N" blocks per bucket; head and embedding blocks are buckets of
+  // their own.
+  void build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket);
+  // Resets the per-step counters.
+  void start_step();
+  // Block `block` of `chunk` is final; returns the bucket it completed, if any.
+  std::optional<int> block_done(int chunk, int block);
+  const grad_bucket_info& bucket(int i) const { return buckets_.at(static_cast<std::size_t>(i)); }
+  int size() const { return static_cast<int>(buckets_.size()); }
+
+ private:
+  std::vector<grad_bucket_info> buckets_;
+  std::vector<std::vector<int>> bucket_of_block_;  // [chunk][block]
+  std::vector<int> remaining_;
+};
+
+// The in-process all-reduce: every range of every replica becomes the mean over replicas,
+// summed in replica order (so all replicas get bitwise the same values, for any timing).
+void mean_over_replicas(const std::vector<std::vector<std::pair<float*, std::int64_t>>>& replicas);
+
+}  // namespace troupe::topology
