@@ -21,6 +21,8 @@ class coordinator_impl : public coordinator_actor::base {
   coordinator_impl(caf::actor_config& cfg, coordinator_config config)
       : coordinator_actor::base(cfg), cfg_(std::move(config)) {}
 
+  void on_exit() override { wiring_ = {}; }
+
   behavior_type make_behavior() override {
     set_down_handler([this](caf::down_msg& d) { on_down(d); });
     return {

@@ -13,6 +13,8 @@ class loader_impl : public loader_actor::base {
   loader_impl(caf::actor_config& cfg, loader_config config)
       : loader_actor::base(cfg), cfg_(std::move(config)) {}
 
+  void on_exit() override { wiring_ = {}; }
+
   behavior_type make_behavior() override {
     return {
         [this](loader_wiring& w) {

@@ -19,6 +19,11 @@ class reducer_impl : public reducer_actor::base {
         tracer_(std::move(tracer)),
         stages_(std::move(stages)) {}
 
+  void on_exit() override {
+    stages_.clear();
+    tracer_ = nullptr;
+  }
+
   behavior_type make_behavior() override {
     return {[this](grad_bucket& b) { on_bucket(std::move(b)); }};
   }

@@ -29,6 +29,7 @@ struct run_actors {
   std::vector<reducer_actor> reducers;           // by rank
   std::vector<loader_actor> loaders;             // by replica
   std::vector<caf::actor> all;
+  std::vector<caf::actor> relays;  // test hooks' relays, stopped with the run
   std::vector<std::string> names;
   std::vector<trace::track> tracks;
 };
@@ -149,7 +150,11 @@ void wire(caf::actor_system& sys, run_actors& a, const build_inputs& in, caf::ac
       stage_wiring w;
       for (int j = 0; j < p; ++j) {
         caf::actor target = untyped(row[static_cast<std::size_t>(j)]);
-        w.ranks.push_back(in.o.link_relay && j != k ? in.o.link_relay(sys, target) : target);
+        if (in.o.link_relay && j != k) {
+          a.relays.push_back(in.o.link_relay(sys, target));
+          target = a.relays.back();
+        }
+        w.ranks.push_back(std::move(target));
       }
       w.loader = untyped(a.loaders[static_cast<std::size_t>(d)]);
       w.coordinator = untyped(a.coordinator);
@@ -319,8 +324,15 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
             res.summary.steps = rep.metrics.step;
             res.summary.tokens_per_s = double(rep.metrics.tokens) / rep.metrics.elapsed_s;
             res.summary.seconds = rep.metrics.elapsed_s;
-            if (o.after_step)
-              o.after_step(sys, caf::actor_cast<caf::actor>(a.coordinator), rep.metrics.step);
+            if (o.after_step) {
+              std::vector<std::vector<caf::actor>> stages;
+              for (const auto& row : a.stages) {
+                stages.emplace_back();
+                for (const auto& st : row) stages.back().push_back(caf::actor_cast<caf::actor>(st));
+              }
+              const caf::actor coordinator = caf::actor_cast<caf::actor>(a.coordinator);
+              o.after_step(sys, run_handles{coordinator, stages}, rep.metrics.step);
+            }
           },
           [&](run_finished& f) {
             running = false;
@@ -359,6 +371,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
       }
     }
     for (const auto& h : a.all) client->send_exit(h, caf::exit_reason::user_shutdown);
+    for (const auto& h : a.relays) client->send_exit(h, caf::exit_reason::user_shutdown);
   }
   if (!failure.empty()) throw std::runtime_error(failure);
   write_final_weights(r, res);

@@ -18,6 +18,12 @@ class actor_system;
 
 namespace troupe::actors {
 
+// The actors of a running job, for hooks (tests, embedding).
+struct run_handles {
+  const caf::actor& coordinator;
+  const std::vector<std::vector<caf::actor>>& stages;  // [replica][rank]
+};
+
 struct run_options {
   std::string trace_path;      // write a Chrome trace-event file here ("" = no tracing)
   std::vector<int> seq_lens;   // per micro-batch sequence lengths, cycled; empty: batch.seq_len
@@ -25,8 +31,8 @@ struct run_options {
   bool check_replicas = false; // compare every replica's final parameters bitwise
   // Test hook: the handle a stage uses to reach a peer stage; return a relay in front of it.
   std::function<caf::actor(caf::actor_system&, const caf::actor& target)> link_relay;
-  // Called after every step with the coordinator (e.g. to send it swap_schedule).
-  std::function<void(caf::actor_system&, const caf::actor& coordinator, int step)> after_step;
+  // Called in the driving thread after every step (1-based), e.g. to swap the schedule.
+  std::function<void(caf::actor_system&, const run_handles&, int step)> after_step;
 };
 
 struct run_result {

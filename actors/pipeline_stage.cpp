@@ -48,6 +48,15 @@ class stage_impl : public stage_actor::base {
   stage_impl(caf::actor_config& cfg, stage_config config)
       : stage_actor::base(cfg), cfg_(std::move(config)) {}
 
+  // Handles to peers form cycles (a stage may even be its own tied partner): drop them on
+  // exit so that every actor can be destroyed.
+  void on_exit() override {
+    wiring_ = {};
+    held_.clear();
+    stash_links_.clear();
+    stash_batches_.clear();
+  }
+
   behavior_type make_behavior() override {
     set_exception_handler([this](std::exception_ptr& e) -> caf::error {
       try {

@@ -15,6 +15,8 @@ class schedule_impl : public schedule_actor::base {
     plan_ = std::make_shared<const engine::pipeline_plan>(engine::make_plan(cfg_.name, cfg_.shape));
   }
 
+  void on_exit() override { wiring_ = {}; }
+
   behavior_type make_behavior() override {
     return {
         [this](schedule_wiring& w) { wiring_ = std::move(w); },

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-packages=(g++ meson ninja-build pkg-config ccache clang-format
+packages=(g++ meson ninja-build pkg-config ccache clang-format libcaf-dev
           libopenblas-openmp-dev catch2 libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
           libxxhash-dev fortunes python3-venv)
 missing=()
