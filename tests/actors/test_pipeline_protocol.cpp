@@ -36,7 +36,8 @@ TEST_CASE("adversarial delivery orders give identical numbers", "[actors][protoc
         o.link_relay = adversarial(how);
         const long before = relayed;
         const auto shuffled = run_actors(r, o);
-        REQUIRE(relayed - before > 4L * r.steps * c.m);  // activations, gradients, credits
+        // Per micro-batch and link: an activation, a gradient and a credit for each.
+        REQUIRE(relayed - before >= 4L * r.steps * c.m);
         // The plan, not arrival order, decides what runs: bitwise the same run.
         REQUIRE(losses_of(shuffled.steps) == losses_of(in_order.steps));
         REQUIRE(shuffled.parameters == in_order.parameters);
