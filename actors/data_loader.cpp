@@ -90,7 +90,8 @@ class loader_impl : public loader_actor::base {
       in.replica = cfg_.replica;
       in.B = cfg_.B;
       in.T = static_cast<int>(cfg_.val->config().T);
-      in.tokens = std::make_shared<std::vector<std::int32_t>>(std::size_t(in.B) * std::size_t(in.T));
+      in.tokens =
+          std::make_shared<std::vector<std::int32_t>>(std::size_t(in.B) * std::size_t(in.T));
       batch_message tg = in;
       tg.part = batch_part::targets;
       tg.tokens = std::make_shared<std::vector<std::int32_t>>(in.tokens->size());

@@ -62,8 +62,8 @@ class reducer_impl : public reducer_actor::base {
 
 }  // namespace
 
-reducer_actor spawn_dp_reducer(caf::actor_system& system, reducer_config config,
-                               caf::actor tracer, std::vector<caf::actor> stages) {
+reducer_actor spawn_dp_reducer(caf::actor_system& system, reducer_config config, caf::actor tracer,
+                               std::vector<caf::actor> stages) {
   return system.spawn<reducer_impl, caf::detached>(std::move(config), std::move(tracer),
                                                    std::move(stages));
 }

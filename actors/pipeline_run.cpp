@@ -43,8 +43,8 @@ struct build_inputs {
   trace::trace_clock::time_point origin;
 };
 
-trace::recorder add_track(run_actors& a, const build_inputs& in, std::string name,
-                          std::string role, int rank, int replica) {
+trace::recorder add_track(run_actors& a, const build_inputs& in, std::string name, std::string role,
+                          int rank, int replica) {
   const int id = static_cast<int>(a.tracks.size()) + 1;
   a.tracks.push_back({id, std::move(name), std::move(role), rank, replica});
   return trace::recorder(!in.o.trace_path.empty(), in.origin, id);
@@ -86,8 +86,8 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.init = r.init;
       c.optimizer = r.optimizer;
       c.total_steps = r.steps;
-      c.link_credits = r.parallel.link_credits > 0 ? r.parallel.link_credits
-                                                   : r.parallel.micro_batches;
+      c.link_credits =
+          r.parallel.link_credits > 0 ? r.parallel.link_credits : r.parallel.micro_batches;
       c.bucket_layers = r.parallel.bucket_layers;
       c.compute_threads = compute_threads(r, in.o);
       const std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
@@ -103,8 +103,8 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       std::vector<caf::actor> replicas;
       for (const auto& row : a.stages)
         replicas.push_back(caf::actor_cast<caf::actor>(row[static_cast<std::size_t>(p)]));
-      a.reducers.push_back(spawn_dp_reducer(sys, std::move(c),
-                                            caf::actor_cast<caf::actor>(a.tracer), replicas));
+      a.reducers.push_back(
+          spawn_dp_reducer(sys, std::move(c), caf::actor_cast<caf::actor>(a.tracer), replicas));
       remember(a, caf::actor_cast<caf::actor>(a.reducers.back()), name);
     }
   }
@@ -160,14 +160,14 @@ void wire(caf::actor_system& sys, run_actors& a, const build_inputs& in, caf::ac
       w.coordinator = untyped(a.coordinator);
       if (!a.reducers.empty()) w.reducer = untyped(a.reducers[static_cast<std::size_t>(k)]);
       w.tracer = untyped(a.tracer);
-      const int partner = k == in.layout.embedding_rank() ? in.layout.head_rank()
-                                                          : in.layout.embedding_rank();
+      const int partner =
+          k == in.layout.embedding_rank() ? in.layout.head_rank() : in.layout.embedding_rank();
       w.tied_partner = untyped(row[static_cast<std::size_t>(partner)]);
       caf::anon_send(row[static_cast<std::size_t>(k)], std::move(w));
     }
     caf::anon_send(a.loaders[static_cast<std::size_t>(d)],
-                   loader_wiring{untyped(row[0]), untyped(row[static_cast<std::size_t>(
-                                                      in.layout.head_rank())]),
+                   loader_wiring{untyped(row[0]),
+                                 untyped(row[static_cast<std::size_t>(in.layout.head_rank())]),
                                  untyped(a.tracer)});
   }
   schedule_wiring sw;
@@ -282,7 +282,11 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
 
   // 3. The actors.
   caf::actor_system_config cfg;
-  cfg.set("scheduler.max-threads", 2);
+  // The scheduled (non-detached) actors are light; their worker threads must not poll and
+  // steal cycles from the stages' compute threads.
+  cfg.set("scheduler.max-threads", 1);
+  cfg.set("work-stealing.aggressive-poll-attempts", 0);
+  cfg.set("work-stealing.moderate-poll-attempts", 0);
   caf::actor_system sys{cfg};
   run_actors a;
   std::string failure;
@@ -359,7 +363,9 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
       }
     }
     if (!o.trace_path.empty() && failure.empty()) {
-      client->request(a.tracer, caf::infinite, trace_write{o.trace_path, {trace_metadata(r, {}), a.tracks}})
+      client
+          ->request(a.tracer, caf::infinite,
+                    trace_write{o.trace_path, {trace_metadata(r, {}), a.tracks}})
           .receive([&](std::string& err) { failure = err; },
                    [&](caf::error& e) { failure = "trace: " + to_string(e); });
       if (failure.empty()) {

@@ -25,10 +25,10 @@ struct run_handles {
 };
 
 struct run_options {
-  std::string trace_path;      // write a Chrome trace-event file here ("" = no tracing)
-  std::vector<int> seq_lens;   // per micro-batch sequence lengths, cycled; empty: batch.seq_len
-  int compute_threads = 0;     // BLAS/OpenMP threads per stage; 0: cores / (pp * dp), >= 1
-  bool check_replicas = false; // compare every replica's final parameters bitwise
+  std::string trace_path;       // write a Chrome trace-event file here ("" = no tracing)
+  std::vector<int> seq_lens;    // per micro-batch sequence lengths, cycled; empty: batch.seq_len
+  int compute_threads = 0;      // BLAS/OpenMP threads per stage; 0: cores / (pp * dp), >= 1
+  bool check_replicas = false;  // compare every replica's final parameters bitwise
   // Test hook: the handle a stage uses to reach a peer stage; return a relay in front of it.
   std::function<caf::actor(caf::actor_system&, const caf::actor& target)> link_relay;
   // Called in the driving thread after every step (1-based), e.g. to swap the schedule.

@@ -25,8 +25,8 @@ namespace troupe::actors {
 namespace {
 
 using namespace messages;
-using topology::link_key;
 using engine::trace::event_kind;
+using topology::link_key;
 
 link_key key_of(const link_header& h) {
   return {static_cast<int>(h.kind), h.eval, h.step, h.stage, h.round, h.micro_batch};
@@ -89,8 +89,8 @@ class stage_impl : public stage_actor::base {
   int my_rank() const { return cfg_.rank; }
 
   void init_chunks() {
-    compute_ = std::make_unique<engine::stage_compute>(cfg_.model,
-                                                       cfg_.layout.rank_chunks(cfg_.rank));
+    compute_ =
+        std::make_unique<engine::stage_compute>(cfg_.model, cfg_.layout.rank_chunks(cfg_.rank));
     std::vector<engine::gpt_stage*> chunks;
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       auto& st = compute_->chunk(c);
@@ -130,8 +130,8 @@ class stage_impl : public stage_actor::base {
 
   void find_last_weight_actions() {
     last_weight_.assign(static_cast<std::size_t>(compute_->chunk_count()), -1);
-    const auto kind = plan_.plan->split_backward ? engine::action_kind::weight
-                                                 : engine::action_kind::backward;
+    const auto kind =
+        plan_.plan->split_backward ? engine::action_kind::weight : engine::action_kind::backward;
     for (int i = 0; i < static_cast<int>(actions_->size()); ++i) {
       const auto& a = (*actions_)[static_cast<std::size_t>(i)];
       if (a.kind == kind) last_weight_[static_cast<std::size_t>(cfg_.layout.chunk_of(a.stage))] = i;
@@ -153,12 +153,12 @@ class stage_impl : public stage_actor::base {
     const bool eval = plan_.eval;
     if (a.kind == engine::action_kind::forward && a.stage > 0 &&
         cfg_.layout.rank_of(a.stage - 1) != my_rank())
-      return link_key{static_cast<int>(link_kind::activation), eval, plan_.step, a.stage, round,
-                      a.micro_batch};
+      return link_key{
+          static_cast<int>(link_kind::activation), eval, plan_.step, a.stage, round, a.micro_batch};
     if (a.kind == engine::action_kind::backward && a.stage < last_stage() &&
         cfg_.layout.rank_of(a.stage + 1) != my_rank())
-      return link_key{static_cast<int>(link_kind::gradient), eval, plan_.step, a.stage, round,
-                      a.micro_batch};
+      return link_key{
+          static_cast<int>(link_kind::gradient), eval, plan_.step, a.stage, round, a.micro_batch};
     return std::nullopt;
   }
 
@@ -213,11 +213,11 @@ class stage_impl : public stage_actor::base {
   bool ready(const engine::pipeline_action& a, int round) const {
     using engine::action_kind;
     if (a.kind == action_kind::forward) {
-      const bool input = a.stage == 0
-                             ? stash_batches_.count(make_batch_key(batch_part::inputs, round,
-                                                                   a.micro_batch)) > 0
-                             : stash_links_.count(make_key(link_kind::activation, a.stage, round,
-                                                           a.micro_batch)) > 0;
+      const bool input =
+          a.stage == 0
+              ? stash_batches_.count(make_batch_key(batch_part::inputs, round, a.micro_batch)) > 0
+              : stash_links_.count(make_key(link_kind::activation, a.stage, round, a.micro_batch)) >
+                    0;
       const bool targets =
           a.stage != last_stage() ||
           stash_batches_.count(make_batch_key(batch_part::targets, round, a.micro_batch)) > 0;
@@ -251,7 +251,8 @@ class stage_impl : public stage_actor::base {
     }
     const double t1 = cfg_.trace.now_us();
     static const char* names[] = {"F", "B", "W"};
-    cfg_.trace.span("compute", names[static_cast<int>(a.kind)], t0, t1,
+    // Evaluation passes are traced apart, so they do not count as pipeline compute.
+    cfg_.trace.span(plan_.eval ? "eval" : "compute", names[static_cast<int>(a.kind)], t0, t1,
                     {plan_.step, a.micro_batch, a.stage});
     if (flow) cfg_.trace.flow(event_kind::flow_in, flow, t0, {plan_.step, a.micro_batch, a.stage});
   }
@@ -351,8 +352,8 @@ class stage_impl : public stage_actor::base {
   // ---- links (S2) -----------------------------------------------------------------------
   void route(link_kind kind, int stage, int round, int mb, int B, int T, float_buffer data) {
     link_message m;
-    m.header = {kind, plan_.step, round, mb, stage, cfg_.replica, plan_.eval,
-                {B, T, cfg_.model.width}};
+    m.header = {kind,  plan_.step,   round,      mb,
+                stage, cfg_.replica, plan_.eval, {B, T, cfg_.model.width}};
     m.data = std::move(data);
     m.flow_id = engine::trace::flow_id(static_cast<int>(kind), plan_.step, round, mb, stage,
                                        cfg_.replica, plan_.eval);
@@ -422,7 +423,7 @@ class stage_impl : public stage_actor::base {
     if (cfg_.replicas > 1) {
       const double t = cfg_.trace.now_us();
       caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, *b,
-                                        buckets_.bucket(*b).ranges});
+                                                  buckets_.bucket(*b).ranges});
       cfg_.trace.span("send", "bucket " + buckets_.bucket(*b).name, t, cfg_.trace.now_us(),
                       {plan_.step});
     } else {
@@ -451,9 +452,12 @@ class stage_impl : public stage_actor::base {
     tied_own_ready_ = 0;
     const bool emb = embedding_chunk_ >= 0, head = head_chunk_ >= 0;
     tied_needed_ = 0;
-    if (emb && head && embedding_chunk_ == head_chunk_) tied_needed_ = 0;  // one copy
-    else if (emb && head) tied_needed_ = 2;                                // both, local
-    else if (emb || head) tied_needed_ = 1;                                // one, remote
+    if (emb && head && embedding_chunk_ == head_chunk_)
+      tied_needed_ = 0;  // one copy
+    else if (emb && head)
+      tied_needed_ = 2;  // both, local
+    else if (emb || head)
+      tied_needed_ = 1;  // one, remote
     tied_done_ = tied_needed_ == 0;
   }
 
@@ -505,7 +509,9 @@ class stage_impl : public stage_actor::base {
 
   void finish_compute() {
     if (plan_.eval) {
-      if (head_chunk_ >= 0) caf::anon_send(wiring_.coordinator, eval_done{plan_.step, cfg_.replica, loss_sum_, losses_});
+      if (head_chunk_ >= 0)
+        caf::anon_send(wiring_.coordinator,
+                       eval_done{plan_.step, cfg_.replica, loss_sum_, losses_});
       flush_trace();
       return;
     }
@@ -526,7 +532,7 @@ class stage_impl : public stage_actor::base {
       sq += engine::grad_square_sum(st, !(st.range().head && !st.range().embedding));
     }
     caf::anon_send(wiring_.coordinator,
-         grads_ready{plan_.step, my_rank(), cfg_.replica, sq, loss_sum_, losses_});
+                   grads_ready{plan_.step, my_rank(), cfg_.replica, sq, loss_sum_, losses_});
   }
 
   void on_update(const apply_update& u) {

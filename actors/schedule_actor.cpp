@@ -22,7 +22,8 @@ class schedule_impl : public schedule_actor::base {
         [this](schedule_wiring& w) { wiring_ = std::move(w); },
         [this](begin_step& b) {
           for (const auto& replica : wiring_.stages)
-            for (const auto& stage : replica) caf::anon_send(stage, step_plan{b.step, b.rounds, false, plan_});
+            for (const auto& stage : replica)
+              caf::anon_send(stage, step_plan{b.step, b.rounds, false, plan_});
         },
         [this](begin_eval& e) {
           for (int r = 0; r < static_cast<int>(wiring_.stages.size()); ++r) {

@@ -8,7 +8,8 @@ namespace {
 
 using namespace messages;
 
-tracer_actor::behavior_type tracer_fn(tracer_actor::stateful_pointer<engine::trace::trace_file> self) {
+tracer_actor::behavior_type tracer_fn(
+    tracer_actor::stateful_pointer<engine::trace::trace_file> self) {
   return {
       [self](trace_batch& b) {
         auto& ev = self->state.events;

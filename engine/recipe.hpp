@@ -41,15 +41,15 @@ struct output_config {
 
 // How the model is spread over actors (docs/parallel.md).
 struct parallel_config {
-  int pp = 1;                        // pipeline ranks (stage actors per replica)
-  int dp = 1;                        // data-parallel replicas
-  std::string schedule = "1f1b";     // gpipe | 1f1b | interleaved_1f1b | zb_h1 | registered name
-  int virtual_stages = 1;            // model chunks per pipeline rank (interleaved: >= 2)
-  int micro_batches = 1;             // per pipeline pass and replica
-  std::vector<int> layer_split;      // layers per virtual stage; empty: as even as possible
-  int link_credits = 0;              // unacknowledged messages per link; 0: micro_batches
-  int prefetch = 2;                  // micro-batches the data loader keeps ready
-  int bucket_layers = 1;             // transformer layers per data-parallel gradient bucket
+  int pp = 1;                     // pipeline ranks (stage actors per replica)
+  int dp = 1;                     // data-parallel replicas
+  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zb_h1 | registered name
+  int virtual_stages = 1;         // model chunks per pipeline rank (interleaved: >= 2)
+  int micro_batches = 1;          // per pipeline pass and replica
+  std::vector<int> layer_split;   // layers per virtual stage; empty: as even as possible
+  int link_credits = 0;           // unacknowledged messages per link; 0: micro_batches
+  int prefetch = 2;               // micro-batches the data loader keeps ready
+  int bucket_layers = 1;          // transformer layers per data-parallel gradient bucket
 };
 
 struct recipe {

@@ -38,11 +38,11 @@ class stage_compute {
 
   struct forward_args {
     int B = 0, T = 0;
-    const std::int32_t* tokens = nullptr;   // embedding chunk
-    const float* input = nullptr;           // other chunks: [B, T, width]
-    const std::int32_t* targets = nullptr;  // head chunk
-    float loss_scale = 1;                   // head chunk, training
-    bool train = true;                      // false: loss only, no gradient (evaluation)
+    const std::int32_t* tokens = nullptr;           // embedding chunk
+    const float* input = nullptr;                   // other chunks: [B, T, width]
+    const std::int32_t* targets = nullptr;          // head chunk
+    float loss_scale = 1;                           // head chunk, training
+    bool train = true;                              // false: loss only, no gradient (evaluation)
     std::vector<std::shared_ptr<const void>> hold;  // kept alive until release
   };
   // Returns the mean loss of the micro-batch for a head chunk, NaN otherwise.

@@ -49,19 +49,24 @@ int step_at(const std::map<int, interval>& windows, double ts) {
   return found;
 }
 
-// DP figures (see the header): communication per track holding collective spans, the mean
-// dp wait of the stage tracks each of those serves, and the hidden share.
+// DP figures (see the header): communication per track holding collective spans; exposed
+// communication per (collective track, step) is the SHORTEST dp wait among the stage tracks it
+// serves: the replica that finishes compute last waits only for the reductions that were not
+// done by then, while earlier replicas also wait for it (load imbalance, not communication).
 void add_data_parallel(summary& s, const trace_file& trace, const std::vector<const track*>& stages,
                        const std::function<bool(const event&)>& counts) {
   std::set<int> stage_ids;
   for (const track* t : stages) stage_ids.insert(t->id);
-  std::map<int, double> comm_by_track, wait_by_stage;
+  std::map<int, double> comm_by_track;
+  std::map<std::pair<int, int>, double> wait_by_stage_step;
+  std::set<int> steps;
   for (const auto& e : trace.events) {
     if (is_span(e, "collective") && counts(e)) {
       comm_by_track[e.track] += e.dur_us;
       s.dp_comm_us += e.dur_us;
     } else if (is_span(e, "wait") && e.name == "dp" && stage_ids.count(e.track) && counts(e)) {
-      wait_by_stage[e.track] += e.dur_us;
+      wait_by_stage_step[{e.track, e.step}] += e.dur_us;
+      steps.insert(e.step);
       s.dp_wait_us += e.dur_us;
     }
   }
@@ -71,14 +76,20 @@ void add_data_parallel(summary& s, const trace_file& trace, const std::vector<co
     const auto it = by_id.find(id);
     const int rank = it == by_id.end() ? -1 : it->second->rank;
     const int replica = it == by_id.end() ? -1 : it->second->replica;
-    double wait = 0;
-    int served = 0;
-    for (const track* t : stages) {
-      if ((rank >= 0 && t->rank != rank) || (replica >= 0 && t->replica != replica)) continue;
-      ++served;
-      if (const auto w = wait_by_stage.find(t->id); w != wait_by_stage.end()) wait += w->second;
+    for (int step : steps) {
+      // Per pipeline rank served: the shortest wait over its replicas; then the mean over ranks.
+      std::map<int, double> shortest;
+      for (const track* t : stages) {
+        if ((rank >= 0 && t->rank != rank) || (replica >= 0 && t->replica != replica)) continue;
+        const auto w = wait_by_stage_step.find({t->id, step});
+        const double v = w == wait_by_stage_step.end() ? 0 : w->second;
+        const auto [it, fresh] = shortest.emplace(t->rank, v);
+        if (!fresh) it->second = std::min(it->second, v);
+      }
+      double sum = 0;
+      for (const auto& [r, v] : shortest) sum += v;
+      if (!shortest.empty()) s.dp_exposed_us += sum / static_cast<double>(shortest.size());
     }
-    if (served > 0) s.dp_exposed_us += wait / served;
   }
   if (s.dp_comm_us > 0)
     s.dp_hidden_fraction = std::clamp(1 - s.dp_exposed_us / s.dp_comm_us, 0.0, 1.0);

@@ -38,12 +38,10 @@ struct summary {
   double measured_bubble = 0;  // 1 - sum(busy) / (stage tracks * window); -1 when steps == 0
   double theory_bubble = -1;   // from the metadata
   double dp_comm_us = 0;       // sum of "collective" spans
-  double dp_exposed_us = 0;    // for each track holding collective spans: the mean, over the stage
-                               // tracks it serves (same rank, and same replica when the track has
-                               // one), of their "wait" spans named "dp" (waiting for reductions
-                               // after compute finished); summed over those tracks. With one
-                               // collective track per rank and d replicas waiting on it, this
-                               // counts each wait once, not d times.
+  double dp_exposed_us = 0;    // per collective track and step, the shortest "wait"/"dp" span
+                               // among the stage tracks it serves (same rank, and replica if
+                               // set): the wait of the replica that finished compute last, i.e.
+                               // communication not hidden behind any replica's compute; summed.
   double dp_wait_us = 0;       // plain sum of stage-track "wait" spans named "dp"
   double dp_hidden_fraction = -1;     // 1 - exposed / comm, clamped to [0, 1]; -1 without DP
   std::vector<stage_summary> stages;  // stage tracks sorted by (replica, rank)

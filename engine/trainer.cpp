@@ -77,8 +77,8 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
       ds.train, r, data::parse_sample_order(r.data.order), r.batch.seq_len, "data.train");
   std::optional<data::batch_sampler> val_sampler;
   if (!ds.val.empty() && r.eval_interval > 0) {
-    val_sampler.emplace(make_batch_sampler(ds.val, r, data::sample_order::sequential,
-                                           r.batch.seq_len, "data.val"));
+    val_sampler.emplace(
+        make_batch_sampler(ds.val, r, data::sample_order::sequential, r.batch.seq_len, "data.val"));
   }
   gpt_stage model(r.model, stage_range::whole(r.model));
   if (r.init.empty()) {

@@ -82,8 +82,8 @@ struct begin_step {
 };
 
 struct begin_eval {
-  int step = 0;       // the training step after which evaluation runs
-  int batches = 0;    // validation micro-batches over all replicas
+  int step = 0;     // the training step after which evaluation runs
+  int batches = 0;  // validation micro-batches over all replicas
 };
 
 // A rank finished its backward work, data-parallel reduction and tied-weight sync of a step.

@@ -87,9 +87,8 @@ namespace troupe::messages {
 
 using stage_actor = caf::typed_actor<
     caf::reacts_to<stage_wiring>, caf::reacts_to<step_plan>, caf::reacts_to<link_message>,
-    caf::reacts_to<link_credit>, caf::reacts_to<batch_message>,
-    caf::reacts_to<grad_bucket_reduced>, caf::reacts_to<tied_grad>,
-    caf::reacts_to<apply_update>, caf::reacts_to<stage_continue>,
+    caf::reacts_to<link_credit>, caf::reacts_to<batch_message>, caf::reacts_to<grad_bucket_reduced>,
+    caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<stage_continue>,
     caf::replies_to<snapshot_request>::with<stage_snapshot>>;
 
 using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "bench/peak_flops.hpp"
+#include "bench/pipeline_bench.hpp"
 #include "bench/train_step.hpp"
 #include "tools/commands.hpp"
 
@@ -25,6 +26,7 @@ struct bench_options {
   std::string python;
   int steps = 5;
   int warmup = 2;
+  int pipeline_steps = 4;
 };
 
 // Runs a command and returns its stdout, or nullopt when it fails.
@@ -144,6 +146,17 @@ int run_bench(const bench_options& o) {
 
 }  // namespace
 
+int run_pipeline(const bench_options& o) {
+  bench::pipeline_bench_options po;
+  po.steps = o.pipeline_steps;
+  std::fprintf(stderr, "troupe bench pipeline: %d steps per case\n", po.steps);
+  const auto report = bench::run_pipeline_bench(po);
+  std::fputs(
+      (o.json_output ? bench::report_json(report) + "\n" : bench::format_report(report)).c_str(),
+      stdout);
+  return exit_ok;
+}
+
 std::function<int()> add_bench_command(CLI::App& app) {
   auto opts = std::make_shared<bench_options>();
   auto* bench = app.add_subcommand("bench", "Benchmarks against peers measured in the same run");
@@ -157,7 +170,16 @@ std::function<int()> add_bench_command(CLI::App& app) {
   step->add_option("--steps", opts->steps, "Timed steps per case")->check(CLI::PositiveNumber);
   step->add_option("--warmup", opts->warmup, "Untimed warm-up steps per case")
       ->check(CLI::NonNegativeNumber);
-  return [opts]() { return run_bench(*opts); };
+  auto* pipe = bench->add_subcommand(
+      "pipeline", "Measured pipeline bubble vs theory, actor dispatch share, DP overlap");
+  pipe->add_flag("--json", opts->json_output, "Print one JSON report");
+  pipe->add_option("--steps", opts->pipeline_steps, "Steps per case (the first is a warm-up)")
+      ->check(CLI::Range(2, 1000));
+  return [opts, step, pipe]() {
+    if (pipe->parsed()) return run_pipeline(*opts);
+    (void)step;
+    return run_bench(*opts);
+  };
 }
 
 }  // namespace troupe::tools

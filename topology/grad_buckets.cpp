@@ -42,15 +42,15 @@ void grad_buckets::start_step() {
 }
 
 std::optional<int> grad_buckets::block_done(int chunk, int block) {
-  const int b = bucket_of_block_.at(static_cast<std::size_t>(chunk)).at(static_cast<std::size_t>(block));
+  const int b =
+      bucket_of_block_.at(static_cast<std::size_t>(chunk)).at(static_cast<std::size_t>(block));
   if (--remaining_.at(static_cast<std::size_t>(b)) == 0) return b;
   if (remaining_[static_cast<std::size_t>(b)] < 0)
     throw std::logic_error("gradient block reported final twice in one step");
   return std::nullopt;
 }
 
-void mean_over_replicas(
-    const std::vector<std::vector<std::pair<float*, std::int64_t>>>& replicas) {
+void mean_over_replicas(const std::vector<std::vector<std::pair<float*, std::int64_t>>>& replicas) {
   if (replicas.empty()) return;
   const std::size_t d = replicas.size();
   const float scale = 1.0f / static_cast<float>(d);

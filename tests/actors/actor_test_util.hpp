@@ -25,9 +25,10 @@ using engine::data::test::temp_dir;
 
 // Deterministic pseudo-English bytes: enough variety for a non-trivial loss curve.
 inline std::string write_corpus(const temp_dir& dir) {
-  static const char* words[] = {"the ", "actor ", "sends ", "a ", "gradient ", "to ", "its ",
-                                "neighbour ", "while ", "pipeline ", "stages ", "wait. ",
-                                "Messages ", "arrive ", "early, ", "late ", "or ", "never.\n"};
+  static const char* words[] = {"the ",    "actor ", "sends ",     "a ",      "gradient ",
+                                "to ",     "its ",   "neighbour ", "while ",  "pipeline ",
+                                "stages ", "wait. ", "Messages ",  "arrive ", "early, ",
+                                "late ",   "or ",    "never.\n"};
   std::mt19937 rng(7);
   std::string text;
   while (text.size() < 40000) text += words[rng() % 18];
@@ -121,7 +122,8 @@ inline caf::behavior relay_fn(caf::event_based_actor* self, caf::actor target, d
           return caf::message{};
         }
         held->push_back(std::move(m));
-        if (held->size() == 1) self->delayed_send(self, std::chrono::milliseconds(3), flush_atom::value);
+        if (held->size() == 1)
+          self->delayed_send(self, std::chrono::milliseconds(3), flush_atom::value);
         if (static_cast<int>(held->size()) >= window) flush();
         return caf::message{};
       });

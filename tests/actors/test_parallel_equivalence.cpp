@@ -34,7 +34,8 @@ engine::recipe with(engine::recipe r, const config& c) {
   return r;
 }
 
-TEST_CASE("every parallel configuration matches the serial run step by step", "[actors][parallel]") {
+TEST_CASE("every parallel configuration matches the serial run step by step",
+          "[actors][parallel]") {
   temp_dir dir;
   const engine::recipe base = tiny_recipe(dir);
   for (const auto& c : configs()) {
@@ -43,7 +44,9 @@ TEST_CASE("every parallel configuration matches the serial run step by step", "[
       if (variant == 1) r.batch.grad_accum = 2;
       if (variant == 2 && c.uneven.empty()) continue;
       if (variant == 2) r.parallel.layer_split = c.uneven;
-      DYNAMIC_SECTION(c.name << (variant == 1 ? ", grad_accum 2" : variant == 2 ? ", uneven" : "")) {
+      DYNAMIC_SECTION(c.name << (variant == 1   ? ", grad_accum 2"
+                                 : variant == 2 ? ", uneven"
+                                                : "")) {
         run_options o;
         o.check_replicas = true;  // every replica ends with bitwise the same parameters
         const auto got = losses_of(run_actors(r, o).steps);

@@ -24,8 +24,8 @@ TEST_CASE("adversarial delivery orders give identical numbers", "[actors][protoc
     int pp, v, m, credits;
     const char* schedule;
   };
-  for (const cfg c : {cfg{2, 1, 4, 0, "1f1b"}, cfg{4, 2, 4, 2, "interleaved_1f1b"},
-                      cfg{4, 1, 6, 1, "zb_h1"}}) {
+  for (const cfg c :
+       {cfg{2, 1, 4, 0, "1f1b"}, cfg{4, 2, 4, 2, "interleaved_1f1b"}, cfg{4, 1, 6, 1, "zb_h1"}}) {
     engine::recipe r = pipelined(dir, c.pp, c.v, c.m, c.schedule);
     r.parallel.link_credits = c.credits;
     const auto in_order = run_actors(r);
@@ -73,14 +73,17 @@ TEST_CASE("the schedule can be swapped between steps", "[actors][protocol]") {
   std::vector<std::string> replies;
   run_options o;
   o.after_step = [&](caf::actor_system& sys, const run_handles& h, int step) {
-    const char* next[] = {"", "zb_h1", "gpipe", "no_such_schedule", "test_reversed_gpipe",
-                          "interleaved_1f1b"};
+    const char* next[] = {
+        "", "zb_h1", "gpipe", "no_such_schedule", "test_reversed_gpipe", "interleaved_1f1b"};
     if (step >= 6) return;
     caf::scoped_actor self{sys};
     self->request(caf::actor_cast<messages::coordinator_actor>(h.coordinator), caf::infinite,
                   messages::swap_schedule{next[step]})
-        .receive([&](messages::swap_result& res) { replies.push_back((res.ok ? "ok: " : "refused: ") + res.message); },
-                 [&](caf::error& e) { replies.push_back("error: " + to_string(e)); });
+        .receive(
+            [&](messages::swap_result& res) {
+              replies.push_back((res.ok ? "ok: " : "refused: ") + res.message);
+            },
+            [&](caf::error& e) { replies.push_back("error: " + to_string(e)); });
   };
   const auto got = losses_of(run_actors(r, o).steps);
   require_close(got, serial_losses(r), 1e-5);

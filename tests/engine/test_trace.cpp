@@ -105,7 +105,8 @@ trace_file pipeline_trace() {
 //   replica 0: F0 [0,1] F1 [1,2] B0 [2,3] B1 [3,4] W0 [4,5] W1 [5,6]   then waits "dp" [6,8]
 //   replica 1: same, but W1 [5,6.5]                                    then waits "dp" [6.5,8]
 //   collective (rank 0, both replicas): h.1 [4.5,6.5], h.0 [6.5,8]: 3.5 units
-// h.1 overlaps compute. Exposed = mean(2, 1.5) = 1.75, hidden = 1 - 1.75/3.5 = 0.5.
+// h.1 overlaps compute. Exposed = the wait of the replica that finished compute last = 1.5
+// (replica 0's extra 0.5 is load imbalance), hidden = 1 - 1.5/3.5 = 4/7.
 // Window [0,6.5]: busy 6 and 6.5, idle 0.5 and 0, bubble 1 - 12.5/13.
 trace_file dp_trace(bool collective_per_replica = false) {
   builder b;
@@ -542,10 +543,10 @@ TEST_CASE("summary: data-parallel communication hidden behind compute", "[trace]
   CHECK(s.stages[1].weight_us == Approx(2.5 * unit));
   CHECK(s.dp_comm_us == Approx(3.5 * unit));
   CHECK(s.dp_wait_us == Approx(3.5 * unit));
-  CHECK(s.dp_exposed_us == Approx(1.75 * unit));
-  CHECK(s.dp_hidden_fraction == Approx(0.5));
+  CHECK(s.dp_exposed_us == Approx(1.5 * unit));
+  CHECK(s.dp_hidden_fraction == Approx(4.0 / 7));
   CHECK(format_summary(s, t.meta).find(
-            "dp communication: 3.50 ms, exposed 1.75 ms, hidden 50.0%") != std::string::npos);
+            "dp communication: 3.50 ms, exposed 1.50 ms, hidden 57.1%") != std::string::npos);
 
   SECTION("a collective track per replica serves that replica only") {
     const summary r = summarize(dp_trace(true));
@@ -563,7 +564,7 @@ TEST_CASE("summary: data-parallel communication hidden behind compute", "[trace]
     b.span(4, "wait", "dp", 29, 31, 1);
     const summary all = summarize(b.trace);
     CHECK(all.dp_comm_us == Approx(3 * unit));
-    CHECK(all.dp_exposed_us == Approx(1.25 * unit));  // (0.5 + 2) / 2 stage tracks
+    CHECK(all.dp_exposed_us == Approx(1.25 * unit));  // (0.5 + 2) / 2 ranks served
     CHECK(all.dp_hidden_fraction == Approx(1 - 1.25 / 3));
     const summary late = summarize(b.trace, 1);
     CHECK(late.dp_comm_us == Approx(2 * unit));
