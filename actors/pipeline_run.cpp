@@ -41,6 +41,8 @@ struct build_inputs {
   engine::training_data data;
   std::vector<int> seq_lens;
   trace::trace_clock::time_point origin;
+  std::vector<std::shared_ptr<const engine::data::batch_sampler>> train{};  // by seq_lens
+  std::shared_ptr<const engine::data::batch_sampler> val{};
 };
 
 trace::recorder add_track(run_actors& a, const build_inputs& in, std::string name, std::string role,
@@ -110,17 +112,23 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
   }
 }
 
-void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
+// Samplers are built before anything is written: a corpus too small for the batch shape is bad
+// input (recipe_error naming data.train / data.val).
+void make_samplers(build_inputs& in) {
   const auto& r = in.r;
   const auto order = engine::data::parse_sample_order(r.data.order);
-  std::vector<std::shared_ptr<const engine::data::batch_sampler>> train;
   for (int T : in.seq_lens)
-    train.push_back(std::make_shared<engine::data::batch_sampler>(
+    in.train.push_back(std::make_shared<engine::data::batch_sampler>(
         engine::make_batch_sampler(in.data.train, r, order, T, "data.train")));
-  std::shared_ptr<const engine::data::batch_sampler> val;
   if (!in.data.val.empty() && r.eval_interval > 0)
-    val = std::make_shared<engine::data::batch_sampler>(engine::make_batch_sampler(
+    in.val = std::make_shared<engine::data::batch_sampler>(engine::make_batch_sampler(
         in.data.val, r, engine::data::sample_order::sequential, r.batch.seq_len, "data.val"));
+}
+
+void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
+  const auto& r = in.r;
+  const auto& train = in.train;
+  const auto& val = in.val;
   for (int d = 0; d < r.parallel.dp; ++d) {
     loader_config c;
     c.replica = d;
@@ -261,6 +269,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   } catch (const std::invalid_argument& e) {
     throw engine::recipe_error(std::string("key parallel.layer_split: ") + e.what());
   }
+  make_samplers(in);
   // 2. Outputs.
   std::error_code ec;
   std::filesystem::create_directories(r.output.dir, ec);

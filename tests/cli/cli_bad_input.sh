@@ -137,6 +137,23 @@ expect_bad set-malformed steps -- "$tmp/ok.toml" --set steps
 expect_bad set-wrong-type steps -- "$tmp/ok.toml" --set steps=many
 expect_bad set-bad-enum optimizer.decay -- "$tmp/ok.toml" --set optimizer.decay=step
 expect_bad missing-recipe no-such-recipe.toml -- "$tmp/no-such-recipe.toml"
+# Nonsensical parallel layouts are refused up front, naming the key.
+expect_bad pp-over-layers parallel.pp -- "$tmp/ok.toml" --set parallel.pp=9
+expect_bad pp-zero parallel.pp -- "$tmp/ok.toml" --set parallel.pp=0
+expect_bad unknown-schedule parallel.schedule 2f2b -- "$tmp/ok.toml" --set parallel.schedule=2f2b
+expect_bad interleaved-without-chunks parallel.schedule -- "$tmp/ok.toml" \
+  --set model.layers=4 --set parallel.pp=2 --set parallel.schedule=interleaved_1f1b \
+  --set parallel.micro_batches=2
+expect_bad chunks-without-interleaving parallel.schedule -- "$tmp/ok.toml" \
+  --set model.layers=4 --set parallel.pp=1 --set parallel.virtual_stages=2
+expect_bad split-wrong-sum parallel.layer_split -- "$tmp/ok.toml" \
+  --set model.layers=4 --set parallel.pp=2 --set "parallel.layer_split=[1,2]"
+expect_bad split-wrong-length parallel.layer_split -- "$tmp/ok.toml" \
+  --set model.layers=4 --set parallel.pp=2 --set "parallel.layer_split=[4]"
+expect_bad split-wrong-type parallel.layer_split -- "$tmp/ok.toml" \
+  --set "parallel.layer_split=[1.5]"
+expect_bad dp-zero parallel.dp -- "$tmp/ok.toml" --set parallel.dp=0
+expect_bad micro-batches-zero parallel.micro_batches -- "$tmp/ok.toml" --set parallel.micro_batches=0
 
 # An existing output dir with a previous run's weights: a bad key leaves them untouched.
 before_failures=$failures

@@ -123,4 +123,33 @@ for x, y in zip(a[:2], b[:2]):
     assert x["loss"] == y["loss"], (x, y)
 print("reproducible losses ok")
 PY
+# The same recipe as a traced two-stage 1F1B pipeline: the trace reads back, its summary has
+# both stages and a bubble, and the timeline renders.
+"$troupe" train "$tmp/recipe.toml" --set model.layers=2 --set parallel.pp=2 \
+  --set parallel.micro_batches=3 --set steps=3 --set "output.dir=$tmp/run4" \
+  --trace "$tmp/run4.trace.json" >"$tmp/run4.stdout" 2>"$tmp/run4.stderr" || {
+  echo "FAIL: traced pipeline run exited $?" >&2
+  cat "$tmp/run4.stderr" >&2
+  exit 1
+}
+check_metrics "$tmp/run4/metrics.jsonl" 3 3
+"$troupe" trace summary "$tmp/run4.trace.json" >"$tmp/summary.txt" || {
+  echo "FAIL: trace summary exited $?" >&2
+  exit 1
+}
+for needle in "stage 0 · dp 0" "stage 1 · dp 0" "bubble: measured" "schedule 1f1b, p=2, m=3"; do
+  grep -qF "$needle" "$tmp/summary.txt" || {
+    echo "FAIL: trace summary lacks '$needle':" >&2
+    cat "$tmp/summary.txt" >&2
+    exit 1
+  }
+done
+"$troupe" trace render "$tmp/run4.trace.json" -o "$tmp/run4.svg" || {
+  echo "FAIL: trace render exited $?" >&2
+  exit 1
+}
+head -c 200 "$tmp/run4.svg" | grep -q "<svg" || {
+  echo "FAIL: render did not write an SVG" >&2
+  exit 1
+}
 echo "smoke test passed"
