@@ -24,9 +24,9 @@ struct bubble_case {
 struct pipeline_bench_report {
   int cores = 0;
   std::vector<bubble_case> bubbles;
-  double actor_tokens_per_s = 0, serial_tokens_per_s = 0;  // pp = 1: the same arithmetic
-  double actor_dispatch_share = 0;                         // pp = 1, from the trace
-  double dp_comm_ms = 0, dp_exposed_ms = 0, dp_hidden = 0; // pp = 1 x dp = 2
+  double actor_tokens_per_s = 0, serial_tokens_per_s = 0;   // pp = 1: the same arithmetic
+  double actor_dispatch_share = 0;                          // pp = 1, from the trace
+  double dp_comm_ms = 0, dp_exposed_ms = 0, dp_hidden = 0;  // pp = 1 x dp = 2
 };
 
 pipeline_bench_report run_pipeline_bench(const pipeline_bench_options& options);

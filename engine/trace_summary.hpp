@@ -31,19 +31,19 @@ struct stage_summary {
 };
 
 struct summary {
-  int steps = 0;               // steps with compute, after skipping
-  int skipped_steps = 0;       // steps with compute left out (at most skip_steps)
-  double window_us = 0;        // sum over steps of the pipeline window (first compute start to
-                               // last compute end, over all stage tracks of the step)
-  double measured_bubble = 0;  // 1 - sum(busy) / (stage tracks * window); -1 when steps == 0
-  double theory_bubble = -1;   // from the metadata
-  double dp_comm_us = 0;       // sum of "collective" spans
-  double dp_exposed_us = 0;    // per collective track and step, the shortest "wait"/"dp" span
-                               // among the stage tracks it serves (same rank, and replica if
-                               // set): the wait of the replica that finished compute last, i.e.
-                               // communication not hidden behind any replica's compute; summed.
-  double dp_wait_us = 0;       // plain sum of stage-track "wait" spans named "dp"
-  double dp_hidden_fraction = -1;     // 1 - exposed / comm, clamped to [0, 1]; -1 without DP
+  int steps = 0;                   // steps with compute, after skipping
+  int skipped_steps = 0;           // steps with compute left out (at most skip_steps)
+  double window_us = 0;            // sum over steps of the pipeline window (first compute start to
+                                   // last compute end, over all stage tracks of the step)
+  double measured_bubble = 0;      // 1 - sum(busy) / (stage tracks * window); -1 when steps == 0
+  double theory_bubble = -1;       // from the metadata
+  double dp_comm_us = 0;           // sum of "collective" spans
+  double dp_exposed_us = 0;        // per collective track and step, the shortest "wait"/"dp" span
+                                   // among the stage tracks it serves (same rank, and replica if
+                                   // set): the wait of the replica that finished compute last, i.e.
+                                   // communication not hidden behind any replica's compute; summed.
+  double dp_wait_us = 0;           // plain sum of stage-track "wait" spans named "dp"
+  double dp_hidden_fraction = -1;  // 1 - exposed / comm, clamped to [0, 1]; -1 without DP
   std::vector<stage_summary> stages;  // stage tracks sorted by (replica, rank)
 };
 
