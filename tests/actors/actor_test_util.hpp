@@ -139,23 +139,26 @@ inline std::function<caf::actor(caf::actor_system&, const caf::actor&)> adversar
     if (how != delivery::interleaved) return sys.spawn(relay_fn, target, how, 3, ++*counter);
     // One forwarder per target in front of a shared shuffling mixer.
     if (!*mixer) {
-      *mixer = sys.spawn([](caf::event_based_actor* self) -> caf::behavior {
-        auto held = std::make_shared<std::vector<std::pair<caf::actor, caf::message>>>();
-        auto rng = std::make_shared<std::mt19937>(99);
-        auto flush = [=] {
-          auto batch = std::move(*held);
-          held->clear();
-          std::shuffle(batch.begin(), batch.end(), *rng);
-          for (auto& [to, m] : batch) self->anon_send(to, std::move(m));
-        };
-        return {[=](caf::actor& to, caf::message& m) {
-                  held->emplace_back(to, std::move(m));
-                  if (held->size() == 1)
-                    self->delayed_send(self, std::chrono::milliseconds(3), flush_atom::value);
-                  if (held->size() >= 4) flush();
-                },
-                [=](flush_atom) { flush(); }};
-      });
+      // (With an argument: CAF 0.17 trips UBSan when starting argument-less function actors.)
+      *mixer = sys.spawn(
+          [](caf::event_based_actor* self, unsigned seed) -> caf::behavior {
+            auto held = std::make_shared<std::vector<std::pair<caf::actor, caf::message>>>();
+            auto rng = std::make_shared<std::mt19937>(seed);
+            auto flush = [=] {
+              auto batch = std::move(*held);
+              held->clear();
+              std::shuffle(batch.begin(), batch.end(), *rng);
+              for (auto& [to, m] : batch) self->anon_send(to, std::move(m));
+            };
+            return {[=](caf::actor& to, caf::message& m) {
+                      held->emplace_back(to, std::move(m));
+                      if (held->size() == 1)
+                        self->delayed_send(self, std::chrono::milliseconds(3), flush_atom::value);
+                      if (held->size() >= 4) flush();
+                    },
+                    [=](flush_atom) { flush(); }};
+          },
+          99u);
     }
     auto m = *mixer;
     return sys.spawn([m, target](caf::event_based_actor* self) -> caf::behavior {
