@@ -160,17 +160,18 @@ inline std::function<caf::actor(caf::actor_system&, const caf::actor&)> adversar
           },
           99u);
     }
-    auto m = *mixer;
-    return sys.spawn([m, target](caf::event_based_actor* self) -> caf::behavior {
-      self->link_to(m);  // the mixer ends with the forwarders
-      self->set_default_handler(
-          [=](caf::scheduled_actor*, caf::message_view& x) -> caf::result<caf::message> {
-            ++relayed;
-            self->anon_send(m, target, x.move_content_to_message());
-            return caf::message{};
-          });
-      return {[](flush_atom) {}};
-    });
+    return sys.spawn(
+        [](caf::event_based_actor* self, caf::actor m, caf::actor target) -> caf::behavior {
+          self->link_to(m);  // the mixer ends with the forwarders
+          self->set_default_handler(
+              [=](caf::scheduled_actor*, caf::message_view& x) -> caf::result<caf::message> {
+                ++relayed;
+                self->anon_send(m, target, x.move_content_to_message());
+                return caf::message{};
+              });
+          return {[](flush_atom) {}};
+        },
+        *mixer, target);
   };
 }
 
