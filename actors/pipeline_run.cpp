@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <sstream>
 #include <thread>
 
 #include "actors/coordinator.hpp"
@@ -13,7 +14,6 @@
 #include "actors/schedule_actor.hpp"
 #include "actors/tracer.hpp"
 #include "engine/gpt_weights.hpp"
-#include "engine/schedule_sim.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -199,43 +199,16 @@ void wire(caf::actor_system& sys, run_actors& a, const build_inputs& in, caf::ac
 
 namespace {
 
-trace::metadata trace_metadata(const engine::recipe& r, const std::vector<trace::event>& none) {
-  (void)none;
+trace::metadata trace_metadata(const engine::recipe& r, const engine::pipeline_plan& plan) {
   trace::metadata m;
   m.schedule = r.parallel.schedule;
   m.ranks = r.parallel.pp;
   m.micro_batches = r.parallel.micro_batches;
   m.virtual_stages = r.parallel.virtual_stages;
   m.replicas = r.parallel.dp;
-  const auto plan = engine::make_plan(
-      r.parallel.schedule, {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages});
-  std::string text = engine::format_plan(plan);
-  for (std::size_t pos = 0; pos < text.size();) {
-    const auto nl = text.find('\n', pos);
-    m.plan.push_back(text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos));
-    if (nl == std::string::npos) break;
-    pos = nl + 1;
-  }
+  std::istringstream lines(engine::format_plan(plan));
+  for (std::string line; std::getline(lines, line);) m.plan.push_back(line);
   return m;
-}
-
-// The plan's bubble with the mean F/B/W costs measured in the trace (equal costs if none).
-double theory_bubble(const engine::recipe& r, const trace::trace_file& t) {
-  double sum[3] = {0, 0, 0};
-  int n[3] = {0, 0, 0};
-  for (const auto& e : t.events) {
-    if (e.kind != trace::event_kind::span || e.category != "compute") continue;
-    const int k = e.name == "F" ? 0 : e.name == "B" ? 1 : 2;
-    sum[k] += e.dur_us;
-    ++n[k];
-  }
-  const auto plan = engine::make_plan(
-      r.parallel.schedule, {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages});
-  engine::action_costs costs;
-  if (n[0] > 0) costs.forward = sum[0] / n[0];
-  if (n[1] > 0) costs.backward = sum[1] / n[1];
-  costs.weight = n[2] > 0 ? sum[2] / n[2] : 0;
-  return engine::simulate(plan, costs).bubble_fraction;
 }
 
 void write_final_weights(const engine::recipe& r, const run_result& res) {
@@ -324,6 +297,13 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     spawn_stages(sys, a, in);
     spawn_loaders(sys, a, in);
     wire(sys, a, in, caf::actor_cast<caf::actor>(client));
+    std::vector<std::vector<caf::actor>> stage_handles;
+    for (const auto& row : a.stages) {
+      stage_handles.emplace_back();
+      for (const auto& st : row) stage_handles.back().push_back(caf::actor_cast<caf::actor>(st));
+    }
+    const caf::actor coordinator_handle = caf::actor_cast<caf::actor>(a.coordinator);
+    const run_handles handles{coordinator_handle, stage_handles};
     client->send(a.coordinator, start_run{});
     bool running = true;
     while (running) {
@@ -337,15 +317,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
             res.summary.steps = rep.metrics.step;
             res.summary.tokens_per_s = double(rep.metrics.tokens) / rep.metrics.elapsed_s;
             res.summary.seconds = rep.metrics.elapsed_s;
-            if (o.after_step) {
-              std::vector<std::vector<caf::actor>> stages;
-              for (const auto& row : a.stages) {
-                stages.emplace_back();
-                for (const auto& st : row) stages.back().push_back(caf::actor_cast<caf::actor>(st));
-              }
-              const caf::actor coordinator = caf::actor_cast<caf::actor>(a.coordinator);
-              o.after_step(sys, run_handles{coordinator, stages}, rep.metrics.step);
-            }
+            if (o.after_step) o.after_step(sys, handles, rep.metrics.step);
           },
           [&](run_finished& f) {
             running = false;
@@ -372,18 +344,15 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
       }
     }
     if (!o.trace_path.empty() && failure.empty()) {
+      auto plan = std::make_shared<const engine::pipeline_plan>(
+          engine::make_plan(r.parallel.schedule,
+                            {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages}));
       client
           ->request(a.tracer, caf::infinite,
-                    trace_write{o.trace_path, {trace_metadata(r, {}), a.tracks}})
+                    trace_write{o.trace_path, {trace_metadata(r, *plan), a.tracks, plan}})
           .receive([&](std::string& err) { failure = err; },
                    [&](caf::error& e) { failure = "trace: " + to_string(e); });
-      if (failure.empty()) {
-        // The theoretical bubble needs the measured costs: read back, add, rewrite.
-        auto t = trace::read_json(o.trace_path);
-        t.meta.theory_bubble = theory_bubble(r, t);
-        trace::write_json(t, o.trace_path);
-        say("wrote trace " + o.trace_path);
-      }
+      if (failure.empty()) say("wrote trace " + o.trace_path);
     }
     for (const auto& h : a.all) client->send_exit(h, caf::exit_reason::user_shutdown);
     for (const auto& h : a.relays) client->send_exit(h, caf::exit_reason::user_shutdown);

@@ -9,6 +9,7 @@
 //      reduction and the tied-wte exchange.
 #include "actors/pipeline_stage.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -106,6 +107,7 @@ class stage_impl : public stage_actor::base {
       if (r.head) head_chunk_ = c;
     }
     buckets_.build(chunks, cfg_.bucket_layers);
+    find_tied_copies();
   }
 
   // ---- plan ---------------------------------------------------------------------------
@@ -287,7 +289,6 @@ class stage_impl : public stage_actor::base {
       args.loss_scale = 1.0f / static_cast<float>(plan_.rounds * plan_.plan->shape.micro_batches);
     }
     const int B = args.B, T = args.T;
-    shapes_[{c, id}] = {B, T};
     const double loss = compute_->forward(c, id, std::move(args));
     if (a.stage == last_stage()) {
       loss_sum_ += loss;
@@ -300,14 +301,13 @@ class stage_impl : public stage_actor::base {
     }
     if (plan_.eval) {
       compute_->release(c, id);
-      shapes_.erase({c, id});
     }
     return flow;
   }
 
   std::uint64_t backward(const engine::pipeline_action& a, int round, int c,
                          engine::micro_batch_id id, const engine::grad_block_fn& on_block) {
-    const auto [B, T] = shapes_.at({c, id});
+    const auto [B, T] = compute_->shape(c, id);
     float_buffer dout;
     std::uint64_t flow = 0;
     if (a.stage != last_stage()) {
@@ -326,7 +326,6 @@ class stage_impl : public stage_actor::base {
     } else {
       compute_->backward(c, id, dptr, iptr, on_block);
       compute_->release(c, id);
-      shapes_.erase({c, id});
     }
     if (din) route(link_kind::gradient, a.stage - 1, round, a.micro_batch, B, T, std::move(din));
     return flow;
@@ -437,57 +436,39 @@ class stage_impl : public stage_actor::base {
     check_grads_ready();
   }
 
-  bool bucket_has_wte(int b, int chunk) const {
-    const auto& info = buckets_.bucket(b);
-    if (info.chunk != chunk) return false;
-    const auto& st = compute_->chunk(chunk);
-    const float* wte = st.grads() + st.parameter("transformer.wte.weight").offset;
-    for (const auto& [ptr, n] : info.ranges)
-      if (ptr <= wte && wte < ptr + n) return true;
-    return false;
+  // The tied wte copies this rank must sync, fixed at init: none when it holds no copy or one
+  // chunk with both ends; one (exchanged with the partner rank); or two (summed here).
+  void find_tied_copies() {
+    if (embedding_chunk_ >= 0 && embedding_chunk_ == head_chunk_) return;
+    for (int c : {embedding_chunk_, head_chunk_}) {
+      if (c < 0) continue;
+      auto& st = compute_->chunk(c);
+      const auto& wte = st.parameter("transformer.wte.weight");
+      tied_.grads.push_back(st.grads() + wte.offset);
+      tied_.buckets.push_back(buckets_.bucket_containing(tied_.grads.back()));
+      tied_.numel = static_cast<std::size_t>(wte.numel);
+    }
   }
 
   void start_tied() {
     tied_partner_.reset();
-    tied_own_ready_ = 0;
-    const bool emb = embedding_chunk_ >= 0, head = head_chunk_ >= 0;
-    tied_needed_ = 0;
-    if (emb && head && embedding_chunk_ == head_chunk_)
-      tied_needed_ = 0;  // one copy
-    else if (emb && head)
-      tied_needed_ = 2;  // both, local
-    else if (emb || head)
-      tied_needed_ = 1;  // one, remote
-    tied_done_ = tied_needed_ == 0;
-  }
-
-  float* wte_grad(int chunk) {
-    auto& st = compute_->chunk(chunk);
-    return st.grads() + st.parameter("transformer.wte.weight").offset;
-  }
-  std::size_t wte_numel() const {
-    return std::size_t(cfg_.model.padded_vocab_size) * std::size_t(cfg_.model.width);
+    tied_ready_ = 0;
+    tied_done_ = tied_.grads.empty();
   }
 
   void bucket_final(int b) {
-    if (tied_done_) return;
-    for (int c : {embedding_chunk_, head_chunk_}) {
-      if (c >= 0 && bucket_has_wte(b, c)) ++tied_own_ready_;
-    }
-    if (tied_own_ready_ < tied_needed_) return;
-    if (tied_needed_ == 2) {  // both copies here: sum them in place
-      float* a = wte_grad(embedding_chunk_);
-      float* h = wte_grad(head_chunk_);
-      for (std::size_t i = 0; i < wte_numel(); ++i) a[i] = h[i] = a[i] + h[i];
+    if (tied_done_ || std::count(tied_.buckets.begin(), tied_.buckets.end(), b) == 0) return;
+    if (++tied_ready_ < static_cast<int>(tied_.grads.size())) return;
+    if (tied_.grads.size() == 2) {  // both copies here: sum them in place
+      float* a = tied_.grads[0];
+      float* h = tied_.grads[1];
+      for (std::size_t i = 0; i < tied_.numel; ++i) a[i] = h[i] = a[i] + h[i];
       tied_done_ = true;
       return;
     }
-    if (tied_sent_step_ != plan_.step) {
-      const int c = embedding_chunk_ >= 0 ? embedding_chunk_ : head_chunk_;
-      auto copy = std::make_shared<std::vector<float>>(wte_grad(c), wte_grad(c) + wte_numel());
-      caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, cfg_.replica, std::move(copy)});
-      tied_sent_step_ = plan_.step;
-    }
+    const float* own = tied_.grads[0];
+    auto copy = std::make_shared<std::vector<float>>(own, own + tied_.numel);
+    caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, cfg_.replica, std::move(copy)});
     finish_tied();
   }
 
@@ -498,11 +479,10 @@ class stage_impl : public stage_actor::base {
   }
 
   void finish_tied() {
-    if (tied_done_ || !tied_partner_ || tied_own_ready_ < tied_needed_) return;
-    const int c = embedding_chunk_ >= 0 ? embedding_chunk_ : head_chunk_;
-    float* own = wte_grad(c);
+    if (tied_done_ || !tied_partner_ || tied_ready_ < 1) return;
+    float* own = tied_.grads[0];
     // Each side computes own + other: the same float sums on both ranks (addition commutes).
-    for (std::size_t i = 0; i < wte_numel(); ++i) own[i] = own[i] + (*tied_partner_)[i];
+    for (std::size_t i = 0; i < tied_.numel; ++i) own[i] = own[i] + (*tied_partner_)[i];
     tied_partner_.reset();
     tied_done_ = true;
   }
@@ -524,7 +504,7 @@ class stage_impl : public stage_actor::base {
     if (!compute_done_ || grads_sent_ || buckets_pending_ > 0 || !tied_done_) return;
     grads_sent_ = true;
     const double now = cfg_.trace.now_us();
-    if (cfg_.replicas > 1 || tied_needed_ == 1)
+    if (cfg_.replicas > 1 || tied_.grads.size() == 1)
       cfg_.trace.span("wait", cfg_.replicas > 1 ? "dp" : "tied", dp_wait_since_, now, {plan_.step});
     double sq = 0;
     for (int c = 0; c < compute_->chunk_count(); ++c) {
@@ -577,7 +557,6 @@ class stage_impl : public stage_actor::base {
   topology::outgoing_credits outgoing_;
   std::map<link_key, link_message> held_, stash_links_;
   std::map<batch_key, batch_message> stash_batches_;
-  std::map<std::pair<int, engine::micro_batch_id>, std::pair<int, int>> shapes_;
   step_plan plan_;
   const std::vector<engine::pipeline_action>* actions_ = nullptr;
   std::vector<int> last_weight_;
@@ -588,7 +567,12 @@ class stage_impl : public stage_actor::base {
   int losses_ = 0;
   int buckets_pending_ = 0;
   int embedding_chunk_ = -1, head_chunk_ = -1;
-  int tied_needed_ = 0, tied_own_ready_ = 0, tied_sent_step_ = -1;
+  struct {
+    std::vector<float*> grads;  // wte gradient copies on this rank (0, 1 or 2)
+    std::vector<int> buckets;   // the bucket holding each
+    std::size_t numel = 0;
+  } tied_;
+  int tied_ready_ = 0;  // copies final this step
   bool tied_done_ = true;
   float_buffer tied_partner_;
 };

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "engine/schedule_sim.hpp"
+
 namespace troupe::actors {
 namespace {
 
@@ -24,6 +26,7 @@ class tracer_impl : public tracer_actor::base {
         [this](trace_write& w) -> std::string {
           trace_.meta = w.finish.meta;
           trace_.tracks = w.finish.tracks;
+          if (w.finish.plan) trace_.meta.theory_bubble = theory_bubble(*w.finish.plan);
           std::stable_sort(trace_.events.begin(), trace_.events.end(),
                            [](const auto& a, const auto& b) { return a.ts_us < b.ts_us; });
           try {
@@ -37,6 +40,23 @@ class tracer_impl : public tracer_actor::base {
   }
 
  private:
+  // The plan's bubble with the mean F/B/W costs measured in the trace (unit costs if none).
+  double theory_bubble(const engine::pipeline_plan& plan) const {
+    double sum[3] = {0, 0, 0};
+    int n[3] = {0, 0, 0};
+    for (const auto& e : trace_.events) {
+      if (e.kind != engine::trace::event_kind::span || e.category != "compute") continue;
+      const int k = e.name == "F" ? 0 : e.name == "B" ? 1 : 2;
+      sum[k] += e.dur_us;
+      ++n[k];
+    }
+    engine::action_costs costs;
+    if (n[0] > 0) costs.forward = sum[0] / n[0];
+    if (n[1] > 0) costs.backward = sum[1] / n[1];
+    costs.weight = n[2] > 0 ? sum[2] / n[2] : 0;
+    return engine::simulate(plan, costs).bubble_fraction;
+  }
+
   engine::trace::trace_file trace_;
 };
 

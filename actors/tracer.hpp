@@ -1,5 +1,6 @@
 // The trace sink: collects every actor's trace batches and writes the Chrome trace-event file
-// when asked (engine/trace.hpp), replying with "" or the error.
+// when asked (engine/trace.hpp), with the schedule's theoretical bubble for the measured
+// F/B/W costs, replying with "" or the error.
 #pragma once
 
 #include "messages/protocols.hpp"

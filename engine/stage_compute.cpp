@@ -70,6 +70,11 @@ const float* stage_compute::output(int c, micro_batch_id id) const {
   return stage_output(*live_slot(c, id).acts);
 }
 
+std::pair<int, int> stage_compute::shape(int c, micro_batch_id id) const {
+  const auto& acts = *live_slot(c, id).acts;
+  return {acts.batch(), acts.seq_len()};
+}
+
 void stage_compute::backward(int c, micro_batch_id id, const float* doutput, float* dinput,
                              const grad_block_fn& on_block_done) {
   stage_backward(chunk(c), *live_slot(c, id).acts, doutput, dinput, on_block_done);

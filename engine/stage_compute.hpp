@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "engine/gpt_model.hpp"
@@ -49,6 +50,8 @@ class stage_compute {
   double forward(int c, micro_batch_id id, forward_args args);
   // The chunk's output hidden state [B, T, width] (not for a head chunk).
   const float* output(int c, micro_batch_id id) const;
+  // (B, T) of a micro-batch in flight.
+  std::pair<int, int> shape(int c, micro_batch_id id) const;
   void backward(int c, micro_batch_id id, const float* doutput, float* dinput,
                 const grad_block_fn& on_block_done = {});
   void backward_input(int c, micro_batch_id id, const float* doutput, float* dinput);

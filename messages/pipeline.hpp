@@ -144,6 +144,8 @@ struct trace_batch {
 struct trace_finish {
   engine::trace::metadata meta;
   std::vector<engine::trace::track> tracks;
+  // The step's plan: the tracer sets meta.theory_bubble from it and the measured F/B/W costs.
+  std::shared_ptr<const engine::pipeline_plan> plan;
 };
 
 // Coordinator -> whoever started the run.

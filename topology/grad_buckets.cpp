@@ -50,6 +50,13 @@ std::optional<int> grad_buckets::block_done(int chunk, int block) {
   return std::nullopt;
 }
 
+int grad_buckets::bucket_containing(const float* grad) const {
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    for (const auto& [ptr, n] : buckets_[b].ranges)
+      if (ptr <= grad && grad < ptr + n) return static_cast<int>(b);
+  throw std::logic_error("no gradient bucket holds this gradient");
+}
+
 void mean_over_replicas(const std::vector<std::vector<std::pair<float*, std::int64_t>>>& replicas) {
   if (replicas.empty()) return;
   const std::size_t d = replicas.size();

@@ -32,6 +32,8 @@ class grad_buckets {
   std::optional<int> block_done(int chunk, int block);
   const grad_bucket_info& bucket(int i) const { return buckets_.at(static_cast<std::size_t>(i)); }
   int size() const { return static_cast<int>(buckets_.size()); }
+  // The bucket whose ranges hold `grad`; throws std::logic_error if none does.
+  int bucket_containing(const float* grad) const;
 
  private:
   std::vector<grad_bucket_info> buckets_;
