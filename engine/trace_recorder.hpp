@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/random.hpp"
 #include "engine/trace.hpp"
 
 namespace troupe::engine::trace {
@@ -68,12 +69,11 @@ class recorder {
 // A flow id that both ends of a link compute from the message identity.
 inline std::uint64_t flow_id(int kind, int step, int round, int micro_batch, int stage, int replica,
                              bool eval) {
-  std::uint64_t h = 1469598103934665603ull;
+  std::uint64_t h = 0;
   for (std::int64_t v :
        {std::int64_t{kind}, std::int64_t{step}, std::int64_t{round}, std::int64_t{micro_batch},
-        std::int64_t{stage}, std::int64_t{replica}, std::int64_t{eval}}) {
-    h = (h ^ static_cast<std::uint64_t>(v + 1)) * 1099511628211ull;
-  }
+        std::int64_t{stage}, std::int64_t{replica}, std::int64_t{eval}})
+    h = splitmix64(h ^ static_cast<std::uint64_t>(v));
   return h >> 11;  // fits a JSON double exactly
 }
 
