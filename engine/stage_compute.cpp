@@ -98,8 +98,4 @@ void stage_compute::release(int c, micro_batch_id id) {
   ch.pool.emplace(key, std::move(acts));
 }
 
-int stage_compute::in_flight(int c) const {
-  return static_cast<int>(chunks_.at(static_cast<std::size_t>(c)).live.size());
-}
-
 }  // namespace troupe::engine

@@ -57,7 +57,6 @@ class stage_compute {
   void backward_input(int c, micro_batch_id id, const float* doutput, float* dinput);
   void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done = {});
   void release(int c, micro_batch_id id);
-  int in_flight(int c) const;
 
  private:
   struct slot {

@@ -50,7 +50,6 @@ class outgoing_credits {
   bool produced(const link_key& key);
   // A credit arrived: true if the message was waiting and must be sent now.
   bool granted(const link_key& key);
-  std::size_t waiting() const { return waiting_.size(); }
 
  private:
   std::set<link_key> credits_;
