@@ -73,9 +73,9 @@ class loader_impl : public loader_actor::base {
     in.replica = cfg_.replica;
     in.B = cfg_.B;
     in.T = T;
-    in.tokens = std::make_shared<std::vector<std::int32_t>>(std::size_t(cfg_.B) * std::size_t(T));
+    in.tokens = std::make_shared<payload<std::int32_t>>(std::size_t(cfg_.B) * std::size_t(T));
     batch_message tg = in;
-    tg.tokens = std::make_shared<std::vector<std::int32_t>>(in.tokens->size());
+    tg.tokens = std::make_shared<payload<std::int32_t>>(in.tokens->size());
     cfg_.train[which]->fill(g, in.tokens->data(), tg.tokens->data());
     return {{std::move(in), std::move(tg)}, 0};
   }
@@ -90,11 +90,10 @@ class loader_impl : public loader_actor::base {
       in.replica = cfg_.replica;
       in.B = cfg_.B;
       in.T = static_cast<int>(cfg_.val->config().T);
-      in.tokens =
-          std::make_shared<std::vector<std::int32_t>>(std::size_t(in.B) * std::size_t(in.T));
+      in.tokens = std::make_shared<payload<std::int32_t>>(std::size_t(in.B) * std::size_t(in.T));
       batch_message tg = in;
       tg.part = batch_part::targets;
-      tg.tokens = std::make_shared<std::vector<std::int32_t>>(in.tokens->size());
+      tg.tokens = std::make_shared<payload<std::int32_t>>(in.tokens->size());
       cfg_.val->fill(j, in.tokens->data(), tg.tokens->data());
       caf::anon_send(wiring_.first_stage, std::move(in));
       caf::anon_send(wiring_.last_stage, std::move(tg));

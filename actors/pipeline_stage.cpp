@@ -280,7 +280,7 @@ class stage_impl : public stage_actor::base {
       args.hold.push_back(m.data);
       flow = m.flow_id;
     }
-    std::shared_ptr<std::vector<std::int32_t>> targets;
+    token_buffer targets;
     if (a.stage == last_stage()) {
       auto t = take_batch(batch_part::targets, round, a.micro_batch);
       targets = t.tokens;
@@ -295,7 +295,7 @@ class stage_impl : public stage_actor::base {
       ++losses_;
     } else {
       const std::size_t n = std::size_t(B) * std::size_t(T) * std::size_t(cfg_.model.width);
-      auto out = std::make_shared<std::vector<float>>(n);
+      auto out = std::make_shared<payload<float>>(n);
       std::memcpy(out->data(), compute_->output(c, id), n * sizeof(float));
       route(link_kind::activation, a.stage + 1, round, a.micro_batch, B, T, std::move(out));
     }
@@ -317,8 +317,8 @@ class stage_impl : public stage_actor::base {
     }
     float_buffer din;
     if (a.stage > 0)
-      din = std::make_shared<std::vector<float>>(std::size_t(B) * std::size_t(T) *
-                                                 std::size_t(cfg_.model.width));
+      din = std::make_shared<payload<float>>(std::size_t(B) * std::size_t(T) *
+                                             std::size_t(cfg_.model.width));
     const float* dptr = dout ? dout->data() : nullptr;
     float* iptr = din ? din->data() : nullptr;
     if (plan_.plan->split_backward) {
@@ -467,7 +467,7 @@ class stage_impl : public stage_actor::base {
       return;
     }
     const float* own = tied_.grads[0];
-    auto copy = std::make_shared<std::vector<float>>(own, own + tied_.numel);
+    auto copy = std::make_shared<payload<float>>(own, own + tied_.numel);
     caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, cfg_.replica, std::move(copy)});
     finish_tied();
   }

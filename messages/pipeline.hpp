@@ -1,5 +1,5 @@
 // The vocabulary of one training step, in process: plain structs that actors send each other.
-// Tensor payloads travel as shared handles (std::shared_ptr), never copied by the transport.
+// Tensor payloads travel as shared handles (payload.hpp), never copied by the transport.
 // This header knows nothing of CAF; messages/protocols.hpp declares who accepts what.
 //
 // Invariants:
@@ -13,16 +13,18 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/metrics.hpp"
 #include "engine/schedule.hpp"
 #include "engine/trace.hpp"
+#include "messages/payload.hpp"
 
 namespace troupe::messages {
 
-using float_buffer = std::shared_ptr<std::vector<float>>;
-using token_buffer = std::shared_ptr<std::vector<std::int32_t>>;
+using float_buffer = std::shared_ptr<payload<float>>;
+using token_buffer = std::shared_ptr<payload<std::int32_t>>;
 
 enum class link_kind : unsigned char { activation, gradient };
 
@@ -146,6 +148,14 @@ struct trace_finish {
   std::vector<engine::trace::track> tracks;
   // The step's plan: the tracer sets meta.theory_bubble from it and the measured F/B/W costs.
   std::shared_ptr<const engine::pipeline_plan> plan;
+};
+
+// Snapshot of a stage's parameters by Hugging Face name (final weights, tests; on the wire the
+// parameter-shard message).
+struct snapshot_request {};
+struct stage_snapshot {
+  int rank = 0, replica = 0;
+  std::vector<std::pair<std::string, std::vector<float>>> parameters;
 };
 
 // Coordinator -> whoever started the run.

@@ -60,12 +60,6 @@ struct coordinator_wiring {
 struct start_run {};
 // A stage's note to itself: run the next action (after the mailbox had its turn).
 struct stage_continue {};
-// Snapshot of a stage's parameters by Hugging Face name (for final weights and tests).
-struct snapshot_request {};
-struct stage_snapshot {
-  int rank = 0, replica = 0;
-  std::vector<std::pair<std::string, std::vector<float>>> parameters;
-};
 struct trace_write {
   std::string path;
   trace_finish finish;

@@ -15,5 +15,6 @@ constexpr int exit_bad_input = 2;  // bad recipe, key, file or argument: nothing
 std::function<int()> add_train_command(CLI::App& app);
 std::function<int()> add_bench_command(CLI::App& app);
 std::function<int()> add_trace_command(CLI::App& app);
+std::function<int()> add_launch_command(CLI::App& app);
 
 }  // namespace troupe::tools

@@ -1,4 +1,4 @@
-// `troupe`: the command line. Subcommands: train, bench, trace.
+// `troupe`: the command line. Subcommands: train, launch, bench, trace.
 #include <cstdio>
 #include <exception>
 
@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   auto train = troupe::tools::add_train_command(app);
   auto bench = troupe::tools::add_bench_command(app);
   auto trace = troupe::tools::add_trace_command(app);
+  auto launch = troupe::tools::add_launch_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("bench")) return bench();
     if (app.got_subcommand("trace")) return trace();
+    if (app.got_subcommand("launch")) return launch();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "troupe: error: %s\n", e.what());
     return troupe::tools::exit_failure;
