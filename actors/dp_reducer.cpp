@@ -3,7 +3,7 @@
 
 #include <map>
 
-#include "topology/grad_buckets.hpp"
+#include "topology/collectives.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -45,7 +45,7 @@ class reducer_impl : public reducer_actor::base {
       if (part.replica == 0)
         for (const auto& r : part.ranges) bytes += r.second * 4;
     }
-    topology::mean_over_replicas(by_replica);
+    topology::ring_order_mean(by_replica);
     const int step = p.parts[0].step, bucket = p.parts[0].bucket;
     for (const auto& s : stages_) caf::anon_send(s, grad_bucket_reduced{step, bucket});
     cfg_.trace.span("collective", "all-reduce", t0, cfg_.trace.now_us(), {step, -1, -1, bytes});

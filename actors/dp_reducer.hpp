@@ -1,8 +1,8 @@
 // The in-process data-parallel reducer of one pipeline rank: collects the same gradient bucket
-// from all d replicas and replaces each with the mean (topology::mean_over_replicas), then
-// tells every replica. It runs on its own thread, so reductions overlap the stages' backward.
-// The stages see only the grad_bucket / grad_bucket_reduced protocol: a UCX or NCCL reducer
-// serves the same messages.
+// from all d replicas and replaces each with the mean (topology::ring_order_mean, the order of a
+// ring all-reduce), then tells every replica. It runs on its own thread, so reductions overlap the
+// stages' backward. The stages see only the grad_bucket / grad_bucket_reduced protocol: a UCX or
+// NCCL reducer serves the same messages.
 #pragma once
 
 #include "engine/trace_recorder.hpp"

@@ -1,19 +1,28 @@
 // Building, wiring, driving and tearing down the actors of one run. See pipeline_run.hpp.
 #include "actors/pipeline_run.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <thread>
+
+#include <unistd.h>
 
 #include "actors/coordinator.hpp"
 #include "actors/data_loader.hpp"
 #include "actors/dp_reducer.hpp"
+#include "actors/gateway.hpp"
 #include "actors/pipeline_stage.hpp"
+#include "actors/ring_reducer.hpp"
 #include "actors/schedule_actor.hpp"
 #include "actors/tracer.hpp"
 #include "engine/gpt_weights.hpp"
+#include "topology/placement.hpp"
+#include "topology/rendezvous.hpp"
+#include "topology/ucx_transport.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -22,13 +31,12 @@ using namespace messages;
 namespace trace = engine::trace;
 
 struct run_actors {
-  tracer_actor tracer;
-  schedule_actor schedule;
-  coordinator_actor coordinator;
-  std::vector<std::vector<stage_actor>> stages;  // [replica][rank]
-  std::vector<reducer_actor> reducers;           // by rank
-  std::vector<loader_actor> loaders;             // by replica
-  std::vector<caf::actor> all;
+  caf::actor tracer, schedule, coordinator;       // local, or proxies on ranks other than 0
+  std::vector<std::vector<caf::actor>> stages;    // [replica][rank]
+  std::vector<std::vector<caf::actor>> reducers;  // [replica][rank] ring reducers, or [0][rank]
+  std::vector<caf::actor> loaders;                // by replica
+  std::vector<caf::actor> all;    // every actor and proxy of this process (the coordinator watches)
+  std::vector<caf::actor> local;  // this process's own actors, stopped at the end
   std::vector<caf::actor> relays;  // test hooks' relays, stopped with the run
   std::vector<std::string> names;
   std::vector<trace::track> tracks;
@@ -43,6 +51,9 @@ struct build_inputs {
   trace::trace_clock::time_point origin;
   std::vector<std::shared_ptr<const engine::data::batch_sampler>> train{};  // by seq_lens
   std::shared_ptr<const engine::data::batch_sampler> val{};
+  topology::job_placement placement{1, 1, 1};
+  int rank = 0;
+  remote_mesh* mesh = nullptr;  // set when the job spans processes
 };
 
 trace::recorder add_track(run_actors& a, const build_inputs& in, std::string name, std::string role,
@@ -52,15 +63,29 @@ trace::recorder add_track(run_actors& a, const build_inputs& in, std::string nam
   return trace::recorder(!in.o.trace_path.empty(), in.origin, id);
 }
 
-void remember(run_actors& a, const caf::actor& h, const std::string& name) {
+// The actor `id` of process `process`: spawned here by `spawn` if it lives here, else a proxy.
+template <class Spawn>
+caf::actor place(caf::actor_system& sys, run_actors& a, const build_inputs& in, std::uint32_t id,
+                 int process, const std::string& name, Spawn&& spawn) {
+  caf::actor h;
+  if (!in.mesh || process == in.rank) {
+    h = caf::actor_cast<caf::actor>(spawn());
+    a.local.push_back(h);
+    if (in.mesh) in.mesh->add_local(id, h, name);
+  } else {
+    h = in.mesh->make_proxy(sys, id, process, name);
+  }
   a.all.push_back(h);
   a.names.push_back(name);
+  return h;
 }
 
-int compute_threads(const engine::recipe& r, const run_options& o) {
-  if (o.compute_threads > 0) return o.compute_threads;
+int compute_threads(const build_inputs& in) {
+  if (in.o.compute_threads > 0) return in.o.compute_threads;
   const int cores = std::max(1u, std::thread::hardware_concurrency());
-  return std::max(1, cores / (r.parallel.pp * r.parallel.dp));
+  const int here = in.mesh ? in.placement.stages_per_process() * in.o.launch.local_world
+                           : in.r.parallel.pp * in.r.parallel.dp;
+  return std::max(1, cores / here);
 }
 
 std::int64_t tokens_per_step(const build_inputs& in) {
@@ -75,6 +100,7 @@ std::int64_t tokens_per_step(const build_inputs& in) {
 
 void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
   const auto& r = in.r;
+  const auto& pl = in.placement;
   for (int d = 0; d < r.parallel.dp; ++d) {
     a.stages.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
@@ -91,23 +117,36 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.link_credits =
           r.parallel.link_credits > 0 ? r.parallel.link_credits : r.parallel.micro_batches;
       c.bucket_layers = r.parallel.bucket_layers;
-      c.compute_threads = compute_threads(r, in.o);
+      c.compute_threads = compute_threads(in);
       const std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
       c.trace = add_track(a, in, name, "stage", p, d);
-      a.stages.back().push_back(spawn_pipeline_stage(sys, std::move(c)));
-      remember(a, caf::actor_cast<caf::actor>(a.stages.back().back()), name);
+      a.stages.back().push_back(place(sys, a, in, pl.stage_id(d, p), pl.process_of_stage(d, p),
+                                      name,
+                                      [&] { return spawn_pipeline_stage(sys, std::move(c)); }));
     }
   }
-  if (r.parallel.dp > 1) {
+  if (r.parallel.dp == 1) return;
+  if (!in.mesh) {  // in-process: one reducer per rank sees every replica's bucket
+    a.reducers.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
       const std::string name = "dp reducer " + std::to_string(p);
       reducer_config c{p, r.parallel.dp, add_track(a, in, name, "collective", p, -1)};
       std::vector<caf::actor> replicas;
-      for (const auto& row : a.stages)
-        replicas.push_back(caf::actor_cast<caf::actor>(row[static_cast<std::size_t>(p)]));
-      a.reducers.push_back(
-          spawn_dp_reducer(sys, std::move(c), caf::actor_cast<caf::actor>(a.tracer), replicas));
-      remember(a, caf::actor_cast<caf::actor>(a.reducers.back()), name);
+      for (const auto& row : a.stages) replicas.push_back(row[static_cast<std::size_t>(p)]);
+      a.reducers[0].push_back(place(sys, a, in, 0, 0, name, [&] {
+        return spawn_dp_reducer(sys, std::move(c), a.tracer, replicas);
+      }));
+    }
+    return;
+  }
+  for (int d = 0; d < r.parallel.dp; ++d) {  // across processes: a ring reducer per stage
+    a.reducers.emplace_back();
+    for (int p = 0; p < r.parallel.pp; ++p) {
+      const std::string name = "ring reducer " + std::to_string(p) + " · dp " + std::to_string(d);
+      ring_reducer_config c{p, d, r.parallel.dp, add_track(a, in, name, "collective", p, d)};
+      a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p), pl.process_of_stage(d, p),
+                                        name,
+                                        [&] { return spawn_ring_reducer(sys, std::move(c)); }));
     }
   }
 }
@@ -127,8 +166,6 @@ void make_samplers(build_inputs& in) {
 
 void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
   const auto& r = in.r;
-  const auto& train = in.train;
-  const auto& val = in.val;
   for (int d = 0; d < r.parallel.dp; ++d) {
     loader_config c;
     c.replica = d;
@@ -139,57 +176,69 @@ void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in
     c.prefetch = r.parallel.prefetch;
     c.B = r.batch.micro_batch;
     c.seq_lens = in.seq_lens;
-    c.train = train;
-    c.val = val;
+    c.train = in.train;
+    c.val = in.val;
     const std::string name = "data loader · dp " + std::to_string(d);
     c.trace = add_track(a, in, name, "loader", -1, d);
-    a.loaders.push_back(spawn_data_loader(sys, std::move(c)));
-    remember(a, caf::actor_cast<caf::actor>(a.loaders.back()), name);
+    a.loaders.push_back(place(sys, a, in, in.placement.loader_id(d),
+                              in.placement.process_of_loader(d), name,
+                              [&] { return spawn_data_loader(sys, std::move(c)); }));
   }
 }
 
-void wire(caf::actor_system& sys, run_actors& a, const build_inputs& in, caf::actor client) {
+bool is_local(const run_actors& a, const caf::actor& h) {
+  return std::find(a.local.begin(), a.local.end(), h) != a.local.end();
+}
+
+// Sends every local actor its peers (local actors or proxies).
+void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, caf::actor client) {
   const auto& r = in.r;
   const int p = r.parallel.pp;
-  auto untyped = [](const auto& h) { return caf::actor_cast<caf::actor>(h); };
   for (int d = 0; d < r.parallel.dp; ++d) {
     auto& row = a.stages[static_cast<std::size_t>(d)];
     for (int k = 0; k < p; ++k) {
+      if (!is_local(a, row[static_cast<std::size_t>(k)])) continue;
       stage_wiring w;
       for (int j = 0; j < p; ++j) {
-        caf::actor target = untyped(row[static_cast<std::size_t>(j)]);
+        caf::actor target = row[static_cast<std::size_t>(j)];
         if (in.o.link_relay && j != k) {
           a.relays.push_back(in.o.link_relay(sys, target));
           target = a.relays.back();
         }
         w.ranks.push_back(std::move(target));
       }
-      w.loader = untyped(a.loaders[static_cast<std::size_t>(d)]);
-      w.coordinator = untyped(a.coordinator);
-      if (!a.reducers.empty()) w.reducer = untyped(a.reducers[static_cast<std::size_t>(k)]);
-      w.tracer = untyped(a.tracer);
+      w.loader = a.loaders[static_cast<std::size_t>(d)];
+      w.coordinator = a.coordinator;
+      if (!a.reducers.empty())
+        w.reducer = in.mesh ? a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)]
+                            : a.reducers[0][static_cast<std::size_t>(k)];
+      w.tracer = a.tracer;
       const int partner =
           k == in.layout.embedding_rank() ? in.layout.head_rank() : in.layout.embedding_rank();
-      w.tied_partner = untyped(row[static_cast<std::size_t>(partner)]);
+      w.tied_partner = row[static_cast<std::size_t>(partner)];
       caf::anon_send(row[static_cast<std::size_t>(k)], std::move(w));
+      if (in.mesh && r.parallel.dp > 1) {
+        const auto next = static_cast<std::size_t>((d + 1) % r.parallel.dp);
+        caf::anon_send(a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)],
+                       ring_wiring{row[static_cast<std::size_t>(k)],
+                                   a.reducers[next][static_cast<std::size_t>(k)], a.tracer});
+      }
     }
-    caf::anon_send(a.loaders[static_cast<std::size_t>(d)],
-                   loader_wiring{untyped(row[0]),
-                                 untyped(row[static_cast<std::size_t>(in.layout.head_rank())]),
-                                 untyped(a.tracer)});
+    if (is_local(a, a.loaders[static_cast<std::size_t>(d)]))
+      caf::anon_send(
+          a.loaders[static_cast<std::size_t>(d)],
+          loader_wiring{row[0], row[static_cast<std::size_t>(in.layout.head_rank())], a.tracer});
   }
+  if (in.rank != topology::job_placement::control_process) return;
   schedule_wiring sw;
-  for (const auto& row : a.stages) {
-    sw.stages.emplace_back();
-    for (const auto& s : row) sw.stages.back().push_back(untyped(s));
-  }
-  coordinator_wiring cw;
-  cw.stages = sw.stages;
+  sw.stages = a.stages;
   caf::anon_send(a.schedule, std::move(sw));
-  cw.schedule = untyped(a.schedule);
-  cw.tracer = untyped(a.tracer);
+  coordinator_wiring cw;
+  cw.stages = a.stages;
+  cw.schedule = a.schedule;
+  cw.tracer = a.tracer;
   cw.client = std::move(client);
-  for (const auto& l : a.loaders) cw.loaders.push_back(untyped(l));
+  cw.loaders = a.loaders;
   cw.watched = a.all;
   cw.watched_names = a.names;
   caf::anon_send(a.coordinator, std::move(cw));
@@ -224,10 +273,48 @@ void write_final_weights(const engine::recipe& r, const run_result& res) {
 
 }  // namespace
 
+namespace {
+
+// Joins the job: rendezvous at rank 0 and a UCX endpoint to every peer. Throws
+// std::runtime_error naming the rendezvous address or the peer.
+std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options& o,
+                                      const topology::job_placement& pl) {
+  const auto& env = o.launch;
+  auto transport = std::make_unique<topology::ucx_transport>(env.rank);
+  hello h;
+  h.job_token = env.job_token;
+  h.coords = {env.rank, env.world, 0, 0};
+  for (int d = 0; d < r.parallel.dp; ++d)
+    for (int k = r.parallel.pp - 1; k >= 0; --k)
+      if (pl.process_of_stage(d, k) == env.rank) h.coords = {env.rank, env.world, d, k};
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  h.host = host;
+  h.worker_address = transport->address();
+  topology::rendezvous_options ro{env.master_addr, env.master_port, o.rendezvous_timeout};
+  const welcome w =
+      env.rank == 0 ? topology::rendezvous_serve(ro, h) : topology::rendezvous_join(ro, h);
+  gateway_config gc;
+  gc.rank = env.rank;
+  gc.world = env.world;
+  gc.limits = wire::limits_for(r);
+  gc.peer_timeout = o.peer_timeout;
+  gc.hosts.resize(static_cast<std::size_t>(env.world));
+  for (const auto& peer : w.peers) {
+    gc.hosts.at(static_cast<std::size_t>(peer.rank)) = peer.host;
+    if (peer.rank != env.rank) transport->connect(peer.rank, peer.worker_address);
+  }
+  return std::make_unique<remote_mesh>(std::move(transport), std::move(gc));
+}
+
+}  // namespace
+
 run_result run_training(const engine::recipe& r, const engine::train_callbacks& cb,
                         const run_options& o) {
+  const bool multi = o.launch.world > 1;
+  const int my_rank = multi ? o.launch.rank : 0;
   auto say = [&](const std::string& s) {
-    if (cb.on_message) cb.on_message(s);
+    if (cb.on_message && my_rank == 0) cb.on_message(s);
   };
   // 1. Everything that can fail on bad input, before anything is written or spawned.
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
@@ -242,15 +329,26 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   } catch (const std::invalid_argument& e) {
     throw engine::recipe_error(std::string("key parallel.layer_split: ") + e.what());
   }
+  try {
+    in.placement =
+        topology::job_placement(r.parallel.pp, r.parallel.dp, multi ? o.launch.world : 1);
+  } catch (const std::invalid_argument& e) {
+    throw engine::recipe_error(std::string("keys parallel.pp, parallel.dp: ") + e.what());
+  }
+  in.rank = my_rank;
   make_samplers(in);
-  // 2. Outputs.
-  std::error_code ec;
-  std::filesystem::create_directories(r.output.dir, ec);
-  if (ec)
-    throw engine::recipe_error("key output.dir: cannot create " + r.output.dir + ": " +
-                               ec.message());
-  engine::jsonl_writer metrics(r.metrics_path());
+  // 2. Outputs (rank 0 only).
+  std::optional<engine::jsonl_writer> metrics;
+  if (my_rank == 0) {
+    std::error_code ec;
+    std::filesystem::create_directories(r.output.dir, ec);
+    if (ec)
+      throw engine::recipe_error("key output.dir: cannot create " + r.output.dir + ": " +
+                                 ec.message());
+    metrics.emplace(r.metrics_path());
+  }
   run_result res;
+  res.rank = my_rank;
   res.summary.parameters = r.model.parameter_count();
   res.summary.unigram_entropy = engine::unigram_entropy(in.data.train, r.model.vocab_size);
   res.summary.final_val_loss = std::numeric_limits<double>::quiet_NaN();
@@ -260,9 +358,20 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
       std::to_string(res.summary.unigram_entropy) + " nats/token");
   say("actors: pp " + std::to_string(r.parallel.pp) + " x dp " + std::to_string(r.parallel.dp) +
       ", schedule " + r.parallel.schedule + ", " + std::to_string(r.parallel.micro_batches) +
-      " micro-batches x " + std::to_string(r.batch.grad_accum) + " rounds per step");
+      " micro-batches x " + std::to_string(r.batch.grad_accum) + " rounds per step" +
+      (multi ? ", " + std::to_string(o.launch.world) + " processes (" + o.launch.describe() + ")"
+             : ""));
 
-  // 3. The actors.
+  // 3. The job's processes.
+  std::unique_ptr<remote_mesh> mesh;
+  if (multi) {
+    mesh = join_job(r, o, in.placement);
+    in.mesh = mesh.get();
+    in.origin = trace::trace_clock::now();  // all processes leave the rendezvous together
+    say("rendezvous: " + std::to_string(o.launch.world) + " processes joined");
+  }
+
+  // 4. The actors.
   caf::actor_system_config cfg;
   // The scheduled (non-detached) actors are light; their worker threads must not poll and
   // steal cycles from the stages' compute threads.
@@ -274,13 +383,16 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   std::string failure;
   {
     caf::scoped_actor client{sys};
-    a.tracer = spawn_tracer(sys);
-    remember(a, caf::actor_cast<caf::actor>(a.tracer), "tracer");
-    a.schedule = spawn_schedule_actor(
-        sys, {r.parallel.schedule,
-              {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages},
-              r.parallel.dp});
-    remember(a, caf::actor_cast<caf::actor>(a.schedule), "schedule");
+    const auto& pl = in.placement;
+    const int control = topology::job_placement::control_process;
+    a.tracer =
+        place(sys, a, in, pl.tracer_id, control, "tracer", [&] { return spawn_tracer(sys); });
+    a.schedule = place(sys, a, in, pl.schedule_id, control, "schedule", [&] {
+      return spawn_schedule_actor(
+          sys, {r.parallel.schedule,
+                {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages},
+                r.parallel.dp});
+    });
     coordinator_config cc;
     cc.steps = r.steps;
     cc.rounds = r.batch.grad_accum;
@@ -292,24 +404,19 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     cc.tokens_per_step = tokens_per_step(in);
     cc.flops_per_token = r.model.train_flops_per_token(r.batch.seq_len);
     cc.trace = add_track(a, in, "coordinator", "coordinator", -1, -1);
-    a.coordinator = spawn_coordinator(sys, std::move(cc));
-    remember(a, caf::actor_cast<caf::actor>(a.coordinator), "coordinator");
+    a.coordinator = place(sys, a, in, pl.coordinator_id, control, "coordinator",
+                          [&] { return spawn_coordinator(sys, std::move(cc)); });
     spawn_stages(sys, a, in);
     spawn_loaders(sys, a, in);
-    wire(sys, a, in, caf::actor_cast<caf::actor>(client));
-    std::vector<std::vector<caf::actor>> stage_handles;
-    for (const auto& row : a.stages) {
-      stage_handles.emplace_back();
-      for (const auto& st : row) stage_handles.back().push_back(caf::actor_cast<caf::actor>(st));
-    }
-    const caf::actor coordinator_handle = caf::actor_cast<caf::actor>(a.coordinator);
-    const run_handles handles{coordinator_handle, stage_handles};
-    client->send(a.coordinator, start_run{});
+    wire_actors(sys, a, in, caf::actor_cast<caf::actor>(client));
+    if (mesh) mesh->start(sys, caf::actor_cast<caf::actor>(client));
+    const run_handles handles{a.coordinator, a.stages};
     bool running = true;
+    if (my_rank == control) client->send(a.coordinator, start_run{});
     while (running) {
       client->receive(
           [&](step_report& rep) {
-            metrics.write(rep.metrics);
+            metrics->write(rep.metrics);
             res.steps.push_back(rep.metrics);
             if (cb.on_step) cb.on_step(rep.metrics);
             res.summary.final_loss = rep.metrics.loss;
@@ -321,14 +428,14 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
           },
           [&](run_finished& f) {
             running = false;
-            if (!f.ok) failure = f.message;
+            if (!f.ok) failure = my_rank == control ? f.message : "job ended: " + f.message;
           });
     }
-    if (failure.empty()) {
+    if (failure.empty() && my_rank == control) {
       for (int d = 0; d < (o.check_replicas ? r.parallel.dp : 1); ++d) {
         std::map<std::string, std::vector<float>> params;
         for (const auto& st : a.stages[static_cast<std::size_t>(d)]) {
-          client->request(st, caf::infinite, snapshot_request{})
+          client->request(st, std::chrono::seconds(120), snapshot_request{})
               .receive(
                   [&](stage_snapshot& s) {
                     for (auto& [name, v] : s.parameters) params.emplace(name, std::move(v));
@@ -343,7 +450,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
         }
       }
     }
-    if (!o.trace_path.empty() && failure.empty()) {
+    if (!o.trace_path.empty() && failure.empty() && my_rank == control) {
       auto plan = std::make_shared<const engine::pipeline_plan>(
           engine::make_plan(r.parallel.schedule,
                             {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages}));
@@ -354,10 +461,12 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
                    [&](caf::error& e) { failure = "trace: " + to_string(e); });
       if (failure.empty()) say("wrote trace " + o.trace_path);
     }
-    for (const auto& h : a.all) client->send_exit(h, caf::exit_reason::user_shutdown);
+    if (mesh) mesh->shutdown(failure.empty(), failure);
+    for (const auto& h : a.local) client->send_exit(h, caf::exit_reason::user_shutdown);
     for (const auto& h : a.relays) client->send_exit(h, caf::exit_reason::user_shutdown);
   }
   if (!failure.empty()) throw std::runtime_error(failure);
+  if (my_rank != 0) return res;
   write_final_weights(r, res);
   if (!r.weights_path().empty()) say("wrote " + r.weights_path().string());
   return res;

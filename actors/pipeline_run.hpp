@@ -1,15 +1,23 @@
-// A whole training run on the actor engine, in one process: builds the actors of a recipe
-// (tracer, schedule, coordinator, p x d stages, p reducers when d > 1, d data loaders), wires
-// them, drives the run as the coordinator's client and tears everything down. `troupe train`
-// calls this; tests call it with hooks.
+// A whole training run on the actor engine: builds the actors of a recipe (tracer, schedule,
+// coordinator, p x d stages, reducers when d > 1, d data loaders), wires them, drives the run as
+// the coordinator's client and tears everything down. `troupe train` calls this; tests call it
+// with hooks.
+//
+// In one process everything is local. When the process is one of several of a job (options.launch
+// with world > 1: troupe launch, srun, mpirun, torchrun), each process joins the rendezvous at rank
+// 0, connects UCX endpoints to every peer, spawns only its own actors (topology/placement.hpp) and
+// a proxy for every other one, and starts its gateway (actors/gateway.hpp). Rank 0 drives the run
+// and writes metrics, weights and the trace; the others serve until rank 0 ends the job.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "engine/trainer.hpp"
+#include "topology/launch_env.hpp"
 
 namespace caf {
 class actor;
@@ -33,9 +41,14 @@ struct run_options {
   std::function<caf::actor(caf::actor_system&, const caf::actor& target)> link_relay;
   // Called in the driving thread after every step (1-based), e.g. to swap the schedule.
   std::function<void(caf::actor_system&, const run_handles&, int step)> after_step;
+  // This process's place in a multi-process job; world 1 (the default): everything in-process.
+  topology::launch_env launch;
+  std::chrono::milliseconds rendezvous_timeout{120000};
+  std::chrono::milliseconds peer_timeout{10000};  // a silent peer is lost after this
 };
 
 struct run_result {
+  int rank = 0;  // this process; only rank 0's result carries metrics and parameters
   engine::train_summary summary;
   std::vector<engine::step_metrics> steps;
   std::map<std::string, std::vector<float>> parameters;  // replica 0, by Hugging Face name

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace troupe::messages {
@@ -15,6 +16,8 @@ class payload {
  public:
   using value_type = T;
   explicit payload(std::size_t n) : storage_(n), data_(storage_.data()), size_(n) {}
+  explicit payload(std::vector<T>&& v)
+      : storage_(std::move(v)), data_(storage_.data()), size_(storage_.size()) {}
   payload(const T* first, const T* last)
       : storage_(first, last), data_(storage_.data()), size_(storage_.size()) {}
   // A view of n elements at data, valid while owner lives.

@@ -6,6 +6,7 @@
 //               --batch_message(targets)--> stage of the last virtual stage
 //   stage --link_message--> neighbour stage, only after a link_credit for that message
 //   stage --grad_bucket--> dp reducer --grad_bucket_reduced--> stage
+//   (across processes: stage --grad_bucket--> ring reducer <--ring_chunk--> ring reducers)
 //   stage --grads_ready--> coordinator --apply_update--> stage --update_done--> coordinator
 //   every actor --trace_batch--> tracer
 #pragma once
@@ -13,6 +14,7 @@
 #include <caf/all.hpp>
 
 #include "messages/pipeline.hpp"
+#include "messages/remote.hpp"
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::link_message)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::link_credit)
@@ -34,6 +36,14 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_batch)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_finish)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::step_report)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::run_finished)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::snapshot_request)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_snapshot)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::ring_chunk)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::heartbeat)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::actor_down)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::error_report)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::job_shutdown)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_chunk)
 
 namespace troupe::messages {
 
@@ -64,6 +74,21 @@ struct trace_write {
   std::string path;
   trace_finish finish;
 };
+// A ring reducer's peers: its stage (grad_bucket in, grad_bucket_reduced out) and the reducer of
+// the next replica of the same pipeline rank (ring_chunk), local or a gateway proxy.
+struct ring_wiring {
+  caf::actor stage, next, tracer;
+};
+// Gateway -> proxy: the remote actor stopped, or its process was lost; the proxy stops with this
+// reason, so monitors of the proxy see the remote failure.
+struct remote_down {
+  std::string reason;
+};
+// Gateway -> proxy: the answer to a request the proxy forwarded.
+struct remote_reply {
+  std::uint64_t correlation = 0;
+  stage_snapshot snapshot;
+};
 
 }  // namespace troupe::messages
 
@@ -73,9 +98,10 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::schedule_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::coordinator_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::start_run)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_continue)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::snapshot_request)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_snapshot)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_write)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::ring_wiring)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::remote_down)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::remote_reply)
 
 namespace troupe::messages {
 
@@ -96,6 +122,10 @@ using reducer_actor = caf::typed_actor<caf::reacts_to<grad_bucket>>;
 
 using tracer_actor =
     caf::typed_actor<caf::reacts_to<trace_batch>, caf::replies_to<trace_write>::with<std::string>>;
+
+using ring_reducer_actor =
+    caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<grad_bucket>,
+                     caf::reacts_to<ring_chunk>>;
 
 using coordinator_actor =
     caf::typed_actor<caf::reacts_to<coordinator_wiring>, caf::reacts_to<start_run>,

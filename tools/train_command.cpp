@@ -1,6 +1,7 @@
-// `troupe train RECIPE.toml [--set key=value ...] [--trace FILE] [--engine actors|serial]`: one
-// process; the actor engine (pipeline stages, schedule, data loaders, coordinator) by default,
-// or the serial reference loop.
+// `troupe train RECIPE.toml [--set key=value ...] [--trace FILE] [--engine actors|serial]`: the
+// actor engine (pipeline stages, schedule, data loaders, coordinator) by default, or the serial
+// reference loop. A process started by `troupe launch`, srun, mpirun or a torchrun-style
+// environment joins its job from the environment (topology/launch_env.hpp); rank 0 prints.
 // Exit 2 with one line naming the key or file on bad input (nothing written), 1 on a failed run.
 #include <cmath>
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include "engine/trainer.hpp"
 #include "tools/commands.hpp"
 #include "tools/progress.hpp"
+#include "topology/launch_env.hpp"
 
 namespace troupe::tools {
 
@@ -18,6 +20,8 @@ std::function<int()> add_train_command(CLI::App& app) {
     std::vector<std::string> overrides;
     std::string trace;
     std::string engine = "actors";
+    double peer_timeout = 10;
+    double rendezvous_timeout = 120;
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
@@ -29,6 +33,12 @@ std::function<int()> add_train_command(CLI::App& app) {
                   "Write a Chrome trace-event file of every message and action (Perfetto)");
   cmd->add_option("--engine", opts->engine, "actors (default) or serial (the reference loop)")
       ->check(CLI::IsMember({"actors", "serial"}));
+  cmd->add_option("--peer-timeout", opts->peer_timeout,
+                  "Seconds without a heartbeat after which a peer process counts as lost")
+      ->check(CLI::Range(0.1, 3600.0));
+  cmd->add_option("--rendezvous-timeout", opts->rendezvous_timeout,
+                  "Seconds to wait for every process of the job to join")
+      ->check(CLI::Range(0.1, 86400.0));
   return [opts]() -> int {
     engine::recipe r;
     try {
@@ -37,7 +47,22 @@ std::function<int()> add_train_command(CLI::App& app) {
       std::fprintf(stderr, "troupe train: %s\n", e.what());
       return exit_bad_input;
     }
-    progress_printer progress(stdout);
+    topology::launch_env launch;
+    try {
+      launch = topology::detect_launch_env(topology::current_environment());
+    } catch (const topology::launch_error& e) {
+      std::fprintf(stderr, "troupe train: %s\n", e.what());
+      return exit_bad_input;
+    }
+    if (launch.world > 1 && opts->engine == "serial") {
+      std::fprintf(stderr,
+                   "troupe train: --engine serial runs in one process, but this process is "
+                   "rank %d of %d (%s)\n",
+                   launch.rank, launch.world, launch.describe().c_str());
+      return exit_bad_input;
+    }
+    const bool quiet = launch.rank != 0;
+    progress_printer progress(stdout);  // ranks other than 0 get no steps or messages
     engine::train_callbacks cb;
     cb.on_step = [&](const engine::step_metrics& m) { progress.step(m); };
     cb.on_message = [&](const std::string& s) { progress.message(s); };
@@ -50,6 +75,10 @@ std::function<int()> add_train_command(CLI::App& app) {
       } else {
         actors::run_options o;
         o.trace_path = opts->trace;
+        o.launch = launch;
+        o.peer_timeout = std::chrono::milliseconds(static_cast<long>(opts->peer_timeout * 1000));
+        o.rendezvous_timeout =
+            std::chrono::milliseconds(static_cast<long>(opts->rendezvous_timeout * 1000));
         summary = actors::run_training(r, cb, o).summary;
       }
     } catch (const engine::recipe_error& e) {
@@ -58,10 +87,14 @@ std::function<int()> add_train_command(CLI::App& app) {
       return exit_bad_input;
     } catch (const std::exception& e) {
       progress.finish();
-      std::fprintf(stderr, "troupe train: error: %s\n", e.what());
+      if (launch.world > 1)
+        std::fprintf(stderr, "troupe train: rank %d: error: %s\n", launch.rank, e.what());
+      else
+        std::fprintf(stderr, "troupe train: error: %s\n", e.what());
       return exit_failure;
     }
     progress.finish();
+    if (quiet) return exit_ok;
     char line[256];
     std::snprintf(line, sizeof line,
                   "done: %d steps in %s, %.0f tokens/s; final loss %.4f, val loss %.4f, "

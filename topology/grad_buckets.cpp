@@ -57,24 +57,4 @@ int grad_buckets::bucket_containing(const float* grad) const {
   throw std::logic_error("no gradient bucket holds this gradient");
 }
 
-void mean_over_replicas(const std::vector<std::vector<std::pair<float*, std::int64_t>>>& replicas) {
-  if (replicas.empty()) return;
-  const std::size_t d = replicas.size();
-  const float scale = 1.0f / static_cast<float>(d);
-  for (std::size_t r = 0; r < replicas[0].size(); ++r) {
-    const std::int64_t n = replicas[0][r].second;
-    for (std::size_t k = 1; k < d; ++k) {
-      if (replicas[k].size() != replicas[0].size() || replicas[k][r].second != n)
-        throw std::logic_error("data-parallel replicas disagree on a bucket's layout");
-    }
-    float* out0 = replicas[0][r].first;
-    for (std::int64_t i = 0; i < n; ++i) {
-      float sum = out0[i];
-      for (std::size_t k = 1; k < d; ++k) sum += replicas[k][r].first[i];
-      const float mean = sum * scale;
-      for (std::size_t k = 0; k < d; ++k) replicas[k][r].first[i] = mean;
-    }
-  }
-}
-
 }  // namespace troupe::topology

@@ -41,8 +41,4 @@ class grad_buckets {
   std::vector<int> remaining_;
 };
 
-// The in-process all-reduce: every range of every replica becomes the mean over replicas,
-// summed in replica order (so all replicas get bitwise the same values, for any timing).
-void mean_over_replicas(const std::vector<std::vector<std::pair<float*, std::int64_t>>>& replicas);
-
 }  // namespace troupe::topology

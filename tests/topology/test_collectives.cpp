@@ -1,1 +1,134 @@
+// Ring collectives: the message-driven ring all-reduce gives bitwise the in-process ring-order
+// mean for every replica count, bucket layout and delivery order; both are the mean.
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <deque>
+#include <random>
+
+#include "topology/collectives.hpp"
+
+using namespace troupe::topology;
+
+namespace {
+
+// d replicas' buffers of one bucket laid out as `pieces` ranges.
+struct replicas {
+  std::vector<std::vector<float>> data;
+  std::vector<float_ranges> ranges;
+  replicas(int d, const std::vector<std::int64_t>& pieces, std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::int64_t n = 0;
+    for (auto k : pieces) n += k;
+    data.resize(static_cast<std::size_t>(d));
+    for (auto& v : data) {
+      v.resize(static_cast<std::size_t>(n));
+      for (auto& x : v) x = dist(rng) * 1e3f;
+    }
+    for (auto& v : data) {
+      float_ranges r;
+      std::int64_t at = 0;
+      for (auto k : pieces) {
+        r.emplace_back(v.data() + at, k);
+        at += k;
+      }
+      ranges.push_back(r);
+    }
+  }
+};
+
+struct in_flight {
+  int to, phase, chunk;
+  std::vector<float> data;
+};
+
+// Runs the ring with messages delivered in a random order that keeps each link FIFO.
+void run_ring(replicas& r, std::uint32_t seed) {
+  const int d = static_cast<int>(r.data.size());
+  std::vector<ring_allreduce> ring;
+  for (int i = 0; i < d; ++i) ring.emplace_back(r.ranges[static_cast<std::size_t>(i)], i, d);
+  std::vector<std::deque<in_flight>> links(static_cast<std::size_t>(d));  // into replica i
+  auto post = [&](int from, std::vector<ring_allreduce::send> sends) {
+    const int to = (from + 1) % d;
+    for (auto& s : sends)
+      links[static_cast<std::size_t>(to)].push_back({to, s.phase, s.chunk, std::move(s.data)});
+  };
+  for (int i = 0; i < d; ++i) post(i, ring[static_cast<std::size_t>(i)].start());
+  std::mt19937 rng(seed);
+  for (;;) {
+    std::vector<int> ready;
+    for (int i = 0; i < d; ++i)
+      if (!links[static_cast<std::size_t>(i)].empty()) ready.push_back(i);
+    if (ready.empty()) break;
+    const int i = ready[rng() % ready.size()];
+    auto m = std::move(links[static_cast<std::size_t>(i)].front());
+    links[static_cast<std::size_t>(i)].pop_front();
+    post(i, ring[static_cast<std::size_t>(i)].receive(m.phase, m.chunk, m.data.data(),
+                                                      static_cast<std::int64_t>(m.data.size())));
+  }
+  for (const auto& x : ring) REQUIRE(x.done());
+}
+
+}  // namespace
+
+TEST_CASE("ring all-reduce equals the in-process ring-order mean bitwise", "[unit]") {
+  const std::vector<std::vector<std::int64_t>> layouts = {
+      {1}, {2}, {7}, {1000}, {3, 0, 5, 11}, {256, 1, 255, 64}, {4097}};
+  for (int d = 1; d <= 5; ++d) {
+    for (std::size_t l = 0; l < layouts.size(); ++l) {
+      const auto seed = static_cast<std::uint32_t>(d * 100 + l);
+      replicas ring(d, layouts[l], seed), ref(d, layouts[l], seed);
+      REQUIRE(ring.data == ref.data);
+      const auto original = ref.data;
+      run_ring(ring, seed + 7);
+      ring_order_mean(ref.ranges);
+      INFO("d=" << d << " layout " << l);
+      for (int i = 0; i < d; ++i) {
+        // bitwise: compare the representations, NaN-free inputs
+        REQUIRE(ring.data[static_cast<std::size_t>(i)] == ref.data[static_cast<std::size_t>(i)]);
+        REQUIRE(ring.data[static_cast<std::size_t>(i)] == ring.data[0]);
+      }
+      // and it is the mean
+      for (std::size_t k = 0; k < original[0].size(); ++k) {
+        double m = 0;
+        for (int i = 0; i < d; ++i) m += original[static_cast<std::size_t>(i)][k];
+        m /= d;
+        REQUIRE(std::abs(ring.data[0][k] - m) <= 1e-3 * (1 + std::abs(m)));
+      }
+    }
+  }
+}
+
+TEST_CASE("ring chunks tile the bucket", "[unit]") {
+  for (std::int64_t n : {0, 1, 5, 64, 1001})
+    for (int d = 1; d <= 6; ++d) {
+      std::int64_t at = 0;
+      for (int c = 0; c < d; ++c) {
+        const auto [b, e] = ring_chunk_bounds(n, d, c);
+        REQUIRE(b == at);
+        REQUIRE(e >= b);
+        at = e;
+      }
+      REQUIRE(at == n);
+    }
+}
+
+TEST_CASE("ring all-reduce refuses chunks it does not expect", "[unit]") {
+  std::vector<float> a(10, 1.0f);
+  ring_allreduce r({{a.data(), 10}}, 1, 3);
+  const auto first = r.start();
+  REQUIRE(first.size() == 1);
+  REQUIRE(first[0].chunk == 1);
+  std::vector<float> c(4, 2.0f);
+  // replica 1 expects chunk 0 first (from replica 0), of 3 floats (10 cut in 3: 3, 3, 4)
+  REQUIRE_THROWS_WITH(r.receive(0, 2, c.data(), 4), Catch::Contains("expected 0"));
+  REQUIRE_THROWS_WITH(r.receive(1, 1, c.data(), 3), Catch::Contains("before reduce-scatter"));
+  REQUIRE_THROWS_WITH(r.receive(0, 0, c.data(), 4), Catch::Contains("has 4 floats"));
+  REQUIRE_NOTHROW(r.receive(0, 0, c.data(), 3));
+  REQUIRE(a[0] == 3.0f);  // received + own
+}
+
+TEST_CASE("ring-order mean refuses replicas of different sizes", "[unit]") {
+  std::vector<float> a(4), b(5);
+  REQUIRE_THROWS_AS(ring_order_mean({{{a.data(), 4}}, {{b.data(), 5}}}), std::logic_error);
+}

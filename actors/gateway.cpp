@@ -1,0 +1,359 @@
+// The gateway, its proxies and the mesh they share. See gateway.hpp.
+#include "actors/gateway.hpp"
+
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+
+#include "topology/ucx_transport.hpp"
+
+namespace troupe::actors {
+
+using namespace messages;
+using clock_type = std::chrono::steady_clock;
+
+struct mesh_state {
+  gateway_config cfg;
+  std::unique_ptr<topology::ucx_transport> transport;
+  // Fixed before the gateway starts.
+  std::map<std::uint32_t, caf::actor> local, proxies;
+  std::map<std::uint32_t, std::string> names;
+  std::map<std::uint32_t, int> proxy_rank;
+  caf::actor client;
+  // Shared with every thread that posts.
+  std::mutex mu;
+  std::deque<std::pair<int, wire::envelope>> outbox;
+  bool stop_requested = false;
+  bool started = false, stopped = false;
+  std::promise<void> finished;
+
+  void post(int rank, wire::envelope e) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      outbox.emplace_back(rank, std::move(e));
+    }
+    transport->wake();
+  }
+  std::string host(int r) const {
+    const auto i = static_cast<std::size_t>(r);
+    return i < cfg.hosts.size() ? cfg.hosts[i] : "?";
+  }
+};
+
+namespace {
+
+std::string reason_text(const caf::error& e) {
+  if (!e) return "exited normally";
+  if (!e.context().empty()) return caf::to_string(e.context());
+  return caf::to_string(e);
+}
+
+// Answers one request that arrived from another process, then stops.
+caf::behavior responder(caf::event_based_actor* self, std::shared_ptr<mesh_state> s,
+                        caf::actor target, int origin, std::uint32_t id, std::uint64_t corr) {
+  self->request(target, caf::infinite, snapshot_request{})
+      .then(
+          [=](stage_snapshot& snap) {
+            s->post(origin, wire::envelope{id, s->cfg.rank, corr, true, std::move(snap)});
+            self->quit();
+          },
+          [=](caf::error& err) {
+            s->post(origin, wire::envelope{0, s->cfg.rank, 0, false,
+                                           error_report{s->cfg.rank, "snapshot of " + s->names[id] +
+                                                                         ": " + reason_text(err)}});
+            self->quit();
+          });
+  return {};
+}
+
+struct proxy_state {
+  std::map<std::uint64_t, caf::response_promise> pending;
+  std::uint64_t next = 0;
+};
+
+template <class... Ts>
+caf::behavior proxy_behavior(caf::stateful_actor<proxy_state>* self, std::shared_ptr<mesh_state> s,
+                             std::uint32_t id, int rank) {
+  return {
+      [s, id, rank](Ts& m) {
+        s->post(rank, wire::envelope{id, s->cfg.rank, 0, false, std::move(m)});
+      }...,
+      [=](snapshot_request& r) {
+        auto rp = self->make_response_promise();
+        const auto corr = ++self->state.next;
+        self->state.pending.emplace(corr, rp);
+        s->post(rank, wire::envelope{id, s->cfg.rank, corr, false, r});
+        return rp;
+      },
+      [=](remote_reply& r) {
+        auto it = self->state.pending.find(r.correlation);
+        if (it == self->state.pending.end()) return;
+        it->second.deliver(std::move(r.snapshot));
+        self->state.pending.erase(it);
+      },
+      [=](remote_down& d) { self->quit(caf::make_error(caf::sec::runtime_error, d.reason)); },
+  };
+}
+
+caf::behavior proxy(caf::stateful_actor<proxy_state>* self, std::shared_ptr<mesh_state> s,
+                    std::uint32_t id, int rank) {
+  return proxy_behavior<link_message, link_credit, batch_message, batch_credit, step_plan,
+                        begin_step, begin_eval, grads_ready, apply_update, update_done, eval_done,
+                        tied_grad, trace_batch, step_report, ring_chunk, checkpoint_chunk>(
+      self, std::move(s), id, rank);
+}
+
+class gateway_impl : public caf::blocking_actor {
+ public:
+  gateway_impl(caf::actor_config& c, std::shared_ptr<mesh_state> s)
+      : caf::blocking_actor(c), s_(std::move(s)) {}
+
+  void act() override {
+    try {
+      run();
+    } catch (...) {
+      s_->finished.set_value();
+      throw;
+    }
+    s_->finished.set_value();
+  }
+
+ private:
+  void run() {
+    auto& t = *s_->transport;
+    const int world = s_->cfg.world;
+    last_heard_.assign(static_cast<std::size_t>(world), clock_type::now());
+    lost_.assign(static_cast<std::size_t>(world), false);
+    for (const auto& [id, a] : s_->local) monitor(a);
+    t.on_receive([this](int peer, std::shared_ptr<aligned_buffer> buf, std::size_t bytes) {
+      on_frame(peer, std::move(buf), bytes);
+    });
+    t.on_peer_error([this](int peer, const std::string& why) { lost(peer, "UCX error: " + why); });
+    auto next_beat = clock_type::now();
+    clock_type::time_point stop_deadline{};
+    for (;;) {
+      drain_mailbox();
+      bool stopping = false;
+      std::deque<std::pair<int, wire::envelope>> out;
+      {
+        std::lock_guard<std::mutex> lock(s_->mu);
+        out.swap(s_->outbox);
+        stopping = s_->stop_requested;
+      }
+      for (auto& [rank, e] : out) send(rank, std::move(e));
+      while (t.progress() > 0) {
+      }
+      const auto now = clock_type::now();
+      if (now >= next_beat) {
+        beat();
+        next_beat = now + s_->cfg.heartbeat_interval;
+      }
+      check_liveness(now);
+      if (stopping) {
+        if (stop_deadline == clock_type::time_point{})
+          stop_deadline = now + std::chrono::seconds(5);
+        bool empty = false;
+        {
+          std::lock_guard<std::mutex> lock(s_->mu);
+          empty = s_->outbox.empty();
+        }
+        if ((in_flight_ == 0 && empty) || now >= stop_deadline) break;
+        t.wait(std::chrono::microseconds(1000));
+      } else if (out.empty()) {
+        t.wait(std::chrono::microseconds(50000));
+      }
+    }
+  }
+
+  void drain_mailbox() {
+    for (int i = 0; i < 64; ++i) {
+      bool idle = false;
+      receive([this](caf::down_msg& d) { on_local_down(d); },
+              caf::after(std::chrono::seconds(0)) >> [&] { idle = true; });
+      if (idle) return;
+    }
+  }
+
+  void send(int rank, wire::envelope e) {
+    if (lost_[static_cast<std::size_t>(rank)]) return;
+    wire::frame f;
+    try {
+      f = wire::encode(e);
+    } catch (const std::exception& x) {
+      fail_job("cannot encode " + std::string(wire::kind_name(e.message)) + " for rank " +
+               std::to_string(rank) + ": " + x.what());
+      return;
+    }
+    ++in_flight_;
+    s_->transport->send(rank, f.iov, [this, keep = f.keep, rank](bool ok, const std::string& why) {
+      --in_flight_;
+      if (!ok) lost(rank, "send failed: " + why);
+    });
+  }
+
+  void beat() {
+    const int me = s_->cfg.rank;
+    for (int r = 0; r < s_->cfg.world; ++r)
+      if (r != me && (me == 0 || r == 0))
+        send(r, wire::envelope{0, me, 0, false, heartbeat{me, ++beats_}});
+  }
+
+  void check_liveness(clock_type::time_point now) {
+    const int me = s_->cfg.rank;
+    for (int r = 0; r < s_->cfg.world; ++r) {
+      if (r == me || (me != 0 && r != 0) || lost_[static_cast<std::size_t>(r)]) continue;
+      const auto silent = now - last_heard_[static_cast<std::size_t>(r)];
+      if (silent > s_->cfg.peer_timeout) {
+        const double secs = std::chrono::duration<double>(silent).count();
+        lost(r, "no heartbeat for " + std::to_string(secs).substr(0, 4) + " s");
+      }
+    }
+  }
+
+  // Peer `r` is gone: every proxy of its actors stops naming it; losing rank 0 ends this process.
+  void lost(int r, const std::string& why) {
+    if (lost_[static_cast<std::size_t>(r)]) return;
+    lost_[static_cast<std::size_t>(r)] = true;
+    const std::string text = "rank " + std::to_string(r) + " (" + s_->host(r) + ") lost: " + why;
+    for (const auto& [id, rank] : s_->proxy_rank)
+      if (rank == r) caf::anon_send(s_->proxies[id], remote_down{text});
+    if (r == 0 && s_->client) caf::anon_send(s_->client, run_finished{false, text});
+  }
+
+  void fail_job(const std::string& text) {
+    if (s_->cfg.rank == 0) {
+      if (s_->client) caf::anon_send(s_->client, run_finished{false, text});
+    } else {
+      send(0, wire::envelope{0, s_->cfg.rank, 0, false, error_report{s_->cfg.rank, text}});
+    }
+  }
+
+  void on_local_down(const caf::down_msg& d) {
+    for (const auto& [id, a] : s_->local) {
+      if (a.address() != d.source) continue;
+      if (!d.reason || d.reason == caf::exit_reason::user_shutdown) return;
+      const std::string text =
+          s_->names[id] + " on rank " + std::to_string(s_->cfg.rank) + ": " + reason_text(d.reason);
+      for (int r = 0; r < s_->cfg.world; ++r)
+        if (r != s_->cfg.rank)
+          send(r, wire::envelope{0, s_->cfg.rank, 0, false, actor_down{id, text}});
+      return;
+    }
+  }
+
+  void on_frame(int peer, std::shared_ptr<aligned_buffer> buf, std::size_t bytes) {
+    if (peer < 0 || peer >= s_->cfg.world) return;
+    last_heard_[static_cast<std::size_t>(peer)] = clock_type::now();
+    wire::envelope e;
+    try {
+      e = wire::decode(std::move(buf), bytes, s_->cfg.limits);
+    } catch (const std::exception& x) {
+      fail_job("rank " + std::to_string(peer) + " sent a frame rank " +
+               std::to_string(s_->cfg.rank) + " cannot read: " + x.what());
+      return;
+    }
+    if (e.reply) {
+      auto it = s_->proxies.find(e.target);
+      auto* snap = std::get_if<stage_snapshot>(&e.message);
+      if (it != s_->proxies.end() && snap)
+        caf::anon_send(it->second, remote_reply{e.correlation, std::move(*snap)});
+      return;
+    }
+    if (e.target == 0) {
+      on_control(peer, std::move(e.message));
+      return;
+    }
+    auto it = s_->local.find(e.target);
+    if (it == s_->local.end()) {
+      fail_job("rank " + std::to_string(peer) + " sent " + std::string(wire::kind_name(e.message)) +
+               " to actor " + std::to_string(e.target) + ", which is not on rank " +
+               std::to_string(s_->cfg.rank));
+      return;
+    }
+    if (e.correlation != 0) {
+      home_system().spawn(responder, s_, it->second, peer, e.target, e.correlation);
+      return;
+    }
+    std::visit([&](auto& m) { caf::anon_send(it->second, std::move(m)); }, e.message);
+  }
+
+  void on_control(int peer, wire::body message) {
+    if (auto* down = std::get_if<actor_down>(&message)) {
+      auto it = s_->proxies.find(down->actor);
+      if (it != s_->proxies.end()) caf::anon_send(it->second, remote_down{down->reason});
+    } else if (auto* end = std::get_if<job_shutdown>(&message)) {
+      if (s_->client) caf::anon_send(s_->client, run_finished{end->ok, end->message});
+    } else if (auto* err = std::get_if<error_report>(&message)) {
+      if (s_->client)
+        caf::anon_send(s_->client, run_finished{false, "rank " + std::to_string(err->rank) + ": " +
+                                                           err->message});
+    }
+    // heartbeat: last_heard_ was updated on arrival.
+  }
+
+  std::shared_ptr<mesh_state> s_;
+  std::vector<clock_type::time_point> last_heard_;
+  std::vector<bool> lost_;
+  std::uint64_t beats_ = 0;
+  int in_flight_ = 0;
+};
+
+}  // namespace
+
+remote_mesh::remote_mesh(std::unique_ptr<topology::ucx_transport> transport, gateway_config config)
+    : state_(std::make_shared<mesh_state>()) {
+  state_->cfg = std::move(config);
+  state_->transport = std::move(transport);
+}
+
+remote_mesh::~remote_mesh() { shutdown(true, ""); }
+
+int remote_mesh::rank() const { return state_->cfg.rank; }
+
+caf::actor remote_mesh::make_proxy(caf::actor_system& sys, std::uint32_t id, int rank,
+                                   std::string name) {
+  auto p = sys.spawn(proxy, state_, id, rank);
+  state_->proxies[id] = p;
+  state_->proxy_rank[id] = rank;
+  state_->names[id] = std::move(name);
+  return p;
+}
+
+void remote_mesh::add_local(std::uint32_t id, caf::actor actor, std::string name) {
+  state_->local[id] = std::move(actor);
+  state_->names[id] = std::move(name);
+}
+
+void remote_mesh::start(caf::actor_system& sys, caf::actor client) {
+  state_->client = std::move(client);
+  state_->started = true;
+  sys.spawn<gateway_impl, caf::detached>(state_);
+}
+
+void remote_mesh::post(int rank, wire::envelope e) { state_->post(rank, std::move(e)); }
+
+void remote_mesh::shutdown(bool ok, const std::string& message) {
+  auto& s = *state_;
+  if (s.stopped) return;
+  s.stopped = true;
+  if (s.started) {
+    if (s.cfg.rank == 0)
+      for (int r = 1; r < s.cfg.world; ++r)
+        s.post(r, wire::envelope{0, 0, 0, false, job_shutdown{ok, message}});
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.stop_requested = true;
+    }
+    s.transport->wake();
+    // Bounded: a gateway stuck past this is left running rather than waited for forever.
+    if (s.finished.get_future().wait_for(std::chrono::seconds(10)) != std::future_status::ready)
+      return;
+  }
+  for (auto& [id, p] : s.proxies) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
+  s.proxies.clear();
+  s.local.clear();
+  s.client = nullptr;
+}
+
+}  // namespace troupe::actors

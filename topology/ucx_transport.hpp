@@ -1,0 +1,93 @@
+// Whole wire frames between processes over UCX (tag matching), without CAF. One context and one
+// worker per process, driven by a single thread (the gateway's progress actor); only wake() may be
+// called from another thread.
+//
+// Invariants:
+// - A frame is sent vectored (UCP_DATATYPE_IOV) straight from the caller's buffers: no copy on
+//   send. The buffers must stay valid until the send's `done` runs.
+// - A frame arrives whole, in a fresh 64-byte aligned messages::aligned_buffer that UCX writes
+//   once; frames from one peer are delivered in the order that peer sent them (a per-peer
+//   sequence number in the tag restores the order whatever order UCX completes receives in).
+// - Every callback (send `done`, on_receive, on_peer_error) runs from progress() or, for a send
+//   that completes at once, inline in send(); never from inside UCX's own callbacks.
+// - The destructor never hangs: endpoints are flushed and closed under a deadline, and sends
+//   still pending then are completed with done(false, ...).
+// UCX headers stay in the .cpp (pimpl) so the gateway's translation units do not see them.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "messages/aligned_buffer.hpp"
+
+namespace troupe::topology {
+
+struct ucx_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct ucx_options {
+  std::string
+      transports;  // UCX_TLS for this worker ("" = UCX's choice: shm locally, tcp across hosts)
+  bool peer_error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER; false keeps shared memory
+  std::string net_devices;           // UCX_NET_DEVICES ("" = all)
+};
+
+using iov_list = std::vector<std::pair<const void*, std::size_t>>;
+
+class ucx_transport {
+ public:
+  using send_callback = std::function<void(bool ok, const std::string& error)>;
+  using receive_callback =
+      std::function<void(int peer, std::shared_ptr<messages::aligned_buffer>, std::size_t bytes)>;
+  using peer_error_callback = std::function<void(int peer, const std::string& reason)>;
+
+  // One context + one worker (single-threaded). Throws ucx_error naming the failing call.
+  explicit ucx_transport(int rank, const ucx_options& options = {});
+  // Flushes and closes endpoints, never hangs (deadline).
+  ~ucx_transport();
+  ucx_transport(const ucx_transport&) = delete;
+  ucx_transport& operator=(const ucx_transport&) = delete;
+
+  int rank() const;
+  // Worker address blob, exchanged at rendezvous.
+  std::vector<std::uint8_t> address() const;
+  // Creates the endpoint to `peer` (once per peer; a second call throws).
+  void connect(int peer, const std::vector<std::uint8_t>& address);
+
+  // One whole frame to peer, vectored and zero-copy: UCX reads the caller's buffers, which must
+  // stay valid until `done` runs (from progress(), or inline if UCX completed immediately).
+  // Frames to one peer arrive in send order. done(false, reason) on failure. Throws ucx_error
+  // for a peer that was never connected.
+  void send(int peer, const iov_list& iov, send_callback done);
+  // Every received frame, whole, in a fresh aligned_buffer, from progress().
+  void on_receive(receive_callback fn);
+  // UCX reported an endpoint failure to this peer (only in peer_error_handling mode, or a failed
+  // send). Reported once per peer; later sends to it fail at once.
+  void on_peer_error(peer_error_callback fn);
+
+  // Handles ready events; 0 = nothing happened. Not re-entrant: callbacks must not call it.
+  unsigned progress();
+  // Sleeps until UCX has work (ucp_worker_arm + poll on ucp_worker_get_efd) or timeout; returns
+  // early on wake().
+  void wait(std::chrono::microseconds timeout);
+  // Thread-safe: interrupts wait() (ucp_worker_signal).
+  void wake();
+
+  // The transports/devices the endpoint to peer uses, e.g. "posix/memory cma/memory" or
+  // "tcp/lo", from ucp_ep_print_info. Throws ucx_error for an unknown peer.
+  std::string transport_info(int peer) const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace troupe::topology
