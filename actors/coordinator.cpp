@@ -7,6 +7,8 @@
 //  C3. Every actor of the run is monitored; a stop before run_finished is a failure naming it.
 #include "actors/coordinator.hpp"
 
+#include "actors/error_text.hpp"
+
 #include <chrono>
 #include <cmath>
 
@@ -53,14 +55,22 @@ class coordinator_impl : public coordinator_actor::base {
     grads_ = updates_ = evals_ = 0;
     square_sum_ = loss_sum_ = eval_sum_ = 0;
     losses_ = eval_losses_ = 0;
+    reported_.assign(static_cast<std::size_t>(stage_count()), grads_ready{});
+    eval_reported_.assign(static_cast<std::size_t>(cfg_.replicas), eval_done{});
     caf::anon_send(caf::actor_cast<schedule_actor>(wiring_.schedule), begin_step{s, cfg_.rounds});
   }
 
+  // Sums are taken in (replica, rank) order once all reports are in, never in arrival order:
+  // a job's metrics and clipping are then bitwise the same whatever the timing, in one process
+  // or many.
   void on_grads(const grads_ready& g) {
-    if (g.replica == 0) square_sum_ += g.grad_square_sum;
-    loss_sum_ += g.loss_sum;
-    losses_ += g.losses;
+    reported_.at(static_cast<std::size_t>(g.replica * cfg_.ranks + g.rank)) = g;
     if (++grads_ < stage_count()) return;
+    for (const auto& r : reported_) {
+      if (r.replica == 0) square_sum_ += r.grad_square_sum;
+      loss_sum_ += r.loss_sum;
+      losses_ += r.losses;
+    }
     grad_norm_ = std::sqrt(square_sum_);
     for (const auto& replica : wiring_.stages)
       for (const auto& st : replica) caf::anon_send(st, apply_update{step_, grad_norm_});
@@ -85,9 +95,13 @@ class coordinator_impl : public coordinator_actor::base {
   }
 
   void on_eval(const eval_done& e) {
-    eval_sum_ += e.loss_sum;
-    eval_losses_ += e.losses;
-    if (++evals_ == evals_expected_) finish_step();
+    eval_reported_.at(static_cast<std::size_t>(e.replica)) = e;
+    if (++evals_ < evals_expected_) return;
+    for (const auto& r : eval_reported_) {
+      eval_sum_ += r.loss_sum;
+      eval_losses_ += r.losses;
+    }
+    finish_step();
   }
 
   void finish_step() {
@@ -130,11 +144,8 @@ class coordinator_impl : public coordinator_actor::base {
     std::string who = "an actor";
     for (std::size_t i = 0; i < wiring_.watched.size(); ++i)
       if (wiring_.watched[i].address() == d.source) who = wiring_.watched_names[i];
-    std::string why = d.reason ? to_string(d.reason) : "exited normally";
-    if (d.reason && !d.reason.context().empty()) {
-      why = caf::to_string(d.reason.context());
-    }
-    finish(false, who + " stopped during step " + std::to_string(step_ + 1) + ": " + why);
+    finish(false,
+           who + " stopped during step " + std::to_string(step_ + 1) + ": " + error_text(d.reason));
   }
 
   coordinator_config cfg_;
@@ -143,6 +154,8 @@ class coordinator_impl : public coordinator_actor::base {
   double trace_start_ = 0;
   int step_ = 0, grads_ = 0, updates_ = 0, evals_ = 0, evals_expected_ = 0;
   double square_sum_ = 0, loss_sum_ = 0, eval_sum_ = 0, grad_norm_ = 0, lr_ = 0;
+  std::vector<grads_ready> reported_;     // this step's, by replica * ranks + rank
+  std::vector<eval_done> eval_reported_;  // by replica
   int losses_ = 0, eval_losses_ = 0;
   std::int64_t tokens_ = 0;
   bool finished_ = false;

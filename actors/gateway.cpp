@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 
+#include "actors/error_text.hpp"
 #include "topology/ucx_transport.hpp"
 
 namespace troupe::actors {
@@ -43,12 +44,6 @@ struct mesh_state {
 
 namespace {
 
-std::string reason_text(const caf::error& e) {
-  if (!e) return "exited normally";
-  if (!e.context().empty()) return caf::to_string(e.context());
-  return caf::to_string(e);
-}
-
 // Answers one request that arrived from another process, then stops.
 caf::behavior responder(caf::event_based_actor* self, std::shared_ptr<mesh_state> s,
                         caf::actor target, int origin, std::uint32_t id, std::uint64_t corr) {
@@ -61,7 +56,7 @@ caf::behavior responder(caf::event_based_actor* self, std::shared_ptr<mesh_state
           [=](caf::error& err) {
             s->post(origin, wire::envelope{0, s->cfg.rank, 0, false,
                                            error_report{s->cfg.rank, "snapshot of " + s->names[id] +
-                                                                         ": " + reason_text(err)}});
+                                                                         ": " + error_text(err)}});
             self->quit();
           });
   return {};
@@ -113,9 +108,18 @@ class gateway_impl : public caf::blocking_actor {
     try {
       run();
     } catch (...) {
-      s_->finished.set_value();
+      detach();
       throw;
     }
+    detach();
+  }
+
+  // The transport outlives this actor (it completes leftover sends in its destructor): from
+  // here on its callbacks must not reach this object.
+  void detach() {
+    *alive_ = false;
+    s_->transport->on_receive([](int, std::shared_ptr<aligned_buffer>, std::size_t) {});
+    s_->transport->on_peer_error([](int, const std::string&) {});
     s_->finished.set_value();
   }
 
@@ -125,6 +129,7 @@ class gateway_impl : public caf::blocking_actor {
     const int world = s_->cfg.world;
     last_heard_.assign(static_cast<std::size_t>(world), clock_type::now());
     lost_.assign(static_cast<std::size_t>(world), false);
+    in_flight_.assign(static_cast<std::size_t>(world), 0);
     for (const auto& [id, a] : s_->local) monitor(a);
     t.on_receive([this](int peer, std::shared_ptr<aligned_buffer> buf, std::size_t bytes) {
       on_frame(peer, std::move(buf), bytes);
@@ -158,7 +163,7 @@ class gateway_impl : public caf::blocking_actor {
           std::lock_guard<std::mutex> lock(s_->mu);
           empty = s_->outbox.empty();
         }
-        if ((in_flight_ == 0 && empty) || now >= stop_deadline) break;
+        if ((empty && flushed()) || now >= stop_deadline) break;
         t.wait(std::chrono::microseconds(1000));
       } else if (out.empty()) {
         t.wait(std::chrono::microseconds(50000));
@@ -185,11 +190,13 @@ class gateway_impl : public caf::blocking_actor {
                std::to_string(rank) + ": " + x.what());
       return;
     }
-    ++in_flight_;
-    s_->transport->send(rank, f.iov, [this, keep = f.keep, rank](bool ok, const std::string& why) {
-      --in_flight_;
-      if (!ok) lost(rank, "send failed: " + why);
-    });
+    ++in_flight_[static_cast<std::size_t>(rank)];
+    s_->transport->send(
+        rank, f.iov, [this, alive = alive_, keep = f.keep, rank](bool ok, const std::string& why) {
+          if (!*alive) return;
+          --in_flight_[static_cast<std::size_t>(rank)];
+          if (!ok) lost(rank, "send failed: " + why);
+        });
   }
 
   void beat() {
@@ -234,7 +241,7 @@ class gateway_impl : public caf::blocking_actor {
       if (a.address() != d.source) continue;
       if (!d.reason || d.reason == caf::exit_reason::user_shutdown) return;
       const std::string text =
-          s_->names[id] + " on rank " + std::to_string(s_->cfg.rank) + ": " + reason_text(d.reason);
+          s_->names[id] + " on rank " + std::to_string(s_->cfg.rank) + ": " + error_text(d.reason);
       for (int r = 0; r < s_->cfg.world; ++r)
         if (r != s_->cfg.rank)
           send(r, wire::envelope{0, s_->cfg.rank, 0, false, actor_down{id, text}});
@@ -293,10 +300,18 @@ class gateway_impl : public caf::blocking_actor {
   }
 
   std::shared_ptr<mesh_state> s_;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::vector<clock_type::time_point> last_heard_;
   std::vector<bool> lost_;
   std::uint64_t beats_ = 0;
-  int in_flight_ = 0;
+  std::vector<int> in_flight_;  // sends not yet completed, by peer
+
+  // Every send to a peer that is still there has completed.
+  bool flushed() const {
+    for (std::size_t r = 0; r < in_flight_.size(); ++r)
+      if (in_flight_[r] > 0 && !lost_[r]) return false;
+    return true;
+  }
 };
 
 }  // namespace

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# A job as separate processes equals the same job in one process: the parallel-equals-serial
+# configurations of the actor engine run with one process per stage (torchrun-style variables),
+# and with several stages per process; every step's loss, the validation losses and the final
+# weights must be identical to the in-process run. Then failures: a killed rank is reported by
+# rank 0 naming it within the heartbeat deadline and every process exits non-zero; a process with
+# the wrong job token or protocol version is refused and the job still completes.
+# Usage: cli_multiprocess.sh TROUPE
+set -euo pipefail
+troupe=${1:?usage: cli_multiprocess.sh TROUPE}
+py=/usr/bin/python3
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+words=(the quick brown fox jumps over lazy dog while a small model learns to count)
+for i in $(seq 1 160); do
+  echo "sentence $i: ${words[$((i % 15))]} ${words[$(((i * 7) % 15))]} ${words[$(((i * 3) % 15))]}."
+done >"$tmp/corpus.txt"
+
+cat >"$tmp/recipe.toml" <<TOML
+seed = 11
+steps = 5
+eval_interval = 2
+eval_batches = 4
+
+[model]
+vocab_size = 256
+context = 16
+layers = 4
+heads = 2
+width = 16
+
+[data]
+format = "text"
+train = "$tmp/corpus.txt"
+val_fraction = 0.2
+
+[batch]
+micro_batch = 2
+seq_len = 16
+
+[parallel]
+pp = 1
+dp = 1
+micro_batches = 4
+
+[optimizer]
+warmup_steps = 2
+
+[output]
+dir = "$tmp/run"
+TOML
+
+port=$((21000 + RANDOM % 20000))
+# run_job NAME WORLD ARGS...: WORLD processes of one job; fails unless all exit 0.
+run_job() {
+  local name=$1 world=$2
+  shift 2
+  port=$((port + 1))
+  local r rc=0
+  local job=()
+  for ((r = world - 1; r >= 0; r--)); do
+    RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=$port TROUPE_JOB_TOKEN=cli-$name \
+      timeout 120 "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name" \
+      --rendezvous-timeout 60 "$@" >"$tmp/$name.$r.log" 2>&1 &
+    job+=($!)
+  done
+  pids+=("${job[@]}")
+  for p in "${job[@]}"; do wait "$p" || rc=$?; done
+  if [[ $rc -ne 0 ]]; then
+    echo "FAIL: $name: a process exited $rc" >&2
+    tail -n 5 "$tmp/$name".*.log >&2
+    exit 1
+  fi
+}
+
+compare() {  # compare A B: identical losses, validation losses and weights
+  "$py" - "$tmp/$1" "$tmp/$2" <<'PY'
+import json, sys
+a, b = sys.argv[1], sys.argv[2]
+def rows(d):
+    return [json.loads(l) for l in open(d + "/metrics.jsonl")]
+ra, rb = rows(a), rows(b)
+assert len(ra) == len(rb) > 0, (len(ra), len(rb))
+for x, y in zip(ra, rb):
+    for k in ("loss", "grad_norm", "val_loss"):
+        assert x.get(k) == y.get(k), f"step {x['step']}: {k} {x.get(k)} vs {y.get(k)}"
+wa = open(a + "/final.safetensors", "rb").read()
+wb = open(b + "/final.safetensors", "rb").read()
+assert wa == wb, "final weights differ"
+print(f"{b}: {len(rb)} steps identical to {a}")
+PY
+}
+
+configs=(
+  "pp2 2 --set parallel.pp=2"
+  "pp2dp2 4 --set parallel.pp=2 --set parallel.dp=2"
+  "pp4v2 4 --set parallel.pp=4 --set parallel.schedule=interleaved_1f1b --set parallel.virtual_stages=2 --set model.layers=8"
+  "pp2dp2zb 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.schedule=zb_h1 --set batch.grad_accum=2"
+  "dp4 4 --set parallel.dp=4"
+  "pp4gpipe 4 --set parallel.pp=4 --set parallel.schedule=gpipe --set parallel.layer_split=[1,1,1,2] --set model.layers=5"
+  "pp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
+)
+for c in "${configs[@]}"; do
+  read -r -a f <<<"$c"
+  name=${f[0]} world=${f[1]}
+  args=("${f[@]:2}")
+  "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name-one" "${args[@]}" \
+    >"$tmp/$name-one.log" 2>&1 || { echo "FAIL: in-process $name" >&2; cat "$tmp/$name-one.log" >&2; exit 1; }
+  run_job "$name" "$world" "${args[@]}"
+  compare "$name-one" "$name"
+done
+
+# A killed rank: rank 0 names it within the heartbeat deadline; every process exits non-zero.
+port=$((port + 1))
+job=()
+for r in 3 2 1 0; do
+  RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    TROUPE_JOB_TOKEN=cli-kill timeout 120 "$troupe" train "$tmp/recipe.toml" \
+    --set "output.dir=$tmp/kill" --set parallel.pp=2 --set parallel.dp=2 --set steps=1000000 \
+    --set eval_interval=0 --peer-timeout 2 >"$tmp/kill.$r.log" 2>&1 &
+  job+=($!)
+done
+pids+=("${job[@]}")
+victim=${job[1]}  # `timeout` of rank 2; the troupe process is its child
+for _ in $(seq 1 300); do
+  [[ -f $tmp/kill/metrics.jsonl && $(wc -l <"$tmp/kill/metrics.jsonl") -ge 3 ]] && break
+  sleep 0.2
+done
+kill -9 "$(pgrep -P "$victim")"
+codes=()
+for p in "${job[@]}"; do
+  rc=0
+  wait "$p" || rc=$?
+  codes+=("$rc")
+done
+echo "exit codes (ranks 3 2 1 0): ${codes[*]}"
+for rc in "${codes[@]}"; do
+  [[ $rc -ne 0 && $rc -ne 124 ]] || { echo "FAIL: a process exited $rc after rank 2 was killed" >&2; tail -n 3 "$tmp"/kill.*.log >&2; exit 1; }
+done
+grep -q "rank 2 (.*) lost: no heartbeat" "$tmp/kill.0.log" || {
+  echo "FAIL: rank 0 did not name the lost rank" >&2; cat "$tmp/kill.0.log" >&2; exit 1; }
+grep -q "job ended: .*rank 2" "$tmp/kill.1.log" || {
+  echo "FAIL: rank 1 did not report the end" >&2; cat "$tmp/kill.1.log" >&2; exit 1; }
+grep "error" "$tmp/kill.0.log"
+
+# A process with the wrong job token is refused with the reason; the job is not disturbed.
+port=$((port + 1))
+start_rank() {  # start_rank RANK TOKEN LOG
+  RANK=$1 WORLD_SIZE=2 LOCAL_RANK=$1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    TROUPE_JOB_TOKEN=$2 timeout 120 "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/tok" \
+    --set parallel.pp=2 --rendezvous-timeout 60 >"$3" 2>&1
+}
+start_rank 0 right "$tmp/tok.0.log" &
+rank0=$!
+pids+=("$rank0")
+rc=0
+start_rank 1 wrong "$tmp/bad.log" || rc=$?
+[[ $rc -ne 0 ]] || { echo "FAIL: a process with the wrong token joined" >&2; exit 1; }
+grep -q "refused.*token" "$tmp/bad.log" || { echo "FAIL: refusal does not name the token" >&2; cat "$tmp/bad.log" >&2; exit 1; }
+head -n 1 "$tmp/bad.log"
+start_rank 1 right "$tmp/tok.1.log" || { echo "FAIL: rank 1 after the refusal" >&2; cat "$tmp/tok.1.log" >&2; exit 1; }
+wait "$rank0" || { echo "FAIL: rank 0 after the refusal" >&2; cat "$tmp/tok.0.log" >&2; exit 1; }
+compare pp2-one tok
+echo "cli_multiprocess: ok"
