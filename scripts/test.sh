@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the whole test suite:
-#   1. unit, cli and oracle suites on the release build (the oracle builds a cached Python venv
-#      with torch/transformers from PyPI the first time; SKIP if it cannot);
+#   1. unit, cli, cluster and oracle suites on the release build (the oracle builds a cached
+#      Python venv with torch/transformers from PyPI the first time; SKIP if it cannot; the cluster
+#      suite installs Debian's slurm-wlm and uses network namespaces, SKIP where it cannot);
 #   2. unit and cli suites again under AddressSanitizer + UndefinedBehaviorSanitizer;
 #   3. clang-format check of every C++ source.
 # Ends with one line "tests: N passed, N failed, N skipped" and a non-zero exit on any failure.
@@ -26,7 +27,7 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
 
-echo "== release build: unit, cli, oracle =="
+echo "== release build: unit, cli, cluster, oracle =="
 meson test -C build --print-errorlogs --num-processes 2 2>&1 | tee "$log" || status=1
 tally "$log"
 

@@ -35,16 +35,17 @@ fail() {
 # show_tail FILE [LINES]: the last lines of FILE, prefixed, on stderr (for failure reports).
 show_tail() {
   [[ -f $1 ]] || return 0
+  [[ -s $1 ]] || { log "--- $1 is empty" >&2; return 0; }
   log "--- last lines of $1:" >&2
   log "$(tail -n "${2:-25}" "$1")" >&2
 }
 
-# A random TCP port in [20000, 40000) nobody listens on now.
+# A random TCP port in [20000, 40000) nobody listens on now (a connection to it is refused).
 free_tcp_port() {
   local port tries
   for tries in $(seq 1 50); do
     port=$((20000 + (RANDOM * 32768 + RANDOM) % 20000))
-    if ! ss -Htln "sport = :$port" | grep -q .; then
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
       echo "$port"
       return 0
     fi

@@ -7,6 +7,7 @@
 # and requires identical losses at every step. Every process it started is stopped on every exit
 # path (they carry a marker in their environment, see cluster_util.sh).
 # Exit 0 pass, 77 skip (not root, no apt-get, the install failed), 1 fail.
+# TROUPE_SLURM_AUTH=munge forces the munge path (private munged) where auth/none exists.
 # Usage: slurm_loopback.sh TROUPE
 set -euo pipefail
 cluster_name=slurm_loopback
@@ -37,7 +38,7 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 1' INT TERM HUP
+trap 'log "FAIL: interrupted by a signal" >&2; exit 1' INT TERM HUP
 mkdir -p "$tmp/log"
 
 # 1. Slurm from Debian's packages.
