@@ -127,8 +127,13 @@ struct child {
 
 class supervisor {
  public:
-  supervisor(const launch_options& o, std::string program, std::vector<std::string> env_base)
-      : o_(o), program_(std::move(program)), env_base_(std::move(env_base)) {}
+  // Runs `exec_path` (argv[0] `program`) in every child.
+  supervisor(const launch_options& o, std::string exec_path, std::string program,
+             std::vector<std::string> env_base)
+      : o_(o),
+        exec_path_(std::move(exec_path)),
+        program_(std::move(program)),
+        env_base_(std::move(env_base)) {}
   int run();
 
  private:
@@ -143,7 +148,7 @@ class supervisor {
   }
 
   const launch_options& o_;
-  std::string program_;
+  std::string exec_path_, program_;
   std::vector<std::string> env_base_;
   std::vector<child> children_;
   int first_failed_ = -1, first_status_ = 0;
@@ -181,7 +186,7 @@ bool supervisor::spawn(int rank, const sigset_t& child_mask) {
       if (null != STDIN_FILENO) ::close(null);
     }
     ::sigprocmask(SIG_SETMASK, &child_mask, nullptr);
-    ::execve(program_.c_str(), argv.data(), envp.data());
+    ::execve(exec_path_.c_str(), argv.data(), envp.data());
     const char* why = std::strerror(errno);
     [[maybe_unused]] auto w1 = ::write(STDERR_FILENO, exec_error.data(), exec_error.size());
     [[maybe_unused]] auto w2 = ::write(STDERR_FILENO, why, std::strlen(why));
@@ -308,6 +313,9 @@ int run_launch(const launch_options& o) {
   }
   if (o.addr.empty()) return bad_input("--addr is empty");
 
+  // This binary is started as /proc/self/exe (right even if its file was replaced meanwhile);
+  // its path is argv[0].
+  const std::string exec_path = o.program.empty() ? "/proc/self/exe" : o.program;
   std::string program = o.program;
   if (program.empty()) {
     std::vector<char> path(4096);
@@ -339,7 +347,7 @@ int run_launch(const launch_options& o) {
     if (!set.count(k) && k != "RANK" && k != "LOCAL_RANK") env_base.push_back(k + "=" + v);
   for (const auto& [k, v] : set) env_base.push_back(k + "=" + v);
   std::fflush(nullptr);  // nothing buffered may be written twice by the children
-  supervisor s(o, std::move(program), std::move(env_base));
+  supervisor s(o, exec_path, std::move(program), std::move(env_base));
   return s.run();
 }
 

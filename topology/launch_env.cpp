@@ -162,6 +162,11 @@ launch_env torchrun_env(const env_map& env) {
   const std::string* run_id = find(env, "TORCHELASTIC_RUN_ID");
   // torchrun's default --rdzv-id is the literal "none": shared by unrelated jobs, so no identity.
   if (run_id && !run_id->empty() && *run_id != "none") e.job_id = *run_id;
+  // torchrun's agent itself listens on MASTER_PORT (its TCPStore) when it tells its workers
+  // TORCHELASTIC_USE_AGENT_STORE=True: the rendezvous then takes the port next to it.
+  if (const std::string* agent = find(env, "TORCHELASTIC_USE_AGENT_STORE");
+      agent && (*agent == "True" || *agent == "true" || *agent == "1"))
+    e.master_port = e.master_port < 65535 ? e.master_port + 1 : e.master_port - 1;
   e.job_token = job_token(
       env, e.job_id.empty() ? addr_port(e.master_addr, e.master_port) : "torchrun:" + e.job_id);
   return e;

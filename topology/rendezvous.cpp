@@ -43,6 +43,13 @@ struct frame_error : std::runtime_error {
 };
 
 std::string text(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+// A peer's reason, fit for a one-line message: at most 1024 bytes, no control characters.
+std::string printable(capnp::Text::Reader t) {
+  std::string s(t.begin(), std::min<std::size_t>(t.size(), 1024));
+  for (char& c : s)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return s;
+}
 using std::chrono::milliseconds;
 
 // A connection has this long (at most the whole timeout) to deliver its hello.
@@ -53,11 +60,12 @@ constexpr milliseconds linger_deadline{2000};
 constexpr std::size_t max_pending_connections = 1024;
 
 // Frame limits. A hello: token, host and worker address plus struct overhead. A welcome: per
-// peer a list element (3 words), its host (rounded up to words) and its worker address.
+// peer a list element (3 words), its host (rounded up to words), its worker address and room
+// for far pointers where a large message crosses segments.
 constexpr std::size_t frame_overhead_bytes = 512;
 constexpr std::size_t max_hello_bytes =
     frame_overhead_bytes + max_job_token_bytes + max_host_bytes + 8 + max_worker_address_bytes;
-constexpr std::size_t max_peer_bytes = 24 + max_host_bytes + 8 + max_worker_address_bytes;
+constexpr std::size_t max_peer_bytes = 24 + max_host_bytes + 8 + max_worker_address_bytes + 32;
 std::size_t max_welcome_bytes(int world) {
   return frame_overhead_bytes + static_cast<std::size_t>(world) * max_peer_bytes;
 }
@@ -103,10 +111,6 @@ bool tokens_equal(std::string_view a, std::string_view b) {
 
 // --- frames -------------------------------------------------------------------------------------
 
-kj::Array<capnp::word> encode(capnp::MallocMessageBuilder& m) {
-  return capnp::messageToFlatArray(m);
-}
-
 kj::Array<capnp::word> encode_hello(const messages::hello& h) {
   capnp::MallocMessageBuilder m;
   auto f = m.initRoot<wire::Frame>();
@@ -121,7 +125,7 @@ kj::Array<capnp::word> encode_hello(const messages::hello& h) {
   w.setStage(h.coords.stage);
   w.setHost(h.host);
   w.setWorkerAddress(kj::arrayPtr(h.worker_address.data(), h.worker_address.size()));
-  return encode(m);
+  return capnp::messageToFlatArray(m);
 }
 
 kj::Array<capnp::word> encode_refusal(const std::string& reason) {
@@ -129,7 +133,7 @@ kj::Array<capnp::word> encode_refusal(const std::string& reason) {
   auto f = m.initRoot<wire::Frame>();
   f.setMagic(wire::RENDEZVOUS_MAGIC);
   f.initRefusal().setReason(reason);
-  return encode(m);
+  return capnp::messageToFlatArray(m);
 }
 
 kj::Array<capnp::word> encode_welcome(const messages::welcome& w) {
@@ -143,7 +147,7 @@ kj::Array<capnp::word> encode_welcome(const messages::welcome& w) {
     peers[i].setHost(p.host);
     peers[i].setWorkerAddress(kj::arrayPtr(p.worker_address.data(), p.worker_address.size()));
   }
-  return encode(m);
+  return capnp::messageToFlatArray(m);
 }
 
 // Accumulates one frame from a non-blocking socket, never reading past its end and refusing a
@@ -153,7 +157,7 @@ class frame_reader {
   enum class state { more, complete, closed };
   explicit frame_reader(std::size_t limit) : limit_(limit), buf_(1) {}
 
-  // Throws rendezvous_error on a frame over the limit or a read error.
+  // Throws frame_error on a frame over the limit, connection_error on a read error.
   state read_some(int fd) {
     for (;;) {
       const std::size_t target = expected_words_ * 8;
@@ -177,7 +181,6 @@ class frame_reader {
       bytes_ += static_cast<std::size_t>(n);
     }
   }
-  bool started() const { return bytes_ > 0; }
   kj::ArrayPtr<const capnp::word> words() const {
     return kj::arrayPtr(reinterpret_cast<const capnp::word*>(buf_.data()), bytes_ / 8);
   }
@@ -319,8 +322,7 @@ class server {
   server(const rendezvous_options& o, const messages::hello& own)
       : o_(o),
         own_(own),
-        start_(steady::now()),
-        deadline_(start_ + o.timeout),
+        deadline_(steady::now() + o.timeout),
         holder_(static_cast<std::size_t>(own.coords.world), nullptr) {}
 
   messages::welcome run();
@@ -339,7 +341,7 @@ class server {
 
   rendezvous_options o_;
   const messages::hello& own_;
-  steady::time_point start_, deadline_;
+  steady::time_point deadline_;
   fd_guard listener_;
   std::vector<std::unique_ptr<connection>> conns_;
   std::vector<connection*> holder_;  // by rank; index 0 is rank 0 itself
@@ -428,7 +430,7 @@ std::string server::missing() const {
   std::vector<int> ranks;
   for (std::size_t r = 1; r < holder_.size(); ++r)
     if (!holder_[r]) ranks.push_back(static_cast<int>(r));
-  std::string s = rank_list(ranks) + " of " + std::to_string(holder_.size());
+  std::string s = rank_list(ranks) + " of " + std::to_string(holder_.size()) + " never joined";
   if (!refusals_.empty()) {
     s += " (refused meanwhile:";
     const std::size_t first = refusals_.size() > 3 ? refusals_.size() - 3 : 0;
@@ -478,8 +480,7 @@ messages::welcome server::run() {
     if (welcoming && conns_.empty()) return messages::welcome{peers_};
     if (!welcoming && now >= deadline_)
       throw rendezvous_error("rendezvous at " + where(o_) + " timed out after " +
-                             std::to_string(o_.timeout.count()) + " ms: " + missing() +
-                             " never joined");
+                             std::to_string(o_.timeout.count()) + " ms: " + missing());
 
     fds.clear();
     steady::time_point wake = welcoming ? steady::time_point::max() : deadline_;
@@ -639,8 +640,8 @@ messages::welcome rendezvous_join(const rendezvous_options& o, const messages::h
           if (f.getMagic() != wire::RENDEZVOUS_MAGIC)
             throw rendezvous_error("rendezvous at " + where(o) + " is not a troupe rendezvous");
           if (f.isRefusal())
-            throw rendezvous_error("rendezvous at " + where(o) +
-                                   " refused this process: " + text(f.getRefusal().getReason()));
+            throw rendezvous_error("rendezvous at " + where(o) + " refused this process: " +
+                                   printable(f.getRefusal().getReason()));
           if (!f.isWelcome())
             throw rendezvous_error("rendezvous at " + where(o) + " answered with a hello");
           return decode_welcome(o, f.getWelcome(), own);

@@ -2,12 +2,12 @@
 // variables, the precedence between launchers, variables that are missing, malformed or
 // inconsistent (the error names the variable), Slurm hostlists, job token sources and the
 // derived rendezvous ports.
+#include <unistd.h>
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <set>
-#include <unistd.h>
 
 #include "topology/launch_env.hpp"
 
@@ -36,20 +36,30 @@ std::string hostlist_error(const std::string& list) {
 }
 
 env_map torchrun_vars() {
-  return {{"RANK", "5"},         {"WORLD_SIZE", "8"},       {"LOCAL_RANK", "1"},
-          {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}};
+  return {{"RANK", "5"},
+          {"WORLD_SIZE", "8"},
+          {"LOCAL_RANK", "1"},
+          {"LOCAL_WORLD_SIZE", "4"},
+          {"MASTER_ADDR", "10.0.0.1"},
+          {"MASTER_PORT", "29500"}};
 }
 
 env_map slurm_vars() {
-  return {{"SLURM_PROCID", "3"},          {"SLURM_NTASKS", "4"},
-          {"SLURM_LOCALID", "1"},         {"SLURM_NODEID", "1"},
-          {"SLURM_TASKS_PER_NODE", "2(x2)"}, {"SLURM_JOB_NODELIST", "gpu[07-08]"},
-          {"SLURM_JOB_ID", "42"},         {"SLURM_STEP_ID", "1"}};
+  return {{"SLURM_PROCID", "3"},
+          {"SLURM_NTASKS", "4"},
+          {"SLURM_LOCALID", "1"},
+          {"SLURM_NODEID", "1"},
+          {"SLURM_TASKS_PER_NODE", "2(x2)"},
+          {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+          {"SLURM_JOB_ID", "42"},
+          {"SLURM_STEP_ID", "1"}};
 }
 
 env_map openmpi_vars() {
-  return {{"OMPI_COMM_WORLD_RANK", "2"},       {"OMPI_COMM_WORLD_SIZE", "4"},
-          {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+  return {{"OMPI_COMM_WORLD_RANK", "2"},
+          {"OMPI_COMM_WORLD_SIZE", "4"},
+          {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+          {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
           {"OMPI_MCA_ess_base_jobid", "3719823361"}};
 }
 
@@ -115,6 +125,13 @@ TEST_CASE("torchrun-style variables", "[unit][launch]") {
   // torchrun's default run id "none" is shared by every job: it identifies nothing.
   CHECK(detect_launch_env(with(torchrun_vars(), "TORCHELASTIC_RUN_ID", "none")).job_token ==
         "10.0.0.1:29500");
+  // torchrun's agent holds MASTER_PORT itself when its workers use its store: the port next to
+  // it is the rendezvous.
+  const env_map agent = with(torchrun_vars(), "TORCHELASTIC_USE_AGENT_STORE", "True");
+  CHECK(detect_launch_env(agent).master_port == 29501);
+  CHECK(detect_launch_env(with(agent, "MASTER_PORT", "65535")).master_port == 65534);
+  CHECK(detect_launch_env(with(torchrun_vars(), "TORCHELASTIC_USE_AGENT_STORE", "False"))
+            .master_port == 29500);
   // IPv6 rendezvous addresses are bracketed in messages and derived tokens.
   CHECK_THAT(detect_launch_env(with(torchrun_vars(), "MASTER_ADDR", "fd00::1")).describe(),
              Contains("rendezvous [fd00::1]:29500"));
@@ -230,8 +247,7 @@ TEST_CASE("the Slurm port is stable, in range and differs between steps", "[unit
   CHECK(ports.size() == 100);  // every step of a job gets its own port
   CHECK(slurm_derived_port(42, 0) != slurm_derived_port(43, 0));
   // The same through the environment.
-  CHECK(detect_launch_env(slurm_vars()).master_port ==
-        detect_launch_env(slurm_vars()).master_port);
+  CHECK(detect_launch_env(slurm_vars()).master_port == detect_launch_env(slurm_vars()).master_port);
   CHECK(detect_launch_env(with(slurm_vars(), "SLURM_STEP_ID", "2")).master_port ==
         detect_launch_env(slurm_vars()).master_port + 1);
 }

@@ -9,14 +9,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <capnp/message.h>
-#include <capnp/serialize.h>
 #include <catch2/catch.hpp>
+#include <cstdint>
 #include <future>
 #include <optional>
 #include <thread>
+#include <vector>
 
-#include "messages/rendezvous.capnp.h"
 #include "topology/rendezvous.hpp"
 
 using namespace troupe;
@@ -74,6 +73,33 @@ std::future<outcome> start(bool serve, rendezvous_options o, messages::hello h) 
     }
     return r;
   });
+}
+
+// Hand-built frames (the generated header stays private to rendezvous.cpp); the layout is what
+// `capnp compile -ocapnp messages/rendezvous.capnp` prints: Frame = 2 data words (magic, union
+// tag in bits 64-80) + 1 pointer; Welcome = 1 pointer; Peer = 1 data word + 2 pointers.
+constexpr std::uint64_t magic = 0x74726f7570655256;  // rendezvousMagic
+std::uint64_t struct_pointer(std::uint64_t data_words, std::uint64_t pointers) {
+  return (data_words << 32) | (pointers << 48);  // offset 0: the struct follows the pointer
+}
+std::vector<std::uint64_t> one_segment(std::vector<std::uint64_t> words) {
+  words.insert(words.begin(), static_cast<std::uint64_t>(words.size()) << 32);  // 1 segment
+  return words;
+}
+// A Frame with `tag` and a null pointer.
+std::vector<std::uint64_t> frame_with(std::uint64_t frame_magic, std::uint64_t tag) {
+  return one_segment({struct_pointer(2, 1), frame_magic, tag, 0});
+}
+// A welcome listing `peers` zeroed peers.
+std::vector<std::uint64_t> welcome_with(std::uint64_t peers) {
+  std::vector<std::uint64_t> w = {struct_pointer(2, 1),
+                                  magic,
+                                  1,
+                                  struct_pointer(0, 1),
+                                  1 | (7ull << 32) | ((peers * 3) << 35),  // composite list
+                                  (peers << 2) | struct_pointer(1, 2)};    // its tag
+  w.resize(w.size() + peers * 3, 0);
+  return one_segment(w);
 }
 
 // Waits (bounded) for a rendezvous call; every call has its own shorter deadline.
@@ -172,10 +198,9 @@ TEST_CASE("wrong hellos are refused with their reason; the job completes", "[uni
   const auto o = options(fresh_port());
   auto server = start(true, o, hello_of(0, 4));
 
-  const outcome token = get(*std::make_unique<std::future<outcome>>(
-      start(false, o, hello_of(1, 4, "another-job"))));
-  CHECK(token.error == "rendezvous at 127.0.0.1:" + std::to_string(o.port) +
-                           " refused this process: job token does not match");
+  auto token_future = start(false, o, hello_of(1, 4, "another-job"));
+  CHECK(get(token_future).error == "rendezvous at 127.0.0.1:" + std::to_string(o.port) +
+                                       " refused this process: job token does not match");
   auto old = hello_of(2, 4);
   old.version = messages::protocol_version + 1;
   auto version_future = start(false, o, old);
@@ -184,7 +209,8 @@ TEST_CASE("wrong hellos are refused with their reason; the job completes", "[uni
                       std::to_string(messages::protocol_version + 1) + ", this job speaks " +
                       std::to_string(messages::protocol_version)));
   auto world_future = start(false, o, hello_of(3, 8));
-  CHECK_THAT(get(world_future).error, Contains("refused this process: world size 8, this job has 4"));
+  CHECK_THAT(get(world_future).error,
+             Contains("refused this process: world size 8, this job has 4"));
   auto rank0_future = start(false, o, hello_of(0, 4));
   CHECK_THAT(get(rank0_future).error, Contains("refused this process: rank 0 already joined"));
 
@@ -194,8 +220,10 @@ TEST_CASE("wrong hellos are refused with their reason; the job completes", "[uni
   auto fa = start(false, o, a), fb = start(false, o, b);
   std::future<outcome>* refused = nullptr;
   for (int i = 0; i < 600 && !refused; ++i) {
-    if (fa.wait_for(50ms) == std::future_status::ready) refused = &fa;
-    else if (fb.wait_for(0ms) == std::future_status::ready) refused = &fb;
+    if (fa.wait_for(50ms) == std::future_status::ready)
+      refused = &fa;
+    else if (fb.wait_for(0ms) == std::future_status::ready)
+      refused = &fb;
   }
   REQUIRE(refused);
   const bool a_refused = refused == &fa;
@@ -216,20 +244,20 @@ TEST_CASE("wrong hellos are refused with their reason; the job completes", "[uni
 }
 
 TEST_CASE("rank 0 names the ranks still missing at its deadline", "[unit][rendezvous]") {
-  const auto o = options(fresh_port(), 1500ms);
+  const auto o = options(fresh_port(), 3000ms);
   auto server = start(true, o, hello_of(0, 5));
-  auto joiner = start(false, options(o.port, 2500ms), hello_of(2, 5));
+  auto joiner = start(false, options(o.port, 4500ms), hello_of(2, 5));
   auto intruder = start(false, o, hello_of(4, 5, "wrong"));
   const outcome s = get(server);
   CHECK_FALSE(s.welcome);
   CHECK_THAT(s.error, Contains("rendezvous at 127.0.0.1:" + std::to_string(o.port) +
-                               " timed out after 1500 ms: ranks 1, 3-4 of 5 never joined"));
+                               " timed out after 3000 ms: ranks 1, 3-4 of 5 never joined"));
   CHECK_THAT(s.error, Contains("refused meanwhile: rank 4: job token does not match"));
   // The joiner lost its rank 0 and then times out itself, naming the address.
   const outcome j = get(joiner);
   CHECK_FALSE(j.welcome);
   CHECK_THAT(j.error, Contains("rendezvous at 127.0.0.1:" + std::to_string(o.port) +
-                               " timed out after 2500 ms"));
+                               " timed out after 4500 ms"));
   CHECK_THAT(get(intruder).error, Contains("job token does not match"));
 }
 
@@ -276,12 +304,8 @@ TEST_CASE("garbage, stalled and oversized connections do not disturb the job",
   send_all(huge, table, sizeof table);
   // A well-formed frame with the wrong magic.
   const int stranger = raw_connect(o.port);
-  {
-    capnp::MallocMessageBuilder m;
-    m.initRoot<messages::rendezvous_wire::Frame>().setMagic(0x1234);
-    const auto words = capnp::messageToFlatArray(m);
-    send_all(stranger, words.asBytes().begin(), words.asBytes().size());
-  }
+  const auto wrong_magic = frame_with(0x1234, 0);
+  send_all(stranger, wrong_magic.data(), wrong_magic.size() * 8);
   // Half a hello, then silence.
   const int stalled = raw_connect(o.port);
   send_all(stalled, table, 4);
@@ -316,14 +340,8 @@ TEST_CASE("a joiner refuses a malformed welcome", "[unit][rendezvous]") {
   pollfd p{listener, POLLIN, 0};
   REQUIRE(::poll(&p, 1, 5000) == 1);
   const int fd = ::accept(listener, nullptr, nullptr);
-  {
-    capnp::MallocMessageBuilder m;
-    auto f = m.initRoot<messages::rendezvous_wire::Frame>();
-    f.setMagic(messages::rendezvous_wire::RENDEZVOUS_MAGIC);
-    f.initWelcome().initPeers(3);
-    const auto words = capnp::messageToFlatArray(m);
-    send_all(fd, words.asBytes().begin(), words.asBytes().size());
-  }
+  const auto welcome = welcome_with(3);
+  send_all(fd, welcome.data(), welcome.size() * 8);
   CHECK_THAT(get(joiner).error, Contains("sent a malformed welcome: 3 peers for world size 2"));
   ::close(fd);
   ::close(listener);
