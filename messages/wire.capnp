@@ -10,7 +10,8 @@
 #  - A tensor payload is a Tensor: its element count and its bytes as Data pieces, each under
 #    Cap'n Proto's 2^29-byte blob limit, all but the last a multiple of 8 bytes, so that pieces
 #    written as consecutive segments lie back to back in a receive buffer and read as one view.
-#  - A null payload (a null float_buffer) is an absent Tensor pointer; an empty one has no pieces.
+#  - Tensors and StepPlan.plan are required: the codec refuses to encode a null payload or plan
+#    and to decode an absent one. An empty payload is a Tensor without pieces.
 #  - Field order mirrors the C++ structs; ints are Int32 where the C++ field is int.
 
 using Cxx = import "/capnp/c++.capnp";
@@ -87,7 +88,7 @@ struct StepPlan {
   step @0 :Int32;
   rounds @1 :Int32;
   eval @2 :Bool;
-  plan @3 :PipelinePlan;    # absent: a null plan
+  plan @3 :PipelinePlan;    # required
 }
 
 struct BeginStep {

@@ -9,6 +9,7 @@
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <set>
 #include <string>
 #include <unordered_map>
 
@@ -306,7 +307,8 @@ class reader {
   std::string kind = "frame";
   std::string field;  // the field being read, for error messages
 
-  [[noreturn]] void fail(const std::string& what) const {
+  [[noreturn]] void fail(std::string what) const {
+    std::replace(what.begin(), what.end(), '\n', ' ');  // one line, whatever Cap'n Proto says
     throw wire_error("wire: " + kind + (field.empty() ? "" : "." + field) + ": " + what);
   }
   void list(std::size_t n) const {
@@ -353,7 +355,7 @@ class reader {
       end = piece.end();
     }
     const auto bytes = static_cast<std::uint64_t>(end - first);
-    if (bytes != elements * sizeof(T))
+    if (bytes % sizeof(T) != 0 || bytes / sizeof(T) != elements)
       fail("holds " + std::to_string(bytes) + " bytes for " + std::to_string(elements) +
            " elements of " + std::to_string(sizeof(T)) + " bytes");
     if (reinterpret_cast<std::uintptr_t>(first) % alignof(T) != 0) fail("payload is unaligned");
@@ -392,7 +394,8 @@ class reader {
            std::to_string(elements));
   }
 
-  std::shared_ptr<const engine::pipeline_plan> plan(bool has, s::PipelinePlan::Reader r) {
+  std::shared_ptr<const engine::pipeline_plan> plan(bool has, s::PipelinePlan::Reader r,
+                                                    bool forward_only) {
     if (!has) fail("missing plan");
     auto p = std::make_shared<engine::pipeline_plan>();
     p->name = at("plan.name").str(r.hasName(), r.getName());
@@ -402,7 +405,7 @@ class reader {
     const auto& sh = p->shape;
     const auto size = std::int64_t{sh.ranks} * sh.virtual_stages * sh.micro_batches;
     if (sh.ranks < 1 || sh.micro_batches < 1 || sh.virtual_stages < 1 ||
-        size > lim_.max_list_elements)
+        size > lim_.max_list_elements || size > std::numeric_limits<int>::max() / 3)
       fail("shape " + std::to_string(sh.ranks) + " ranks x " + std::to_string(sh.virtual_stages) +
            " virtual stages x " + std::to_string(sh.micro_batches) +
            " micro-batches is empty or over max_list_elements");
@@ -418,6 +421,26 @@ class reader {
         out.push_back({static_cast<engine::action_kind>(checked(a.getKind(), 3)), a.getStage(),
                        a.getMicroBatch()});
     }
+    field = "plan";
+    if (forward_only) {  // an evaluation plan: every chunk's forward of every micro-batch, once
+      for (int k = 0; k < sh.ranks; ++k) {
+        const auto& acts = p->ranks[static_cast<std::size_t>(k)];
+        std::set<std::pair<int, int>> seen;
+        for (const auto& a : acts) {
+          if (a.kind != engine::action_kind::forward || a.stage < 0 ||
+              a.stage >= sh.ranks * sh.virtual_stages || a.stage % sh.ranks != k ||
+              a.micro_batch < 0 || a.micro_batch >= sh.micro_batches ||
+              !seen.insert({a.stage, a.micro_batch}).second)
+            fail("evaluation plan: rank " + std::to_string(k) + " has action " +
+                 engine::to_token(a) + " (only each chunk's forward of each micro-batch, once)");
+        }
+        if (static_cast<int>(seen.size()) != sh.virtual_stages * sh.micro_batches)
+          fail("evaluation plan: rank " + std::to_string(k) + " has " +
+               std::to_string(seen.size()) + " forwards, expected " +
+               std::to_string(sh.virtual_stages * sh.micro_batches));
+      }
+      return p;
+    }
     try {
       engine::check_plan(*p);
     } catch (const std::invalid_argument& e) {
@@ -428,7 +451,7 @@ class reader {
 
   engine::trace::event event(s::TraceEvent::Reader r) {
     engine::trace::event e;
-    e.kind = static_cast<engine::trace::event_kind>(checked(r.getKind(), 4));
+    e.kind = static_cast<engine::trace::event_kind>(at("events").checked(r.getKind(), 4));
     e.track = r.getTrack();
     e.category = at("events.category").str(r.hasCategory(), r.getCategory());
     e.name = at("events.name").str(r.hasName(), r.getName());
@@ -468,7 +491,7 @@ body reader::message(s::Envelope::Body::Reader b) {
     case B::BATCH_MESSAGE: {
       const auto r = b.getBatchMessage();
       batch_message m;
-      m.part = static_cast<batch_part>(checked(r.getPart(), 2));
+      m.part = static_cast<batch_part>(at("part").checked(r.getPart(), 2));
       m.step = r.getStep();
       m.round = r.getRound();
       m.micro_batch = r.getMicroBatch();
@@ -483,12 +506,13 @@ body reader::message(s::Envelope::Body::Reader b) {
     }
     case B::BATCH_CREDIT: {
       const auto r = b.getBatchCredit();
-      return batch_credit{static_cast<batch_part>(checked(r.getPart(), 2)), r.getReplica()};
+      return batch_credit{static_cast<batch_part>(at("part").checked(r.getPart(), 2)),
+                          r.getReplica()};
     }
     case B::STEP_PLAN: {
       const auto r = b.getStepPlan();
       return step_plan{r.getStep(), r.getRounds(), r.getEval(),
-                       at("plan").plan(r.hasPlan(), r.getPlan())};
+                       at("plan").plan(r.hasPlan(), r.getPlan(), r.getEval())};
     }
     case B::BEGIN_STEP: {
       const auto r = b.getBeginStep();
@@ -628,7 +652,9 @@ void check_segment_table(const std::byte* data, std::size_t bytes) {
 
 }  // namespace
 
-std::string_view kind_name(const body& b) { return kind_names[b.index()]; }
+std::string_view kind_name(const body& b) {
+  return b.valueless_by_exception() ? "valueless" : kind_names[b.index()];
+}
 
 frame encode(const envelope& e) { return detail::encode(e, detail::max_piece_bytes); }
 
@@ -647,8 +673,9 @@ frame detail::encode(const envelope& e, std::size_t piece_bytes) {
     root.setReply(e.reply);
     writer(*k, piece_bytes, kind_name(e.message)).body(root.getBody(), e.message);
   } catch (const kj::Exception& x) {
-    throw wire_error("wire: " + std::string(kind_name(e.message)) +
-                     ": cannot encode: " + x.getDescription().cStr());
+    std::string what = x.getDescription().cStr();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    throw wire_error("wire: " + std::string(kind_name(e.message)) + ": cannot encode: " + what);
   }
   const auto segments = k->builder.getSegmentsForOutput();
   k->table.assign((segments.size() + 2) / 2 * 2, 0);
