@@ -1,1 +1,631 @@
-// (being written)
+// `troupe bench transport` (see transport_bench.hpp). This process is rank 0; the peer process
+// (rank 1, `troupe bench transport-peer`) is spawned per measurement, swaps worker addresses over
+// a socketpair, and is always reaped (killed if late). Bandwidth frames are real activation
+// frames (messages::wire::encode of a link_message, encoded per send, decoded by the peer);
+// latency frames are 8 raw bytes echoed back. ucx_perftest runs as server + client on a fresh
+// port with the same UCX_TLS. Each side of a row runs `repeats` times; the best run is kept.
+#include "bench/transport_bench.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <malloc.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "messages/wire_codec.hpp"
+#include "topology/ucx_transport.hpp"
+
+extern char** environ;
+
+namespace troupe::bench {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using std::chrono::seconds;
+namespace wire = messages::wire;
+
+// Bandwidth frames in flight: up to 16, and at most 64 MiB (a gateway's credits bound it too).
+std::size_t send_window(std::size_t frame_bytes) {
+  return std::clamp<std::size_t>((std::size_t{64} << 20) / frame_bytes, 2, 16);
+}
+constexpr auto measurement_deadline = seconds(120);
+constexpr auto reap_deadline = seconds(10);
+const char* const peer_line_ok = "ok";
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+
+// ---- sockets and processes -------------------------------------------------------------------
+
+bool write_all(int fd, const void* data, std::size_t n) {
+  for (const char* p = static_cast<const char*>(data); n > 0;) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* data, std::size_t n, clock_type::time_point deadline) {
+  for (char* p = static_cast<char*>(data); n > 0;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
+    pollfd pfd{fd, POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return false;
+    const ssize_t r = ::read(fd, p, n);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return true;
+}
+
+void send_blob(int fd, const std::vector<std::uint8_t>& blob) {
+  const auto n = static_cast<std::uint32_t>(blob.size());
+  if (!write_all(fd, &n, sizeof n) || !write_all(fd, blob.data(), n))
+    fail("transport bench: writing a worker address to the other process failed");
+}
+
+std::vector<std::uint8_t> receive_blob(int fd) {
+  const auto deadline = clock_type::now() + measurement_deadline;
+  std::uint32_t n = 0;
+  if (!read_all(fd, &n, sizeof n, deadline) || n > (1u << 20))
+    fail("transport bench: no worker address from the other process");
+  std::vector<std::uint8_t> blob(n);
+  if (!read_all(fd, blob.data(), n, deadline))
+    fail("transport bench: short worker address from the other process");
+  return blob;
+}
+
+// Waits for pid until the deadline, then kills it; returns the wait status (-1 if killed).
+int reap(pid_t pid, clock_type::time_point deadline) {
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (clock_type::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return status;
+}
+
+// posix_spawn with UCX_TLS replaced; stdout and stderr to out_fd (or /dev/null when -1).
+pid_t spawn(const std::vector<std::string>& args, const std::string& tls, int out_fd) {
+  std::vector<std::string> env_text;
+  for (char** e = environ; *e; ++e)
+    if (std::strncmp(*e, "UCX_TLS=", 8) != 0) env_text.emplace_back(*e);
+  if (!tls.empty()) env_text.push_back("UCX_TLS=" + tls);
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  for (auto& e : env_text) envp.push_back(e.data());
+  argv.push_back(nullptr);
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  if (out_fd >= 0) {
+    posix_spawn_file_actions_adddup2(&actions, out_fd, 1);
+    posix_spawn_file_actions_adddup2(&actions, out_fd, 2);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  }
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) fail("transport bench: cannot run " + args[0] + ": " + std::strerror(rc));
+  return pid;
+}
+
+std::string find_program(const std::string& name) {
+  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0 ? name : "";
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path ? path : "");
+  for (std::string dir; std::getline(dirs, dir, ':');)
+    if (!dir.empty() && ::access((dir + "/" + name).c_str(), X_OK) == 0) return dir + "/" + name;
+  return "";
+}
+
+// A TCP port nobody listens on now (bound to port 0, then released): fresh for every run.
+int fresh_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  socklen_t len = sizeof addr;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    fail("transport bench: cannot find a free TCP port for ucx_perftest");
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// ---- ucx_perftest ----------------------------------------------------------------------------
+
+struct perftest_result {
+  double bytes_per_s = 0, latency_median_us = 0, latency_mean_us = 0;
+  std::string error;
+};
+
+// One ucx_perftest run (server + client on 127.0.0.1), parsed from the client's CSV (-v) line
+// "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,..." (bandwidth in MiB/s).
+perftest_result run_perftest(const std::string& exe, const std::string& tls,
+                             const std::string& test, std::size_t size, long frames, long warmup,
+                             bool sleep_mode) {
+  const std::string port = std::to_string(fresh_port());
+  const pid_t server = spawn({exe, "-p", port}, tls, -1);
+  const auto deadline = clock_type::now() + measurement_deadline;
+  std::string out;
+  int status = 0;
+  for (int attempt = 0; attempt < 200; ++attempt) {  // until the server listens
+    int pipe_fd[2];
+    if (::pipe(pipe_fd) != 0) fail("transport bench: pipe failed");
+    std::vector<std::string> args = {exe,  "127.0.0.1",
+                                     "-p", port,
+                                     "-t", test,
+                                     "-s", std::to_string(size),
+                                     "-n", std::to_string(frames),
+                                     "-w", std::to_string(warmup),
+                                     "-v"};
+    if (sleep_mode) args.insert(args.end(), {"-E", "sleep"});
+    const pid_t client = spawn(args, tls, pipe_fd[1]);
+    ::close(pipe_fd[1]);
+    out.clear();
+    for (char buf[4096];;) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
+      pollfd pfd{pipe_fd[0], POLLIN, 0};
+      if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
+      const ssize_t n = ::read(pipe_fd[0], buf, sizeof buf);
+      if (n <= 0) break;
+      out.append(buf, static_cast<std::size_t>(n));
+    }
+    ::close(pipe_fd[0]);
+    status = reap(client, deadline);
+    if (status == 0 || out.find("Connection refused") == std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  reap(server, clock_type::now() + reap_deadline);
+  perftest_result r;
+  std::string last;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    line.erase(0, line.find_first_not_of(' '));
+    if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0]))) last = line;
+  }
+  std::vector<double> fields;
+  std::istringstream csv(last);
+  for (std::string f; std::getline(csv, f, ',');) fields.push_back(std::atof(f.c_str()));
+  if (status != 0 || fields.size() < 6) {
+    std::string first = out.substr(0, out.find('\n'));
+    r.error = "ucx_perftest " + test + " failed (status " + std::to_string(status) + "): " + first;
+    return r;
+  }
+  r.latency_median_us = fields[1];
+  r.latency_mean_us = fields[3];
+  r.bytes_per_s = fields[5] * 1024.0 * 1024.0;
+  return r;
+}
+
+// ---- our side --------------------------------------------------------------------------------
+
+wire::envelope activation(const std::shared_ptr<messages::payload<float>>& tensor) {
+  messages::link_message m;
+  m.header.kind = messages::link_kind::activation;
+  m.header.shape = {1, static_cast<std::int64_t>(tensor->size() / 256), 256};
+  m.data = tensor;
+  return wire::envelope{1, 0, 0, false, std::move(m)};
+}
+
+wire::limits bench_limits() {
+  wire::limits lim;
+  lim.max_frame_bytes = std::uint64_t{1} << 30;
+  lim.max_tensor_elements = std::uint64_t{1} << 28;
+  lim.max_list_elements = 16;
+  return lim;
+}
+
+// Rank 0's end of one measurement: spawns the peer process, connects, and on finish() says bye
+// (an empty frame), closes, reads the peer's status line and reaps it. Kills it if abandoned.
+class peer_session {
+ public:
+  peer_session(const transport_bench_options& o, const std::string& tls, const std::string& mode,
+               long warmup, long frames) {
+    int sp[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM, 0, sp) != 0) fail("transport bench: socketpair failed");
+    sock_ = sp[0];
+    ::fcntl(sock_, F_SETFD, FD_CLOEXEC);
+    pid_ = spawn(
+        {o.self_exe, "bench", "transport-peer", "--fd", std::to_string(sp[1]), "--transports", tls,
+         "--mode", mode, "--warmup", std::to_string(warmup), "--frames", std::to_string(frames)},
+        tls, -1);
+    ::close(sp[1]);
+    topology::ucx_options uo;
+    uo.transports = tls;
+    transport = std::make_unique<topology::ucx_transport>(0, uo);
+    const auto theirs = receive_blob(sock_);
+    send_blob(sock_, transport->address());
+    transport->connect(1, theirs);
+  }
+  ~peer_session() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    transport.reset();
+    if (sock_ >= 0) ::close(sock_);
+  }
+  peer_session(const peer_session&) = delete;
+  peer_session& operator=(const peer_session&) = delete;
+
+  // Returns the peer's status line ("ok ..." when it checked everything it received).
+  std::string finish() {
+    bool sent = false;
+    transport->send(1, {}, [&](bool, const std::string&) { sent = true; });
+    const auto deadline = clock_type::now() + reap_deadline;
+    while (!sent && clock_type::now() < deadline) transport->progress();
+    transport.reset();
+    std::string line;
+    char c;
+    while (read_all(sock_, &c, 1, deadline) && c != '\n') line += c;
+    const int status = reap(std::exchange(pid_, -1), deadline);
+    if (status != 0 && line.rfind(peer_line_ok, 0) == 0)
+      line = "peer process exited with status " + std::to_string(status);
+    return line.empty() ? "peer process sent no status" : line;
+  }
+  std::unique_ptr<topology::ucx_transport> transport;
+
+ private:
+  pid_t pid_ = -1;
+  int sock_ = -1;
+};
+
+void check_deadline(clock_type::time_point deadline, const char* what) {
+  if (clock_type::now() > deadline) fail(std::string("transport bench: ") + what + " timed out");
+}
+
+struct bandwidth_run {
+  double bytes_per_s = 0;
+  std::size_t frame_bytes = 0;
+  bool zero_copy = true, views = false;
+  std::string info;
+};
+
+bandwidth_run ours_bandwidth(const transport_bench_options& o, const std::string& tls,
+                             std::size_t payload_bytes, long warmup, long frames) {
+  peer_session s(o, tls, "bandwidth", warmup, frames);
+  auto tensor = std::make_shared<messages::payload<float>>(payload_bytes / sizeof(float));
+  for (std::size_t i = 0; i < tensor->size(); ++i) (*tensor)[i] = static_cast<float>(i % 977);
+  const wire::envelope e = activation(tensor);
+  bandwidth_run run;
+  run.info = s.transport->transport_info(1);
+  long acks = 0;
+  std::size_t in_flight = 0;
+  std::string error;
+  s.transport->on_receive(
+      [&](int, std::shared_ptr<messages::aligned_buffer>, std::size_t) { ++acks; });
+  const auto deadline = clock_type::now() + measurement_deadline;
+  auto phase = [&](long count, long until_acks) {
+    for (long sent = 0; acks < until_acks;) {
+      while (in_flight < send_window(payload_bytes) && sent < count) {
+        auto f = std::make_shared<wire::frame>(wire::encode(e));
+        run.zero_copy &= std::any_of(f->iov.begin(), f->iov.end(), [&](const auto& piece) {
+          return piece.first == tensor->data() && piece.second == payload_bytes;
+        });
+        run.frame_bytes = f->bytes;
+        ++in_flight;
+        ++sent;
+        if (getenv("EXP_RAW")) f->iov = {{tensor->data(), payload_bytes}};
+        s.transport->send(1, f->iov, [f, &in_flight, &error](bool ok, const std::string& why) {
+          --in_flight;
+          if (!ok && error.empty()) error = why;
+        });
+      }
+      s.transport->progress();
+      if (!error.empty()) fail("transport bench: " + error);
+      check_deadline(deadline, "bandwidth run");
+    }
+  };
+  phase(warmup, 1);
+  const auto t0 = clock_type::now();
+  phase(frames, 2);
+  const double elapsed = std::chrono::duration<double>(clock_type::now() - t0).count();
+  run.bytes_per_s = static_cast<double>(run.frame_bytes) * static_cast<double>(frames) / elapsed;
+  const std::string status = s.finish();
+  if (status.rfind(peer_line_ok, 0) != 0) fail("transport bench: peer: " + status);
+  run.views = status.find("views=1") != std::string::npos;
+  return run;
+}
+
+struct latency_run {
+  double median_us = 0, mean_us = 0;
+  std::string info;
+};
+
+latency_run ours_latency(const transport_bench_options& o, const std::string& tls,
+                         const std::string& mode, long warmup, long frames) {
+  peer_session s(o, tls, mode, warmup, frames);
+  const bool wait_mode = mode == "latency-wait";
+  latency_run run;
+  run.info = s.transport->transport_info(1);
+  bool echoed = false;
+  s.transport->on_receive(
+      [&](int, std::shared_ptr<messages::aligned_buffer>, std::size_t) { echoed = true; });
+  std::uint64_t word = 0x7472'6f75'7065'0008;
+  const topology::iov_list iov = {{&word, sizeof word}};
+  std::vector<double> one_way_us;
+  one_way_us.reserve(static_cast<std::size_t>(frames));
+  const auto deadline = clock_type::now() + measurement_deadline;
+  for (long i = 0; i < warmup + frames; ++i) {
+    echoed = false;
+    const auto t0 = clock_type::now();
+    s.transport->send(1, iov, [](bool, const std::string&) {});
+    for (unsigned spins = 0; !echoed; ++spins) {
+      if (s.transport->progress() == 0 && wait_mode)
+        s.transport->wait(std::chrono::milliseconds(100));
+      if (spins % 4096 == 4095) check_deadline(deadline, "latency run");
+    }
+    if (i >= warmup)
+      one_way_us.push_back(
+          std::chrono::duration<double, std::micro>(clock_type::now() - t0).count() / 2);
+  }
+  const std::string status = s.finish();
+  if (status.rfind(peer_line_ok, 0) != 0) fail("transport bench: peer: " + status);
+  double sum = 0;
+  for (double v : one_way_us) sum += v;
+  run.mean_us = sum / static_cast<double>(one_way_us.size());
+  std::nth_element(one_way_us.begin(), one_way_us.begin() + one_way_us.size() / 2,
+                   one_way_us.end());
+  run.median_us = one_way_us[one_way_us.size() / 2];
+  return run;
+}
+
+std::string human_bytes(std::size_t b) {
+  if (b >= (1u << 20) && b % (1u << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  if (b >= 1024 && b % 1024 == 0) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
+
+}  // namespace
+
+transport_bench_report run_transport_bench(const transport_bench_options& o) {
+  const std::string perftest = find_program(o.perftest);
+  if (perftest.empty())
+    fail(o.perftest + " not found on PATH: install Debian's ucx-utils (the peer measured against)");
+  if (o.self_exe.empty()) fail("transport bench: the troupe binary's path is unknown");
+  transport_bench_report report;
+  report.repeats = o.repeats > 0 ? o.repeats : (o.quick ? 1 : 3);
+  report.frame =
+      "messages::wire activation frame (link_message, shape [1, n/256, 256]), encoded per send, "
+      "decoded by the receiver";
+  report.send_zero_copy_checked = report.receive_views_checked = true;
+  const std::size_t bytes_per_run = o.quick ? std::size_t{256} << 20 : std::size_t{2} << 30;
+  const long latency_frames = o.quick ? 10000 : 100000, wait_frames = o.quick ? 2000 : 20000;
+  auto log = [](const std::string& what, const std::string& tls) {
+    std::fprintf(stderr, "troupe bench transport: %s over %s\n", what.c_str(), tls.c_str());
+  };
+  for (const std::string tls : {"posix,cma,self", "tcp"}) {
+    for (const std::size_t payload :
+         {std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{16} << 20}) {
+      log("bandwidth " + human_bytes(payload), tls);
+      transport_row row;
+      row.metric = "bandwidth";
+      row.transports = tls;
+      row.payload_bytes = payload;
+      row.frames = std::max<long>(50, static_cast<long>(bytes_per_run / payload));
+      // Enough warm-up frames to fill the window several times: the receiver's buffer pool then
+      // holds every buffer in use (steady state; first use of a buffer faults its pages in).
+      const long warmup =
+          std::max<long>(4 * static_cast<long>(send_window(payload)), row.frames / 10);
+      for (int r = 0; r < report.repeats; ++r) {
+        const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames);
+        row.ours = std::max(row.ours, run.bytes_per_s);
+        row.frame_bytes = run.frame_bytes;
+        report.send_zero_copy_checked &= run.zero_copy;
+        report.receive_views_checked &= run.views;
+        report.transport_info[tls] = run.info;
+        const auto peer =
+            run_perftest(perftest, tls, "tag_bw", row.frame_bytes, row.frames, warmup, false);
+        row.peer_error = peer.error;
+        row.peer = std::max(row.peer, peer.bytes_per_s);
+      }
+      row.met = row.peer_error.empty() && row.ours >= 0.9 * row.peer;
+      report.rows.push_back(row);
+    }
+    for (const std::string mode : {"latency", "latency-wait"}) {
+      log(mode == "latency" ? "8 B latency (busy polling)" : "8 B latency (wait())", tls);
+      transport_row row;
+      row.metric = mode;
+      row.transports = tls;
+      row.payload_bytes = row.frame_bytes = 8;
+      row.frames = mode == "latency" ? latency_frames : wait_frames;
+      row.ours = row.peer = row.ours_mean = row.peer_mean = 1e300;
+      const long warmup = row.frames / 10;
+      for (int r = 0; r < report.repeats; ++r) {
+        const auto run = ours_latency(o, tls, mode, warmup, row.frames);
+        row.ours = std::min(row.ours, run.median_us);
+        row.ours_mean = std::min(row.ours_mean, run.mean_us);
+        const auto peer =
+            run_perftest(perftest, tls, "tag_lat", 8, row.frames, warmup, mode != "latency");
+        row.peer_error = peer.error;
+        if (peer.error.empty()) {
+          row.peer = std::min(row.peer, peer.latency_median_us);
+          row.peer_mean = std::min(row.peer_mean, peer.latency_mean_us);
+        }
+      }
+      if (!row.peer_error.empty()) row.peer = row.peer_mean = 0;
+      row.met = row.peer_error.empty() && row.ours <= 2 * row.peer;
+      report.rows.push_back(row);
+    }
+  }
+  return report;
+}
+
+std::string goal_text(const transport_row& row) {
+  return row.metric == "bandwidth" ? ">= 90% of peer" : "<= 2x peer";
+}
+
+std::string format_transport_report(const transport_bench_report& r) {
+  std::string out;
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS, best of %d\n"
+                "bandwidth frames: %s; ucx_perftest sends the same frame size\n"
+                "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n",
+                r.repeats, r.frame.c_str());
+  out += line;
+  std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %6s  %-15s %s\n", "metric", "size",
+                "transport", "ours", "peer (ucx_perftest)", "ratio", "goal", "");
+  out += line;
+  for (const auto& row : r.rows) {
+    std::string ours, peer;
+    char a[64], b[64];
+    if (row.metric == "bandwidth") {
+      std::snprintf(a, sizeof a, "%.2f GB/s", row.ours / 1e9);
+      std::snprintf(b, sizeof b, "%.2f GB/s", row.peer / 1e9);
+    } else {
+      std::snprintf(a, sizeof a, "%.2f us (%.2f)", row.ours, row.ours_mean);
+      std::snprintf(b, sizeof b, "%.2f us (%.2f)", row.peer, row.peer_mean);
+    }
+    const double ratio = row.peer > 0 ? row.ours / row.peer : 0;
+    std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %5.2fx  %-15s %s\n",
+                  row.metric.c_str(), human_bytes(row.payload_bytes).c_str(),
+                  row.transports.c_str(), a, row.peer_error.empty() ? b : "failed", ratio,
+                  goal_text(row).c_str(), row.met ? "met" : "NOT MET");
+    out += line;
+    if (!row.peer_error.empty()) out += "  " + row.peer_error + "\n";
+  }
+  out += "\n";
+  if (r.send_zero_copy_checked)
+    out += "payload copies on send: 0 (checked: every frame's iov held the tensor's own pointer)\n";
+  if (r.receive_views_checked)
+    out +=
+        "payload copies after receive: 0 (checked: the peer decoded every frame into views of "
+        "the buffer UCX wrote)\n";
+  for (const auto& [tls, info] : r.transport_info)
+    out += "UCX_TLS=" + tls + " -> endpoint lanes: " + info + "\n";
+  return out;
+}
+
+std::string transport_report_json(const transport_bench_report& r) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& row : r.rows) {
+    nlohmann::json j = {{"metric", row.metric},
+                        {"transports", row.transports},
+                        {"payload_bytes", row.payload_bytes},
+                        {"frame_bytes", row.frame_bytes},
+                        {"frames", row.frames},
+                        {"ours", row.ours},
+                        {"peer", row.peer},
+                        {"unit", row.metric == "bandwidth" ? "bytes/s" : "us one-way, median"},
+                        {"ratio", row.peer > 0 ? row.ours / row.peer : 0.0},
+                        {"goal", goal_text(row)},
+                        {"met", row.met}};
+    if (row.metric != "bandwidth") {
+      j["ours_mean"] = row.ours_mean;
+      j["peer_mean"] = row.peer_mean;
+    }
+    if (!row.peer_error.empty()) j["peer_error"] = row.peer_error;
+    rows.push_back(j);
+  }
+  nlohmann::json out = {{"peer", "ucx_perftest"},
+                        {"repeats", r.repeats},
+                        {"frame", r.frame},
+                        {"transport_info", r.transport_info},
+                        {"rows", rows}};
+  if (r.send_zero_copy_checked) out["payload_copies_on_send"] = 0;
+  if (r.receive_views_checked) out["payload_copies_after_receive"] = 0;
+  return out.dump(2);
+}
+
+int run_transport_peer(const transport_peer_options& o) {
+  auto status_line = [&](const std::string& text) {
+    write_all(o.fd, (text + "\n").data(), text.size() + 1);
+  };
+  try {
+    if (o.fd < 0) fail("bench transport-peer: --fd is required");
+    if (o.mode != "bandwidth" && o.mode != "latency" && o.mode != "latency-wait")
+      fail("bench transport-peer: unknown --mode '" + o.mode + "'");
+    if (getenv("EXP_MALLOPT")) {
+      mallopt(M_MMAP_THRESHOLD, 1 << 30);
+      mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    }
+    topology::ucx_options uo;
+    uo.transports = o.transports;
+    auto t = std::make_unique<topology::ucx_transport>(1, uo);
+    send_blob(o.fd, t->address());
+    t->connect(0, receive_blob(o.fd));
+    const bool echo = o.mode != "bandwidth", wait_mode = o.mode == "latency-wait";
+    const wire::limits lim = bench_limits();
+    std::uint64_t ack = 0;
+    const topology::iov_list ack_iov = {{&ack, sizeof ack}};
+    bool bye = false, views = true;
+    long received = 0;
+    std::string error;
+    t->on_receive([&](int, std::shared_ptr<messages::aligned_buffer> buf, std::size_t bytes) {
+      if (bytes == 0) {
+        bye = true;
+        return;
+      }
+      ++received;
+      if (echo) {
+        const topology::iov_list back = {{buf->data(), bytes}};
+        t->send(0, back, [buf](bool, const std::string&) {});
+        return;
+      }
+      if (getenv("EXP_RAW")) {} else try {
+        const auto e = wire::decode(buf, bytes, lim);
+        const auto* m = std::get_if<messages::link_message>(&e.message);
+        const auto* data = m ? reinterpret_cast<const std::byte*>(m->data->data()) : nullptr;
+        views &= m && m->data->is_view() && data >= buf->data() &&
+                 data + m->data->size() * sizeof(float) <= buf->data() + bytes;
+      } catch (const std::exception& ex) {
+        if (error.empty()) error = ex.what();
+      }
+      if (received == o.warmup || received == o.warmup + o.frames)
+        t->send(0, ack_iov, [](bool, const std::string&) {});
+    });
+    const auto deadline = clock_type::now() + 2 * measurement_deadline;
+    for (unsigned spins = 0; !bye; ++spins) {
+      if (t->progress() == 0 && wait_mode) t->wait(std::chrono::milliseconds(100));
+      if (spins % 4096 == 4095) {
+        pollfd pfd{o.fd, POLLIN, 0};  // readable = the measuring process is gone
+        if (clock_type::now() > deadline || ::poll(&pfd, 1, 0) != 0)
+          fail("bench transport-peer: no bye from the measuring process");
+      }
+    }
+    t.reset();
+    {
+      struct rusage ru;
+      getrusage(RUSAGE_SELF, &ru);
+      FILE* f = fopen("/tmp/peer_faults.txt", "a");
+      fprintf(f, "mode=%s faults=%ld received=%ld\n", o.mode.c_str(), ru.ru_minflt, received);
+      fclose(f);
+    }
+    status_line(error.empty() ? std::string(peer_line_ok) + " views=" + (views && !echo ? "1" : "0")
+                              : "error " + error);
+    return 0;
+  } catch (const std::exception& e) {
+    status_line(std::string("error ") + e.what());
+    return 1;
+  }
+}
+
+}  // namespace troupe::bench

@@ -1,0 +1,57 @@
+// `troupe bench transport`: topology::ucx_transport between two processes (this one and a peer
+// process, the troupe binary itself run as `bench transport-peer`) next to ucx_perftest measured
+// in the same run on the same UCX transports: bandwidth of activation frames (64 KiB, 1 MiB,
+// 16 MiB payloads) and 8-byte one-way latency. A benchmark: it prints, it asserts nothing.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace troupe::bench {
+
+struct transport_bench_options {
+  bool quick = false;    // fewer frames and one repeat: for development
+  int repeats = 0;       // runs of each side per row, best kept; 0 = 3 (1 with quick)
+  std::string self_exe;  // the troupe binary (runs the peer process)
+  std::string perftest = "ucx_perftest";  // looked up on PATH unless it contains a '/'
+};
+
+struct transport_row {
+  std::string metric;             // "bandwidth", "latency" (busy polling), "latency-wait" (wait())
+  std::string transports;         // UCX_TLS of both sides, and of ucx_perftest
+  std::size_t payload_bytes = 0;  // tensor bytes (bandwidth) or frame bytes (latency)
+  std::size_t frame_bytes = 0;    // bytes on the wire per frame; ucx_perftest sends this size
+  long frames = 0;                // timed frames (bandwidth) or round trips (latency)
+  double ours = 0, peer = 0;      // bytes/s, or one-way latency in µs (median)
+  double ours_mean = 0, peer_mean = 0;  // latency rows: mean one-way µs
+  bool met = false;                     // the goal (see goal_text)
+  std::string peer_error;               // non-empty: ucx_perftest failed, peer is 0
+};
+
+struct transport_bench_report {
+  std::string frame;  // what a bandwidth frame is
+  int repeats = 0;
+  bool send_zero_copy_checked = false;  // every frame's iov held the tensor's own pointer
+  bool receive_views_checked = false;   // the peer decoded every frame into views of its buffer
+  std::map<std::string, std::string> transport_info;  // UCX_TLS -> what the endpoint used
+  std::vector<transport_row> rows;
+};
+
+// Throws std::runtime_error with a one-line message (e.g. ucx_perftest missing from PATH).
+transport_bench_report run_transport_bench(const transport_bench_options& options);
+std::string goal_text(const transport_row& row);
+std::string format_transport_report(const transport_bench_report& report);
+std::string transport_report_json(const transport_bench_report& report);
+
+// The peer process (`troupe bench transport-peer`, hidden). Returns an exit code.
+struct transport_peer_options {
+  int fd = -1;  // socket to the measuring process
+  std::string transports;
+  std::string mode;             // "bandwidth", "latency", "latency-wait"
+  long warmup = 0, frames = 0;  // bandwidth: acknowledged after warmup and after warmup + frames
+};
+int run_transport_peer(const transport_peer_options& options);
+
+}  // namespace troupe::bench

@@ -3,6 +3,8 @@
 // machine's measured FP32 peak. A benchmark: it prints, it asserts nothing.
 #include <omp.h>
 
+#include <unistd.h>
+
 #include <array>
 #include <cstdio>
 #include <memory>
@@ -13,6 +15,7 @@
 #include "bench/peak_flops.hpp"
 #include "bench/pipeline_bench.hpp"
 #include "bench/train_step.hpp"
+#include "bench/transport_bench.hpp"
 #include "tools/commands.hpp"
 
 namespace troupe::tools {
@@ -27,6 +30,8 @@ struct bench_options {
   int steps = 5;
   int warmup = 2;
   int pipeline_steps = 4;
+  bool quick = false;
+  bench::transport_peer_options transport_peer;
 };
 
 // Runs a command and returns its stdout, or nullopt when it fails.
@@ -157,6 +162,31 @@ int run_pipeline(const bench_options& o) {
   return exit_ok;
 }
 
+// The running binary, which `bench transport` runs again as its peer process.
+std::string self_exe() {
+  std::array<char, 4096> path{};
+  const ssize_t n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
+  return n > 0 ? std::string(path.data(), static_cast<std::size_t>(n)) : std::string();
+}
+
+int run_transport(const bench_options& o) {
+  bench::transport_bench_options to;
+  to.quick = o.quick;
+  to.self_exe = self_exe();
+  bench::transport_bench_report report;
+  try {
+    report = bench::run_transport_bench(to);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "troupe bench transport: %s\n", e.what());
+    return exit_failure;
+  }
+  std::fputs((o.json_output ? bench::transport_report_json(report) + "\n"
+                            : bench::format_transport_report(report))
+                 .c_str(),
+             stdout);
+  return exit_ok;
+}
+
 std::function<int()> add_bench_command(CLI::App& app) {
   auto opts = std::make_shared<bench_options>();
   auto* bench = app.add_subcommand("bench", "Benchmarks against peers measured in the same run");
@@ -175,8 +205,23 @@ std::function<int()> add_bench_command(CLI::App& app) {
   pipe->add_flag("--json", opts->json_output, "Print one JSON report");
   pipe->add_option("--steps", opts->pipeline_steps, "Steps per case (the first is a warm-up)")
       ->check(CLI::Range(2, 1000));
-  return [opts, step, pipe]() {
+  auto* transport = bench->add_subcommand(
+      "transport", "UCX frames between two processes vs ucx_perftest (bandwidth, latency)");
+  transport->add_flag("--json", opts->json_output, "Print one JSON report");
+  transport->add_flag("--quick", opts->quick, "Fewer frames, one run per side (development)");
+  // Hidden (empty group): the peer process that `bench transport` starts.
+  auto* peer = bench->add_subcommand("transport-peer", "The peer process of bench transport");
+  peer->group("");
+  peer->add_option("--fd", opts->transport_peer.fd, "Socket to the measuring process")->required();
+  peer->add_option("--transports", opts->transport_peer.transports, "UCX_TLS");
+  peer->add_option("--mode", opts->transport_peer.mode, "bandwidth, latency or latency-wait")
+      ->required();
+  peer->add_option("--warmup", opts->transport_peer.warmup, "Untimed frames (bandwidth)");
+  peer->add_option("--frames", opts->transport_peer.frames, "Timed frames (bandwidth)");
+  return [opts, step, pipe, transport, peer]() {
     if (pipe->parsed()) return run_pipeline(*opts);
+    if (transport->parsed()) return run_transport(*opts);
+    if (peer->parsed()) return bench::run_transport_peer(opts->transport_peer);
     (void)step;
     return run_bench(*opts);
   };

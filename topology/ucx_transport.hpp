@@ -3,11 +3,14 @@
 // called from another thread.
 //
 // Invariants:
-// - A frame is sent vectored (UCP_DATATYPE_IOV) straight from the caller's buffers: no copy on
-//   send. The buffers must stay valid until the send's `done` runs.
-// - A frame arrives whole, in a fresh 64-byte aligned messages::aligned_buffer that UCX writes
-//   once; frames from one peer are delivered in the order that peer sent them (a per-peer
-//   sequence number in the tag restores the order whatever order UCX completes receives in).
+// - A frame is sent from the caller's buffers: iov entries of 16 KiB or more are never copied
+//   (UCX reads them by zero-copy rendezvous), shorter ones are gathered into one staging copy.
+//   The buffers must stay valid until the send's `done` runs.
+// - A frame arrives whole, at the start of a 64-byte aligned messages::aligned_buffer that UCX
+//   writes once and that no one else holds; the buffer may be larger than the frame (buffers of
+//   64 KiB or more are pooled by size class and reused once every holder has dropped them).
+//   Frames from one peer are delivered in the order that peer sent them.
+// - Ranks are in [0, 2^20); a frame is at most 4 GiB - 1 (the tag carries both).
 // - Every callback (send `done`, on_receive, on_peer_error) runs from progress() or, for a send
 //   that completes at once, inline in send(); never from inside UCX's own callbacks.
 // - The destructor never hangs: endpoints are flushed and closed under a deadline, and sends
@@ -49,7 +52,8 @@ class ucx_transport {
       std::function<void(int peer, std::shared_ptr<messages::aligned_buffer>, std::size_t bytes)>;
   using peer_error_callback = std::function<void(int peer, const std::string& reason)>;
 
-  // One context + one worker (single-threaded). Throws ucx_error naming the failing call.
+  // One context + one worker (single-threaded). Throws ucx_error naming the failing call, the
+  // rejected UCX_TLS, or a rank outside [0, 2^20).
   explicit ucx_transport(int rank, const ucx_options& options = {});
   // Flushes and closes endpoints, never hangs (deadline).
   ~ucx_transport();
@@ -64,10 +68,11 @@ class ucx_transport {
 
   // One whole frame to peer, vectored and zero-copy: UCX reads the caller's buffers, which must
   // stay valid until `done` runs (from progress(), or inline if UCX completed immediately).
-  // Frames to one peer arrive in send order. done(false, reason) on failure. Throws ucx_error
-  // for a peer that was never connected.
+  // Frames to one peer arrive in send order. done(false, reason) on failure (a frame over 4 GiB,
+  // a failed peer, a UCX error). Throws ucx_error for a peer that was never connected.
   void send(int peer, const iov_list& iov, send_callback done);
-  // Every received frame, whole, in a fresh aligned_buffer, from progress().
+  // Every received frame, whole, in the first `bytes` bytes of an aligned_buffer no one else
+  // holds, from progress().
   void on_receive(receive_callback fn);
   // UCX reported an endpoint failure to this peer (only in peer_error_handling mode, or a failed
   // send). Reported once per peer; later sends to it fail at once.
