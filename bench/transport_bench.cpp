@@ -8,12 +8,10 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <malloc.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -165,7 +163,7 @@ struct perftest_result {
 };
 
 // One ucx_perftest run (server + client on 127.0.0.1), parsed from the client's CSV (-v) line
-// "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,..." (bandwidth in MiB/s).
+// "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr".
 perftest_result run_perftest(const std::string& exe, const std::string& tls,
                              const std::string& test, std::size_t size, long frames, long warmup,
                              bool sleep_mode) {
@@ -204,23 +202,24 @@ perftest_result run_perftest(const std::string& exe, const std::string& tls,
   }
   reap(server, clock_type::now() + reap_deadline);
   perftest_result r;
-  std::string last;
+  std::string last, error_line;
   std::istringstream lines(out);
   for (std::string line; std::getline(lines, line);) {
     line.erase(0, line.find_first_not_of(' '));
     if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0]))) last = line;
+    if (error_line.empty() && line.find("ERROR") != std::string::npos) error_line = line;
   }
-  std::vector<double> fields;
-  std::istringstream csv(last);
-  for (std::string f; std::getline(csv, f, ',');) fields.push_back(std::atof(f.c_str()));
-  if (status != 0 || fields.size() < 6) {
-    std::string first = out.substr(0, out.find('\n'));
-    r.error = "ucx_perftest " + test + " failed (status " + std::to_string(status) + "): " + first;
+  long iterations = 0;
+  double median = 0, mean = 0, overall = 0, bw = 0, overall_bw = 0;
+  if (status != 0 || std::sscanf(last.c_str(), "%ld,%lf,%lf,%lf,%lf,%lf", &iterations, &median,
+                                 &mean, &overall, &bw, &overall_bw) != 6) {
+    r.error = "ucx_perftest " + test + " failed (wait status " + std::to_string(status) +
+              "): " + (error_line.empty() ? out.substr(0, out.find('\n')) : error_line);
     return r;
   }
-  r.latency_median_us = fields[1];
-  r.latency_mean_us = fields[3];
-  r.bytes_per_s = fields[5] * 1024.0 * 1024.0;
+  r.latency_median_us = median;
+  r.latency_mean_us = overall;
+  r.bytes_per_s = overall_bw * 1024.0 * 1024.0;  // ucx_perftest's MB/s are MiB/s
   return r;
 }
 
@@ -255,7 +254,7 @@ class peer_session {
     pid_ = spawn(
         {o.self_exe, "bench", "transport-peer", "--fd", std::to_string(sp[1]), "--transports", tls,
          "--mode", mode, "--warmup", std::to_string(warmup), "--frames", std::to_string(frames)},
-        tls, -1);
+        tls, 2);
     ::close(sp[1]);
     topology::ucx_options uo;
     uo.transports = tls;
@@ -332,7 +331,6 @@ bandwidth_run ours_bandwidth(const transport_bench_options& o, const std::string
         run.frame_bytes = f->bytes;
         ++in_flight;
         ++sent;
-        if (getenv("EXP_RAW")) f->iov = {{tensor->data(), payload_bytes}};
         s.transport->send(1, f->iov, [f, &in_flight, &error](bool ok, const std::string& why) {
           --in_flight;
           if (!ok && error.empty()) error = why;
@@ -421,19 +419,16 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
   auto log = [](const std::string& what, const std::string& tls) {
     std::fprintf(stderr, "troupe bench transport: %s over %s\n", what.c_str(), tls.c_str());
   };
+  auto lowest = [](double best, double v) { return best == 0 ? v : std::min(best, v); };
   for (const std::string tls : {"posix,cma,self", "tcp"}) {
     for (const std::size_t payload :
          {std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{16} << 20}) {
       log("bandwidth " + human_bytes(payload), tls);
-      transport_row row;
-      row.metric = "bandwidth";
-      row.transports = tls;
-      row.payload_bytes = payload;
+      transport_row row{"bandwidth", tls, payload, 0, 0, 0, 0, 0, 0, false, ""};
       row.frames = std::max<long>(50, static_cast<long>(bytes_per_run / payload));
       // Enough warm-up frames to fill the window several times: the receiver's buffer pool then
-      // holds every buffer in use (steady state; first use of a buffer faults its pages in).
-      const long warmup =
-          std::max<long>(4 * static_cast<long>(send_window(payload)), row.frames / 10);
+      // holds every buffer in use (steady state; a buffer's first use faults its pages in).
+      const long warmup = std::max<long>(4 * long(send_window(payload)), row.frames / 10);
       for (int r = 0; r < report.repeats; ++r) {
         const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames);
         row.ours = std::max(row.ours, run.bytes_per_s);
@@ -443,35 +438,27 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
         report.transport_info[tls] = run.info;
         const auto peer =
             run_perftest(perftest, tls, "tag_bw", row.frame_bytes, row.frames, warmup, false);
-        row.peer_error = peer.error;
+        if (!peer.error.empty()) row.peer_error = peer.error;
         row.peer = std::max(row.peer, peer.bytes_per_s);
       }
-      row.met = row.peer_error.empty() && row.ours >= 0.9 * row.peer;
+      row.met = row.peer > 0 && row.ours >= 0.9 * row.peer;
       report.rows.push_back(row);
     }
     for (const std::string mode : {"latency", "latency-wait"}) {
       log(mode == "latency" ? "8 B latency (busy polling)" : "8 B latency (wait())", tls);
-      transport_row row;
-      row.metric = mode;
-      row.transports = tls;
-      row.payload_bytes = row.frame_bytes = 8;
-      row.frames = mode == "latency" ? latency_frames : wait_frames;
-      row.ours = row.peer = row.ours_mean = row.peer_mean = 1e300;
-      const long warmup = row.frames / 10;
+      const long frames = mode == "latency" ? latency_frames : wait_frames, warmup = frames / 10;
+      transport_row row{mode, tls, 8, 8, frames, 0, 0, 0, 0, false, ""};
       for (int r = 0; r < report.repeats; ++r) {
-        const auto run = ours_latency(o, tls, mode, warmup, row.frames);
-        row.ours = std::min(row.ours, run.median_us);
-        row.ours_mean = std::min(row.ours_mean, run.mean_us);
+        const auto run = ours_latency(o, tls, mode, warmup, frames);
+        row.ours = lowest(row.ours, run.median_us);
+        row.ours_mean = lowest(row.ours_mean, run.mean_us);
         const auto peer =
-            run_perftest(perftest, tls, "tag_lat", 8, row.frames, warmup, mode != "latency");
-        row.peer_error = peer.error;
-        if (peer.error.empty()) {
-          row.peer = std::min(row.peer, peer.latency_median_us);
-          row.peer_mean = std::min(row.peer_mean, peer.latency_mean_us);
-        }
+            run_perftest(perftest, tls, "tag_lat", 8, frames, warmup, mode != "latency");
+        if (!peer.error.empty()) row.peer_error = peer.error;
+        if (peer.error.empty()) row.peer = lowest(row.peer, peer.latency_median_us);
+        if (peer.error.empty()) row.peer_mean = lowest(row.peer_mean, peer.latency_mean_us);
       }
-      if (!row.peer_error.empty()) row.peer = row.peer_mean = 0;
-      row.met = row.peer_error.empty() && row.ours <= 2 * row.peer;
+      row.met = row.peer > 0 && row.ours <= 2 * row.peer;
       report.rows.push_back(row);
     }
   }
@@ -495,7 +482,6 @@ std::string format_transport_report(const transport_bench_report& r) {
                 "transport", "ours", "peer (ucx_perftest)", "ratio", "goal", "");
   out += line;
   for (const auto& row : r.rows) {
-    std::string ours, peer;
     char a[64], b[64];
     if (row.metric == "bandwidth") {
       std::snprintf(a, sizeof a, "%.2f GB/s", row.ours / 1e9);
@@ -507,7 +493,7 @@ std::string format_transport_report(const transport_bench_report& r) {
     const double ratio = row.peer > 0 ? row.ours / row.peer : 0;
     std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %5.2fx  %-15s %s\n",
                   row.metric.c_str(), human_bytes(row.payload_bytes).c_str(),
-                  row.transports.c_str(), a, row.peer_error.empty() ? b : "failed", ratio,
+                  row.transports.c_str(), a, row.peer > 0 ? b : "failed", ratio,
                   goal_text(row).c_str(), row.met ? "met" : "NOT MET");
     out += line;
     if (!row.peer_error.empty()) out += "  " + row.peer_error + "\n";
@@ -563,10 +549,6 @@ int run_transport_peer(const transport_peer_options& o) {
     if (o.fd < 0) fail("bench transport-peer: --fd is required");
     if (o.mode != "bandwidth" && o.mode != "latency" && o.mode != "latency-wait")
       fail("bench transport-peer: unknown --mode '" + o.mode + "'");
-    if (getenv("EXP_MALLOPT")) {
-      mallopt(M_MMAP_THRESHOLD, 1 << 30);
-      mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    }
     topology::ucx_options uo;
     uo.transports = o.transports;
     auto t = std::make_unique<topology::ucx_transport>(1, uo);
@@ -590,7 +572,7 @@ int run_transport_peer(const transport_peer_options& o) {
         t->send(0, back, [buf](bool, const std::string&) {});
         return;
       }
-      if (getenv("EXP_RAW")) {} else try {
+      try {
         const auto e = wire::decode(buf, bytes, lim);
         const auto* m = std::get_if<messages::link_message>(&e.message);
         const auto* data = m ? reinterpret_cast<const std::byte*>(m->data->data()) : nullptr;
@@ -612,13 +594,6 @@ int run_transport_peer(const transport_peer_options& o) {
       }
     }
     t.reset();
-    {
-      struct rusage ru;
-      getrusage(RUSAGE_SELF, &ru);
-      FILE* f = fopen("/tmp/peer_faults.txt", "a");
-      fprintf(f, "mode=%s faults=%ld received=%ld\n", o.mode.c_str(), ru.ru_minflt, received);
-      fclose(f);
-    }
     status_line(error.empty() ? std::string(peer_line_ok) + " views=" + (views && !echo ? "1" : "0")
                               : "error " + error);
     return 0;

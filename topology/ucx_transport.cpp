@@ -120,6 +120,7 @@ struct ucx_transport::impl {
     impl* owner = nullptr;
     int peer = 0;
     std::shared_ptr<frame_state> frame;
+    std::shared_ptr<messages::aligned_buffer> scratch;  // for a message that broke the protocol
     std::size_t bytes = 0;
     void* request = nullptr;
     ucs_status_t status = UCS_INPROGRESS;
@@ -224,7 +225,6 @@ struct ucx_transport::impl {
       op->peer = static_cast<int>(info.sender_tag >> 44);
       op->frame = frame_of(op->peer, info.sender_tag, info.length);
       op->bytes = info.length;
-      std::shared_ptr<messages::aligned_buffer> scratch;  // a message that broke the protocol
       std::byte* target = nullptr;
       if (op->frame) {
         target = op->frame->buffer->data() + op->frame->posted;
@@ -233,8 +233,8 @@ struct ucx_transport::impl {
         auto& in = inbounds[op->peer];
         if (op->frame->posted == op->frame->bytes) in.assembling = nullptr;
       } else {
-        scratch = messages::aligned_buffer::make(info.length);
-        target = scratch->data();
+        op->scratch = messages::aligned_buffer::make(info.length);  // received, then dropped
+        target = op->scratch->data();
       }
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
