@@ -38,9 +38,9 @@ using clock_type = std::chrono::steady_clock;
 using std::chrono::seconds;
 namespace wire = messages::wire;
 
-// Bandwidth frames in flight: up to 16, and at most 64 MiB (a gateway's credits bound it too).
+// Bandwidth frames in flight: 32 like ucx_perftest's tag_bw window, at most 256 MiB.
 std::size_t send_window(std::size_t frame_bytes) {
-  return std::clamp<std::size_t>((std::size_t{64} << 20) / frame_bytes, 2, 16);
+  return std::clamp<std::size_t>((std::size_t{256} << 20) / frame_bytes, 2, 32);
 }
 constexpr auto measurement_deadline = seconds(120);
 constexpr auto reap_deadline = seconds(10);
@@ -415,7 +415,7 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
       "decoded by the receiver";
   report.send_zero_copy_checked = report.receive_views_checked = true;
   const std::size_t bytes_per_run = o.quick ? std::size_t{256} << 20 : std::size_t{2} << 30;
-  const long latency_frames = o.quick ? 10000 : 100000, wait_frames = o.quick ? 2000 : 20000;
+  const long latency_frames = o.quick ? 10000 : 50000, wait_frames = o.quick ? 2000 : 10000;
   auto log = [](const std::string& what, const std::string& tls) {
     std::fprintf(stderr, "troupe bench transport: %s over %s\n", what.c_str(), tls.c_str());
   };
@@ -546,9 +546,9 @@ int run_transport_peer(const transport_peer_options& o) {
     write_all(o.fd, (text + "\n").data(), text.size() + 1);
   };
   try {
-    if (o.fd < 0) fail("bench transport-peer: --fd is required");
+    if (o.fd < 0) fail("--fd is required");
     if (o.mode != "bandwidth" && o.mode != "latency" && o.mode != "latency-wait")
-      fail("bench transport-peer: unknown --mode '" + o.mode + "'");
+      fail("unknown --mode '" + o.mode + "' (bandwidth, latency or latency-wait)");
     topology::ucx_options uo;
     uo.transports = o.transports;
     auto t = std::make_unique<topology::ucx_transport>(1, uo);
@@ -590,7 +590,7 @@ int run_transport_peer(const transport_peer_options& o) {
       if (spins % 4096 == 4095) {
         pollfd pfd{o.fd, POLLIN, 0};  // readable = the measuring process is gone
         if (clock_type::now() > deadline || ::poll(&pfd, 1, 0) != 0)
-          fail("bench transport-peer: no bye from the measuring process");
+          fail("no bye from the measuring process");
       }
     }
     t.reset();
@@ -598,6 +598,7 @@ int run_transport_peer(const transport_peer_options& o) {
                               : "error " + error);
     return 0;
   } catch (const std::exception& e) {
+    std::fprintf(stderr, "troupe bench transport-peer: %s\n", e.what());
     status_line(std::string("error ") + e.what());
     return 1;
   }

@@ -37,10 +37,12 @@ struct ucx_error : std::runtime_error {
 };
 
 struct ucx_options {
-  std::string
-      transports;  // UCX_TLS for this worker ("" = UCX's choice: shm locally, tcp across hosts)
-  bool peer_error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER; false keeps shared memory
-  std::string net_devices;           // UCX_NET_DEVICES ("" = all)
+  // UCX_TLS for this worker ("" = UCX's choice: shm locally, tcp across hosts).
+  std::string transports;
+  // UCP_ERR_HANDLING_MODE_PEER. false keeps shared memory but leaves a lost peer undetected, and
+  // over tcp UCX 1.13 can abort this process when a peer dies (docs/transport.md).
+  bool peer_error_handling = false;
+  std::string net_devices;  // UCX_NET_DEVICES ("" = all)
 };
 
 using iov_list = std::vector<std::pair<const void*, std::size_t>>;
@@ -55,7 +57,8 @@ class ucx_transport {
   // One context + one worker (single-threaded). Throws ucx_error naming the failing call, the
   // rejected UCX_TLS, or a rank outside [0, 2^20).
   explicit ucx_transport(int rank, const ucx_options& options = {});
-  // Flushes and closes endpoints, never hangs (deadline).
+  // Flushes and closes endpoints, never hangs (deadline); then runs the `done` of every send not
+  // yet reported (done(false, ...) unless it had completed), which must not use the transport.
   ~ucx_transport();
   ucx_transport(const ucx_transport&) = delete;
   ucx_transport& operator=(const ucx_transport&) = delete;
