@@ -31,7 +31,8 @@ class schedule_impl : public schedule_actor::base {
             if (n <= 0) continue;
             auto shape = cfg_.shape;
             shape.micro_batches = n;
-            auto plan = std::make_shared<const engine::pipeline_plan>(plan_forward_only(shape));
+            auto plan =
+                std::make_shared<const engine::pipeline_plan>(engine::plan_forward_only(shape));
             for (const auto& stage : wiring_.stages[static_cast<std::size_t>(r)])
               caf::anon_send(stage, step_plan{e.step, 1, true, plan});
           }
@@ -56,19 +57,6 @@ class schedule_impl : public schedule_actor::base {
 };
 
 }  // namespace
-
-engine::pipeline_plan plan_forward_only(const engine::schedule_shape& shape) {
-  engine::pipeline_plan plan;
-  plan.name = "forward-only";
-  plan.shape = shape;
-  plan.ranks.resize(static_cast<std::size_t>(shape.ranks));
-  for (int r = 0; r < shape.ranks; ++r)
-    for (int j = 0; j < shape.micro_batches; ++j)
-      for (int c = 0; c < shape.virtual_stages; ++c)
-        plan.ranks[static_cast<std::size_t>(r)].push_back(
-            {engine::action_kind::forward, c * shape.ranks + r, j});
-  return plan;
-}
 
 schedule_actor spawn_schedule_actor(caf::actor_system& system, schedule_config config) {
   return system.spawn<schedule_impl>(std::move(config));

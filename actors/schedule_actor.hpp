@@ -19,7 +19,4 @@ struct schedule_config {
 
 messages::schedule_actor spawn_schedule_actor(caf::actor_system& system, schedule_config config);
 
-// Forward-only plan for evaluation: rank r runs F(c*p + r, j) for j, then c ascending.
-engine::pipeline_plan plan_forward_only(const engine::schedule_shape& shape);
-
 }  // namespace troupe::actors

@@ -238,6 +238,19 @@ pipeline_plan plan_interleaved_1f1b(const schedule_shape& shape) {
 // ZB-H1 (Qi et al. 2024): 1F1B with the backward split into B (input gradient) and W (weight
 // gradient). Rank r delays each W by r backwards, so every rank holds at most p micro-batches
 // (the first rank's 1F1B peak) and the delayed W passes fill the cooldown bubbles.
+pipeline_plan plan_forward_only(const schedule_shape& shape) {
+  pipeline_plan plan;
+  plan.name = "forward-only";
+  plan.shape = shape;
+  plan.ranks.resize(static_cast<std::size_t>(shape.ranks));
+  for (int r = 0; r < shape.ranks; ++r)
+    for (int j = 0; j < shape.micro_batches; ++j)
+      for (int c = 0; c < shape.virtual_stages; ++c)
+        plan.ranks[static_cast<std::size_t>(r)].push_back(
+            {action_kind::forward, c * shape.ranks + r, j});
+  return plan;
+}
+
 pipeline_plan plan_zb_h1(const schedule_shape& shape) {
   require_one_chunk(shape, "zb_h1");
   pipeline_plan plan = empty_plan("zb_h1", shape, true);

@@ -63,6 +63,9 @@ pipeline_plan plan_gpipe(const schedule_shape& shape);
 pipeline_plan plan_1f1b(const schedule_shape& shape);
 pipeline_plan plan_interleaved_1f1b(const schedule_shape& shape);
 pipeline_plan plan_zb_h1(const schedule_shape& shape);
+// Evaluation: every chunk's forward of every micro-batch, no backward; rank r runs F(c*p + r, j)
+// for j, then c ascending.
+pipeline_plan plan_forward_only(const schedule_shape& shape);
 
 // The registry: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1" are built in.
 using schedule_fn = std::function<pipeline_plan(const schedule_shape&)>;

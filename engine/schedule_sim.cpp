@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <array>
+#include <set>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace troupe::engine {
@@ -330,6 +332,25 @@ void check_plan(const pipeline_plan& plan) {
     throw std::invalid_argument(message);
   }
   if (sim.deadlock) throw std::invalid_argument(name + " deadlocks: " + sim.deadlock_report);
+}
+
+void check_forward_plan(const pipeline_plan& plan) {
+  const auto& sh = plan.shape;
+  for (int k = 0; k < sh.ranks; ++k) {
+    std::set<std::pair<int, int>> seen;
+    for (const auto& a : plan.ranks.at(static_cast<std::size_t>(k))) {
+      if (a.kind != action_kind::forward || a.stage < 0 ||
+          a.stage >= sh.ranks * sh.virtual_stages || a.stage % sh.ranks != k || a.micro_batch < 0 ||
+          a.micro_batch >= sh.micro_batches || !seen.insert({a.stage, a.micro_batch}).second)
+        throw std::invalid_argument("evaluation plan: rank " + std::to_string(k) + " has action " +
+                                    to_token(a) +
+                                    " (only each chunk's forward of each micro-batch, once)");
+    }
+    if (static_cast<int>(seen.size()) != sh.virtual_stages * sh.micro_batches)
+      throw std::invalid_argument("evaluation plan: rank " + std::to_string(k) + " has " +
+                                  std::to_string(seen.size()) + " forwards, expected " +
+                                  std::to_string(sh.virtual_stages * sh.micro_batches));
+  }
 }
 
 }  // namespace troupe::engine

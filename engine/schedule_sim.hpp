@@ -50,5 +50,8 @@ simulation simulate(const pipeline_plan& plan, const action_costs& costs = {});
 
 // Throws std::invalid_argument naming the plan and its first error or the deadlock.
 void check_plan(const pipeline_plan& plan);
+// An evaluation plan (plan_forward_only's shape): on every rank, each of its chunks' forward of
+// each micro-batch exactly once and nothing else. Throws std::invalid_argument naming the rank.
+void check_forward_plan(const pipeline_plan& plan);
 
 }  // namespace troupe::engine
