@@ -322,7 +322,11 @@ remote_mesh::remote_mesh(std::unique_ptr<topology::ucx_transport> transport, gat
   state_->transport = std::move(transport);
 }
 
-remote_mesh::~remote_mesh() { shutdown(true, ""); }
+// Normal ends call shutdown() first; reaching here unstopped means the driver left early.
+remote_mesh::~remote_mesh() {
+  shutdown(false, "the process of rank " + std::to_string(state_->cfg.rank) +
+                      " stopped before the job ended");
+}
 
 int remote_mesh::rank() const { return state_->cfg.rank; }
 
