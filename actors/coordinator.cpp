@@ -3,7 +3,8 @@
 // Invariants:
 //  C1. Step s+1 begins only after every stage reported update_done for step s.
 //  C2. The global gradient norm is the square root of the sum of the ranks' squared norms of
-//      replica 0 (all replicas hold the same reduced gradients).
+//      replica 0 (all replicas hold the same reduced gradients), or with ZeRO of every replica
+//      (each holds one shard of them).
 //  C3. Every actor of the run is monitored; a stop before run_finished is a failure naming it.
 #include "actors/coordinator.hpp"
 
@@ -56,6 +57,7 @@ class coordinator_impl : public coordinator_actor::base {
     square_sum_ = loss_sum_ = eval_sum_ = 0;
     losses_ = eval_losses_ = 0;
     reported_.assign(static_cast<std::size_t>(stage_count()), grads_ready{});
+    memory_.assign(static_cast<std::size_t>(stage_count()), engine::memory_report{});
     eval_reported_.assign(static_cast<std::size_t>(cfg_.replicas), eval_done{});
     caf::anon_send(caf::actor_cast<schedule_actor>(wiring_.schedule), begin_step{s, cfg_.rounds});
   }
@@ -67,7 +69,7 @@ class coordinator_impl : public coordinator_actor::base {
     reported_.at(static_cast<std::size_t>(g.replica * cfg_.ranks + g.rank)) = g;
     if (++grads_ < stage_count()) return;
     for (const auto& r : reported_) {
-      if (r.replica == 0) square_sum_ += r.grad_square_sum;
+      if (r.replica == 0 || cfg_.sharded_grads) square_sum_ += r.grad_square_sum;
       loss_sum_ += r.loss_sum;
       losses_ += r.losses;
     }
@@ -83,6 +85,7 @@ class coordinator_impl : public coordinator_actor::base {
 
   void on_updated(const update_done& u) {
     lr_ = u.lr;
+    memory_.at(static_cast<std::size_t>(u.replica * cfg_.ranks + u.rank)) = u.memory;
     if (++updates_ < stage_count()) return;
     if (!eval_due()) {
       finish_step();
@@ -120,6 +123,7 @@ class coordinator_impl : public coordinator_actor::base {
     tokens_ += cfg_.tokens_per_step;
     m.tokens = tokens_;
     m.elapsed_s = std::chrono::duration<double>(now - start_).count();
+    m.memory = memory_;
     cfg_.trace.span("step", "step " + std::to_string(step_ + 1), trace_start_, cfg_.trace.now_us(),
                     {step_});
     if (cfg_.trace.enabled()) caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
@@ -154,6 +158,7 @@ class coordinator_impl : public coordinator_actor::base {
   double trace_start_ = 0;
   int step_ = 0, grads_ = 0, updates_ = 0, evals_ = 0, evals_expected_ = 0;
   double square_sum_ = 0, loss_sum_ = 0, eval_sum_ = 0, grad_norm_ = 0, lr_ = 0;
+  std::vector<engine::memory_report> memory_;  // this step's, by replica * ranks + rank
   std::vector<grads_ready> reported_;     // this step's, by replica * ranks + rank
   std::vector<eval_done> eval_reported_;  // by replica
   int losses_ = 0, eval_losses_ = 0;

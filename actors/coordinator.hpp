@@ -16,6 +16,7 @@ namespace troupe::actors {
 struct coordinator_config {
   int steps = 1, rounds = 1, ranks = 1, replicas = 1;
   int eval_interval = 0, eval_batches = 0;  // eval_interval 0 or no validation data: none
+  bool sharded_grads = false;  // ZeRO: each replica reports the squared norm of its own shard
   std::int64_t tokens_per_step = 0;
   double flops_per_token = 0;
   engine::trace::recorder trace;

@@ -17,6 +17,7 @@
 #include "actors/gateway.hpp"
 #include "actors/pipeline_stage.hpp"
 #include "actors/ring_reducer.hpp"
+#include "actors/zero_shard.hpp"
 #include "actors/schedule_actor.hpp"
 #include "actors/tracer.hpp"
 #include "engine/gpt_weights.hpp"
@@ -117,6 +118,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.link_credits =
           r.parallel.link_credits > 0 ? r.parallel.link_credits : r.parallel.micro_batches;
       c.bucket_layers = r.parallel.bucket_layers;
+      c.zero = static_cast<engine::zero_stage>(r.parallel.zero);
       c.compute_threads = compute_threads(in);
       const std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
       c.trace = add_track(a, in, name, "stage", p, d);
@@ -124,6 +126,26 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
                                       name,
                                       [&] { return spawn_pipeline_stage(sys, std::move(c)); }));
     }
+  }
+  if (r.parallel.zero > 0) {  // ZeRO: a shard actor per stage, in a ring over the replicas
+    for (int d = 0; d < r.parallel.dp; ++d) {
+      a.reducers.emplace_back();
+      for (int p = 0; p < r.parallel.pp; ++p) {
+        const std::string name = "zero shard " + std::to_string(p) + " · dp " + std::to_string(d);
+        zero_shard_config c;
+        c.rank = p;
+        c.replica = d;
+        c.replicas = r.parallel.dp;
+        c.zero = static_cast<engine::zero_stage>(r.parallel.zero);
+        c.optimizer = r.optimizer;
+        c.total_steps = r.steps;
+        c.trace = add_track(a, in, name, "collective", p, d);
+        a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p),
+                                          pl.process_of_stage(d, p), name,
+                                          [&] { return spawn_zero_shard(sys, std::move(c)); }));
+      }
+    }
+    return;
   }
   if (r.parallel.dp == 1) return;
   if (!in.mesh) {  // in-process: one reducer per rank sees every replica's bucket
@@ -209,15 +231,17 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
       }
       w.loader = a.loaders[static_cast<std::size_t>(d)];
       w.coordinator = a.coordinator;
+      const bool per_replica = in.mesh || r.parallel.zero > 0;  // ring reducers or zero shards
       if (!a.reducers.empty())
-        w.reducer = in.mesh ? a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)]
-                            : a.reducers[0][static_cast<std::size_t>(k)];
+        w.reducer = per_replica ? a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)]
+                                : a.reducers[0][static_cast<std::size_t>(k)];
       w.tracer = a.tracer;
       const int partner =
           k == in.layout.embedding_rank() ? in.layout.head_rank() : in.layout.embedding_rank();
       w.tied_partner = row[static_cast<std::size_t>(partner)];
       caf::anon_send(row[static_cast<std::size_t>(k)], std::move(w));
-      if (in.mesh && r.parallel.dp > 1) {
+      // Ring reducers and zero shards learn their stage and the next replica's shard.
+      if ((in.mesh && r.parallel.dp > 1) || r.parallel.zero > 0) {
         const auto next = static_cast<std::size_t>((d + 1) % r.parallel.dp);
         caf::anon_send(a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)],
                        ring_wiring{row[static_cast<std::size_t>(k)],
@@ -398,6 +422,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     cc.rounds = r.batch.grad_accum;
     cc.ranks = r.parallel.pp;
     cc.replicas = r.parallel.dp;
+    cc.sharded_grads = r.parallel.zero > 0;
     const bool has_val = !in.data.val.empty() && r.eval_interval > 0;
     cc.eval_interval = has_val ? r.eval_interval : 0;
     cc.eval_batches = has_val ? r.eval_batches : 0;

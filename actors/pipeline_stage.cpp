@@ -7,6 +7,9 @@
 //      credits and data that arrive meanwhile are handled before the next action.
 //  S4. grads_ready is sent once per step, after the last action, every data-parallel bucket's
 //      reduction and the tied-wte exchange.
+//  S5. ZeRO: a bucket holding a tied wte copy goes to the shard only after the tied exchange
+//      (the shard reduces gradients the stage will never see whole again); the squared norm
+//      is the sum of the shard's per-bucket reports, in bucket order.
 #include "actors/pipeline_stage.hpp"
 
 #include <algorithm>
@@ -69,7 +72,10 @@ class stage_impl : public stage_actor::base {
     kernels::set_compute_threads(cfg_.compute_threads);
     init_chunks();
     return {
-        [this](stage_wiring& w) { wiring_ = std::move(w); },
+        [this](stage_wiring& w) {
+          wiring_ = std::move(w);
+          if (zero()) send_zero_layout();
+        },
         [this](step_plan& p) { start_plan(std::move(p)); },
         [this](link_message& m) { on_link(std::move(m)); },
         [this](link_credit& c) { on_credit(c); },
@@ -77,6 +83,7 @@ class stage_impl : public stage_actor::base {
         [this](grad_bucket_reduced& r) { on_reduced(r); },
         [this](tied_grad& t) { on_tied(std::move(t)); },
         [this](apply_update& u) { on_update(u); },
+        [this](zero_update_done& d) { on_zero_updated(d); },
         [this](stage_continue) { advance(); },
         [this](snapshot_request) { return snapshot(); },
     };
@@ -87,11 +94,33 @@ class stage_impl : public stage_actor::base {
     return "stage rank " + std::to_string(cfg_.rank) + " replica " + std::to_string(cfg_.replica);
   }
   int last_stage() const { return cfg_.layout.stage_count() - 1; }
+  bool zero() const { return cfg_.zero != engine::zero_stage::none; }
+  bool release_grads() const { return cfg_.zero >= engine::zero_stage::gradients; }
+
+  // What this replica owns of each bucket, for its shard actor (same process: raw pointers).
+  void send_zero_layout() {
+    zero_layout l;
+    std::int64_t at = 0;
+    for (int b = 0; b < buckets_.size(); ++b) {
+      const auto& info = buckets_.bucket(b);
+      const auto& st = compute_->chunk(info.chunk);
+      std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+      for (const auto& [ptr, n] : info.ranges) ranges.emplace_back(ptr - st.grads(), n);
+      l.buckets.push_back(engine::make_bucket_shard(st, info.chunk, std::move(ranges),
+                                                    cfg_.replica, cfg_.replicas, at));
+      at += l.buckets.back().end - l.buckets.back().begin;
+    }
+    for (int c = 0; c < compute_->chunk_count(); ++c) {
+      l.params.push_back(compute_->chunk(c).params());
+      l.grads.push_back(compute_->chunk(c).grads());
+    }
+    caf::anon_send(wiring_.reducer, std::move(l));
+  }
   int my_rank() const { return cfg_.rank; }
 
   void init_chunks() {
-    compute_ =
-        std::make_unique<engine::stage_compute>(cfg_.model, cfg_.layout.rank_chunks(cfg_.rank));
+    compute_ = std::make_unique<engine::stage_compute>(
+        cfg_.model, cfg_.layout.rank_chunks(cfg_.rank), /*optimizer_state=*/!zero());
     std::vector<engine::gpt_stage*> chunks;
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       auto& st = compute_->chunk(c);
@@ -122,7 +151,9 @@ class stage_impl : public stage_actor::base {
     waiting_since_ = -1;
     if (!plan_.eval) {
       buckets_.start_step();
-      buckets_pending_ = cfg_.replicas > 1 ? buckets_.size() : 0;
+      buckets_pending_ = cfg_.replicas > 1 || zero() ? buckets_.size() : 0;
+      shard_square_sums_.assign(static_cast<std::size_t>(buckets_.size()), 0.0);
+      tied_waiting_.clear();
       start_tied();
       find_last_weight_actions();
     }
@@ -419,6 +450,17 @@ class stage_impl : public stage_actor::base {
   void on_block_final(int chunk, int block) {
     const auto b = buckets_.block_done(chunk, block);
     if (!b) return;
+    if (zero()) {  // S5
+      const bool tied = std::count(tied_.buckets.begin(), tied_.buckets.end(), *b) > 0;
+      if (tied && !tied_done_) {
+        tied_waiting_.push_back(*b);
+        bucket_final(*b);
+        flush_tied_waiting();
+      } else {
+        send_bucket(*b);
+      }
+      return;
+    }
     if (cfg_.replicas > 1) {
       const double t = cfg_.trace.now_us();
       caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, *b,
@@ -430,9 +472,30 @@ class stage_impl : public stage_actor::base {
     }
   }
 
+  void send_bucket(int b) {
+    const double t = cfg_.trace.now_us();
+    caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b,
+                                                buckets_.bucket(b).ranges});
+    cfg_.trace.span("send", "bucket " + buckets_.bucket(b).name, t, cfg_.trace.now_us(),
+                    {plan_.step});
+  }
+
+  void flush_tied_waiting() {
+    if (!tied_done_) return;
+    for (int b : tied_waiting_) send_bucket(b);
+    tied_waiting_.clear();
+  }
+
   void on_reduced(const grad_bucket_reduced& r) {
     --buckets_pending_;
-    bucket_final(r.bucket);
+    if (zero()) {
+      shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
+      // ZeRO-2: the shard copied its chunk; the whole bucket goes back to zero pages.
+      if (release_grads())
+        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges) engine::release_zeroed(ptr, n);
+    } else {
+      bucket_final(r.bucket);
+    }
     check_grads_ready();
   }
 
@@ -475,6 +538,7 @@ class stage_impl : public stage_actor::base {
   void on_tied(tied_grad t) {
     tied_partner_ = std::move(t.data);
     finish_tied();
+    if (zero()) flush_tied_waiting();
     check_grads_ready();
   }
 
@@ -507,15 +571,23 @@ class stage_impl : public stage_actor::base {
     if (cfg_.replicas > 1 || tied_.grads.size() == 1)
       cfg_.trace.span("wait", cfg_.replicas > 1 ? "dp" : "tied", dp_wait_since_, now, {plan_.step});
     double sq = 0;
-    for (int c = 0; c < compute_->chunk_count(); ++c) {
-      const auto& st = compute_->chunk(c);
-      sq += engine::grad_square_sum(st, !(st.range().head && !st.range().embedding));
+    if (zero()) {
+      for (double s : shard_square_sums_) sq += s;
+    } else {
+      for (int c = 0; c < compute_->chunk_count(); ++c) {
+        const auto& st = compute_->chunk(c);
+        sq += engine::grad_square_sum(st, !(st.range().head && !st.range().embedding));
+      }
     }
     caf::anon_send(wiring_.coordinator,
                    grads_ready{plan_.step, my_rank(), cfg_.replica, sq, loss_sum_, losses_});
   }
 
   void on_update(const apply_update& u) {
+    if (zero()) {
+      caf::anon_send(wiring_.reducer, zero_update{u.step, u.grad_norm});
+      return;
+    }
     const double t0 = cfg_.trace.now_us();
     double lr = 0;
     for (int c = 0; c < compute_->chunk_count(); ++c) {
@@ -526,8 +598,40 @@ class stage_impl : public stage_actor::base {
       st.zero_grad();
     }
     cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
-    caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), cfg_.replica, lr});
+    engine::memory_report mem = memory();
+    mem.optimizer = compute_->optimizer_bytes();
+    caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), cfg_.replica, lr, mem});
     flush_trace();
+  }
+
+  // The shard updated its floats and every replica's parameters are whole again.
+  void on_zero_updated(const zero_update_done& d) {
+    if (!release_grads()) compute_->zero_grad();  // ZeRO-2: every bucket was released already
+    engine::memory_report mem = memory();
+    mem.optimizer = d.memory.optimizer;
+    if (release_grads()) {
+      // Held gradients are the shard's; pages the released buffer still has are temporary.
+      mem.buffers += mem.gradients;
+      mem.gradients = d.memory.gradients;
+    }
+    mem.buffers += d.memory.buffers;
+    caf::anon_send(wiring_.coordinator, update_done{d.step, my_rank(), cfg_.replica, d.lr, mem});
+    flush_trace();
+  }
+
+  // Parameter and gradient buffers of this rank; gradients measured as resident pages when
+  // ZeRO-2 releases them.
+  engine::memory_report memory() const {
+    engine::memory_report m;
+    m.replica = cfg_.replica;
+    m.rank = my_rank();
+    for (int c = 0; c < compute_->chunk_count(); ++c) {
+      const auto& st = compute_->chunk(c);
+      const auto bytes = st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
+      m.parameters += bytes;
+      m.gradients += release_grads() ? engine::resident_bytes(st.grads(), bytes) : bytes;
+    }
+    return m;
   }
 
   void flush_trace() {
@@ -566,6 +670,8 @@ class stage_impl : public stage_actor::base {
   double loss_sum_ = 0;
   int losses_ = 0;
   int buckets_pending_ = 0;
+  std::vector<double> shard_square_sums_;  // ZeRO: by bucket, this step
+  std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
   int embedding_chunk_ = -1, head_chunk_ = -1;
   struct {
     std::vector<float*> grads;  // wte gradient copies on this rank (0, 1 or 2)

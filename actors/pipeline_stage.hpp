@@ -11,6 +11,7 @@
 #include "engine/optimizer.hpp"
 #include "engine/pipeline_layout.hpp"
 #include "engine/trace_recorder.hpp"
+#include "engine/zero.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {
@@ -27,6 +28,9 @@ struct stage_config {
   int total_steps = 1;
   int link_credits = 1;
   int bucket_layers = 1;
+  // ZeRO >= 1: the optimizer state lives in a zero shard actor (wiring.reducer), gradients are
+  // reduce-scattered to it, and (ZeRO-2) a bucket's gradients are released once reduced.
+  engine::zero_stage zero = engine::zero_stage::none;
   int compute_threads = 1;
   engine::trace::recorder trace;
 };

@@ -8,10 +8,23 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <vector>
 
 #include "engine/data/corpus.hpp"
 
 namespace troupe::engine {
+
+// Memory one (replica, pipeline rank) holds at the end of a step, as measured by the actors that
+// hold it (bytes). Model state = parameters + gradients + optimizer.
+struct memory_report {
+  int replica = 0, rank = 0;
+  std::int64_t parameters = 0;  // parameter buffers
+  std::int64_t gradients = 0;   // gradients kept across the step (full, or a ZeRO shard)
+  std::int64_t optimizer = 0;   // AdamW moments
+  std::int64_t buffers = 0;     // temporary: resident pages of a released gradient-accumulation
+                                // buffer, collective chunks in flight
+  std::int64_t model_state() const { return parameters + gradients + optimizer; }
+};
 
 struct step_metrics {
   int step = 0;  // 1-based: steps completed
@@ -25,6 +38,7 @@ struct step_metrics {
   double elapsed_s = 0;     // since training began
   std::int64_t tokens = 0;  // tokens processed so far
   double flops_per_s = 0;   // model FLOPs (6N + attention) per second
+  std::vector<memory_report> memory;  // actor engine: every (replica, rank), replica-major
 };
 
 class jsonl_writer {

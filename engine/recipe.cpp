@@ -101,6 +101,8 @@ const std::map<std::string, field>& schema() {
       {"parallel.link_credits", nested(&recipe::parallel, &parallel_config::link_credits)},
       {"parallel.prefetch", nested(&recipe::parallel, &parallel_config::prefetch)},
       {"parallel.bucket_layers", nested(&recipe::parallel, &parallel_config::bucket_layers)},
+      {"parallel.zero", nested(&recipe::parallel, &parallel_config::zero)},
+      {"parallel.zero_prefetch", nested(&recipe::parallel, &parallel_config::zero_prefetch)},
   };
   return fields;
 }
@@ -196,6 +198,10 @@ void validate_parallel(const recipe& r) {
   require(p.link_credits >= 0, "parallel.link_credits", "must be >= 0 (0: micro_batches)");
   require(p.prefetch >= 1, "parallel.prefetch", "must be >= 1");
   require(p.bucket_layers >= 1, "parallel.bucket_layers", "must be >= 1");
+  require(p.zero >= 0 && p.zero <= 3, "parallel.zero", "must be 0, 1, 2 or 3");
+  require(p.zero != 3, "parallel.zero",
+          "3 (parameter sharding) is not implemented yet; use 0 (DDP), 1 or 2");
+  require(p.zero_prefetch >= 1, "parallel.zero_prefetch", "must be >= 1");
   const int chunks = p.pp * p.virtual_stages;
   require(chunks <= r.model.layers, "parallel.pp",
           std::to_string(p.pp) + " ranks x " + std::to_string(p.virtual_stages) +

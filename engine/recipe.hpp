@@ -50,6 +50,8 @@ struct parallel_config {
   int link_credits = 0;           // unacknowledged messages per link; 0: micro_batches
   int prefetch = 2;               // micro-batches the data loader keeps ready
   int bucket_layers = 1;          // transformer layers per data-parallel gradient bucket
+  int zero = 0;                   // ZeRO stage over each rank's DP group: 0 (DDP), 1, 2
+  int zero_prefetch = 1;          // ZeRO-3: layers gathered ahead of use
 };
 
 struct recipe {

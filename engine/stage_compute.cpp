@@ -16,13 +16,28 @@ std::string describe(int c, micro_batch_id id) {
 
 }  // namespace
 
-stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks) {
+stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
+                             bool optimizer_state) {
   for (const auto& r : chunks) {
     chunk_state s;
     s.stage = std::make_unique<gpt_stage>(model, r);
-    s.opt = std::make_unique<adamw_optimizer>(*s.stage);
+    if (optimizer_state) s.opt = std::make_unique<adamw_optimizer>(*s.stage);
     chunks_.push_back(std::move(s));
   }
+}
+
+adamw_optimizer& stage_compute::optimizer(int c) {
+  auto& opt = chunks_.at(static_cast<std::size_t>(c)).opt;
+  if (!opt) throw std::logic_error("stage_compute: no optimizer state here (a ZeRO shard holds it)");
+  return *opt;
+}
+
+std::int64_t stage_compute::optimizer_bytes() const {
+  std::int64_t bytes = 0;
+  for (const auto& c : chunks_)
+    if (c.opt) bytes += static_cast<std::int64_t>(c.opt->first_moment().nbytes() +
+                                                  c.opt->second_moment().nbytes());
+  return bytes;
 }
 
 void stage_compute::zero_grad() {

@@ -30,11 +30,14 @@ struct micro_batch_id {
 
 class stage_compute {
  public:
-  stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks);
+  // optimizer_state false: no AdamW moments here (ZeRO: a shard actor holds them).
+  stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
+                bool optimizer_state = true);
 
   int chunk_count() const { return static_cast<int>(chunks_.size()); }
   gpt_stage& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
-  adamw_optimizer& optimizer(int c) { return *chunks_.at(static_cast<std::size_t>(c)).opt; }
+  adamw_optimizer& optimizer(int c);  // throws std::logic_error without optimizer state
+  std::int64_t optimizer_bytes() const;
   void zero_grad();
 
   struct forward_args {

@@ -19,6 +19,7 @@
 #include "engine/metrics.hpp"
 #include "engine/schedule.hpp"
 #include "engine/trace.hpp"
+#include "engine/zero.hpp"
 #include "messages/payload.hpp"
 
 namespace troupe::messages {
@@ -104,6 +105,7 @@ struct apply_update {
 struct update_done {
   int step = 0, rank = 0, replica = 0;
   double lr = 0;
+  engine::memory_report memory;  // what this (replica, rank) holds after the update
 };
 
 struct eval_done {
@@ -118,9 +120,31 @@ struct grad_bucket {
   std::vector<std::pair<float*, std::int64_t>> ranges;
 };
 
-// The bucket's ranges now hold the mean over all replicas.
+// The bucket's ranges now hold the mean over all replicas (DDP), or (ZeRO) the replica's owned
+// chunk does and square_sum is the squared norm of its counted parameters.
 struct grad_bucket_reduced {
   int step = 0, bucket = 0;
+  double square_sum = 0;
+};
+
+// ZeRO, between a stage and its shard actor (always in the same process; raw pointers):
+//   stage --zero_layout--> shard (once: what the replica owns of each bucket, where it lives)
+//   stage --grad_bucket--> shard <--ring_chunk (reduce-scatter)--> shards of the other replicas
+//   shard --grad_bucket_reduced{square_sum}--> stage (ZeRO-2: the stage releases the bucket)
+//   stage --zero_update{grad_norm}--> shard: AdamW on the owned floats, then ring_chunk
+//   (all-gather) of the new parameters --> shard --zero_update_done--> stage
+struct zero_layout {
+  std::vector<engine::bucket_shard> buckets;  // by bucket index
+  std::vector<float*> params, grads;          // per model chunk: the flat buffers
+};
+struct zero_update {
+  int step = 0;
+  double grad_norm = 0;
+};
+struct zero_update_done {
+  int step = 0;
+  double lr = 0;
+  engine::memory_report memory;  // the shard's part: moments, owned gradients, chunk buffers
 };
 
 // The tied wte gradient, exchanged between the embedding rank and the head rank.

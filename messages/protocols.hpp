@@ -7,6 +7,8 @@
 //   stage --link_message--> neighbour stage, only after a link_credit for that message
 //   stage --grad_bucket--> dp reducer --grad_bucket_reduced--> stage
 //   (across processes: stage --grad_bucket--> ring reducer <--ring_chunk--> ring reducers)
+//   (ZeRO: stage --zero_layout, grad_bucket, zero_update--> zero shard <--ring_chunk--> shards;
+//    shard --grad_bucket_reduced, zero_update_done--> stage; see messages/pipeline.hpp)
 //   stage --grads_ready--> coordinator --apply_update--> stage --update_done--> coordinator
 //   every actor --trace_batch--> tracer
 #pragma once
@@ -29,6 +31,9 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::update_done)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::eval_done)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::grad_bucket)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::grad_bucket_reduced)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_layout)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_update)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_update_done)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::tied_grad)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::swap_schedule)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::swap_result)
@@ -108,7 +113,8 @@ namespace troupe::messages {
 using stage_actor = caf::typed_actor<
     caf::reacts_to<stage_wiring>, caf::reacts_to<step_plan>, caf::reacts_to<link_message>,
     caf::reacts_to<link_credit>, caf::reacts_to<batch_message>, caf::reacts_to<grad_bucket_reduced>,
-    caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<stage_continue>,
+    caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<zero_update_done>,
+    caf::reacts_to<stage_continue>,
     caf::replies_to<snapshot_request>::with<stage_snapshot>>;
 
 using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,
@@ -126,6 +132,11 @@ using tracer_actor =
 using ring_reducer_actor =
     caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<grad_bucket>,
                      caf::reacts_to<ring_chunk>>;
+
+using zero_shard_actor =
+    caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<zero_layout>,
+                     caf::reacts_to<grad_bucket>, caf::reacts_to<ring_chunk>,
+                     caf::reacts_to<zero_update>>;
 
 using coordinator_actor =
     caf::typed_actor<caf::reacts_to<coordinator_wiring>, caf::reacts_to<start_run>,

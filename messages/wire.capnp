@@ -115,11 +115,21 @@ struct ApplyUpdate {
   gradNorm @1 :Float64;
 }
 
+struct MemoryReport {
+  replica @0 :Int32;
+  rank @1 :Int32;
+  parameters @2 :Int64;
+  gradients @3 :Int64;
+  optimizer @4 :Int64;
+  buffers @5 :Int64;
+}
+
 struct UpdateDone {
   step @0 :Int32;
   rank @1 :Int32;
   replica @2 :Int32;
   lr @3 :Float64;
+  memory @4 :MemoryReport;
 }
 
 struct EvalDone {
@@ -181,6 +191,7 @@ struct StepReport {
   elapsedS @9 :Float64;
   tokens @10 :Int64;
   flopsPerS @11 :Float64;
+  memory @12 :List(MemoryReport);
 }
 
 struct Heartbeat {

@@ -143,6 +143,17 @@ class writer {
     b.setElapsedS(m.elapsed_s);
     b.setTokens(m.tokens);
     b.setFlopsPerS(m.flops_per_s);
+    auto mem = b.initMemory(static_cast<unsigned>(m.memory.size()));
+    for (unsigned i = 0; i < m.memory.size(); ++i) memory(mem[i], m.memory[i]);
+  }
+
+  static void memory(s::MemoryReport::Builder b, const engine::memory_report& m) {
+    b.setReplica(m.replica);
+    b.setRank(m.rank);
+    b.setParameters(m.parameters);
+    b.setGradients(m.gradients);
+    b.setOptimizer(m.optimizer);
+    b.setBuffers(m.buffers);
   }
 
   void body(s::Envelope::Body::Builder b, const wire::body& msg);
@@ -220,6 +231,7 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       o.setRank(m.rank);
       o.setReplica(m.replica);
       o.setLr(m.lr);
+      w.memory(o.initMemory(), m.memory);
     }
     void operator()(const eval_done& m) {
       auto o = b.initEvalDone();
@@ -431,6 +443,17 @@ class reader {
     return p;
   }
 
+  static engine::memory_report memory(s::MemoryReport::Reader r) {
+    engine::memory_report m;
+    m.replica = r.getReplica();
+    m.rank = r.getRank();
+    m.parameters = r.getParameters();
+    m.gradients = r.getGradients();
+    m.optimizer = r.getOptimizer();
+    m.buffers = r.getBuffers();
+    return m;
+  }
+
   engine::trace::event event(s::TraceEvent::Reader r) {
     engine::trace::event e;
     e.kind = static_cast<engine::trace::event_kind>(at("events").checked(r.getKind(), 4));
@@ -515,7 +538,8 @@ body reader::message(s::Envelope::Body::Reader b) {
     }
     case B::UPDATE_DONE: {
       const auto r = b.getUpdateDone();
-      return update_done{r.getStep(), r.getRank(), r.getReplica(), r.getLr()};
+      return update_done{r.getStep(), r.getRank(), r.getReplica(), r.getLr(),
+                         memory(r.getMemory())};
     }
     case B::EVAL_DONE: {
       const auto r = b.getEvalDone();
@@ -567,6 +591,8 @@ body reader::message(s::Envelope::Body::Reader b) {
       x.elapsed_s = r.getElapsedS();
       x.tokens = r.getTokens();
       x.flops_per_s = r.getFlopsPerS();
+      list(r.getMemory().size());
+      for (auto e : r.getMemory()) x.memory.push_back(memory(e));
       return m;
     }
     case B::HEARTBEAT: {

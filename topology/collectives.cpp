@@ -60,11 +60,18 @@ void ring_order_mean(const std::vector<float_ranges>& replicas) {
   }
 }
 
-ring_allreduce::ring_allreduce(float_ranges ranges, int replica, int replicas)
-    : ranges_(std::move(ranges)), replica_(replica), replicas_(replicas), n_(total(ranges_)) {
+ring_allreduce::ring_allreduce(float_ranges ranges, int replica, int replicas, ring_kind kind)
+    : ranges_(std::move(ranges)),
+      replica_(replica),
+      replicas_(replicas),
+      kind_(kind),
+      n_(total(ranges_)) {
   if (replicas < 1 || replica < 0 || replica >= replicas)
     throw std::logic_error("ring_allreduce: replica " + std::to_string(replica) + " of " +
                            std::to_string(replicas));
+  // A half run alone counts the other half as already done.
+  if (kind_ == ring_kind::all_gather) received_[0] = replicas_ - 1;
+  if (kind_ == ring_kind::reduce_scatter) received_[1] = replicas_ - 1;
 }
 
 std::vector<float> ring_allreduce::gather(int chunk) const {
@@ -92,6 +99,10 @@ int ring_allreduce::expected_chunk(int phase) const {
 
 std::vector<ring_allreduce::send> ring_allreduce::start() {
   if (replicas_ == 1) return {};
+  if (kind_ == ring_kind::all_gather) {
+    const int own = ring_owned_chunk(replica_, replicas_);
+    return {{1, own, gather(own)}};
+  }
   return {{0, replica_, gather(replica_)}};
 }
 
@@ -102,6 +113,9 @@ std::vector<ring_allreduce::send> ring_allreduce::receive(int phase, int chunk, 
   };
   if (phase != 0 && phase != 1) fail("phase " + std::to_string(phase));
   if (phase == 1 && received_[0] < replicas_ - 1) fail("all-gather chunk before reduce-scatter");
+  if ((phase == 0 && kind_ == ring_kind::all_gather) ||
+      (phase == 1 && kind_ == ring_kind::reduce_scatter))
+    fail("phase " + std::to_string(phase) + " chunk in a collective without that phase");
   if (received_[phase] >= replicas_ - 1)
     fail("one chunk too many in phase " + std::to_string(phase));
   if (chunk != expected_chunk(phase))
@@ -120,7 +134,7 @@ std::vector<ring_allreduce::send> ring_allreduce::receive(int phase, int chunk, 
       for_each_piece(ranges_, b, e, [&](float* p, std::int64_t cnt, std::int64_t) {
         for (std::int64_t i = 0; i < cnt; ++i) p[i] = p[i] * scale;
       });
-      out.push_back({1, chunk, gather(chunk)});
+      if (kind_ == ring_kind::all_reduce) out.push_back({1, chunk, gather(chunk)});
     }
   } else {
     scatter(chunk, data, false);

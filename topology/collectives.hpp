@@ -10,6 +10,9 @@
 // on replica c-1 (its owner), which scales it by 1/d. All-gather: each owner sends its final
 // chunk around the ring; every replica overwrites its copy and forwards it, d-1 times.
 // Each replica sends and receives 2(d-1)/d * N floats in 2(d-1) messages.
+// The same machine runs either half alone (ring_kind): a reduce-scatter leaves the mean of chunk
+// r+1 (mod d) on replica r, bitwise the all-reduce's value there (ZeRO-1/2 gradients); an
+// all-gather starts from each owner's chunk (ZeRO parameters after the shard update).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +31,13 @@ std::pair<std::int64_t, std::int64_t> ring_chunk_bounds(std::int64_t n, int d, i
 // replicas' layouts differ.
 void ring_order_mean(const std::vector<float_ranges>& replicas);
 
-// One replica's part of one ring all-reduce (mean) of one bucket.
+enum class ring_kind { all_reduce, reduce_scatter, all_gather };
+
+// The chunk replica r owns after a reduce-scatter (and sends first in an all-gather).
+inline int ring_owned_chunk(int replica, int replicas) { return (replica + 1) % replicas; }
+
+// One replica's part of one ring all-reduce (mean), reduce-scatter (mean) or all-gather of one
+// bucket.
 class ring_allreduce {
  public:
   struct send {
@@ -36,7 +45,8 @@ class ring_allreduce {
     int chunk = 0;
     std::vector<float> data;
   };
-  ring_allreduce(float_ranges ranges, int replica, int replicas);
+  ring_allreduce(float_ranges ranges, int replica, int replicas,
+                 ring_kind kind = ring_kind::all_reduce);
   // The sends that start the collective (none when d = 1).
   std::vector<send> start();
   // A chunk from the previous replica arrived; returns what to send to the next. Throws
@@ -58,6 +68,7 @@ class ring_allreduce {
 
   float_ranges ranges_;
   int replica_, replicas_;
+  ring_kind kind_;
   std::int64_t n_ = 0;
   int received_[2] = {0, 0};
 };

@@ -90,6 +90,11 @@ struct checker {
     const auto& g = as<update_done>();
     CHECK(std::tie(w.step, w.rank, w.replica) == std::tie(g.step, g.rank, g.replica));
     CHECK(same_double(w.lr, g.lr));
+    same_memory(w.memory, g.memory);
+  }
+  static void same_memory(const engine::memory_report& a, const engine::memory_report& b) {
+    CHECK(std::tie(a.replica, a.rank, a.parameters, a.gradients, a.optimizer, a.buffers) ==
+          std::tie(b.replica, b.rank, b.parameters, b.gradients, b.optimizer, b.buffers));
   }
   void operator()(const eval_done& w) {
     const auto& g = as<eval_done>();
@@ -136,6 +141,8 @@ struct checker {
           &engine::step_metrics::tokens_per_s, &engine::step_metrics::step_ms,
           &engine::step_metrics::elapsed_s, &engine::step_metrics::flops_per_s})
       CHECK(same_double(a.*f, b.*f));
+    REQUIRE(a.memory.size() == b.memory.size());
+    for (std::size_t i = 0; i < a.memory.size(); ++i) same_memory(a.memory[i], b.memory[i]);
   }
   void operator()(const heartbeat& w) {
     CHECK(std::tie(w.rank, w.sequence) == std::tie(as<heartbeat>().rank, as<heartbeat>().sequence));
@@ -212,7 +219,7 @@ TEST_CASE("kind names follow the C++ struct names", "[unit]") {
 }
 
 TEST_CASE("a step report without a validation loss keeps it absent", "[unit]") {
-  const auto got = round_trip({0, 0, 0, false, step_report{{3, 10, 1.5, std::nullopt}}});
+  const auto got = round_trip({0, 0, 0, false, step_report{{3, 10, 1.5, std::nullopt, 0, 0, 0, 0, 0, 0, 0, {}}}});
   CHECK_FALSE(std::get<step_report>(got.message).metrics.val_loss.has_value());
 }
 

@@ -111,7 +111,7 @@ inline body sample(std::size_t kind) {
     case 8:
       return apply_update{5, 3.5e-7};
     case 9:
-      return update_done{5, 1, 0, 2e-3};
+      return update_done{5, 1, 0, 2e-3, {1, 2, 1 << 20, 3 << 20, std::int64_t{5} << 32, 77}};
     case 10:
       return eval_done{6, 1, 12.75, 8};
     case 11:
@@ -131,7 +131,8 @@ inline body sample(std::size_t kind) {
       return trace_batch{{a, b, c, {}}};
     }
     case 15:
-      return step_report{{7, 600, 2.5, 2.75, 1e-3, 0.9, 1234.5, 80.25, 12.5, 4096, 3e9}};
+      return step_report{{7, 600, 2.5, 2.75, 1e-3, 0.9, 1234.5, 80.25, 12.5, 4096, 3e9,
+                          {{0, 0, 100, 200, 300, 4}, {1, 1, 5, 6, 7, 8}}}};
     case 16:
       return heartbeat{3, ~0ull};
     case 17:

@@ -43,10 +43,10 @@ struct in_flight {
 };
 
 // Runs the ring with messages delivered in a random order that keeps each link FIFO.
-void run_ring(replicas& r, std::uint32_t seed) {
+void run_ring(replicas& r, std::uint32_t seed, ring_kind kind = ring_kind::all_reduce) {
   const int d = static_cast<int>(r.data.size());
   std::vector<ring_allreduce> ring;
-  for (int i = 0; i < d; ++i) ring.emplace_back(r.ranges[static_cast<std::size_t>(i)], i, d);
+  for (int i = 0; i < d; ++i) ring.emplace_back(r.ranges[static_cast<std::size_t>(i)], i, d, kind);
   std::vector<std::deque<in_flight>> links(static_cast<std::size_t>(d));  // into replica i
   auto post = [&](int from, std::vector<ring_allreduce::send> sends) {
     const int to = (from + 1) % d;
@@ -131,4 +131,49 @@ TEST_CASE("ring all-reduce refuses chunks it does not expect", "[unit]") {
 TEST_CASE("ring-order mean refuses replicas of different sizes", "[unit]") {
   std::vector<float> a(4), b(5);
   REQUIRE_THROWS_AS(ring_order_mean({{{a.data(), 4}}, {{b.data(), 5}}}), std::logic_error);
+}
+
+TEST_CASE("ring reduce-scatter leaves each owner the all-reduce's chunk; all-gather completes it",
+          "[unit]") {
+  const std::vector<std::vector<std::int64_t>> layouts = {{1}, {7}, {3, 0, 5, 11}, {4097}};
+  for (int d = 1; d <= 5; ++d) {
+    for (std::size_t l = 0; l < layouts.size(); ++l) {
+      const auto seed = static_cast<std::uint32_t>(d * 31 + l);
+      replicas rs(d, layouts[l], seed), ref(d, layouts[l], seed);
+      run_ring(rs, seed + 3, ring_kind::reduce_scatter);
+      ring_order_mean(ref.ranges);
+      const auto n = static_cast<std::int64_t>(ref.data[0].size());
+      INFO("d=" << d << " layout " << l);
+      for (int i = 0; i < d; ++i) {
+        const auto [b, e] = ring_chunk_bounds(n, d, ring_owned_chunk(i, d));
+        for (std::int64_t k = b; k < e; ++k)  // bitwise the all-reduce's value
+          REQUIRE(rs.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] ==
+                  ref.data[0][static_cast<std::size_t>(k)]);
+      }
+      // All-gather from the owners' chunks: every replica ends with the whole mean.
+      for (int i = 0; i < d; ++i)
+        for (int c = 0; c < d; ++c) {
+          if (c == ring_owned_chunk(i, d)) continue;
+          const auto [b, e] = ring_chunk_bounds(n, d, c);
+          for (std::int64_t k = b; k < e; ++k)
+            rs.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
+        }
+      run_ring(rs, seed + 5, ring_kind::all_gather);
+      for (int i = 0; i < d; ++i) REQUIRE(rs.data[static_cast<std::size_t>(i)] == ref.data[0]);
+    }
+  }
+}
+
+TEST_CASE("a half collective refuses the other half's chunks", "[unit]") {
+  std::vector<float> a(10, 1.0f), c(3, 2.0f);
+  ring_allreduce rs({{a.data(), 10}}, 1, 3, ring_kind::reduce_scatter);
+  REQUIRE_THROWS_WITH(rs.receive(1, 1, c.data(), 3), Catch::Contains("before reduce-scatter"));
+  ring_allreduce ag({{a.data(), 10}}, 1, 3, ring_kind::all_gather);
+  const auto first = ag.start();
+  REQUIRE(first.size() == 1);
+  REQUIRE(first[0].phase == 1);
+  REQUIRE(first[0].chunk == 2);  // replica 1 owns chunk 2
+  REQUIRE_THROWS_WITH(ag.receive(0, 0, c.data(), 3), Catch::Contains("without that phase"));
+  REQUIRE_NOTHROW(ag.receive(1, 1, c.data(), 3));  // replica 0 owns chunk 1
+  REQUIRE(a[3] == 2.0f);
 }

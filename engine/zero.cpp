@@ -1,0 +1,142 @@
+// ZeRO shard arithmetic. See zero.hpp.
+#include "engine/zero.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "kernels/cpu_ops.hpp"
+
+namespace troupe::engine {
+
+bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
+                               std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
+                               int replica, int replicas, std::int64_t at) {
+  bucket_shard b;
+  b.chunk = chunk;
+  b.ranges = std::move(ranges);
+  for (const auto& [offset, n] : b.ranges) b.numel += n;
+  // ring_chunk_bounds(n, d, owned) of topology/collectives.hpp (engine does not include
+  // topology): chunk c = [c*N/d, (c+1)*N/d).
+  const int owned = (replica + 1) % replicas;
+  b.begin = b.numel * owned / replicas;
+  b.end = b.numel * (owned + 1) / replicas;
+  b.at = at;
+  const bool tied_copy = stage.range().head && !stage.range().embedding;
+  // Walk the concatenation: position `pos` of the bucket is flat offset range.first + k.
+  std::int64_t pos = 0;
+  for (const auto& [offset, n] : b.ranges) {
+    const std::int64_t lo = std::max(b.begin, pos), hi = std::min(b.end, pos + n);
+    if (lo < hi) {
+      const std::int64_t flat_lo = offset + (lo - pos), flat_hi = offset + (hi - pos);
+      for (const auto& p : stage.parameters()) {
+        const std::int64_t s = std::max(flat_lo, p.offset), e = std::min(flat_hi, p.offset + p.numel);
+        if (s >= e) continue;
+        shard_segment seg;
+        seg.chunk = chunk;
+        seg.offset = s;
+        seg.numel = e - s;
+        seg.at = at + (lo - b.begin) + (s - flat_lo);
+        seg.decay = p.decay;
+        seg.counted = !(tied_copy && p.name == "transformer.wte.weight");
+        b.segments.push_back(seg);
+      }
+    }
+    pos += n;
+  }
+  std::sort(b.segments.begin(), b.segments.end(),
+            [](const shard_segment& x, const shard_segment& y) { return x.at < y.at; });
+  return b;
+}
+
+double shard_square_sum(const bucket_shard& b, const shard_views& views) {
+  double sum = 0;
+  for (const auto& s : b.segments) {
+    if (!s.counted) continue;
+    const float* g = views.grad(s);
+    for (std::int64_t i = 0; i < s.numel; ++i) sum += double(g[i]) * double(g[i]);
+  }
+  return sum;
+}
+
+double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views,
+                        float* m, float* v, const optimizer_config& c, int step, int total_steps,
+                        double grad_norm) {
+  const double lr = learning_rate(c, step, total_steps);
+  const double coef = clip_coefficient(grad_norm, c.grad_clip);
+  kernels::adamw_hparams hp;
+  hp.lr = static_cast<float>(lr);
+  hp.beta1 = c.beta1;
+  hp.beta2 = c.beta2;
+  hp.eps = c.eps;
+  hp.weight_decay = c.weight_decay;
+  for (const auto& b : shards) {
+    for (const auto& s : b.segments) {
+      float* g = views.grad(s);
+      if (coef < 1.0) {
+        const float f = static_cast<float>(coef);
+        for (std::int64_t i = 0; i < s.numel; ++i) g[i] *= f;
+      }
+      kernels::adamw_update(views.param(s), g, m + s.at, v + s.at, s.numel, hp, step + 1,
+                            s.decay);
+    }
+  }
+  return lr;
+}
+
+model_state_bytes zero_formula(zero_stage zero, double psi, int n) {
+  const double dn = n;
+  switch (zero) {
+    case zero_stage::none:
+      return {4 * psi, 4 * psi, 8 * psi};
+    case zero_stage::optimizer:
+      return {4 * psi, 4 * psi, 8 * psi / dn};
+    case zero_stage::gradients:
+      return {4 * psi, 4 * psi / dn, 8 * psi / dn};
+    case zero_stage::parameters:
+      return {4 * psi / dn, 4 * psi / dn, 8 * psi / dn};
+  }
+  throw std::logic_error("zero_formula: unknown ZeRO stage");
+}
+
+namespace {
+std::int64_t page_size() {
+  static const std::int64_t p = ::sysconf(_SC_PAGESIZE);
+  return p;
+}
+}  // namespace
+
+void release_zeroed(float* data, std::int64_t n) {
+  if (n <= 0) return;
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const auto end = begin + static_cast<std::uintptr_t>(n) * sizeof(float);
+  const auto page = static_cast<std::uintptr_t>(page_size());
+  const std::uintptr_t lo = (begin + page - 1) / page * page, hi = end / page * page;
+  if (lo >= hi) {
+    std::memset(data, 0, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  std::memset(data, 0, lo - begin);
+  std::memset(reinterpret_cast<void*>(hi), 0, end - hi);
+  // Private anonymous memory reads as zeros after MADV_DONTNEED; if the kernel refuses, zero it.
+  if (::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) != 0)
+    std::memset(reinterpret_cast<void*>(lo), 0, hi - lo);
+}
+
+std::int64_t resident_bytes(const void* data, std::int64_t n) {
+  if (n <= 0) return 0;
+  const auto page = static_cast<std::uintptr_t>(page_size());
+  const auto begin = reinterpret_cast<std::uintptr_t>(data) / page * page;
+  const auto end = reinterpret_cast<std::uintptr_t>(data) + static_cast<std::uintptr_t>(n);
+  const std::size_t pages = (end - begin + page - 1) / page;
+  std::vector<unsigned char> vec(pages);
+  if (::mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0) return n;
+  std::int64_t resident = 0;
+  for (unsigned char c : vec) resident += (c & 1) ? static_cast<std::int64_t>(page) : 0;
+  return resident;
+}
+
+}  // namespace troupe::engine

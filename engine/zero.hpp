@@ -1,0 +1,88 @@
+// ZeRO arithmetic of one pipeline rank within its data-parallel group (no actors, no transport):
+// which part of each gradient bucket a replica owns, the AdamW update of that part, the model-
+// state memory formulas, and the operating-system side of releasing a gradient buffer.
+//
+// A bucket is the concatenation of its ranges (topology/collectives.hpp): N floats cut into d
+// ring chunks; replica r owns chunk ring_owned_chunk(r, d) = (r + 1) mod d, where the ring's
+// reduce-scatter leaves the mean. Chunks need not be equal: N need not divide by d, so no
+// padding exists anywhere (nothing to leak into numerics or checkpoints). The alignment gaps
+// between parameters inside a range are never a segment: the update touches parameters only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/optimizer.hpp"
+
+namespace troupe::engine {
+
+// parallel.zero: 0 DDP; 1 optimizer state sharded; 2 gradients too; 3 parameters too.
+enum class zero_stage : int { none = 0, optimizer = 1, gradients = 2, parameters = 3 };
+
+// A piece of one parameter inside a replica's shard of a bucket.
+struct shard_segment {
+  int chunk = 0;            // the rank's model chunk
+  std::int64_t offset = 0;  // into that chunk's flat parameter and gradient buffers
+  std::int64_t numel = 0;
+  std::int64_t at = 0;  // into the replica's shard storage (its owned floats, bucket by bucket)
+  bool decay = false;
+  bool counted = true;  // in the global gradient norm (false: a head's copy of the tied wte)
+};
+
+// What one replica owns of one bucket.
+struct bucket_shard {
+  int chunk = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  // the bucket: (offset, numel)
+  std::int64_t numel = 0;                                     // the whole bucket
+  std::int64_t begin = 0, end = 0;  // the owned chunk of the concatenation
+  std::int64_t at = 0;              // where the owned floats start in the shard storage
+  std::vector<shard_segment> segments;
+};
+
+// The shard of a bucket of `chunk` (ranges in increasing offset order, from
+// topology::grad_buckets) that `replica` of `replicas` owns; `at` is the shard storage used by
+// the buckets before it. Segments come from the chunk's parameter layout.
+bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
+                               std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
+                               int replica, int replicas, std::int64_t at);
+
+// Where a shard's numbers live: parameters and (ZeRO-1) gradients in the rank's chunk
+// buffers, or (ZeRO-2) gradients in the shard's own storage, indexed by segment.at.
+struct shard_views {
+  std::vector<float*> params, grads;  // per chunk: the flat buffers
+  float* shard_grads = nullptr;       // ZeRO-2: owned gradients; nullptr: in grads
+  float* param(const shard_segment& s) const { return params.at(std::size_t(s.chunk)) + s.offset; }
+  float* grad(const shard_segment& s) const {
+    return shard_grads ? shard_grads + s.at : grads.at(std::size_t(s.chunk)) + s.offset;
+  }
+};
+
+// Sum of squared gradients of a bucket shard's counted segments, in double, in segment order.
+double shard_square_sum(const bucket_shard& b, const shard_views& views);
+
+// One AdamW step of a shard, exactly the arithmetic adamw_optimizer applies to the same
+// elements: gradients scaled by the clip coefficient of grad_norm, then the update with the
+// schedule's lr. m and v are the shard's moments (indexed by segment.at). Returns the lr.
+double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views,
+                        float* m, float* v, const optimizer_config& c, int step, int total_steps,
+                        double grad_norm);
+
+// Model-state bytes per rank for fp32 AdamW (params 4, grads 4, two moments 8 per parameter)
+// with psi parameters on the pipeline rank and n data-parallel replicas: 16 psi (DDP),
+// 8 psi + 8 psi / n (ZeRO-1), 4 psi + 12 psi / n (ZeRO-2), 16 psi / n (ZeRO-3).
+struct model_state_bytes {
+  double parameters = 0, gradients = 0, optimizer = 0;
+  double total() const { return parameters + gradients + optimizer; }
+};
+model_state_bytes zero_formula(zero_stage zero, double psi, int n);
+
+// Zeroes [data, data + n) and hands its whole pages back to the operating system
+// (madvise(MADV_DONTNEED): the next write faults in a zero page), so a released gradient
+// range holds no memory until backward writes it again.
+void release_zeroed(float* data, std::int64_t n);
+// Bytes of [data, data + n) resident in memory (mincore), rounded to whole pages.
+std::int64_t resident_bytes(const void* data, std::int64_t n);
+
+}  // namespace troupe::engine
