@@ -26,6 +26,13 @@ void jsonl_writer::write(const step_metrics& m) {
       {"flops_per_s", m.flops_per_s},
   };
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  for (const auto& r : m.memory)
+    j["memory"].push_back({{"replica", r.replica},
+                           {"rank", r.rank},
+                           {"parameters", r.parameters},
+                           {"gradients", r.gradients},
+                           {"optimizer", r.optimizer},
+                           {"buffers", r.buffers}});
   out_ << j.dump() << '\n';
   out_.flush();
   if (!out_) throw std::runtime_error(path_.string() + ": write failed");

@@ -98,6 +98,19 @@ print(f"{b}: {len(rb)} steps identical to {a}")
 PY
 }
 
+compare_close() {  # compare_close A B: B's losses within 1e-5 relative of A's (ZeRO vs DDP)
+  "$py" - "$tmp/$1" "$tmp/$2" <<'PY'
+import json, sys
+a, b = sys.argv[1], sys.argv[2]
+ra = [json.loads(l) for l in open(a + "/metrics.jsonl")]
+rb = [json.loads(l) for l in open(b + "/metrics.jsonl")]
+assert len(ra) == len(rb) > 0, (len(ra), len(rb))
+for x, y in zip(ra, rb):
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), f"step {x['step']}: {x['loss']} vs {y['loss']}"
+print(f"{b}: {len(rb)} steps within 1e-5 of {a}")
+PY
+}
+
 configs=(
   "pp2 2 --set parallel.pp=2"
   "pp2dp2 4 --set parallel.pp=2 --set parallel.dp=2"
@@ -106,6 +119,9 @@ configs=(
   "dp4 4 --set parallel.dp=4"
   "pp4gpipe 4 --set parallel.pp=4 --set parallel.schedule=gpipe --set parallel.layer_split=[1,1,1,2] --set model.layers=5"
   "pp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
+  "z1pp2dp2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1"
+  "z2pp2dp2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2"
+  "z2dp4 4 --set parallel.dp=4 --set parallel.zero=2"
 )
 for c in "${configs[@]}"; do
   read -r -a f <<<"$c"
@@ -116,6 +132,10 @@ for c in "${configs[@]}"; do
   run_job "$name" "$world" "${args[@]}"
   compare "$name-one" "$name"
 done
+# ZeRO across processes against DDP across processes (same data, same init).
+compare_close pp2dp2 z1pp2dp2
+compare_close pp2dp2 z2pp2dp2
+compare_close dp4 z2dp4
 
 # A killed rank: rank 0 names it within the heartbeat deadline; every process exits non-zero.
 port=$((port + 1))
