@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "actors/pipeline_run.hpp"
+#include "engine/memory_plan.hpp"
 #include "engine/trainer.hpp"
 #include "tools/commands.hpp"
 #include "tools/progress.hpp"
@@ -22,6 +23,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     std::string engine = "actors";
     double peer_timeout = 10;
     double rendezvous_timeout = 120;
+    bool dry_run = false;
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
@@ -39,6 +41,8 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--rendezvous-timeout", opts->rendezvous_timeout,
                   "Seconds to wait for every process of the job to join")
       ->check(CLI::Range(0.1, 86400.0));
+  cmd->add_flag("--dry-run", opts->dry_run,
+                "Check the recipe and print the per-rank memory plan; allocate and train nothing");
   return [opts]() -> int {
     engine::recipe r;
     try {
@@ -46,6 +50,15 @@ std::function<int()> add_train_command(CLI::App& app) {
     } catch (const engine::recipe_error& e) {
       std::fprintf(stderr, "troupe train: %s\n", e.what());
       return exit_bad_input;
+    }
+    if (opts->dry_run) {
+      try {
+        std::fputs(engine::format_memory_plan(r, engine::plan_memory(r)).c_str(), stdout);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "troupe train: %s\n", e.what());
+        return exit_bad_input;
+      }
+      return exit_ok;
     }
     topology::launch_env launch;
     try {

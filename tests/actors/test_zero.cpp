@@ -3,6 +3,7 @@
 // equal, and the model-state bytes each rank reports match the ZeRO formulas within 5%.
 #include <cmath>
 
+#include "engine/memory_plan.hpp"
 #include "engine/zero.hpp"
 #include "tests/actors/actor_test_util.hpp"
 
@@ -91,6 +92,7 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
         r.parallel.micro_batches = 2;
         r.parallel.zero = zero;
         const auto res = run_actors(r);
+        const auto plan = engine::plan_memory(r);  // what --dry-run prints
         for (const auto& step : res.steps) {
           REQUIRE(step.memory.size() == static_cast<std::size_t>(2 * dp));
           for (const auto& m : step.memory) {
@@ -104,6 +106,10 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
             REQUIRE(std::abs(double(m.gradients) - want.gradients) <= 0.05 * want.gradients);
             REQUIRE(std::abs(double(m.optimizer) - want.optimizer) <= 0.05 * want.optimizer);
             REQUIRE(m.buffers >= 0);
+            const auto& p = plan.at(static_cast<std::size_t>(m.rank));
+            REQUIRE(p.parameters * 4 == m.parameters);
+            REQUIRE(std::abs(double(m.model_state()) - p.model_state.total()) <=
+                    0.05 * p.model_state.total());
           }
         }
       }

@@ -152,4 +152,20 @@ head -c 200 "$tmp/run4.svg" | grep -q "<svg" || {
   echo "FAIL: render did not write an SVG" >&2
   exit 1
 }
+# --dry-run prints the per-rank memory plan and allocates, trains and writes nothing.
+"$troupe" train "$tmp/recipe.toml" --dry-run --set model.layers=2 --set parallel.pp=2 --set parallel.dp=4 --set parallel.zero=2 \
+  --set "output.dir=$tmp/dry" >"$tmp/dry.txt" 2>&1 || {
+  echo "FAIL: --dry-run exited $?" >&2
+  cat "$tmp/dry.txt" >&2
+  exit 1
+}
+for needle in "memory plan per rank" "4 psi + 12 psi/N (ZeRO-2)" "model state" "activations"; do
+  grep -qF "$needle" "$tmp/dry.txt" || {
+    echo "FAIL: --dry-run output lacks '$needle':" >&2
+    cat "$tmp/dry.txt" >&2
+    exit 1
+  }
+done
+[ "$(grep -c '^[01] ' "$tmp/dry.txt")" = 2 ] || { echo "FAIL: --dry-run: not one line per rank" >&2; cat "$tmp/dry.txt" >&2; exit 1; }
+[ ! -e "$tmp/dry" ] || { echo "FAIL: --dry-run wrote $tmp/dry" >&2; exit 1; }
 echo "smoke test passed"

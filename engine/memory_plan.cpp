@@ -1,0 +1,99 @@
+// Per-rank memory plan. See memory_plan.hpp.
+#include "engine/memory_plan.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+#include "engine/gpt_model.hpp"
+#include "engine/pipeline_layout.hpp"
+#include "engine/schedule.hpp"
+
+namespace troupe::engine {
+namespace {
+
+// Floats one micro-batch's saved activations take on a chunk (gpt_activations' tensors).
+std::int64_t activation_floats(const gpt_config& c, const stage_range& s, std::int64_t B,
+                               std::int64_t T) {
+  const std::int64_t N = B * T, C = c.width;
+  const std::int64_t per_layer = N * C * 6      // ln1, atty, res2, ln2, res3, and qkv's C
+                                 + N * 3 * C    // qkv (3C)
+                                 + N * 4 * C * 2  // fch, fch_gelu
+                                 + N * 4          // ln mean/rstd x 2
+                                 + B * c.heads * T * T;  // attention probabilities
+  std::int64_t f = per_layer * (s.last_layer - s.first_layer);
+  if (s.embedding) f += N * C;
+  if (s.head) f += N * C + 2 * N + N * c.padded_vocab_size;  // ln_f, its stats, logits
+  return f;
+}
+
+std::string mib(double bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f MiB", bytes / (1 << 20));
+  return b;
+}
+
+}  // namespace
+
+std::vector<rank_memory_plan> plan_memory(const recipe& r) {
+  validate_recipe(r);
+  const auto layout =
+      make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages, r.parallel.layer_split);
+  const auto plan = make_plan(r.parallel.schedule, {r.parallel.pp, r.parallel.micro_batches,
+                                                    r.parallel.virtual_stages});
+  std::vector<rank_memory_plan> out;
+  for (int rank = 0; rank < r.parallel.pp; ++rank) {
+    rank_memory_plan p;
+    p.rank = rank;
+    std::int64_t act = 0;
+    for (const auto& range : layout.rank_chunks(rank)) {
+      const auto params = stage_parameter_layout(r.model, range);
+      if (!params.empty()) p.parameters += params.back().offset + params.back().numel;
+      act += activation_floats(r.model, range, r.batch.micro_batch, r.batch.seq_len);
+    }
+    // Chunks of a rank hold their micro-batches separately; charge the largest chunk's size
+    // per live (chunk, micro-batch) pair by counting pairs.
+    p.activation_bytes_per_micro_batch =
+        act * 4 / static_cast<std::int64_t>(layout.rank_chunks(rank).size());
+    const auto release = plan.split_backward ? action_kind::weight : action_kind::backward;
+    int live = 0;
+    for (const auto& a : plan.ranks.at(static_cast<std::size_t>(rank))) {
+      if (a.kind == action_kind::forward) ++live;
+      if (a.kind == release) --live;
+      p.micro_batches_in_flight = std::max(p.micro_batches_in_flight, live);
+    }
+    p.model_state = zero_formula(static_cast<zero_stage>(r.parallel.zero),
+                                 static_cast<double>(p.parameters), r.parallel.dp);
+    out.push_back(p);
+  }
+  return out;
+}
+
+std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_plan>& plan) {
+  static const char* formulas[] = {"16 psi (DDP)", "8 psi + 8 psi/N (ZeRO-1)",
+                                   "4 psi + 12 psi/N (ZeRO-2)", "16 psi/N (ZeRO-3)"};
+  std::string s = "memory plan per rank (every replica the same), fp32 AdamW, N = parallel.dp = " +
+                  std::to_string(r.parallel.dp) + ", model state " +
+                  formulas[std::clamp(r.parallel.zero, 0, 3)] + ":\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "%-5s %12s %12s %12s %12s %12s %14s %12s\n", "rank", "psi",
+                "parameters", "gradients", "optimizer", "model state", "activations", "total");
+  s += line;
+  for (const auto& p : plan) {
+    const double act = static_cast<double>(p.activation_bytes());
+    std::snprintf(line, sizeof line, "%-5d %12lld %12s %12s %12s %12s %8s x%-3d %12s\n", p.rank,
+                  static_cast<long long>(p.parameters), mib(p.model_state.parameters).c_str(),
+                  mib(p.model_state.gradients).c_str(), mib(p.model_state.optimizer).c_str(),
+                  mib(p.model_state.total()).c_str(),
+                  mib(static_cast<double>(p.activation_bytes_per_micro_batch)).c_str(),
+                  p.micro_batches_in_flight, mib(p.model_state.total() + act).c_str());
+    s += line;
+  }
+  s += "activations: one micro-batch's saved activations x the most micro-batches the '" +
+       r.parallel.schedule +
+       "' plan keeps in flight on the rank; temporary buffers (gradient buckets in flight, "
+       "collective chunks) come on top and are reported per step in metrics.jsonl.\n";
+  return s;
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,33 @@
+// The per-rank memory plan of a recipe, computed before anything is allocated
+// (`troupe train --dry-run`): model state from the ZeRO formulas over the rank's own parameter
+// count (engine/zero.hpp), and the activations of the micro-batches the schedule keeps in flight
+// on the rank (its plan walked: +1 at a forward, -1 when the micro-batch's last backward frees it).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/recipe.hpp"
+#include "engine/zero.hpp"
+
+namespace troupe::engine {
+
+struct rank_memory_plan {
+  int rank = 0;
+  std::int64_t parameters = 0;  // psi: fp32 parameters of the rank's chunks (with alignment)
+  model_state_bytes model_state;
+  std::int64_t activation_bytes_per_micro_batch = 0;
+  int micro_batches_in_flight = 0;  // at most, in the schedule's plan for this rank
+  std::int64_t activation_bytes() const {
+    return activation_bytes_per_micro_batch * micro_batches_in_flight;
+  }
+};
+
+// Throws recipe_error as validate_recipe does.
+std::vector<rank_memory_plan> plan_memory(const recipe& r);
+
+// A table, one line per rank, and the formula in words.
+std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_plan>& plan);
+
+}  // namespace troupe::engine
