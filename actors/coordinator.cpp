@@ -159,8 +159,8 @@ class coordinator_impl : public coordinator_actor::base {
   int step_ = 0, grads_ = 0, updates_ = 0, evals_ = 0, evals_expected_ = 0;
   double square_sum_ = 0, loss_sum_ = 0, eval_sum_ = 0, grad_norm_ = 0, lr_ = 0;
   std::vector<engine::memory_report> memory_;  // this step's, by replica * ranks + rank
-  std::vector<grads_ready> reported_;     // this step's, by replica * ranks + rank
-  std::vector<eval_done> eval_reported_;  // by replica
+  std::vector<grads_ready> reported_;          // this step's, by replica * ranks + rank
+  std::vector<eval_done> eval_reported_;       // by replica
   int losses_ = 0, eval_losses_ = 0;
   std::int64_t tokens_ = 0;
   bool finished_ = false;

@@ -17,9 +17,9 @@
 #include "actors/gateway.hpp"
 #include "actors/pipeline_stage.hpp"
 #include "actors/ring_reducer.hpp"
-#include "actors/zero_shard.hpp"
 #include "actors/schedule_actor.hpp"
 #include "actors/tracer.hpp"
+#include "actors/zero_shard.hpp"
 #include "engine/gpt_weights.hpp"
 #include "topology/placement.hpp"
 #include "topology/rendezvous.hpp"
@@ -233,8 +233,9 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
       w.coordinator = a.coordinator;
       const bool per_replica = in.mesh || r.parallel.zero > 0;  // ring reducers or zero shards
       if (!a.reducers.empty())
-        w.reducer = per_replica ? a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)]
-                                : a.reducers[0][static_cast<std::size_t>(k)];
+        w.reducer = per_replica
+                        ? a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)]
+                        : a.reducers[0][static_cast<std::size_t>(k)];
       w.tracer = a.tracer;
       const int partner =
           k == in.layout.embedding_rank() ? in.layout.head_rank() : in.layout.embedding_rank();

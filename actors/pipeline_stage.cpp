@@ -106,8 +106,8 @@ class stage_impl : public stage_actor::base {
       const auto& st = compute_->chunk(info.chunk);
       std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
       for (const auto& [ptr, n] : info.ranges) ranges.emplace_back(ptr - st.grads(), n);
-      l.buckets.push_back(engine::make_bucket_shard(st, info.chunk, std::move(ranges),
-                                                    cfg_.replica, cfg_.replicas, at));
+      l.buckets.push_back(engine::make_bucket_shard(st, info.chunk, std::move(ranges), cfg_.replica,
+                                                    cfg_.replicas, at));
       at += l.buckets.back().end - l.buckets.back().begin;
     }
     for (int c = 0; c < compute_->chunk_count(); ++c) {
@@ -474,8 +474,8 @@ class stage_impl : public stage_actor::base {
 
   void send_bucket(int b) {
     const double t = cfg_.trace.now_us();
-    caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b,
-                                                buckets_.bucket(b).ranges});
+    caf::anon_send(wiring_.reducer,
+                   grad_bucket{plan_.step, my_rank(), cfg_.replica, b, buckets_.bucket(b).ranges});
     cfg_.trace.span("send", "bucket " + buckets_.bucket(b).name, t, cfg_.trace.now_us(),
                     {plan_.step});
   }
@@ -492,7 +492,8 @@ class stage_impl : public stage_actor::base {
       shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
       // ZeRO-2: the shard copied its chunk; the whole bucket goes back to zero pages.
       if (release_grads())
-        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges) engine::release_zeroed(ptr, n);
+        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges)
+          engine::release_zeroed(ptr, n);
     } else {
       bucket_final(r.bucket);
     }

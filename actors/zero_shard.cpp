@@ -57,7 +57,8 @@ class zero_shard_impl : public zero_shard_actor::base {
 
   const engine::bucket_shard& shard_of(int bucket) const {
     if (bucket < 0 || bucket >= static_cast<int>(layout_.buckets.size()))
-      throw std::logic_error("zero shard: bucket " + std::to_string(bucket) + " is not in the layout");
+      throw std::logic_error("zero shard: bucket " + std::to_string(bucket) +
+                             " is not in the layout");
     return layout_.buckets[static_cast<std::size_t>(bucket)];
   }
 

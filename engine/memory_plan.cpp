@@ -16,10 +16,10 @@ namespace {
 std::int64_t activation_floats(const gpt_config& c, const stage_range& s, std::int64_t B,
                                std::int64_t T) {
   const std::int64_t N = B * T, C = c.width;
-  const std::int64_t per_layer = N * C * 6      // ln1, atty, res2, ln2, res3, and qkv's C
-                                 + N * 3 * C    // qkv (3C)
-                                 + N * 4 * C * 2  // fch, fch_gelu
-                                 + N * 4          // ln mean/rstd x 2
+  const std::int64_t per_layer = N * C * 6               // ln1, atty, res2, ln2, res3, and qkv's C
+                                 + N * 3 * C             // qkv (3C)
+                                 + N * 4 * C * 2         // fch, fch_gelu
+                                 + N * 4                 // ln mean/rstd x 2
                                  + B * c.heads * T * T;  // attention probabilities
   std::int64_t f = per_layer * (s.last_layer - s.first_layer);
   if (s.embedding) f += N * C;
@@ -37,10 +37,10 @@ std::string mib(double bytes) {
 
 std::vector<rank_memory_plan> plan_memory(const recipe& r) {
   validate_recipe(r);
-  const auto layout =
-      make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages, r.parallel.layer_split);
-  const auto plan = make_plan(r.parallel.schedule, {r.parallel.pp, r.parallel.micro_batches,
-                                                    r.parallel.virtual_stages});
+  const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
+                                           r.parallel.layer_split);
+  const auto plan = make_plan(r.parallel.schedule,
+                              {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages});
   std::vector<rank_memory_plan> out;
   for (int rank = 0; rank < r.parallel.pp; ++rank) {
     rank_memory_plan p;

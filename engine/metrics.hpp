@@ -35,9 +35,9 @@ struct step_metrics {
   double grad_norm = 0;  // before clipping
   double tokens_per_s = 0;
   double step_ms = 0;
-  double elapsed_s = 0;     // since training began
-  std::int64_t tokens = 0;  // tokens processed so far
-  double flops_per_s = 0;   // model FLOPs (6N + attention) per second
+  double elapsed_s = 0;               // since training began
+  std::int64_t tokens = 0;            // tokens processed so far
+  double flops_per_s = 0;             // model FLOPs (6N + attention) per second
   std::vector<memory_report> memory;  // actor engine: every (replica, rank), replica-major
 };
 

@@ -28,15 +28,17 @@ stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_ra
 
 adamw_optimizer& stage_compute::optimizer(int c) {
   auto& opt = chunks_.at(static_cast<std::size_t>(c)).opt;
-  if (!opt) throw std::logic_error("stage_compute: no optimizer state here (a ZeRO shard holds it)");
+  if (!opt)
+    throw std::logic_error("stage_compute: no optimizer state here (a ZeRO shard holds it)");
   return *opt;
 }
 
 std::int64_t stage_compute::optimizer_bytes() const {
   std::int64_t bytes = 0;
   for (const auto& c : chunks_)
-    if (c.opt) bytes += static_cast<std::int64_t>(c.opt->first_moment().nbytes() +
-                                                  c.opt->second_moment().nbytes());
+    if (c.opt)
+      bytes += static_cast<std::int64_t>(c.opt->first_moment().nbytes() +
+                                         c.opt->second_moment().nbytes());
   return bytes;
 }
 

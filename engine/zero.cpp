@@ -33,7 +33,8 @@ bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
     if (lo < hi) {
       const std::int64_t flat_lo = offset + (lo - pos), flat_hi = offset + (hi - pos);
       for (const auto& p : stage.parameters()) {
-        const std::int64_t s = std::max(flat_lo, p.offset), e = std::min(flat_hi, p.offset + p.numel);
+        const std::int64_t s = std::max(flat_lo, p.offset),
+                           e = std::min(flat_hi, p.offset + p.numel);
         if (s >= e) continue;
         shard_segment seg;
         seg.chunk = chunk;
@@ -62,8 +63,8 @@ double shard_square_sum(const bucket_shard& b, const shard_views& views) {
   return sum;
 }
 
-double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views,
-                        float* m, float* v, const optimizer_config& c, int step, int total_steps,
+double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views, float* m,
+                        float* v, const optimizer_config& c, int step, int total_steps,
                         double grad_norm) {
   const double lr = learning_rate(c, step, total_steps);
   const double coef = clip_coefficient(grad_norm, c.grad_clip);
@@ -80,8 +81,7 @@ double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_vie
         const float f = static_cast<float>(coef);
         for (std::int64_t i = 0; i < s.numel; ++i) g[i] *= f;
       }
-      kernels::adamw_update(views.param(s), g, m + s.at, v + s.at, s.numel, hp, step + 1,
-                            s.decay);
+      kernels::adamw_update(views.param(s), g, m + s.at, v + s.at, s.numel, hp, step + 1, s.decay);
     }
   }
   return lr;

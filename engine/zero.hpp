@@ -65,8 +65,8 @@ double shard_square_sum(const bucket_shard& b, const shard_views& views);
 // One AdamW step of a shard, exactly the arithmetic adamw_optimizer applies to the same
 // elements: gradients scaled by the clip coefficient of grad_norm, then the update with the
 // schedule's lr. m and v are the shard's moments (indexed by segment.at). Returns the lr.
-double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views,
-                        float* m, float* v, const optimizer_config& c, int step, int total_steps,
+double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views, float* m,
+                        float* v, const optimizer_config& c, int step, int total_steps,
                         double grad_norm);
 
 // Model-state bytes per rank for fp32 AdamW (params 4, grads 4, two moments 8 per parameter)

@@ -114,8 +114,7 @@ using stage_actor = caf::typed_actor<
     caf::reacts_to<stage_wiring>, caf::reacts_to<step_plan>, caf::reacts_to<link_message>,
     caf::reacts_to<link_credit>, caf::reacts_to<batch_message>, caf::reacts_to<grad_bucket_reduced>,
     caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<zero_update_done>,
-    caf::reacts_to<stage_continue>,
-    caf::replies_to<snapshot_request>::with<stage_snapshot>>;
+    caf::reacts_to<stage_continue>, caf::replies_to<snapshot_request>::with<stage_snapshot>>;
 
 using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,
                                       caf::reacts_to<begin_eval>>;
@@ -133,10 +132,9 @@ using ring_reducer_actor =
     caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<grad_bucket>,
                      caf::reacts_to<ring_chunk>>;
 
-using zero_shard_actor =
-    caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<zero_layout>,
-                     caf::reacts_to<grad_bucket>, caf::reacts_to<ring_chunk>,
-                     caf::reacts_to<zero_update>>;
+using zero_shard_actor = caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<zero_layout>,
+                                          caf::reacts_to<grad_bucket>, caf::reacts_to<ring_chunk>,
+                                          caf::reacts_to<zero_update>>;
 
 using coordinator_actor =
     caf::typed_actor<caf::reacts_to<coordinator_wiring>, caf::reacts_to<start_run>,

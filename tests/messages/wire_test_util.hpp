@@ -131,7 +131,17 @@ inline body sample(std::size_t kind) {
       return trace_batch{{a, b, c, {}}};
     }
     case 15:
-      return step_report{{7, 600, 2.5, 2.75, 1e-3, 0.9, 1234.5, 80.25, 12.5, 4096, 3e9,
+      return step_report{{7,
+                          600,
+                          2.5,
+                          2.75,
+                          1e-3,
+                          0.9,
+                          1234.5,
+                          80.25,
+                          12.5,
+                          4096,
+                          3e9,
                           {{0, 0, 100, 200, 300, 4}, {1, 1, 5, 6, 7, 8}}}};
     case 16:
       return heartbeat{3, ~0ull};
