@@ -99,22 +99,8 @@ class stage_impl : public stage_actor::base {
 
   // What this replica owns of each bucket, for its shard actor (same process: raw pointers).
   void send_zero_layout() {
-    zero_layout l;
-    std::int64_t at = 0;
-    for (int b = 0; b < buckets_.size(); ++b) {
-      const auto& info = buckets_.bucket(b);
-      const auto& st = compute_->chunk(info.chunk);
-      std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-      for (const auto& [ptr, n] : info.ranges) ranges.emplace_back(ptr - st.grads(), n);
-      l.buckets.push_back(engine::make_bucket_shard(st, info.chunk, std::move(ranges), cfg_.replica,
-                                                    cfg_.replicas, at));
-      at += l.buckets.back().end - l.buckets.back().begin;
-    }
-    for (int c = 0; c < compute_->chunk_count(); ++c) {
-      l.params.push_back(compute_->chunk(c).params());
-      l.grads.push_back(compute_->chunk(c).grads());
-    }
-    caf::anon_send(wiring_.reducer, std::move(l));
+    caf::anon_send(wiring_.reducer,
+                   zero_layout{buckets_.shards(cfg_.replica, cfg_.replicas), buckets_.views()});
   }
   int my_rank() const { return cfg_.rank; }
 
@@ -462,11 +448,7 @@ class stage_impl : public stage_actor::base {
       return;
     }
     if (cfg_.replicas > 1) {
-      const double t = cfg_.trace.now_us();
-      caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, *b,
-                                                  buckets_.bucket(*b).ranges});
-      cfg_.trace.span("send", "bucket " + buckets_.bucket(*b).name, t, cfg_.trace.now_us(),
-                      {plan_.step});
+      send_bucket(*b);
     } else {
       bucket_final(*b);
     }
@@ -599,9 +581,7 @@ class stage_impl : public stage_actor::base {
       st.zero_grad();
     }
     cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
-    engine::memory_report mem = memory();
-    mem.optimizer = compute_->optimizer_bytes();
-    caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), cfg_.replica, lr, mem});
+    caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), cfg_.replica, lr, memory()});
     flush_trace();
   }
 
@@ -609,19 +589,15 @@ class stage_impl : public stage_actor::base {
   void on_zero_updated(const zero_update_done& d) {
     if (!release_grads()) compute_->zero_grad();  // ZeRO-2: every bucket was released already
     engine::memory_report mem = memory();
-    mem.optimizer = d.memory.optimizer;
-    if (release_grads()) {
-      // Held gradients are the shard's; pages the released buffer still has are temporary.
-      mem.buffers += mem.gradients;
-      mem.gradients = d.memory.gradients;
-    }
+    mem.optimizer += d.memory.optimizer;
+    mem.gradients += d.memory.gradients;
     mem.buffers += d.memory.buffers;
     caf::anon_send(wiring_.coordinator, update_done{d.step, my_rank(), cfg_.replica, d.lr, mem});
     flush_trace();
   }
 
-  // Parameter and gradient buffers of this rank; gradients measured as resident pages when
-  // ZeRO-2 releases them.
+  // What the stage itself holds: parameter and gradient buffers and its optimizer state. A
+  // ZeRO-2 gradient buffer is released bucket by bucket: its resident pages count as buffers.
   engine::memory_report memory() const {
     engine::memory_report m;
     m.replica = cfg_.replica;
@@ -630,8 +606,12 @@ class stage_impl : public stage_actor::base {
       const auto& st = compute_->chunk(c);
       const auto bytes = st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
       m.parameters += bytes;
-      m.gradients += release_grads() ? engine::resident_bytes(st.grads(), bytes) : bytes;
+      if (release_grads())
+        m.buffers += engine::resident_bytes(st.grads(), bytes);
+      else
+        m.gradients += bytes;
     }
+    m.optimizer = compute_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
     return m;
   }
 

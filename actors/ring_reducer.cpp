@@ -2,9 +2,9 @@
 #include "actors/ring_reducer.hpp"
 
 #include <map>
-#include <optional>
 
-#include "topology/collectives.hpp"
+#include "actors/ring_chunks.hpp"
+#include "topology/ring_feed.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -28,8 +28,7 @@ class ring_reducer_impl : public ring_reducer_actor::base {
 
  private:
   struct collective {
-    std::optional<topology::ring_allreduce> ring;       // set once the local bucket is final
-    std::map<std::pair<int, int>, float_buffer> early;  // (phase, chunk) from the previous replica
+    topology::ring_feed feed;
     double t0 = 0;
     std::int64_t bytes = 0;
   };
@@ -38,34 +37,19 @@ class ring_reducer_impl : public ring_reducer_actor::base {
     auto& c = running_[{b.step, b.bucket}];
     c.t0 = cfg_.trace.now_us();
     for (const auto& r : b.ranges) c.bytes += r.second * 4;
-    c.ring.emplace(b.ranges, cfg_.replica, cfg_.replicas);
-    send(b.step, b.bucket, c.ring->start());
-    drain(b.step, b.bucket, c);
+    send(b.step, b.bucket,
+         c.feed.start(b.ranges, cfg_.replica, cfg_.replicas, topology::ring_kind::all_reduce));
+    finish_if_done(b.step, b.bucket, c);
   }
 
   void on_chunk(ring_chunk m) {
     auto& c = running_[{m.step, m.bucket}];
-    c.early[{m.phase, m.chunk}] = std::move(m.data);
-    if (c.ring) drain(m.step, m.bucket, c);
+    send(m.step, m.bucket, c.feed.deliver(m.phase, m.chunk, std::move(m.data)));
+    finish_if_done(m.step, m.bucket, c);
   }
 
-  // Feeds the ring the chunks it expects next, in ring order (chunks may arrive early: the
-  // previous replica can be ahead of this one's backward).
-  void drain(int step, int bucket, collective& c) {
-    for (bool progressed = true; progressed && !c.ring->done();) {
-      progressed = false;
-      for (auto it = c.early.begin(); it != c.early.end(); ++it) {
-        const auto [phase, chunk] = it->first;
-        if (!c.ring->expects(phase, chunk)) continue;
-        const float_buffer data = std::move(it->second);
-        c.early.erase(it);
-        send(step, bucket,
-             c.ring->receive(phase, chunk, data->data(), static_cast<std::int64_t>(data->size())));
-        progressed = true;
-        break;
-      }
-    }
-    if (!c.ring->done()) return;
+  void finish_if_done(int step, int bucket, collective& c) {
+    if (!c.feed.done()) return;
     caf::anon_send(wiring_.stage, grad_bucket_reduced{step, bucket});
     cfg_.trace.span("collective", "all-reduce", c.t0, cfg_.trace.now_us(), {step, -1, -1, c.bytes});
     running_.erase({step, bucket});
@@ -73,18 +57,8 @@ class ring_reducer_impl : public ring_reducer_actor::base {
       caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
   }
 
-  void send(int step, int bucket, std::vector<topology::ring_allreduce::send> sends) {
-    for (auto& s : sends) {
-      ring_chunk m;
-      m.step = step;
-      m.rank = cfg_.rank;
-      m.bucket = bucket;
-      m.from_replica = cfg_.replica;
-      m.phase = s.phase;
-      m.chunk = s.chunk;
-      m.data = std::make_shared<payload<float>>(std::move(s.data));
-      caf::anon_send(wiring_.next, std::move(m));
-    }
+  void send(int step, int bucket, topology::ring_feed::sends sends) {
+    send_ring_chunks(wiring_.next, step, cfg_.rank, bucket, cfg_.replica, std::move(sends));
   }
 
   ring_reducer_config cfg_;

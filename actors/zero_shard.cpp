@@ -4,11 +4,11 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <optional>
 #include <stdexcept>
 #include <tuple>
 
-#include "topology/collectives.hpp"
+#include "actors/ring_chunks.hpp"
+#include "topology/ring_feed.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -34,8 +34,7 @@ class zero_shard_impl : public zero_shard_actor::base {
 
  private:
   struct collective {
-    std::optional<topology::ring_allreduce> ring;       // set once this replica takes part
-    std::map<std::pair<int, int>, float_buffer> early;  // (phase, chunk) from the previous replica
+    topology::ring_feed feed;
     double t0 = 0;
     std::int64_t bytes = 0;
   };
@@ -50,9 +49,7 @@ class zero_shard_impl : public zero_shard_actor::base {
     m_.assign(static_cast<std::size_t>(owned), 0.0f);
     v_.assign(static_cast<std::size_t>(owned), 0.0f);
     if (sharded_grads()) grads_.assign(static_cast<std::size_t>(owned), 0.0f);
-    views_.params = layout_.params;
-    views_.grads = layout_.grads;
-    views_.shard_grads = sharded_grads() ? grads_.data() : nullptr;
+    layout_.views.shard_grads = sharded_grads() ? grads_.data() : nullptr;
   }
 
   const engine::bucket_shard& shard_of(int bucket) const {
@@ -65,66 +62,65 @@ class zero_shard_impl : public zero_shard_actor::base {
   // The bucket's ranges in the parameter buffers (the gradient ranges' offsets).
   topology::float_ranges param_ranges(const engine::bucket_shard& b) const {
     topology::float_ranges r;
-    float* base = layout_.params.at(static_cast<std::size_t>(b.chunk));
+    float* base = layout_.views.params.at(static_cast<std::size_t>(b.chunk));
     for (const auto& [offset, n] : b.ranges) r.emplace_back(base + offset, n);
     return r;
   }
 
   void on_bucket(const grad_bucket& b) {
-    auto& c = running_[{b.step, b.bucket, 0}];
+    const key k{b.step, b.bucket, 0};
+    auto& c = running_[k];
     c.t0 = cfg_.trace.now_us();
     for (const auto& r : b.ranges) c.bytes += r.second * 4;
-    c.ring.emplace(b.ranges, cfg_.replica, cfg_.replicas, topology::ring_kind::reduce_scatter);
-    send(b.step, b.bucket, c.ring->start());
-    drain({b.step, b.bucket, 0}, c);
+    send(b.step, b.bucket, counted(c, [&] {
+           return c.feed.start(b.ranges, cfg_.replica, cfg_.replicas,
+                               topology::ring_kind::reduce_scatter);
+         }));
+    finish_if_done(k, c);
   }
 
   void on_update(const zero_update& u) {
     const double t0 = cfg_.trace.now_us();
-    lr_ = engine::shard_adamw_step(layout_.buckets, views_, m_.data(), v_.data(), cfg_.optimizer,
-                                   u.step, cfg_.total_steps, u.grad_norm);
+    lr_ = engine::shard_adamw_step(layout_.buckets, layout_.views, m_.data(), v_.data(),
+                                   cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm);
     cfg_.trace.span("optimizer", "AdamW shard", t0, cfg_.trace.now_us(), {u.step});
     update_step_ = u.step;
     gathers_pending_ = static_cast<int>(layout_.buckets.size());
     if (gathers_pending_ == 0) update_finished();
     for (int b = 0; b < static_cast<int>(layout_.buckets.size()); ++b) {
-      auto& c = running_[{u.step, b, 1}];
+      const key k{u.step, b, 1};
+      auto& c = running_[k];
       c.t0 = cfg_.trace.now_us();
       c.bytes = shard_of(b).numel * 4;
-      c.ring.emplace(param_ranges(shard_of(b)), cfg_.replica, cfg_.replicas,
-                     topology::ring_kind::all_gather);
-      send(u.step, b, c.ring->start());
-      drain({u.step, b, 1}, c);
+      send(u.step, b, counted(c, [&] {
+             return c.feed.start(param_ranges(shard_of(b)), cfg_.replica, cfg_.replicas,
+                                 topology::ring_kind::all_gather);
+           }));
+      finish_if_done(k, c);
     }
   }
 
   void on_chunk(ring_chunk m) {
     const key k{m.step, m.bucket, m.phase};
     auto& c = running_[k];
-    early_bytes_ += static_cast<std::int64_t>(m.data->size() * 4);
-    peak_early_bytes_ = std::max(peak_early_bytes_, early_bytes_);
-    c.early[{m.phase, m.chunk}] = std::move(m.data);
-    if (c.ring) drain(k, c);
+    send(m.step, m.bucket,
+         counted(c, [&] { return c.feed.deliver(m.phase, m.chunk, std::move(m.data)); }));
+    finish_if_done(k, c);
   }
 
-  // Feeds the ring the chunks it expects next, in ring order (the previous replica may be ahead).
-  void drain(const key& k, collective& c) {
+  // Runs fn on c's feed, keeping the count of floats held in early chunks (and its peak) current.
+  template <class Fn>
+  topology::ring_feed::sends counted(collective& c, Fn&& fn) {
+    early_floats_ -= c.feed.held_floats();
+    auto sends = fn();
+    early_floats_ += c.feed.held_floats();
+    peak_early_floats_ = std::max(peak_early_floats_, early_floats_);
+    return sends;
+  }
+
+  void finish_if_done(const key& k, collective& c) {
+    if (!c.feed.done()) return;
     const auto [step, bucket, phase] = k;
-    for (bool progressed = true; progressed && !c.ring->done();) {
-      progressed = false;
-      for (auto it = c.early.begin(); it != c.early.end(); ++it) {
-        const auto [ph, chunk] = it->first;
-        if (!c.ring->expects(ph, chunk)) continue;
-        const float_buffer data = std::move(it->second);
-        c.early.erase(it);
-        early_bytes_ -= static_cast<std::int64_t>(data->size() * 4);
-        send(step, bucket,
-             c.ring->receive(ph, chunk, data->data(), static_cast<std::int64_t>(data->size())));
-        progressed = true;
-        break;
-      }
-    }
-    if (!c.ring->done()) return;
     cfg_.trace.span("collective", phase == 0 ? "reduce-scatter" : "all-gather", c.t0,
                     cfg_.trace.now_us(), {step, -1, -1, c.bytes});
     running_.erase(k);
@@ -141,10 +137,10 @@ class zero_shard_impl : public zero_shard_actor::base {
     if (sharded_grads()) {
       for (const auto& s : b.segments)
         std::memcpy(grads_.data() + s.at,
-                    layout_.grads.at(static_cast<std::size_t>(s.chunk)) + s.offset,
+                    layout_.views.grads.at(static_cast<std::size_t>(s.chunk)) + s.offset,
                     static_cast<std::size_t>(s.numel) * sizeof(float));
     }
-    const double sq = engine::shard_square_sum(b, views_);
+    const double sq = engine::shard_square_sum(b, layout_.views);
     caf::anon_send(wiring_.stage, grad_bucket_reduced{step, bucket, sq});
   }
 
@@ -155,36 +151,25 @@ class zero_shard_impl : public zero_shard_actor::base {
     d.lr = lr_;
     d.memory.optimizer = static_cast<std::int64_t>((m_.size() + v_.size()) * sizeof(float));
     d.memory.gradients = static_cast<std::int64_t>(grads_.size() * sizeof(float));
-    d.memory.buffers = peak_early_bytes_;
-    peak_early_bytes_ = early_bytes_;
+    d.memory.buffers = peak_early_floats_ * static_cast<std::int64_t>(sizeof(float));
+    peak_early_floats_ = early_floats_;
     caf::anon_send(wiring_.stage, std::move(d));
     if (running_.empty() && cfg_.trace.enabled() && !cfg_.trace.empty())
       caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
   }
 
-  void send(int step, int bucket, std::vector<topology::ring_allreduce::send> sends) {
-    for (auto& s : sends) {
-      ring_chunk m;
-      m.step = step;
-      m.rank = cfg_.rank;
-      m.bucket = bucket;
-      m.from_replica = cfg_.replica;
-      m.phase = s.phase;
-      m.chunk = s.chunk;
-      m.data = std::make_shared<payload<float>>(std::move(s.data));
-      caf::anon_send(wiring_.next, std::move(m));
-    }
+  void send(int step, int bucket, topology::ring_feed::sends sends) {
+    send_ring_chunks(wiring_.next, step, cfg_.rank, bucket, cfg_.replica, std::move(sends));
   }
 
   zero_shard_config cfg_;
   ring_wiring wiring_;
-  zero_layout layout_;
-  engine::shard_views views_;
+  zero_layout layout_;                // views.shard_grads points into grads_ (ZeRO-2)
   std::vector<float> m_, v_, grads_;  // owned floats, bucket by bucket (bucket_shard::at)
   std::map<key, collective> running_;
   int update_step_ = 0, gathers_pending_ = 0;
   double lr_ = 0;
-  std::int64_t early_bytes_ = 0, peak_early_bytes_ = 0;
+  std::int64_t early_floats_ = 0, peak_early_floats_ = 0;  // in chunks that arrived early
 };
 
 }  // namespace

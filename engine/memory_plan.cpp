@@ -51,8 +51,8 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r) {
       if (!params.empty()) p.parameters += params.back().offset + params.back().numel;
       act += activation_floats(r.model, range, r.batch.micro_batch, r.batch.seq_len);
     }
-    // Chunks of a rank hold their micro-batches separately; charge the largest chunk's size
-    // per live (chunk, micro-batch) pair by counting pairs.
+    // Chunks of a rank hold their micro-batches separately: the walk below counts live
+    // (chunk, micro-batch) pairs, each charged the rank's mean chunk size.
     p.activation_bytes_per_micro_batch =
         act * 4 / static_cast<std::int64_t>(layout.rank_chunks(rank).size());
     const auto release = plan.split_backward ? action_kind::weight : action_kind::backward;

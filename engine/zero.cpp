@@ -26,7 +26,8 @@ bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
   b.end = b.numel * (owned + 1) / replicas;
   b.at = at;
   const bool tied_copy = stage.range().head && !stage.range().embedding;
-  // Walk the concatenation: position `pos` of the bucket is flat offset range.first + k.
+  // Walk the concatenation: position `pos` of the bucket is flat offset range.first + k. Ranges
+  // and parameters are in increasing offset order, so segments come out in `at` order.
   std::int64_t pos = 0;
   for (const auto& [offset, n] : b.ranges) {
     const std::int64_t lo = std::max(b.begin, pos), hi = std::min(b.end, pos + n);
@@ -48,8 +49,6 @@ bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
     }
     pos += n;
   }
-  std::sort(b.segments.begin(), b.segments.end(),
-            [](const shard_segment& x, const shard_segment& y) { return x.at < y.at; });
   return b;
 }
 

@@ -135,7 +135,7 @@ struct grad_bucket_reduced {
 //   (all-gather) of the new parameters --> shard --zero_update_done--> stage
 struct zero_layout {
   std::vector<engine::bucket_shard> buckets;  // by bucket index
-  std::vector<float*> params, grads;          // per model chunk: the flat buffers
+  engine::shard_views views;                  // the stage's flat buffers (shard_grads unset)
 };
 struct zero_update {
   int step = 0;

@@ -6,6 +6,7 @@
 namespace troupe::topology {
 
 void grad_buckets::build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket) {
+  chunks_.assign(chunks.begin(), chunks.end());
   buckets_.clear();
   bucket_of_block_.clear();
   for (int c = 0; c < static_cast<int>(chunks.size()); ++c) {
@@ -55,6 +56,29 @@ int grad_buckets::bucket_containing(const float* grad) const {
     for (const auto& [ptr, n] : buckets_[b].ranges)
       if (ptr <= grad && grad < ptr + n) return static_cast<int>(b);
   throw std::logic_error("no gradient bucket holds this gradient");
+}
+
+std::vector<engine::bucket_shard> grad_buckets::shards(int replica, int replicas) const {
+  std::vector<engine::bucket_shard> out;
+  std::int64_t at = 0;
+  for (const auto& info : buckets_) {
+    const auto& st = *chunks_.at(static_cast<std::size_t>(info.chunk));
+    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+    for (const auto& [ptr, n] : info.ranges) ranges.emplace_back(ptr - st.grads(), n);
+    out.push_back(
+        engine::make_bucket_shard(st, info.chunk, std::move(ranges), replica, replicas, at));
+    at += out.back().end - out.back().begin;
+  }
+  return out;
+}
+
+engine::shard_views grad_buckets::views() const {
+  engine::shard_views v;
+  for (const auto* st : chunks_) {
+    v.params.push_back(st->params());
+    v.grads.push_back(st->grads());
+  }
+  return v;
 }
 
 }  // namespace troupe::topology

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/gpt_model.hpp"
+#include "engine/zero.hpp"
 
 namespace troupe::topology {
 
@@ -34,8 +35,14 @@ class grad_buckets {
   int size() const { return static_cast<int>(buckets_.size()); }
   // The bucket whose ranges hold `grad`; throws std::logic_error if none does.
   int bucket_containing(const float* grad) const;
+  // ZeRO: what `replica` of `replicas` owns of each bucket, by bucket index, packed one after the
+  // other in the shard's storage (engine::make_bucket_shard).
+  std::vector<engine::bucket_shard> shards(int replica, int replicas) const;
+  // The chunks' flat parameter and gradient buffers (shard_grads unset).
+  engine::shard_views views() const;
 
  private:
+  std::vector<const engine::gpt_stage*> chunks_;
   std::vector<grad_bucket_info> buckets_;
   std::vector<std::vector<int>> bucket_of_block_;  // [chunk][block]
   std::vector<int> remaining_;
