@@ -118,6 +118,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.link_credits =
           r.parallel.link_credits > 0 ? r.parallel.link_credits : r.parallel.micro_batches;
       c.bucket_layers = r.parallel.bucket_layers;
+      c.zero_prefetch = r.parallel.zero_prefetch;
       c.zero = static_cast<engine::zero_stage>(r.parallel.zero);
       c.compute_threads = compute_threads(in);
       const std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
@@ -458,16 +459,26 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
           });
     }
     if (failure.empty() && my_rank == control) {
-      for (int d = 0; d < (o.check_replicas ? r.parallel.dp : 1); ++d) {
+      // ZeRO-3 stages answer after gathering their parameters from every replica (a
+      // collective): ask every replica at once, before waiting for any answer.
+      const int asked = o.check_replicas || r.parallel.zero == 3 ? r.parallel.dp : 1;
+      std::vector<
+          std::vector<decltype(client->request(a.stages[0][0], caf::infinite, snapshot_request{}))>>
+          answers(static_cast<std::size_t>(asked));
+      for (int d = 0; d < asked; ++d)
+        for (const auto& st : a.stages[static_cast<std::size_t>(d)])
+          answers[static_cast<std::size_t>(d)].push_back(
+              client->request(st, std::chrono::seconds(120), snapshot_request{}));
+      for (int d = 0; d < asked; ++d) {
         std::map<std::string, std::vector<float>> params;
-        for (const auto& st : a.stages[static_cast<std::size_t>(d)]) {
-          client->request(st, std::chrono::seconds(120), snapshot_request{})
-              .receive(
-                  [&](stage_snapshot& s) {
-                    for (auto& [name, v] : s.parameters) params.emplace(name, std::move(v));
-                  },
-                  [&](caf::error& e) { failure = "snapshot failed: " + to_string(e); });
+        for (auto& answer : answers[static_cast<std::size_t>(d)]) {
+          answer.receive(
+              [&](stage_snapshot& s) {
+                for (auto& [name, v] : s.parameters) params.emplace(name, std::move(v));
+              },
+              [&](caf::error& e) { failure = "snapshot failed: " + to_string(e); });
         }
+        if (!o.check_replicas && d > 0) continue;
         if (d == 0) {
           res.parameters = std::move(params);
         } else if (params != res.parameters) {

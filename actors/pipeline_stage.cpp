@@ -10,6 +10,11 @@
 //  S5. ZeRO: a bucket holding a tied wte copy goes to the shard only after the tied exchange
 //      (the shard reduces gradients the stage will never see whole again); the squared norm
 //      is the sum of the shard's per-bucket reports, in bucket order.
+//  S6. ZeRO-3: an action's pass stops before each piece that reads parameters; it goes on only
+//      once the piece's buckets are gathered. Gathers and releases follow the plan's sequence of
+//      uses (engine::param_residency), never timing, so every replica issues the same gathers
+//      in the same order; a held bucket is never gathered again, so no gather writes
+//      parameters a piece is reading.
 #include "actors/pipeline_stage.hpp"
 
 #include <algorithm>
@@ -17,7 +22,9 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
+#include <tuple>
 
 #include "engine/gpt_weights.hpp"
 #include "engine/stage_compute.hpp"
@@ -84,8 +91,9 @@ class stage_impl : public stage_actor::base {
         [this](tied_grad& t) { on_tied(std::move(t)); },
         [this](apply_update& u) { on_update(u); },
         [this](zero_update_done& d) { on_zero_updated(d); },
+        [this](zero_gathered& g) { on_gathered(g); },
         [this](stage_continue) { advance(); },
-        [this](snapshot_request) { return snapshot(); },
+        [this](snapshot_request) -> caf::result<stage_snapshot> { return on_snapshot(); },
     };
   }
 
@@ -96,11 +104,29 @@ class stage_impl : public stage_actor::base {
   int last_stage() const { return cfg_.layout.stage_count() - 1; }
   bool zero() const { return cfg_.zero != engine::zero_stage::none; }
   bool release_grads() const { return cfg_.zero >= engine::zero_stage::gradients; }
+  bool sharded_params() const { return cfg_.zero >= engine::zero_stage::parameters; }
+  // ZeRO-3 before the final weights are gathered: parameters are gathered for each use.
+  bool gathering() const { return sharded_params() && !consolidated_; }
 
   // What this replica owns of each bucket, for its shard actor (same process: raw pointers).
+  // ZeRO-3: with a copy of the owned parameters; the stage's parameter buffers are released
+  // and hold only gathered buckets from now on.
   void send_zero_layout() {
-    caf::anon_send(wiring_.reducer,
-                   zero_layout{buckets_.shards(cfg_.replica, cfg_.replicas), buckets_.views()});
+    zero_layout l{buckets_.shards(cfg_.replica, cfg_.replicas), buckets_.views(), {}};
+    if (sharded_params()) {
+      for (const auto& b : l.buckets) {
+        for (const auto& seg : b.segments) {
+          const float* p = l.views.param(seg);
+          l.params.resize(static_cast<std::size_t>(seg.at + seg.numel));
+          std::copy(p, p + seg.numel, l.params.begin() + seg.at);
+        }
+      }
+      for (int c = 0; c < compute_->chunk_count(); ++c) {
+        auto& st = compute_->chunk(c);
+        engine::release_zeroed(st.params(), st.parameter_count());
+      }
+    }
+    caf::anon_send(wiring_.reducer, std::move(l));
   }
   int my_rank() const { return cfg_.rank; }
 
@@ -143,8 +169,100 @@ class stage_impl : public stage_actor::base {
       start_tied();
       find_last_weight_actions();
     }
+    if (gathering()) start_gathers();
     grant_initial_credits();
     advance();
+  }
+
+  // ---- ZeRO-3: parameters gathered before each use (S6) ---------------------------------
+  // The plan's parameter uses in execution order: the stops of every pass it runs, as buckets.
+  void start_gathers() {
+    std::vector<std::vector<int>> uses;
+    for (int round = 0; round < plan_.rounds; ++round) {
+      for (const auto& a : *actions_) {
+        if (a.kind == engine::action_kind::weight) continue;
+        const int c = cfg_.layout.chunk_of(a.stage);
+        const auto kind = a.kind == engine::action_kind::forward ? engine::pass_kind::forward
+                                                                 : engine::pass_kind::backward;
+        for (const auto& stop : engine::pass_stops(compute_->chunk(c), kind))
+          uses.push_back(buckets_of(c, stop));
+      }
+    }
+    use_cursor_ = 0;
+    gather_seq_ = 0;
+    gather_bucket_.clear();
+    peak_gathered_bytes_ = gathered_bytes_;
+    apply(residency_.start(std::move(uses), cfg_.zero_prefetch));
+  }
+
+  std::vector<int> buckets_of(int chunk, const std::vector<int>& blocks) const {
+    std::vector<int> b;
+    for (int block : blocks) b.push_back(buckets_.bucket_of(chunk, block));
+    std::sort(b.begin(), b.end());
+    b.erase(std::unique(b.begin(), b.end()), b.end());
+    return b;
+  }
+
+  // A pass stopped where the plan's next use says it would (every replica must agree).
+  void check_stop(int chunk, const std::vector<int>& blocks) const {
+    if (use_cursor_ >= residency_.uses() ||
+        buckets_of(chunk, blocks) != residency_.use(use_cursor_))
+      throw std::logic_error("ZeRO-3: a pass read parameters its plan did not foresee");
+  }
+
+  zero_collective plan_collective() const {
+    return plan_.eval ? zero_collective::eval : zero_collective::train;
+  }
+
+  // Releases first: at most prefetch + 1 uses' buckets are ever in the buffers.
+  void apply(const engine::param_residency::changes& ch) {
+    for (int b : ch.release) {
+      for (const auto& [ptr, n] : buckets_.param_ranges(b)) engine::release_zeroed(ptr, n);
+      gathered_bytes_ -= bucket_bytes(b);
+    }
+    for (int b : ch.gather) {
+      caf::anon_send(wiring_.reducer, zero_gather{plan_.step, plan_collective(), gather_seq_, b});
+      gather_bucket_[gather_seq_++] = b;
+      gathered_bytes_ += bucket_bytes(b);
+    }
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  }
+
+  std::int64_t bucket_bytes(int b) const {
+    std::int64_t n = 0;
+    for (const auto& r : buckets_.bucket(b).ranges) n += r.second;
+    return n * static_cast<std::int64_t>(sizeof(float));
+  }
+
+  void on_gathered(const zero_gathered& g) {
+    if (g.collective == zero_collective::final) {
+      final_gathered();
+      return;
+    }
+    if (!active_ || g.step != plan_.step || g.collective != plan_collective())
+      throw std::logic_error("ZeRO-3: a parameter gather finished outside its plan");
+    residency_.gathered(gather_bucket_.at(g.seq));
+    advance_if_waiting();
+  }
+
+  // The final weights: every bucket gathered once more, then kept (no release) for snapshots.
+  caf::result<stage_snapshot> on_snapshot() {
+    if (!sharded_params() || consolidated_) return snapshot();
+    auto rp = make_response_promise<stage_snapshot>();
+    if (snapshots_waiting_.empty()) {
+      final_pending_ = buckets_.size();
+      for (int b = 0; b < buckets_.size(); ++b)
+        caf::anon_send(wiring_.reducer, zero_gather{0, zero_collective::final, b, b});
+    }
+    snapshots_waiting_.push_back(rp);
+    return rp;
+  }
+
+  void final_gathered() {
+    if (--final_pending_ > 0) return;
+    consolidated_ = true;
+    for (auto& rp : snapshots_waiting_) rp.deliver(snapshot());
+    snapshots_waiting_.clear();
   }
 
   void find_last_weight_actions() {
@@ -196,30 +314,49 @@ class stage_impl : public stage_actor::base {
     caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(from)), c);
   }
 
-  // ---- the action loop (S1, S3) -------------------------------------------------------
+  // ---- the action loop (S1, S3, S6) ---------------------------------------------------
   void advance() {
     if (!active_) return;
-    const int per_round = static_cast<int>(actions_->size());
-    if (cursor_ >= per_round * plan_.rounds) {
-      active_ = false;
-      finish_compute();
+    if (!run_) {
+      const int per_round = static_cast<int>(actions_->size());
+      if (cursor_ >= per_round * plan_.rounds) {
+        active_ = false;
+        finish_compute();
+        return;
+      }
+      const int round = cursor_ / per_round;
+      const int index = cursor_ % per_round;
+      const auto& a = (*actions_)[static_cast<std::size_t>(index)];
+      if (!ready(a, round)) {
+        wait("input");
+        return;
+      }
+      waited(a);
+      begin_action(a, round, index);
+    }
+    const bool finished = drive();
+    compute_span();
+    if (!finished) {
+      wait("params");
       return;
     }
-    const int round = cursor_ / per_round;
-    const int index = cursor_ % per_round;
-    const auto& a = (*actions_)[static_cast<std::size_t>(index)];
-    if (!ready(a, round)) {
-      if (waiting_since_ < 0) waiting_since_ = cfg_.trace.now_us();
-      return;
-    }
-    if (waiting_since_ >= 0) {
-      cfg_.trace.span("wait", "input", waiting_since_, cfg_.trace.now_us(),
-                      {plan_.step, a.micro_batch, a.stage});
-      waiting_since_ = -1;
-    }
-    execute(a, round, index);
+    waited(run_->a);
+    end_action();
+    run_.reset();
     ++cursor_;
     send(this, stage_continue{});
+  }
+
+  void wait(const char* what) {
+    if (waiting_since_ >= 0) return;
+    waiting_since_ = cfg_.trace.now_us();
+    waiting_for_ = what;
+  }
+  void waited(const engine::pipeline_action& a) {
+    if (waiting_since_ < 0) return;
+    cfg_.trace.span("wait", waiting_for_, waiting_since_, cfg_.trace.now_us(),
+                    {plan_.step, a.micro_batch, a.stage});
+    waiting_since_ = -1;
   }
 
   link_key make_key(link_kind kind, int stage, int round, int mb) const {
@@ -247,105 +384,162 @@ class stage_impl : public stage_actor::base {
     return true;
   }
 
-  void execute(const engine::pipeline_action& a, int round, int index) {
-    const double t0 = cfg_.trace.now_us();
-    const engine::micro_batch_id id{round, a.micro_batch};
-    const int c = cfg_.layout.chunk_of(a.stage);
+  // What an action in progress keeps: its pass (engine/block_pass.hpp) and the buffers the
+  // pass reads and writes until it is done.
+  struct running_action {
+    engine::pipeline_action a;
+    int round = 0, chunk = 0;
+    engine::micro_batch_id id;
+    engine::block_pass pass;
+    bool stopped = false;  // at a stop whose parameters are not gathered yet (ZeRO-3)
+    int use = -1;          // the parameter use being computed (ZeRO-3)
+    float_buffer dout, din;
+    int B = 0, T = 0;
+    std::uint64_t flow = 0;  // the consumed link message's flow id (0 if none)
+    double t0 = 0;           // start of the compute span in progress
+    bool computed = false;   // a piece ran since t0
+  };
+
+  void begin_action(const engine::pipeline_action& a, int round, int index) {
+    running_action& r = run_.emplace();
+    r.a = a;
+    r.round = round;
+    r.chunk = cfg_.layout.chunk_of(a.stage);
+    r.id = {round, a.micro_batch};
+    r.t0 = cfg_.trace.now_us();
+    const int c = r.chunk;
     const bool final_weights = !plan_.eval && round == plan_.rounds - 1 &&
                                index == last_weight_[static_cast<std::size_t>(c)];
     engine::grad_block_fn on_block;
     if (final_weights) on_block = [this, c](int block) { on_block_final(c, block); };
-    std::uint64_t flow = 0;
     switch (a.kind) {
       case engine::action_kind::forward:
-        flow = forward(a, round, c, id);
+        begin_forward(r);
         break;
       case engine::action_kind::backward:
-        flow = backward(a, round, c, id, on_block);
+        begin_backward(r, std::move(on_block));
         break;
-      case engine::action_kind::weight:
-        compute_->backward_weight(c, id, on_block);
-        compute_->release(c, id);
+      case engine::action_kind::weight:  // reads no parameters: runs whole, here
+        compute_->backward_weight(c, r.id, on_block);
+        compute_->release(c, r.id);
+        r.computed = true;
         break;
     }
-    const double t1 = cfg_.trace.now_us();
-    static const char* names[] = {"F", "B", "W"};
-    // Evaluation passes are traced apart, so they do not count as pipeline compute.
-    cfg_.trace.span(plan_.eval ? "eval" : "compute", names[static_cast<int>(a.kind)], t0, t1,
-                    {plan_.step, a.micro_batch, a.stage});
-    if (flow) cfg_.trace.flow(event_kind::flow_in, flow, t0, {plan_.step, a.micro_batch, a.stage});
   }
 
-  // Returns the flow id of the consumed link message (0 if none).
-  std::uint64_t forward(const engine::pipeline_action& a, int round, int c,
-                        engine::micro_batch_id id) {
+  // Runs the action's pass until it is done (true) or stops before a piece whose parameters
+  // are not gathered yet (false; zero_gathered resumes it).
+  bool drive() {
+    running_action& r = *run_;
+    for (;;) {
+      if (r.stopped) {
+        if (gathering()) {
+          if (!residency_.ready(use_cursor_)) return false;
+          r.use = use_cursor_++;
+        }
+        r.stopped = false;
+      }
+      const std::vector<int>* stop = r.pass.next();
+      if (r.use >= 0 || !gathering() || !stop) r.computed = true;  // not only a pass's prologue
+      if (r.use >= 0) {
+        apply(residency_.finished(r.use));
+        r.use = -1;
+      }
+      if (!stop) return true;
+      if (gathering()) check_stop(r.chunk, *stop);
+      r.stopped = true;
+    }
+  }
+
+  // The trace span of what ran since the action started or resumed.
+  void compute_span() {
+    running_action& r = *run_;
+    const double t1 = cfg_.trace.now_us();
+    if (r.computed) {
+      static const char* names[] = {"F", "B", "W"};
+      const engine::trace::recorder::ids ids{plan_.step, r.a.micro_batch, r.a.stage};
+      // Evaluation passes are traced apart, so they do not count as pipeline compute.
+      cfg_.trace.span(plan_.eval ? "eval" : "compute", names[static_cast<int>(r.a.kind)], r.t0, t1,
+                      ids);
+      if (r.flow) cfg_.trace.flow(event_kind::flow_in, r.flow, r.t0, ids);
+      r.flow = 0;
+      r.computed = false;
+    }
+    r.t0 = t1;
+  }
+
+  void end_action() {
+    running_action& r = *run_;
+    if (r.a.kind == engine::action_kind::forward) {
+      end_forward(r);
+    } else if (r.a.kind == engine::action_kind::backward) {
+      if (!plan_.plan->split_backward) compute_->release(r.chunk, r.id);
+      if (r.din)
+        route(link_kind::gradient, r.a.stage - 1, r.round, r.a.micro_batch, r.B, r.T,
+              std::move(r.din));
+    }
+  }
+
+  void begin_forward(running_action& r) {
+    const auto& a = r.a;
     engine::stage_compute::forward_args args;
     args.train = !plan_.eval;
-    std::uint64_t flow = 0;
     if (a.stage == 0) {
-      auto b = take_batch(batch_part::inputs, round, a.micro_batch);
+      auto b = take_batch(batch_part::inputs, r.round, a.micro_batch);
       args.B = b.B;
       args.T = b.T;
       args.tokens = b.tokens->data();
       args.hold.push_back(b.tokens);
-      flow = b.flow_id;
+      r.flow = b.flow_id;
     } else {
-      auto m = take_link(link_kind::activation, a.stage, round, a.micro_batch);
+      auto m = take_link(link_kind::activation, a.stage, r.round, a.micro_batch);
       args.B = static_cast<int>(m.header.shape.at(0));
       args.T = static_cast<int>(m.header.shape.at(1));
       args.input = m.data->data();
       args.hold.push_back(m.data);
-      flow = m.flow_id;
+      r.flow = m.flow_id;
     }
-    token_buffer targets;
     if (a.stage == last_stage()) {
-      auto t = take_batch(batch_part::targets, round, a.micro_batch);
-      targets = t.tokens;
-      args.targets = targets->data();
-      args.hold.push_back(targets);
+      auto t = take_batch(batch_part::targets, r.round, a.micro_batch);
+      args.targets = t.tokens->data();
+      args.hold.push_back(t.tokens);
       args.loss_scale = 1.0f / static_cast<float>(plan_.rounds * plan_.plan->shape.micro_batches);
     }
-    const int B = args.B, T = args.T;
-    const double loss = compute_->forward(c, id, std::move(args));
-    if (a.stage == last_stage()) {
-      loss_sum_ += loss;
-      ++losses_;
-    } else {
-      const std::size_t n = std::size_t(B) * std::size_t(T) * std::size_t(cfg_.model.width);
-      auto out = std::make_shared<payload<float>>(n);
-      std::memcpy(out->data(), compute_->output(c, id), n * sizeof(float));
-      route(link_kind::activation, a.stage + 1, round, a.micro_batch, B, T, std::move(out));
-    }
-    if (plan_.eval) {
-      compute_->release(c, id);
-    }
-    return flow;
+    r.B = args.B;
+    r.T = args.T;
+    r.pass = compute_->forward(r.chunk, r.id, std::move(args));
   }
 
-  std::uint64_t backward(const engine::pipeline_action& a, int round, int c,
-                         engine::micro_batch_id id, const engine::grad_block_fn& on_block) {
-    const auto [B, T] = compute_->shape(c, id);
-    float_buffer dout;
-    std::uint64_t flow = 0;
-    if (a.stage != last_stage()) {
-      auto m = take_link(link_kind::gradient, a.stage, round, a.micro_batch);
-      dout = m.data;
-      flow = m.flow_id;
-    }
-    float_buffer din;
-    if (a.stage > 0)
-      din = std::make_shared<payload<float>>(std::size_t(B) * std::size_t(T) *
-                                             std::size_t(cfg_.model.width));
-    const float* dptr = dout ? dout->data() : nullptr;
-    float* iptr = din ? din->data() : nullptr;
-    if (plan_.plan->split_backward) {
-      compute_->backward_input(c, id, dptr, iptr);
+  void end_forward(running_action& r) {
+    const auto& a = r.a;
+    if (a.stage == last_stage()) {
+      loss_sum_ += compute_->loss(r.chunk, r.id);
+      ++losses_;
     } else {
-      compute_->backward(c, id, dptr, iptr, on_block);
-      compute_->release(c, id);
+      const std::size_t n = std::size_t(r.B) * std::size_t(r.T) * std::size_t(cfg_.model.width);
+      auto out = std::make_shared<payload<float>>(n);
+      std::memcpy(out->data(), compute_->output(r.chunk, r.id), n * sizeof(float));
+      route(link_kind::activation, a.stage + 1, r.round, a.micro_batch, r.B, r.T, std::move(out));
     }
-    if (din) route(link_kind::gradient, a.stage - 1, round, a.micro_batch, B, T, std::move(din));
-    return flow;
+    if (plan_.eval) compute_->release(r.chunk, r.id);
+  }
+
+  void begin_backward(running_action& r, engine::grad_block_fn on_block) {
+    const auto& a = r.a;
+    std::tie(r.B, r.T) = compute_->shape(r.chunk, r.id);
+    if (a.stage != last_stage()) {
+      auto m = take_link(link_kind::gradient, a.stage, r.round, a.micro_batch);
+      r.dout = m.data;
+      r.flow = m.flow_id;
+    }
+    if (a.stage > 0)
+      r.din = std::make_shared<payload<float>>(std::size_t(r.B) * std::size_t(r.T) *
+                                               std::size_t(cfg_.model.width));
+    const float* dptr = r.dout ? r.dout->data() : nullptr;
+    float* iptr = r.din ? r.din->data() : nullptr;
+    r.pass = plan_.plan->split_backward
+                 ? compute_->backward_input(r.chunk, r.id, dptr, iptr)
+                 : compute_->backward(r.chunk, r.id, dptr, iptr, std::move(on_block));
   }
 
   batch_message take_batch(batch_part part, int round, int mb) {
@@ -589,6 +783,7 @@ class stage_impl : public stage_actor::base {
   void on_zero_updated(const zero_update_done& d) {
     if (!release_grads()) compute_->zero_grad();  // ZeRO-2: every bucket was released already
     engine::memory_report mem = memory();
+    mem.parameters += d.memory.parameters;  // ZeRO-3: the owned parameters
     mem.optimizer += d.memory.optimizer;
     mem.gradients += d.memory.gradients;
     mem.buffers += d.memory.buffers;
@@ -598,6 +793,7 @@ class stage_impl : public stage_actor::base {
 
   // What the stage itself holds: parameter and gradient buffers and its optimizer state. A
   // ZeRO-2 gradient buffer is released bucket by bucket: its resident pages count as buffers.
+  // ZeRO-3 parameter buffers hold gathered buckets only: their peak this step counts as buffers.
   engine::memory_report memory() const {
     engine::memory_report m;
     m.replica = cfg_.replica;
@@ -605,13 +801,14 @@ class stage_impl : public stage_actor::base {
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       const auto& st = compute_->chunk(c);
       const auto bytes = st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
-      m.parameters += bytes;
+      if (!sharded_params()) m.parameters += bytes;  // ZeRO-3: the shard holds them
       if (release_grads())
         m.buffers += engine::resident_bytes(st.grads(), bytes);
       else
         m.gradients += bytes;
     }
     m.optimizer = compute_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
+    m.buffers += peak_gathered_bytes_;          // ZeRO-3: the most gathered at once this step
     return m;
   }
 
@@ -646,6 +843,17 @@ class stage_impl : public stage_actor::base {
   const std::vector<engine::pipeline_action>* actions_ = nullptr;
   std::vector<int> last_weight_;
   int cursor_ = 0;
+  std::optional<running_action> run_;
+  const char* waiting_for_ = "input";
+  // ZeRO-3
+  engine::param_residency residency_;
+  int use_cursor_ = 0;                // the plan's next parameter use
+  int gather_seq_ = 0;                // gathers asked for in this plan
+  std::map<int, int> gather_bucket_;  // gather number -> bucket, this plan
+  std::int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+  bool consolidated_ = false;  // the final weights are gathered: nothing is released any more
+  int final_pending_ = 0;
+  std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;
   bool active_ = false, compute_done_ = false, grads_sent_ = false;
   double waiting_since_ = -1, dp_wait_since_ = 0;
   double loss_sum_ = 0;

@@ -31,6 +31,7 @@ struct stage_config {
   // ZeRO >= 1: the optimizer state lives in a zero shard actor (wiring.reducer), gradients are
   // reduce-scattered to it, and (ZeRO-2) a bucket's gradients are released once reduced.
   engine::zero_stage zero = engine::zero_stage::none;
+  int zero_prefetch = 1;  // ZeRO-3: parameter uses gathered ahead of the one being computed
   int compute_threads = 1;
   engine::trace::recorder trace;
 };

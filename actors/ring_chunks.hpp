@@ -10,7 +10,8 @@
 namespace troupe::actors {
 
 inline void send_ring_chunks(const caf::actor& next, int step, int rank, int bucket, int replica,
-                             std::vector<topology::ring_allreduce::send> sends) {
+                             std::vector<topology::ring_allreduce::send> sends,
+                             int collective = 0) {
   for (auto& s : sends) {
     messages::ring_chunk m;
     m.step = step;
@@ -19,6 +20,7 @@ inline void send_ring_chunks(const caf::actor& next, int step, int rank, int buc
     m.from_replica = replica;
     m.phase = s.phase;
     m.chunk = s.chunk;
+    m.collective = collective;
     m.data = std::make_shared<messages::payload<float>>(std::move(s.data));
     caf::anon_send(next, std::move(m));
   }

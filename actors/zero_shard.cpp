@@ -29,6 +29,7 @@ class zero_shard_impl : public zero_shard_actor::base {
         [this](grad_bucket& b) { on_bucket(b); },
         [this](ring_chunk& c) { on_chunk(std::move(c)); },
         [this](zero_update& u) { on_update(u); },
+        [this](zero_gather& g) { on_gather(g); },
     };
   }
 
@@ -38,9 +39,11 @@ class zero_shard_impl : public zero_shard_actor::base {
     double t0 = 0;
     std::int64_t bytes = 0;
   };
-  using key = std::tuple<int, int, int>;  // (step, bucket, phase): 0 reduce-scatter, 1 all-gather
+  // (collective, step, bucket or gather number, phase): phase 0 reduce-scatter, 1 all-gather.
+  using key = std::tuple<zero_collective, int, int, int>;
 
   bool sharded_grads() const { return cfg_.zero >= engine::zero_stage::gradients; }
+  bool sharded_params() const { return cfg_.zero >= engine::zero_stage::parameters; }
 
   void on_layout(zero_layout l) {
     layout_ = std::move(l);
@@ -50,6 +53,12 @@ class zero_shard_impl : public zero_shard_actor::base {
     v_.assign(static_cast<std::size_t>(owned), 0.0f);
     if (sharded_grads()) grads_.assign(static_cast<std::size_t>(owned), 0.0f);
     layout_.views.shard_grads = sharded_grads() ? grads_.data() : nullptr;
+    if (sharded_params()) {
+      if (static_cast<std::int64_t>(layout_.params.size()) != owned)
+        throw std::logic_error("zero shard: the layout's owned parameters do not fit its buckets");
+      params_ = std::move(layout_.params);
+      layout_.views.shard_params = params_.data();
+    }
   }
 
   const engine::bucket_shard& shard_of(int bucket) const {
@@ -68,11 +77,11 @@ class zero_shard_impl : public zero_shard_actor::base {
   }
 
   void on_bucket(const grad_bucket& b) {
-    const key k{b.step, b.bucket, 0};
+    const key k{zero_collective::buckets, b.step, b.bucket, 0};
     auto& c = running_[k];
     c.t0 = cfg_.trace.now_us();
     for (const auto& r : b.ranges) c.bytes += r.second * 4;
-    send(b.step, b.bucket, counted(c, [&] {
+    send(k, counted(c, [&] {
            return c.feed.start(b.ranges, cfg_.replica, cfg_.replicas,
                                topology::ring_kind::reduce_scatter);
          }));
@@ -85,14 +94,18 @@ class zero_shard_impl : public zero_shard_actor::base {
                                    cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm);
     cfg_.trace.span("optimizer", "AdamW shard", t0, cfg_.trace.now_us(), {u.step});
     update_step_ = u.step;
+    if (sharded_params()) {  // parameters are gathered before each use, not after the update
+      update_finished();
+      return;
+    }
     gathers_pending_ = static_cast<int>(layout_.buckets.size());
     if (gathers_pending_ == 0) update_finished();
     for (int b = 0; b < static_cast<int>(layout_.buckets.size()); ++b) {
-      const key k{u.step, b, 1};
+      const key k{zero_collective::buckets, u.step, b, 1};
       auto& c = running_[k];
       c.t0 = cfg_.trace.now_us();
       c.bytes = shard_of(b).numel * 4;
-      send(u.step, b, counted(c, [&] {
+      send(k, counted(c, [&] {
              return c.feed.start(param_ranges(shard_of(b)), cfg_.replica, cfg_.replicas,
                                  topology::ring_kind::all_gather);
            }));
@@ -100,11 +113,28 @@ class zero_shard_impl : public zero_shard_actor::base {
     }
   }
 
-  void on_chunk(ring_chunk m) {
-    const key k{m.step, m.bucket, m.phase};
+  // ZeRO-3: this replica's owned floats of the bucket into the stage's buffer, then the ring
+  // all-gather of the rest; zero_gathered when the bucket is whole.
+  void on_gather(const zero_gather& g) {
+    const key k{g.collective, g.step, g.seq, 1};
+    const auto& b = shard_of(g.bucket);
+    for (const auto& s : b.segments)
+      std::memcpy(layout_.views.params.at(static_cast<std::size_t>(s.chunk)) + s.offset,
+                  params_.data() + s.at, static_cast<std::size_t>(s.numel) * sizeof(float));
     auto& c = running_[k];
-    send(m.step, m.bucket,
-         counted(c, [&] { return c.feed.deliver(m.phase, m.chunk, std::move(m.data)); }));
+    c.t0 = cfg_.trace.now_us();
+    c.bytes = b.numel * 4;
+    send(k, counted(c, [&] {
+           return c.feed.start(param_ranges(b), cfg_.replica, cfg_.replicas,
+                               topology::ring_kind::all_gather);
+         }));
+    finish_if_done(k, c);
+  }
+
+  void on_chunk(ring_chunk m) {
+    const key k{static_cast<zero_collective>(m.collective), m.step, m.bucket, m.phase};
+    auto& c = running_[k];
+    send(k, counted(c, [&] { return c.feed.deliver(m.phase, m.chunk, std::move(m.data)); }));
     finish_if_done(k, c);
   }
 
@@ -120,11 +150,13 @@ class zero_shard_impl : public zero_shard_actor::base {
 
   void finish_if_done(const key& k, collective& c) {
     if (!c.feed.done()) return;
-    const auto [step, bucket, phase] = k;
+    const auto [collective, step, bucket, phase] = k;
     cfg_.trace.span("collective", phase == 0 ? "reduce-scatter" : "all-gather", c.t0,
                     cfg_.trace.now_us(), {step, -1, -1, c.bytes});
     running_.erase(k);
-    if (phase == 0) {
+    if (collective != zero_collective::buckets) {
+      caf::anon_send(wiring_.stage, zero_gathered{step, collective, bucket});
+    } else if (phase == 0) {
       reduced(step, bucket);
     } else if (--gathers_pending_ == 0) {
       update_finished();
@@ -151,6 +183,7 @@ class zero_shard_impl : public zero_shard_actor::base {
     d.lr = lr_;
     d.memory.optimizer = static_cast<std::int64_t>((m_.size() + v_.size()) * sizeof(float));
     d.memory.gradients = static_cast<std::int64_t>(grads_.size() * sizeof(float));
+    d.memory.parameters = static_cast<std::int64_t>(params_.size() * sizeof(float));
     d.memory.buffers = peak_early_floats_ * static_cast<std::int64_t>(sizeof(float));
     peak_early_floats_ = early_floats_;
     caf::anon_send(wiring_.stage, std::move(d));
@@ -158,14 +191,17 @@ class zero_shard_impl : public zero_shard_actor::base {
       caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
   }
 
-  void send(int step, int bucket, topology::ring_feed::sends sends) {
-    send_ring_chunks(wiring_.next, step, cfg_.rank, bucket, cfg_.replica, std::move(sends));
+  void send(const key& k, topology::ring_feed::sends sends) {
+    const auto [collective, step, bucket, phase] = k;
+    send_ring_chunks(wiring_.next, step, cfg_.rank, bucket, cfg_.replica, std::move(sends),
+                     static_cast<int>(collective));
   }
 
   zero_shard_config cfg_;
   ring_wiring wiring_;
   zero_layout layout_;                // views.shard_grads points into grads_ (ZeRO-2)
   std::vector<float> m_, v_, grads_;  // owned floats, bucket by bucket (bucket_shard::at)
+  std::vector<float> params_;         // ZeRO-3: owned parameters, the same way
   std::map<key, collective> running_;
   int update_step_ = 0, gathers_pending_ = 0;
   double lr_ = 0;

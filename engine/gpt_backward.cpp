@@ -223,19 +223,25 @@ struct backward_pass {
     }
   }
 
-  void run_whole(const float* doutput, float* dinput, const grad_block_fn& on_block_done) {
+  // A coroutine (block_pass): stops before each piece that reads parameters, at pass_stops.
+  block_pass run_whole(const float* doutput, float* dinput, grad_block_fn on_block_done) {
     require_loss("stage_backward");
+    const auto stops = pass_stops(stage, pass_kind::backward);
+    std::size_t stop = 0;
+    auto next_stop = [&] { return stops.at(stop++); };
     block_counter blocks{on_block_done};
     float* const dinput_direct = stage.range().embedding ? nullptr : dinput;
     // top: the gradient of the current block's output; spare: free for its input's.
     float* top = layers == 0 && dinput_direct ? dinput_direct : a.dres_.f32();
     float* spare = a.dres_next_.f32();
+    if (stage.range().head) co_yield next_stop();
     stage_output_grad(doutput, a.dln_.f32(), top);
     if (stage.range().head) {
       head_weight(a.dln_.f32());
       blocks.done();
     }
     for (std::size_t i = layers; i-- > 0;) {
+      co_yield next_stop();
       float* dx = i == 0 && dinput_direct ? dinput_direct : spare;
       const layer_grads g = scratch_grads(top);
       layer_input_grad(i, g, dx);
@@ -250,8 +256,11 @@ struct backward_pass {
     }
   }
 
-  void run_input(const float* doutput, float* dinput) {
+  block_pass run_input(const float* doutput, float* dinput, grad_block_fn /*unused*/) {
     require_loss("stage_backward_input");
+    const auto stops = pass_stops(stage, pass_kind::backward);
+    std::size_t stop = 0;
+    auto next_stop = [&] { return stops.at(stop++); };
     if (a.weight_grads_pending_) {
       throw std::logic_error(
           "stage_backward_input: the previous stage_backward_input on these activations still "
@@ -267,8 +276,12 @@ struct backward_pass {
     auto input_grad_of = [&](std::size_t i) {
       return i == 0 ? stage_dx : s.layers[i - 1].mlp_proj.f32();
     };
+    if (stage.range().head) co_yield next_stop();
     stage_output_grad(doutput, stage.range().head ? s.lnf.f32() : nullptr, input_grad_of(layers));
-    for (std::size_t i = layers; i-- > 0;) layer_input_grad(i, saved_grads(i), input_grad_of(i));
+    for (std::size_t i = layers; i-- > 0;) {
+      co_yield next_stop();
+      layer_input_grad(i, saved_grads(i), input_grad_of(i));
+    }
     a.weight_grads_pending_ = true;
   }
 
@@ -296,14 +309,37 @@ struct backward_pass {
   }
 };
 
+namespace {
+
+// Runs a backward_pass coroutine whose backward_pass object lives in this frame.
+block_pass drive(backward_pass p,
+                 block_pass (backward_pass::*run)(const float*, float*, grad_block_fn),
+                 const float* doutput, float* dinput, grad_block_fn on_block_done) {
+  auto inner = (p.*run)(doutput, dinput, std::move(on_block_done));
+  while (const auto* stop = inner.next()) co_yield *stop;
+}
+
+}  // namespace
+
+block_pass stage_backward_pass(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+                               float* dinput, grad_block_fn on_block_done) {
+  return drive(backward_pass(stage, acts), &backward_pass::run_whole, doutput, dinput,
+               std::move(on_block_done));
+}
+
+block_pass stage_backward_input_pass(const gpt_stage& stage, gpt_activations& acts,
+                                     const float* doutput, float* dinput) {
+  return drive(backward_pass(stage, acts), &backward_pass::run_input, doutput, dinput, {});
+}
+
 void stage_backward(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
                     float* dinput, const grad_block_fn& on_block_done) {
-  backward_pass(stage, acts).run_whole(doutput, dinput, on_block_done);
+  stage_backward_pass(stage, acts, doutput, dinput, on_block_done).run();
 }
 
 void stage_backward_input(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
                           float* dinput) {
-  backward_pass(stage, acts).run_input(doutput, dinput);
+  stage_backward_input_pass(stage, acts, doutput, dinput).run();
 }
 
 void stage_backward_weight(const gpt_stage& stage, gpt_activations& acts,

@@ -215,8 +215,36 @@ const float* stage_output(const gpt_activations& acts) {
   return acts.encoded_.numel() > 0 ? acts.encoded_.f32() : acts.input_;
 }
 
-void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_t* tokens,
+std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind) {
+  const auto& r = stage.range();
+  const int layers = r.last_layer - r.first_layer;
+  const int head = r.head ? 1 : 0;
+  const int embedding = head + layers;  // its index, when the stage has it
+  auto layer = [&](int i) { return head + layers - 1 - i; };
+  std::vector<int> head_stop;  // the head reads ln_f and wte (the embedding block's, if here)
+  if (r.head) head_stop = r.embedding ? std::vector<int>{0, embedding} : std::vector<int>{0};
+  std::vector<std::vector<int>> stops;
+  if (kind == pass_kind::forward) {
+    if (r.embedding) stops.push_back({embedding});
+    for (int i = 0; i < layers; ++i) stops.push_back({layer(i)});
+    if (r.head) stops.push_back(head_stop);
+  } else {  // backward reads no embedding parameter: its weight gradient needs tokens only
+    if (r.head) stops.push_back(head_stop);
+    for (int i = layers; i-- > 0;) stops.push_back({layer(i)});
+  }
+  return stops;
+}
+
+void stage_forward(const gpt_stage& stage, gpt_activations& acts, const std::int32_t* tokens,
                    const float* input) {
+  stage_forward_pass(stage, acts, tokens, input).run();
+}
+
+block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
+                              const std::int32_t* tokens, const float* input) {
+  const auto stops = pass_stops(stage, pass_kind::forward);
+  std::size_t stop = 0;
+  auto next_stop = [&] { return stops.at(stop++); };
   const auto& c = stage.config();
   const int B = a.B_, T = a.T_, C = c.width, NH = c.heads, Vp = c.padded_vocab_size;
   const int N = B * T;
@@ -226,6 +254,7 @@ void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_
   }
   const float* x;
   if (stage.range().embedding) {
+    co_yield next_stop();
     a.tokens_ = tokens;
     kernels::embedding_forward(a.encoded_.f32(), tokens,
                                stage.param("transformer.wte.weight").f32(),
@@ -236,6 +265,7 @@ void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_
     x = input;
   }
   for (int i = 0; i < static_cast<int>(a.layers_.size()); ++i) {
+    co_yield next_stop();
     auto& L = a.layers_[static_cast<std::size_t>(i)];
     const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + i) + ".";
     auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
@@ -258,6 +288,7 @@ void stage_forward(const gpt_stage& stage, gpt_activations& a, const std::int32_
     x = L.res3.f32();
   }
   if (stage.range().head) {
+    co_yield next_stop();
     kernels::layernorm_forward(a.lnf_.f32(), a.lnf_mean_.f32(), a.lnf_rstd_.f32(), x,
                                stage.param("transformer.ln_f.weight").f32(),
                                stage.param("transformer.ln_f.bias").f32(), N, C);

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/block_pass.hpp"
 #include "kernels/cpu_ops.hpp"
 #include "kernels/tensor.hpp"
 
@@ -107,7 +108,8 @@ class gpt_activations {
   int seq_len() const { return T_; }
 
  private:
-  friend void stage_forward(const gpt_stage&, gpt_activations&, const std::int32_t*, const float*);
+  friend block_pass stage_forward_pass(const gpt_stage&, gpt_activations&, const std::int32_t*,
+                                       const float*);
   friend kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage&, gpt_activations&,
                                                                  const std::int32_t*, float);
   friend kernels::cross_entropy_result stage_loss(const gpt_stage&, gpt_activations&,
@@ -151,12 +153,23 @@ class gpt_activations {
   bool weight_grads_pending_ = false;  // stage_backward_input ran, stage_backward_weight not yet
 };
 
+// The passes over a micro-batch, as block_pass stops: for each piece that reads parameters,
+// the blocks (indices into stage_grad_blocks) it reads, in order. Forward: embedding, layers
+// first to last, head; backward (whole or its input half): head, layers last to first. The head
+// reads ln_f and the wte it holds (on a stage with both ends, the embedding block's). Weight
+// gradients read no parameters, so stage_backward_weight has no stops.
+enum class pass_kind { forward, backward };
+std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind);
+
 // Forward through the stage. First stage: tokens[B*T] (input ignored). Later stages:
 // input[B*T*C] (tokens ignored). Pointers must stay valid until backward (until
 // stage_backward_weight when the backward is split). Throws std::logic_error while the
 // activations still wait for a stage_backward_weight (the forward would overwrite what it needs).
 void stage_forward(const gpt_stage& stage, gpt_activations& acts, const std::int32_t* tokens,
                    const float* input);
+// stage_forward as a pass that stops before each piece reading parameters (pass_stops).
+block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& acts,
+                              const std::int32_t* tokens, const float* input);
 // Last stage only, after stage_forward: the loss against targets (ignore index -100), no grads.
 kernels::cross_entropy_result stage_loss(const gpt_stage& stage, gpt_activations& acts,
                                          const std::int32_t* targets);
@@ -189,12 +202,19 @@ using grad_block_fn = std::function<void(int block_index)>;
 // backward continues on earlier layers.
 void stage_backward(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
                     float* dinput, const grad_block_fn& on_block_done = {});
+// stage_backward as a pass (pass_stops(stage, pass_kind::backward)). on_block_done is kept by
+// the pass.
+block_pass stage_backward_pass(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+                               float* dinput, grad_block_fn on_block_done);
 // B of a split backward: dinput exactly as stage_backward (same doutput and loss rules), and
 // the output gradients that the weight gradients need saved in acts (allocated on first use).
 // No parameter gradient is touched and no weight-gradient GEMM runs. Throws std::logic_error
 // while an earlier B on these activations waits for its W.
 void stage_backward_input(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
                           float* dinput);
+// stage_backward_input as a pass (the same stops as stage_backward_pass).
+block_pass stage_backward_input_pass(const gpt_stage& stage, gpt_activations& acts,
+                                     const float* doutput, float* dinput);
 // W of a split backward: the weight gradients of the micro-batch whose stage_backward_input
 // ran, ACCUMULATED into stage.grads() (bitwise what stage_backward adds), calling
 // on_block_done as stage_backward does. Throws std::logic_error if no B waits for its W.

@@ -199,8 +199,6 @@ void validate_parallel(const recipe& r) {
   require(p.prefetch >= 1, "parallel.prefetch", "must be >= 1");
   require(p.bucket_layers >= 1, "parallel.bucket_layers", "must be >= 1");
   require(p.zero >= 0 && p.zero <= 3, "parallel.zero", "must be 0, 1, 2 or 3");
-  require(p.zero != 3, "parallel.zero",
-          "3 (parameter sharding) is not implemented yet; use 0 (DDP), 1 or 2");
   require(p.zero_prefetch >= 1, "parallel.zero_prefetch", "must be >= 1");
   const int chunks = p.pp * p.virtual_stages;
   require(chunks <= r.model.layers, "parallel.pp",

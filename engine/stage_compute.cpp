@@ -60,28 +60,33 @@ const stage_compute::slot& stage_compute::live_slot(int c, micro_batch_id id) co
   return it->second;
 }
 
-double stage_compute::forward(int c, micro_batch_id id, forward_args args) {
+block_pass stage_compute::forward(int c, micro_batch_id id, forward_args args) {
   auto& ch = chunks_.at(static_cast<std::size_t>(c));
   if (ch.live.count(id)) throw std::logic_error("forward twice for " + describe(c, id));
-  slot s;
+  slot fresh;
   auto pooled = ch.pool.find({args.B, args.T});
   if (pooled != ch.pool.end()) {
-    s.acts = std::move(pooled->second);
+    fresh.acts = std::move(pooled->second);
     ch.pool.erase(pooled);
   } else {
-    s.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T);
+    fresh.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T);
   }
-  s.hold = std::move(args.hold);
-  const gpt_stage& st = *ch.stage;
-  stage_forward(st, *s.acts, args.tokens, args.input);
-  double loss = std::numeric_limits<double>::quiet_NaN();
-  if (st.range().head) {
-    loss = args.train ? stage_loss_backward_start(st, *s.acts, args.targets, args.loss_scale).mean()
-                      : stage_loss(st, *s.acts, args.targets).mean();
-  }
-  ch.live.emplace(id, std::move(s));
-  return loss;
+  fresh.hold = std::move(args.hold);
+  slot& s = ch.live.emplace(id, std::move(fresh)).first->second;  // map nodes do not move
+  return forward_pass(*ch.stage, s, args);
 }
+
+block_pass stage_compute::forward_pass(const gpt_stage& st, slot& s, forward_args args) {
+  auto inner = stage_forward_pass(st, *s.acts, args.tokens, args.input);
+  while (const auto* stop = inner.next()) co_yield *stop;
+  if (st.range().head) {
+    s.loss = args.train
+                 ? stage_loss_backward_start(st, *s.acts, args.targets, args.loss_scale).mean()
+                 : stage_loss(st, *s.acts, args.targets).mean();
+  }
+}
+
+double stage_compute::loss(int c, micro_batch_id id) const { return live_slot(c, id).loss; }
 
 const float* stage_compute::output(int c, micro_batch_id id) const {
   return stage_output(*live_slot(c, id).acts);
@@ -92,13 +97,15 @@ std::pair<int, int> stage_compute::shape(int c, micro_batch_id id) const {
   return {acts.batch(), acts.seq_len()};
 }
 
-void stage_compute::backward(int c, micro_batch_id id, const float* doutput, float* dinput,
-                             const grad_block_fn& on_block_done) {
-  stage_backward(chunk(c), *live_slot(c, id).acts, doutput, dinput, on_block_done);
+block_pass stage_compute::backward(int c, micro_batch_id id, const float* doutput, float* dinput,
+                                   grad_block_fn on_block_done) {
+  return stage_backward_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput,
+                             std::move(on_block_done));
 }
 
-void stage_compute::backward_input(int c, micro_batch_id id, const float* doutput, float* dinput) {
-  stage_backward_input(chunk(c), *live_slot(c, id).acts, doutput, dinput);
+block_pass stage_compute::backward_input(int c, micro_batch_id id, const float* doutput,
+                                         float* dinput) {
+  return stage_backward_input_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput);
 }
 
 void stage_compute::backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) {

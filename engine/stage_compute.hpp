@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <utility>
@@ -49,15 +50,19 @@ class stage_compute {
     bool train = true;                              // false: loss only, no gradient (evaluation)
     std::vector<std::shared_ptr<const void>> hold;  // kept alive until release
   };
-  // Returns the mean loss of the micro-batch for a head chunk, NaN otherwise.
-  double forward(int c, micro_batch_id id, forward_args args);
+  // The passes run block by block (engine/block_pass.hpp): the caller drives them, and keeps
+  // doutput and dinput valid until the pass is done. Forward creates the micro-batch's slot
+  // when it starts.
+  block_pass forward(int c, micro_batch_id id, forward_args args);
+  // After forward: the mean loss of the micro-batch for a head chunk, NaN otherwise.
+  double loss(int c, micro_batch_id id) const;
   // The chunk's output hidden state [B, T, width] (not for a head chunk).
   const float* output(int c, micro_batch_id id) const;
   // (B, T) of a micro-batch in flight.
   std::pair<int, int> shape(int c, micro_batch_id id) const;
-  void backward(int c, micro_batch_id id, const float* doutput, float* dinput,
-                const grad_block_fn& on_block_done = {});
-  void backward_input(int c, micro_batch_id id, const float* doutput, float* dinput);
+  block_pass backward(int c, micro_batch_id id, const float* doutput, float* dinput,
+                      grad_block_fn on_block_done = {});
+  block_pass backward_input(int c, micro_batch_id id, const float* doutput, float* dinput);
   void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done = {});
   void release(int c, micro_batch_id id);
 
@@ -65,6 +70,7 @@ class stage_compute {
   struct slot {
     std::unique_ptr<gpt_activations> acts;
     std::vector<std::shared_ptr<const void>> hold;
+    double loss = std::numeric_limits<double>::quiet_NaN();
   };
   struct chunk_state {
     std::unique_ptr<gpt_stage> stage;
@@ -72,6 +78,7 @@ class stage_compute {
     std::map<micro_batch_id, slot> live;
     std::multimap<std::pair<int, int>, std::unique_ptr<gpt_activations>> pool;  // (B, T)
   };
+  static block_pass forward_pass(const gpt_stage& st, slot& s, forward_args args);
   slot& live_slot(int c, micro_batch_id id);
   const slot& live_slot(int c, micro_batch_id id) const;
   std::vector<chunk_state> chunks_;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "kernels/cpu_ops.hpp"
 
@@ -84,6 +85,52 @@ double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_vie
     }
   }
   return lr;
+}
+
+param_residency::changes param_residency::start(std::vector<std::vector<int>> plan, int prefetch) {
+  if (prefetch < 0) throw std::invalid_argument("param_residency: prefetch must be >= 0");
+  if (!refs_.empty()) throw std::logic_error("param_residency: started while buckets are held");
+  uses_ = std::move(plan);
+  prefetch_ = prefetch;
+  issued_ = finished_ = 0;
+  present_.clear();
+  changes out;
+  while (issued_ < uses() && issued_ <= prefetch_) issue(out);
+  return out;
+}
+
+void param_residency::issue(changes& out) {
+  for (int b : use(issued_))
+    if (refs_[b]++ == 0) out.gather.push_back(b);
+  ++issued_;
+}
+
+void param_residency::gathered(int bucket) {
+  if (!refs_.count(bucket)) throw std::logic_error("param_residency: gathered a bucket not held");
+  present_.insert(bucket);
+}
+
+bool param_residency::ready(int j) const {
+  if (j >= issued_) return false;
+  for (int b : use(j))
+    if (!present_.count(b)) return false;
+  return true;
+}
+
+param_residency::changes param_residency::finished(int j) {
+  if (j != finished_ || j >= issued_)
+    throw std::logic_error("param_residency: use " + std::to_string(j) + " finished out of order");
+  changes out;
+  ++finished_;
+  if (issued_ < uses()) issue(out);
+  for (int b : use(j)) {
+    auto it = refs_.find(b);
+    if (--it->second > 0) continue;
+    refs_.erase(it);
+    present_.erase(b);
+    out.release.push_back(b);
+  }
+  return out;
 }
 
 model_state_bytes zero_formula(zero_stage zero, double psi, int n) {

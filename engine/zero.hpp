@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,11 +51,15 @@ bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
                                int replica, int replicas, std::int64_t at);
 
 // Where a shard's numbers live: parameters and (ZeRO-1) gradients in the rank's chunk
-// buffers, or (ZeRO-2) gradients in the shard's own storage, indexed by segment.at.
+// buffers, or (ZeRO-2) gradients and (ZeRO-3) parameters in the shard's own storage, indexed by
+// segment.at.
 struct shard_views {
   std::vector<float*> params, grads;  // per chunk: the flat buffers
   float* shard_grads = nullptr;       // ZeRO-2: owned gradients; nullptr: in grads
-  float* param(const shard_segment& s) const { return params.at(std::size_t(s.chunk)) + s.offset; }
+  float* shard_params = nullptr;      // ZeRO-3: owned parameters; nullptr: in params
+  float* param(const shard_segment& s) const {
+    return shard_params ? shard_params + s.at : params.at(std::size_t(s.chunk)) + s.offset;
+  }
   float* grad(const shard_segment& s) const {
     return shard_grads ? shard_grads + s.at : grads.at(std::size_t(s.chunk)) + s.offset;
   }
@@ -68,6 +74,36 @@ double shard_square_sum(const bucket_shard& b, const shard_views& views);
 double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views, float* m,
                         float* v, const optimizer_config& c, int step, int total_steps,
                         double grad_norm);
+
+// ZeRO-3: when a pipeline rank gathers its parameter buckets and when it releases them, over
+// one pass plan. `uses` are the plan's parameter uses in execution order, each the set of
+// buckets one piece of a pass reads (engine::pass_stops mapped to buckets). Every replica runs
+// the same uses and must issue the same gathers in the same order (they are collectives), so
+// nothing here depends on timing, only on the order of calls:
+//  - use j is issued when use j - prefetch - 1 finishes (uses 0..prefetch at start);
+//  - issuing a use gathers each of its buckets that no issued, unfinished use holds;
+//  - finishing a use releases each of its buckets that no issued, unfinished use still holds.
+// A bucket is gathered at most once while held, so a gather never writes parameters in use.
+class param_residency {
+ public:
+  struct changes {
+    std::vector<int> gather, release;  // buckets; never one in both
+  };
+  changes start(std::vector<std::vector<int>> plan, int prefetch);
+  int uses() const { return static_cast<int>(uses_.size()); }
+  const std::vector<int>& use(int j) const { return uses_.at(static_cast<std::size_t>(j)); }
+  void gathered(int bucket);  // a gather this class asked for has completed
+  bool ready(int use) const;  // every bucket of the issued use is gathered
+  changes finished(int use);  // uses finish in order; throws std::logic_error otherwise
+  bool holds_nothing() const { return refs_.empty(); }
+
+ private:
+  void issue(changes& out);
+  std::vector<std::vector<int>> uses_;
+  int prefetch_ = 1, issued_ = 0, finished_ = 0;
+  std::map<int, int> refs_;  // bucket -> issued, unfinished uses holding it
+  std::set<int> present_;    // held buckets whose gather completed
+};
 
 // Model-state bytes per rank for fp32 AdamW (params 4, grads 4, two moments 8 per parameter)
 // with psi parameters on the pipeline rank and n data-parallel replicas: 16 psi (DDP),

@@ -133,9 +133,31 @@ struct grad_bucket_reduced {
 //   shard --grad_bucket_reduced{square_sum}--> stage (ZeRO-2: the stage releases the bucket)
 //   stage --zero_update{grad_norm}--> shard: AdamW on the owned floats, then ring_chunk
 //   (all-gather) of the new parameters --> shard --zero_update_done--> stage
+// ZeRO-3 has no all-gather after the update; parameters are gathered before each use instead:
+//   stage --zero_gather{seq, bucket}--> shard <--ring_chunk (all-gather)--> shards
+//   shard --zero_gathered{seq}--> stage (the bucket's parameters are whole in the stage's buffer)
 struct zero_layout {
   std::vector<engine::bucket_shard> buckets;  // by bucket index
-  engine::shard_views views;                  // the stage's flat buffers (shard_grads unset)
+  engine::shard_views views;                  // the stage's flat buffers (shard_* unset)
+  std::vector<float> params;                  // ZeRO-3: the owned parameters (by segment.at)
+};
+// Which collective a ZeRO ring serves; each numbers its instances within a step.
+enum class zero_collective : int {
+  buckets = 0,  // gradient reduce-scatter and update all-gather, by bucket
+  train = 1,    // ZeRO-3 parameter gathers of a training step, by gather number
+  eval = 2,     // of an evaluation
+  final = 3,    // of the final weights (every bucket, once, before a snapshot)
+};
+struct zero_gather {
+  int step = 0;
+  zero_collective collective = zero_collective::train;
+  int seq = 0;  // the gather's number within (step, collective): the same on every replica
+  int bucket = 0;
+};
+struct zero_gathered {
+  int step = 0;
+  zero_collective collective = zero_collective::train;
+  int seq = 0;
 };
 struct zero_update {
   int step = 0;

@@ -7,8 +7,9 @@
 //   stage --link_message--> neighbour stage, only after a link_credit for that message
 //   stage --grad_bucket--> dp reducer --grad_bucket_reduced--> stage
 //   (across processes: stage --grad_bucket--> ring reducer <--ring_chunk--> ring reducers)
-//   (ZeRO: stage --zero_layout, grad_bucket, zero_update--> zero shard <--ring_chunk--> shards;
-//    shard --grad_bucket_reduced, zero_update_done--> stage; see messages/pipeline.hpp)
+//   (ZeRO: stage --zero_layout, grad_bucket, zero_update, zero_gather--> zero shard
+//    <--ring_chunk--> shards; shard --grad_bucket_reduced, zero_update_done, zero_gathered-->
+//    stage; see messages/pipeline.hpp)
 //   stage --grads_ready--> coordinator --apply_update--> stage --update_done--> coordinator
 //   every actor --trace_batch--> tracer
 #pragma once
@@ -34,6 +35,8 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::grad_bucket_reduced)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_layout)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_update)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_update_done)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_gather)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_gathered)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::tied_grad)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::swap_schedule)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::swap_result)
@@ -114,7 +117,8 @@ using stage_actor = caf::typed_actor<
     caf::reacts_to<stage_wiring>, caf::reacts_to<step_plan>, caf::reacts_to<link_message>,
     caf::reacts_to<link_credit>, caf::reacts_to<batch_message>, caf::reacts_to<grad_bucket_reduced>,
     caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<zero_update_done>,
-    caf::reacts_to<stage_continue>, caf::replies_to<snapshot_request>::with<stage_snapshot>>;
+    caf::reacts_to<zero_gathered>, caf::reacts_to<stage_continue>,
+    caf::replies_to<snapshot_request>::with<stage_snapshot>>;
 
 using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,
                                       caf::reacts_to<begin_eval>>;
@@ -134,7 +138,7 @@ using ring_reducer_actor =
 
 using zero_shard_actor = caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<zero_layout>,
                                           caf::reacts_to<grad_bucket>, caf::reacts_to<ring_chunk>,
-                                          caf::reacts_to<zero_update>>;
+                                          caf::reacts_to<zero_update>, caf::reacts_to<zero_gather>>;
 
 using coordinator_actor =
     caf::typed_actor<caf::reacts_to<coordinator_wiring>, caf::reacts_to<start_run>,

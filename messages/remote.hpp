@@ -78,6 +78,7 @@ struct ring_chunk {
   int phase = 0;  // 0 reduce-scatter, 1 all-gather
   int chunk = 0;
   float_buffer data;
+  int collective = 0;  // ZeRO: a zero_collective (bucket = gather number unless 0); DDP: 0
 };
 
 // A piece of a checkpoint file sent to the writer (schema reserved for the checkpoint issue).

@@ -222,6 +222,7 @@ struct RingChunk {
   phase @4 :Int32;
   chunk @5 :Int32;
   data @6 :Tensor;
+  collective @7 :Int32;  # ZeRO: which collective (0 buckets, 1 train gathers, 2 eval, 3 final)
 }
 
 struct CheckpointChunk {

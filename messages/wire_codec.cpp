@@ -294,6 +294,7 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       o.setFromReplica(m.from_replica);
       o.setPhase(m.phase);
       o.setChunk(m.chunk);
+      o.setCollective(m.collective);
       w.tensor(o.initData(), m.data, "data");
     }
     void operator()(const checkpoint_chunk& m) {
@@ -619,7 +620,8 @@ body reader::message(s::Envelope::Body::Reader b) {
                         r.getFromReplica(),
                         r.getPhase(),
                         r.getChunk(),
-                        at("data").tensor<float>(r.hasData(), r.getData())};
+                        at("data").tensor<float>(r.hasData(), r.getData()),
+                        r.getCollective()};
     }
     case B::CHECKPOINT_CHUNK: {
       const auto r = b.getCheckpointChunk();

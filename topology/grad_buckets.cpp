@@ -43,12 +43,23 @@ void grad_buckets::start_step() {
 }
 
 std::optional<int> grad_buckets::block_done(int chunk, int block) {
-  const int b =
-      bucket_of_block_.at(static_cast<std::size_t>(chunk)).at(static_cast<std::size_t>(block));
+  const int b = bucket_of(chunk, block);
   if (--remaining_.at(static_cast<std::size_t>(b)) == 0) return b;
   if (remaining_[static_cast<std::size_t>(b)] < 0)
     throw std::logic_error("gradient block reported final twice in one step");
   return std::nullopt;
+}
+
+int grad_buckets::bucket_of(int chunk, int block) const {
+  return bucket_of_block_.at(static_cast<std::size_t>(chunk)).at(static_cast<std::size_t>(block));
+}
+
+std::vector<std::pair<float*, std::int64_t>> grad_buckets::param_ranges(int bucket) const {
+  const auto& b = this->bucket(bucket);
+  const auto* st = chunks_.at(static_cast<std::size_t>(b.chunk));
+  std::vector<std::pair<float*, std::int64_t>> r;
+  for (const auto& [ptr, n] : b.ranges) r.emplace_back(st->params() + (ptr - st->grads()), n);
+  return r;
 }
 
 int grad_buckets::bucket_containing(const float* grad) const {

@@ -33,6 +33,10 @@ class grad_buckets {
   std::optional<int> block_done(int chunk, int block);
   const grad_bucket_info& bucket(int i) const { return buckets_.at(static_cast<std::size_t>(i)); }
   int size() const { return static_cast<int>(buckets_.size()); }
+  // The bucket holding gradient block `block` (a stage_grad_blocks index) of `chunk`.
+  int bucket_of(int chunk, int block) const;
+  // The bucket's ranges in its chunk's parameter buffer (same offsets as its gradient ranges).
+  std::vector<std::pair<float*, std::int64_t>> param_ranges(int bucket) const;
   // The bucket whose ranges hold `grad`; throws std::logic_error if none does.
   int bucket_containing(const float* grad) const;
   // ZeRO: what `replica` of `replicas` owns of each bucket, by bucket index, packed one after the

@@ -1,6 +1,7 @@
-// ZeRO-1/2 (docs/zero.md): every configuration gives the DDP losses within 1e-5 relative over 20
-// steps, every replica ends with bitwise the same parameters, ZeRO-1 and ZeRO-2 are bitwise
-// equal, and the model-state bytes each rank reports match the ZeRO formulas within 5%.
+// ZeRO-1/2/3 (docs/zero.md): every configuration gives the DDP losses within 1e-5 relative over
+// 20 steps, every replica ends with bitwise the same parameters, ZeRO-1, 2 and 3 are bitwise
+// equal to each other (whatever the prefetch depth), and the model-state bytes each rank reports
+// match the ZeRO formulas within 5%.
 #include <cmath>
 
 #include "engine/memory_plan.hpp"
@@ -41,7 +42,7 @@ engine::recipe with(engine::recipe r, const config& c, int zero) {
   return r;
 }
 
-TEST_CASE("ZeRO-1 and ZeRO-2 give the DDP losses with every schedule", "[actors][zero]") {
+TEST_CASE("ZeRO-1, 2 and 3 give the DDP losses with every schedule", "[actors][zero]") {
   temp_dir dir;
   const engine::recipe base = tiny_recipe(dir);  // 20 steps, 9 layers of width 32
   for (const auto& c : configs()) {
@@ -51,6 +52,10 @@ TEST_CASE("ZeRO-1 and ZeRO-2 give the DDP losses with every schedule", "[actors]
       const auto ddp = run_actors(with(base, c, 0), o);
       const auto z1 = run_actors(with(base, c, 1), o);
       const auto z2 = run_actors(with(base, c, 2), o);
+      auto deep = with(base, c, 3);
+      deep.parallel.zero_prefetch = 3;
+      const auto z3 = run_actors(with(base, c, 3), o);
+      const auto z3_deep = run_actors(deep, o);
       REQUIRE(ddp.steps.size() == 20);
       require_close(losses_of(z1.steps), losses_of(ddp.steps), 1e-5);
       require_close(losses_of(z2.steps), losses_of(ddp.steps), 1e-5);
@@ -59,9 +64,14 @@ TEST_CASE("ZeRO-1 and ZeRO-2 give the DDP losses with every schedule", "[actors]
         REQUIRE(std::abs(z1.steps[i].grad_norm - ddp.steps[i].grad_norm) <=
                 1e-5 * ddp.steps[i].grad_norm);
       }
-      // ZeRO-2 differs from ZeRO-1 only in where the owned gradients live.
+      // ZeRO-2 differs from ZeRO-1 only in where the owned gradients live; ZeRO-3 only in
+      // where the parameters live between uses (gathered, bitwise, before each).
       REQUIRE(losses_of(z2.steps) == losses_of(z1.steps));
       REQUIRE(z2.parameters == z1.parameters);
+      REQUIRE(losses_of(z3.steps) == losses_of(z1.steps));
+      REQUIRE(z3.parameters == z1.parameters);
+      REQUIRE(losses_of(z3_deep.steps) == losses_of(z1.steps));
+      REQUIRE(z3_deep.parameters == z1.parameters);
       // The saved weights are whole (no padding, nothing missing) and close to DDP's.
       REQUIRE(z1.parameters.size() == ddp.parameters.size());
       for (const auto& [name, want] : ddp.parameters) {
@@ -83,8 +93,9 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
   temp_dir dir;
   engine::recipe base = tiny_recipe(dir);
   base.steps = 2;
+  base.model.width = 64;  // layers large against the pages a released bucket keeps at its edges
   for (int dp : {1, 2, 4}) {
-    for (int zero : {0, 1, 2}) {
+    for (int zero : {0, 1, 2, 3}) {
       DYNAMIC_SECTION("PP=2 x DP=" << dp << " ZeRO-" << zero) {
         engine::recipe r = base;
         r.parallel.pp = 2;
@@ -96,7 +107,8 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
         for (const auto& step : res.steps) {
           REQUIRE(step.memory.size() == static_cast<std::size_t>(2 * dp));
           for (const auto& m : step.memory) {
-            const double psi = double(m.parameters) / 4;  // fp32 parameters of this rank
+            const auto& p = plan.at(static_cast<std::size_t>(m.rank));
+            const double psi = double(p.parameters);  // fp32 parameters of this rank
             const auto want = engine::zero_formula(static_cast<engine::zero_stage>(zero), psi, dp);
             INFO("replica " << m.replica << " rank " << m.rank << ": parameters " << m.parameters
                             << " gradients " << m.gradients << " optimizer " << m.optimizer
@@ -105,9 +117,14 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
             REQUIRE(std::abs(double(m.model_state()) - want.total()) <= 0.05 * want.total());
             REQUIRE(std::abs(double(m.gradients) - want.gradients) <= 0.05 * want.gradients);
             REQUIRE(std::abs(double(m.optimizer) - want.optimizer) <= 0.05 * want.optimizer);
+            REQUIRE(std::abs(double(m.parameters) - want.parameters) <= 0.05 * want.parameters);
+            if (zero < 3) REQUIRE(m.parameters == 4 * p.parameters);
+            // ZeRO-3 gathers a few buckets at a time (prefetch 1: two uses' buckets), never the
+            // whole rank. With DP > 1 the buffers also hold ring chunks that arrive before their
+            // gather starts, which depends on timing (engine test: the uses' bound itself).
+            if (zero == 3) REQUIRE(m.buffers > 0);
+            if (zero == 3 && dp == 1) REQUIRE(m.buffers < 4 * p.parameters);
             REQUIRE(m.buffers >= 0);
-            const auto& p = plan.at(static_cast<std::size_t>(m.rank));
-            REQUIRE(p.parameters * 4 == m.parameters);
             REQUIRE(std::abs(double(m.model_state()) - p.model_state.total()) <=
                     0.05 * p.model_state.total());
           }
@@ -117,11 +134,30 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
   }
 }
 
-TEST_CASE("ZeRO-3 is refused with a reason until it lands", "[actors][zero]") {
+TEST_CASE("ZeRO-3 evaluates with gathered parameters", "[actors][zero]") {
   temp_dir dir;
-  engine::recipe r = tiny_recipe(dir);
-  r.parallel.zero = 3;
-  REQUIRE_THROWS_WITH(engine::validate_recipe(r), Catch::Contains("parallel.zero"));
+  engine::recipe base = tiny_recipe(dir);
+  base.steps = 6;
+  base.eval_interval = 3;
+  base.data.val_fraction = 0.2;
+  base.parallel.pp = 2;
+  base.parallel.dp = 2;
+  base.parallel.micro_batches = 2;
+  base.parallel.zero = 1;
+  const auto z1 = run_actors(base);
+  base.parallel.zero = 3;
+  const auto z3 = run_actors(base);
+  int evals = 0;
+  REQUIRE(z3.steps.size() == z1.steps.size());
+  for (std::size_t i = 0; i < z1.steps.size(); ++i) {
+    REQUIRE(z3.steps[i].loss == z1.steps[i].loss);
+    REQUIRE(z3.steps[i].val_loss.has_value() == z1.steps[i].val_loss.has_value());
+    if (!z1.steps[i].val_loss) continue;
+    REQUIRE(*z3.steps[i].val_loss == *z1.steps[i].val_loss);
+    ++evals;
+  }
+  REQUIRE(evals == 2);
+  REQUIRE(z3.parameters == z1.parameters);
 }
 
 }  // namespace

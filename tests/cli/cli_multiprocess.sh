@@ -122,6 +122,8 @@ configs=(
   "z1pp2dp2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1"
   "z2pp2dp2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2"
   "z2dp4 4 --set parallel.dp=4 --set parallel.zero=2"
+  "z3pp2dp2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3"
+  "z3dp4 4 --set parallel.dp=4 --set parallel.zero=3 --set parallel.zero_prefetch=2"
 )
 for c in "${configs[@]}"; do
   read -r -a f <<<"$c"
@@ -136,6 +138,8 @@ done
 compare_close pp2dp2 z1pp2dp2
 compare_close pp2dp2 z2pp2dp2
 compare_close dp4 z2dp4
+compare_close pp2dp2 z3pp2dp2
+compare_close dp4 z3dp4
 
 # A killed rank: rank 0 names it within the heartbeat deadline; every process exits non-zero.
 port=$((port + 1))

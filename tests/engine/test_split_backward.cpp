@@ -3,6 +3,9 @@
 // B then W gives the same dinput and gradients bitwise; micro-batches may run B0 B1 W1 W0;
 // B alone touches no gradient; W without B throws; the gradient blocks cover every parameter
 // once, and on_block_done fires once per block, in order, when the block's gradient is final.
+// The passes (block_pass) read only the parameter blocks of their latest stop: run with every
+// other parameter poisoned (NaN), they give the plain functions' numbers bitwise (ZeRO-3 runs them
+// with only the stop's buckets gathered).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -335,4 +338,68 @@ TEST_CASE("on_block_done fires once per block, in order, when the block is final
     stage_backward_weight(*s, acts, rec.callback());
     rec.check();
   }
+}
+
+namespace {
+
+// Drives a pass the way a ZeRO-3 stage does: at each stop only the stop's blocks hold their
+// parameters; every other parameter (and the whole buffer before the first stop) reads NaN.
+void run_poisoned(gpt_stage& s, block_pass pass, pass_kind kind) {
+  const std::vector<float> saved(s.params(), s.params() + s.parameter_count());
+  const auto blocks = stage_grad_blocks(s);
+  const auto want = pass_stops(s, kind);
+  auto poison = [&] { std::fill(s.params(), s.params() + s.parameter_count(), std::nanf("")); };
+  poison();
+  std::size_t stops = 0;
+  while (const auto* stop = pass.next()) {
+    REQUIRE(stops < want.size());
+    REQUIRE(*stop == want[stops++]);
+    poison();
+    for (int b : *stop)
+      for (const auto& [offset, n] : blocks.at(std::size_t(b)).ranges)
+        std::copy(saved.begin() + offset, saved.begin() + offset + n, s.params() + offset);
+  }
+  REQUIRE(stops == want.size());
+  std::copy(saved.begin(), saved.end(), s.params());
+}
+
+}  // namespace
+
+TEST_CASE("passes read only the parameter blocks of their latest stop", "[split_backward]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  const bool split = GENERATE(false, true);
+  CAPTURE(sc.name, split);
+  const auto d = make_micro(11);
+  const bool emb = sc.range.embedding;
+  auto plain = make_stage(sc.range);
+  auto gated = make_stage(sc.range);
+  gpt_activations pa(*plain, 2, 5), ga(*gated, 2, 5);
+  auto pd = nan_buffer(), gd = nan_buffer();
+  float* pdin = emb ? nullptr : pd.data();
+  float* gdin = emb ? nullptr : gd.data();
+
+  forward(*plain, pa, d);
+  run_poisoned(*gated,
+               stage_forward_pass(*gated, ga, emb ? d.mb.tokens.data() : nullptr,
+                                  emb ? nullptr : d.input.data()),
+               pass_kind::forward);
+  if (gated->range().head) {
+    stage_loss_backward_start(*gated, ga, d.mb.targets.data(), 1.0f);
+  } else {
+    const std::size_t n = std::size_t(2) * 5 * std::size_t(kConfig.width);
+    REQUIRE(std::memcmp(stage_output(pa), stage_output(ga), n * sizeof(float)) == 0);
+  }
+  if (split) {
+    stage_backward_input(*plain, pa, doutput_of(*plain, d), pdin);
+    stage_backward_weight(*plain, pa);
+    run_poisoned(*gated, stage_backward_input_pass(*gated, ga, doutput_of(*gated, d), gdin),
+                 pass_kind::backward);
+    stage_backward_weight(*gated, ga);  // weight gradients read no parameter at all
+  } else {
+    stage_backward(*plain, pa, doutput_of(*plain, d), pdin);
+    run_poisoned(*gated, stage_backward_pass(*gated, ga, doutput_of(*gated, d), gdin, {}),
+                 pass_kind::backward);
+  }
+  REQUIRE(same_bits(grads_of(*gated), grads_of(*plain)));
+  if (!emb) REQUIRE(same_bits(gd, pd));
 }

@@ -1,13 +1,15 @@
 // ZeRO shard arithmetic (engine/zero.hpp): the shards of d replicas tile a bucket's parameters
 // exactly once (no padding, alignment gaps never included), a shard's AdamW step is bitwise the
-// full optimizer's on the same elements, and a released gradient range reads zero and holds no
-// whole pages.
+// full optimizer's on the same elements, a released gradient range reads zero and holds no
+// whole pages, and ZeRO-3's gather plan (param_residency) holds what each use needs, gathers a
+// bucket only when no use holds it, and never holds more than prefetch + 1 uses' buckets.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "engine/gpt_model.hpp"
@@ -118,6 +120,66 @@ TEST_CASE("a released gradient range reads zero and gives its whole pages back",
   for (std::int64_t i = 0; i < n; ++i) {
     const bool inside = i >= lo && i < lo + count;
     if (buf[static_cast<std::size_t>(i)] != (inside ? 0.0f : 1.5f)) FAIL("element " << i);
+  }
+}
+
+TEST_CASE("ZeRO-3 gathers each use's buckets ahead, never a held bucket, within the window",
+          "[zero]") {
+  const int prefetch = GENERATE(0, 1, 2, 4);
+  const unsigned seed = GENERATE(1u, 2u, 3u);
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int>> uses;
+  for (int j = 0; j < 60; ++j) {  // sets of 1 or 2 of 6 buckets, repeats included
+    std::vector<int> u{int(rng() % 6)};
+    if (rng() % 3 == 0) u.push_back(int(rng() % 6));
+    std::sort(u.begin(), u.end());
+    u.erase(std::unique(u.begin(), u.end()), u.end());
+    uses.push_back(u);
+  }
+  CAPTURE(prefetch, seed);
+  param_residency r;
+  std::set<int> held, in_flight;
+  int gathers = 0;
+  auto apply = [&](const param_residency::changes& ch) {
+    for (int b : ch.release) {
+      REQUIRE(held.erase(b) == 1);
+      REQUIRE(in_flight.count(b) == 0);  // a use finished on it, so its gather had completed
+    }
+    for (int b : ch.gather) {
+      REQUIRE(held.insert(b).second);  // never gathered while held
+      in_flight.insert(b);
+      ++gathers;
+    }
+  };
+  apply(r.start(uses, prefetch));
+  for (int j = 0; j < static_cast<int>(uses.size()); ++j) {
+    // The window: exactly the buckets of the issued, unfinished uses are held.
+    std::set<int> window;
+    for (int k = j; k < std::min<int>(j + prefetch + 1, int(uses.size())); ++k)
+      window.insert(uses[std::size_t(k)].begin(), uses[std::size_t(k)].end());
+    REQUIRE(held == window);
+    const auto& u = uses[std::size_t(j)];
+    REQUIRE(r.ready(j) ==
+            std::none_of(u.begin(), u.end(), [&](int b) { return in_flight.count(b); }));
+    for (int b : in_flight) r.gathered(b);
+    in_flight.clear();
+    REQUIRE(r.ready(j));
+    if (j + 1 < static_cast<int>(uses.size())) {
+      REQUIRE_THROWS_AS(r.finished(j + 1), std::logic_error);
+    }
+    apply(r.finished(j));
+  }
+  REQUIRE(held.empty());
+  REQUIRE(r.holds_nothing());
+  // Sharing: fewer gathers than bucket uses whenever a bucket recurs inside the window.
+  int bucket_uses = 0;
+  for (const auto& u : uses) bucket_uses += static_cast<int>(u.size());
+  REQUIRE(gathers <= bucket_uses);
+  if (prefetch == 0) {
+    int repeats = 0;  // consecutive uses sharing a bucket do not gather it again
+    for (std::size_t j = 1; j < uses.size(); ++j)
+      for (int b : uses[j]) repeats += std::count(uses[j - 1].begin(), uses[j - 1].end(), b);
+    REQUIRE(gathers == bucket_uses - repeats);
   }
 }
 

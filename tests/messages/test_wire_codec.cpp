@@ -159,8 +159,8 @@ struct checker {
   }
   void operator()(const ring_chunk& w) {
     const auto& g = as<ring_chunk>();
-    CHECK(std::tie(w.step, w.rank, w.bucket, w.from_replica, w.phase, w.chunk) ==
-          std::tie(g.step, g.rank, g.bucket, g.from_replica, g.phase, g.chunk));
+    CHECK(std::tie(w.step, w.rank, w.bucket, w.from_replica, w.phase, w.chunk, w.collective) ==
+          std::tie(g.step, g.rank, g.bucket, g.from_replica, g.phase, g.chunk, g.collective));
     check_payload(w.data, g.data);
   }
   void operator()(const checkpoint_chunk& w) {

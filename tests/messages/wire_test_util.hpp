@@ -152,7 +152,7 @@ inline body sample(std::size_t kind) {
     case 19:
       return job_shutdown{false, "rank 3 lost"};
     case 20:
-      return ring_chunk{4, 1, 3, 2, 1, 5, floats(64, 4)};
+      return ring_chunk{4, 1, 3, 2, 1, 5, floats(64, 4), 2};
     default:
       return checkpoint_chunk{9, "step_9/rank_1.bin", 1ull << 40, 0x0123456789abcdefull,
                               floats(7, 5)};
