@@ -3,8 +3,9 @@
 // Invariants (tests cite them):
 //  S1. Actions run strictly in plan order; a message that arrives early waits in the stash.
 //  S2. A link message leaves only with its credit (topology/link_credits.hpp).
-//  S3. One action per handler call: the stage yields to its mailbox between actions, so
-//      credits and data that arrive meanwhile are handled before the next action.
+//  S3. At most one action per handler call: the stage yields to its mailbox between actions
+//      (and, ZeRO-3, while an action waits for parameters), so credits and data that arrive
+//      meanwhile are handled before the next action.
 //  S4. grads_ready is sent once per step, after the last action, every data-parallel bucket's
 //      reduction and the tied-wte exchange.
 //  S5. ZeRO: a bucket holding a tied wte copy goes to the shard only after the tied exchange
