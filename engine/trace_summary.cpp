@@ -1,5 +1,5 @@
-// Busy/idle per stage, measured bubble and DP hiding from a trace. See trace_summary.hpp for the
-// definitions; docs/trace.md for why they are measured this way.
+// Busy/idle per stage, measured bubble, DP hiding and collective/compute overlap from a trace.
+// See trace_summary.hpp for the definitions; docs/trace.md for why they are measured this way.
 #include "engine/trace_summary.hpp"
 
 #include <algorithm>
@@ -34,6 +34,38 @@ double covered(std::vector<interval> spans, double lo, double hi) {
     }
   }
   return total;
+}
+
+// The sorted, disjoint union of the intervals (empty ones dropped).
+std::vector<interval> merged(std::vector<interval> spans) {
+  std::sort(spans.begin(), spans.end());
+  std::vector<interval> out;
+  for (const auto& s : spans) {
+    if (s.second <= s.first) continue;
+    if (!out.empty() && s.first <= out.back().second)
+      out.back().second = std::max(out.back().second, s.second);
+    else
+      out.push_back(s);
+  }
+  return out;
+}
+
+// Length of [lo, hi) covered by a sorted, disjoint union.
+double covered_by(const std::vector<interval>& u, double lo, double hi) {
+  auto it = std::upper_bound(u.begin(), u.end(), lo,
+                             [](double v, const interval& i) { return v < i.second; });
+  double total = 0;
+  for (; it != u.end() && it->first < hi; ++it)
+    total += std::min(it->second, hi) - std::max(it->first, lo);
+  return total;
+}
+
+// Whether a collective track (nullptr: unknown, serves every stage) serves a stage track: same
+// pipeline rank, and same replica when the collective track has one.
+bool serves(const track* collective, const track& stage) {
+  if (!collective) return true;
+  return (collective->rank < 0 || collective->rank == stage.rank) &&
+         (collective->replica < 0 || collective->replica == stage.replica);
 }
 
 // The step a span without a step field belongs to: the last step whose window starts at or
@@ -74,13 +106,12 @@ void add_data_parallel(summary& s, const trace_file& trace, const std::vector<co
   for (const auto& t : trace.tracks) by_id[t.id] = &t;
   for (const auto& [id, comm] : comm_by_track) {
     const auto it = by_id.find(id);
-    const int rank = it == by_id.end() ? -1 : it->second->rank;
-    const int replica = it == by_id.end() ? -1 : it->second->replica;
+    const track* collective = it == by_id.end() ? nullptr : it->second;
     for (int step : steps) {
       // Per pipeline rank served: the shortest wait over its replicas; then the mean over ranks.
       std::map<int, double> shortest;
       for (const track* t : stages) {
-        if ((rank >= 0 && t->rank != rank) || (replica >= 0 && t->replica != replica)) continue;
+        if (!serves(collective, *t)) continue;
         const auto w = wait_by_stage_step.find({t->id, step});
         const double v = w == wait_by_stage_step.end() ? 0 : w->second;
         const auto [it, fresh] = shortest.emplace(t->rank, v);
@@ -93,6 +124,47 @@ void add_data_parallel(summary& s, const trace_file& trace, const std::vector<co
   }
   if (s.dp_comm_us > 0)
     s.dp_hidden_fraction = std::clamp(1 - s.dp_exposed_us / s.dp_comm_us, 0.0, 1.0);
+}
+
+// Overlap per collective span name (see the header): each counted collective span against the
+// merged compute of the stage tracks its track serves, compute of any step.
+void add_overlap(summary& s, const trace_file& trace, const std::vector<const track*>& stages,
+                 const std::function<bool(const event&)>& counts) {
+  std::map<int, std::vector<interval>> compute_by_track;
+  for (const auto& e : trace.events)
+    if (is_span(e, "compute")) compute_by_track[e.track].push_back({e.ts_us, e.ts_us + e.dur_us});
+  std::map<int, const track*> by_id;
+  for (const auto& t : trace.tracks) by_id[t.id] = &t;
+  std::map<int, std::vector<interval>> served_compute;  // collective track -> merged compute
+  std::map<std::string, collective_overlap> by_name;
+  std::map<std::string, double> first_start;
+  for (const auto& e : trace.events) {
+    if (!is_span(e, "collective") || !counts(e)) continue;
+    auto served = served_compute.find(e.track);
+    if (served == served_compute.end()) {
+      const auto it = by_id.find(e.track);
+      const track* collective = it == by_id.end() ? nullptr : it->second;
+      std::vector<interval> compute;
+      for (const track* t : stages) {
+        if (!serves(collective, *t)) continue;
+        const auto c = compute_by_track.find(t->id);
+        if (c != compute_by_track.end())
+          compute.insert(compute.end(), c->second.begin(), c->second.end());
+      }
+      served = served_compute.emplace(e.track, merged(std::move(compute))).first;
+    }
+    collective_overlap& o = by_name[e.name];
+    o.name = e.name;
+    ++o.spans;
+    o.total_us += e.dur_us;
+    o.hidden_us += covered_by(served->second, e.ts_us, e.ts_us + e.dur_us);
+    const auto [first, fresh] = first_start.try_emplace(e.name, e.ts_us);
+    if (!fresh) first->second = std::min(first->second, e.ts_us);
+  }
+  for (auto& [name, o] : by_name) s.overlap.push_back(std::move(o));
+  std::sort(s.overlap.begin(), s.overlap.end(), [&](const auto& a, const auto& b) {
+    return std::pair(first_start.at(a.name), a.name) < std::pair(first_start.at(b.name), b.name);
+  });
 }
 
 summary summarize_steps(const trace_file& trace, const std::set<int>& counted) {
@@ -154,6 +226,7 @@ summary summarize_steps(const trace_file& trace, const std::set<int>& counted) {
     s.measured_bubble = 1 - busy_total / (double(s.stages.size()) * s.window_us);
 
   add_data_parallel(s, trace, stages, counts);
+  add_overlap(s, trace, stages, counts);
   return s;
 }
 
@@ -278,6 +351,17 @@ std::string format_summary(const summary& s, const metadata& meta) {
   } else {
     out += "dp communication: none\n";
   }
+  if (!s.overlap.empty()) {
+    out += "overlap:";
+    for (std::size_t i = 0; i < s.overlap.size(); ++i) {
+      const auto& o = s.overlap[i];
+      std::snprintf(line, sizeof line, "%s %s %.2f ms, %s hidden%s", i == 0 ? "" : ";",
+                    o.name.c_str(), o.total_us / 1000, percent(o.hidden_fraction()).c_str(),
+                    i == 0 ? " behind compute" : "");
+      out += line;
+    }
+    out += "\n";
+  }
   return out;
 }
 
@@ -297,6 +381,14 @@ std::string summary_json(const summary& s, const metadata& meta) {
                       {"weight_count", st.weight_count},
                       {"weight_us", st.weight_us}});
   }
+  json overlap = json::array();
+  for (const auto& o : s.overlap) {
+    overlap.push_back({{"name", o.name},
+                       {"spans", o.spans},
+                       {"total_us", o.total_us},
+                       {"hidden_us", o.hidden_us},
+                       {"hidden_fraction", or_null(o.hidden_fraction())}});
+  }
   const json j = {{"schedule", meta.schedule},
                   {"ranks", meta.ranks},
                   {"micro_batches", meta.micro_batches},
@@ -311,6 +403,7 @@ std::string summary_json(const summary& s, const metadata& meta) {
                   {"dp_exposed_us", s.dp_exposed_us},
                   {"dp_wait_us", s.dp_wait_us},
                   {"dp_hidden_fraction", or_null(s.dp_hidden_fraction)},
+                  {"overlap", overlap},
                   {"stages", stages}};
   return j.dump(2, ' ', false, json::error_handler_t::replace);
 }

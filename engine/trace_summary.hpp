@@ -9,6 +9,10 @@
 //    once), idle = window - busy. measured bubble = 1 - sum(busy) / (stage tracks * sum(window)).
 //  - DP: "collective" spans and stage-track "wait" spans named "dp" count when their `step` is a
 //    counted step, or when they have no step and no step was skipped.
+//  - Overlap, per collective span name: the counted collective spans' total duration, and the
+//    part of each span during which a stage track it serves was computing. A collective track
+//    serves the stage tracks of its rank and replica (-1: any); their "compute" spans, of any
+//    step, are merged first, so compute overlapping compute is counted once.
 #pragma once
 
 #include <map>
@@ -30,6 +34,16 @@ struct stage_summary {
   int forward_count = 0, backward_count = 0, weight_count = 0;
 };
 
+// Collective spans of one name ("all-reduce", "reduce-scatter", "all-gather") and how much of
+// their time the compute of the stages they serve covered.
+struct collective_overlap {
+  std::string name;
+  int spans = 0;
+  double total_us = 0;   // sum of the spans' durations
+  double hidden_us = 0;  // sum over spans of the time they overlap the served stages' compute
+  double hidden_fraction() const { return total_us > 0 ? hidden_us / total_us : -1; }
+};
+
 struct summary {
   int steps = 0;                   // steps with compute, after skipping
   int skipped_steps = 0;           // steps with compute left out (at most skip_steps)
@@ -44,7 +58,8 @@ struct summary {
                                    // communication not hidden behind any replica's compute; summed.
   double dp_wait_us = 0;           // plain sum of stage-track "wait" spans named "dp"
   double dp_hidden_fraction = -1;  // 1 - exposed / comm, clamped to [0, 1]; -1 without DP
-  std::vector<stage_summary> stages;  // stage tracks sorted by (replica, rank)
+  std::vector<collective_overlap> overlap;  // per span name, by the name's first start
+  std::vector<stage_summary> stages;        // stage tracks sorted by (replica, rank)
 };
 
 // Stage tracks sorted by (replica, rank, id): the rows of the summary and of the timeline.

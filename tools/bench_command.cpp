@@ -1,21 +1,26 @@
 // `troupe bench train-step [--json]`: Troupe's train step next to PyTorch eager (same model,
 // same thread count, measured in the same run), with the ratio and each one's share of the
-// machine's measured FP32 peak. A benchmark: it prints, it asserts nothing.
+// machine's measured FP32 peak; `bench pipeline`, `bench transport` and `bench zero` (ZeRO vs
+// DDP, bench/zero_bench.hpp). Benchmarks: they print, they assert nothing.
 #include <omp.h>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bench/peak_flops.hpp"
 #include "bench/pipeline_bench.hpp"
 #include "bench/train_step.hpp"
 #include "bench/transport_bench.hpp"
+#include "bench/zero_bench.hpp"
+#include "engine/recipe.hpp"
 #include "tools/commands.hpp"
 
 namespace troupe::tools {
@@ -32,6 +37,10 @@ struct bench_options {
   int pipeline_steps = 4;
   bool quick = false;
   bench::transport_peer_options transport_peer;
+  int zero_steps = 10;
+  std::string zero_recipe = TROUPE_SOURCE_DIR "/examples/default.toml";
+  std::vector<int> zero_levels = {0, 1, 2, 3};
+  std::vector<int> zero_dps = {2, 4};
 };
 
 // Runs a command and returns its stdout, or nullopt when it fails.
@@ -187,6 +196,38 @@ int run_transport(const bench_options& o) {
   return exit_ok;
 }
 
+int run_zero(const bench_options& o) {
+  bench::zero_bench_options zo;
+  zo.recipe = o.zero_recipe;
+  zo.steps = o.quick ? 4 : o.zero_steps;
+  zo.warmup = o.quick ? 1 : std::min(2, zo.steps - 1);
+  zo.dps = o.quick ? std::vector<int>{2} : o.zero_dps;
+  zo.levels = o.zero_levels;
+  zo.self_exe = self_exe();
+  const auto joined = [](const std::vector<int>& values) {
+    std::string text;
+    for (const int v : values) text += (text.empty() ? "" : ",") + std::to_string(v);
+    return text;
+  };
+  std::fprintf(stderr, "troupe bench zero: %d steps per run, dp %s, zero %s\n", zo.steps,
+               joined(zo.dps).c_str(), joined(zo.levels).c_str());
+  bench::zero_bench_report report;
+  try {
+    report = bench::run_zero_bench(zo);
+  } catch (const engine::recipe_error& e) {
+    std::fprintf(stderr, "troupe bench zero: %s\n", e.what());
+    return exit_bad_input;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "troupe bench zero: %s\n", e.what());
+    return exit_failure;
+  }
+  std::fputs(
+      (o.json_output ? bench::zero_report_json(report) + "\n" : bench::format_zero_report(report))
+          .c_str(),
+      stdout);
+  return exit_ok;
+}
+
 std::function<int()> add_bench_command(CLI::App& app) {
   auto opts = std::make_shared<bench_options>();
   auto* bench = app.add_subcommand("bench", "Benchmarks against peers measured in the same run");
@@ -209,6 +250,21 @@ std::function<int()> add_bench_command(CLI::App& app) {
       "transport", "UCX frames between two processes vs ucx_perftest (bandwidth, latency)");
   transport->add_flag("--json", opts->json_output, "Print one JSON report");
   transport->add_flag("--quick", opts->quick, "Fewer frames, one run per side (development)");
+  auto* zero = bench->add_subcommand(
+      "zero", "ZeRO-1/2/3 vs DDP: step time, model state and measured peak RSS per rank");
+  zero->add_flag("--json", opts->json_output, "Print one JSON report");
+  zero->add_flag("--quick", opts->quick, "4 steps, dp=2 only (development)");
+  zero->add_option("--steps", opts->zero_steps,
+                   "Steps per run (the first 2 are a warm-up, left out of the step time)")
+      ->check(CLI::Range(2, 10000));
+  zero->add_option("--zero-levels", opts->zero_levels, "parallel.zero values, e.g. 0,1,2,3")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 3));
+  zero->add_option("--dp", opts->zero_dps, "Data-parallel widths, e.g. 2,4")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 64));
+  zero->add_option("--recipe", opts->zero_recipe, "Recipe (default: examples/default.toml)")
+      ->check(CLI::ExistingFile);
   // Hidden (empty group): the peer process that `bench transport` starts.
   auto* peer = bench->add_subcommand("transport-peer", "The peer process of bench transport");
   peer->group("");
@@ -218,8 +274,9 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->required();
   peer->add_option("--warmup", opts->transport_peer.warmup, "Untimed frames (bandwidth)");
   peer->add_option("--frames", opts->transport_peer.frames, "Timed frames (bandwidth)");
-  return [opts, step, pipe, transport, peer]() {
+  return [opts, step, pipe, transport, zero, peer]() {
     if (pipe->parsed()) return run_pipeline(*opts);
+    if (zero->parsed()) return run_zero(*opts);
     if (transport->parsed()) return run_transport(*opts);
     if (peer->parsed()) return bench::run_transport_peer(opts->transport_peer);
     (void)step;

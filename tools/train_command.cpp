@@ -2,8 +2,13 @@
 // actor engine (pipeline stages, schedule, data loaders, coordinator) by default, or the serial
 // reference loop. A process started by `troupe launch`, srun, mpirun or a torchrun-style
 // environment joins its job from the environment (topology/launch_env.hpp); rank 0 prints.
+// With --report-peak-rss every process, whatever its rank, ends a successful run with one JSON
+// line on stderr: {"rank":R,"world":W,"peak_rss_bytes":N} (`troupe bench zero` reads it).
 // Exit 2 with one line naming the key or file on bad input (nothing written), 1 on a failed run.
+#include <sys/resource.h>
+
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 
 #include "actors/pipeline_run.hpp"
@@ -14,6 +19,16 @@
 #include "topology/launch_env.hpp"
 
 namespace troupe::tools {
+namespace {
+
+// This process's peak resident set size (getrusage: ru_maxrss is in KiB on Linux); -1 if unknown.
+std::int64_t peak_rss_bytes() {
+  rusage usage{};
+  if (::getrusage(RUSAGE_SELF, &usage) != 0) return -1;
+  return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
+}
+
+}  // namespace
 
 std::function<int()> add_train_command(CLI::App& app) {
   struct options {
@@ -24,6 +39,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     double peer_timeout = 10;
     double rendezvous_timeout = 120;
     bool dry_run = false;
+    bool report_peak_rss = false;
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
@@ -43,6 +59,9 @@ std::function<int()> add_train_command(CLI::App& app) {
       ->check(CLI::Range(0.1, 86400.0));
   cmd->add_flag("--dry-run", opts->dry_run,
                 "Check the recipe and print the per-rank memory plan; allocate and train nothing");
+  cmd->add_flag("--report-peak-rss", opts->report_peak_rss,
+                "At the end, every process prints its peak resident memory as one JSON line on "
+                "stderr");
   return [opts]() -> int {
     engine::recipe r;
     try {
@@ -107,6 +126,11 @@ std::function<int()> add_train_command(CLI::App& app) {
       return exit_failure;
     }
     progress.finish();
+    if (opts->report_peak_rss) {
+      std::fprintf(stderr, "{\"rank\":%d,\"world\":%d,\"peak_rss_bytes\":%lld}\n", launch.rank,
+                   launch.world, static_cast<long long>(peak_rss_bytes()));
+      std::fflush(stderr);
+    }
     if (quiet) return exit_ok;
     char line[256];
     std::snprintf(line, sizeof line,

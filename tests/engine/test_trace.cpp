@@ -1,6 +1,6 @@
 // Trace files: the JSON round trip (every field, exactly) and the on-disk event shapes; read
 // errors that name the file; summary figures against hand-computed ones for a two-stage 1F1B
-// pipeline and a two-replica data-parallel run.
+// pipeline, a two-replica data-parallel run and ZeRO-style collectives overlapping compute.
 #include "tests/engine/trace_test_util.hpp"
 
 using namespace troupe::engine::trace;
@@ -211,12 +211,14 @@ TEST_CASE("summary: busy, idle and bubble of a two-stage 1F1B pipeline", "[trace
     CHECK(text.find("bubble: measured 40.0% · theory 33.3% (schedule 1f1b, p=2, m=2, v=1)") !=
           std::string::npos);
     CHECK(text.find("dp communication: none") != std::string::npos);
+    CHECK(text.find("overlap:") == std::string::npos);  // no collective spans
     CHECK(text.find("pipeline window 10.000 ms per step") != std::string::npos);
     CHECK(text.find("stage 0 · dp 0     12.000     8.000     4    1.000     4    2.000") !=
           std::string::npos);
     const auto j = nlohmann::json::parse(summary_json(s, t.meta));
     CHECK(j.at("measured_bubble").get<double>() == Approx(0.4));
     CHECK(j.at("dp_hidden_fraction").is_null());
+    CHECK(j.at("overlap").empty());
     CHECK(j.at("stages").size() == 2);
     CHECK(j.at("stages")[1].at("busy_us").get<double>() == Approx(12 * unit));
   }
@@ -238,6 +240,13 @@ TEST_CASE("summary: data-parallel communication hidden behind compute", "[trace]
   CHECK(s.dp_hidden_fraction == Approx(4.0 / 7));
   CHECK(format_summary(s, t.meta).find(
             "dp communication: 3.50 ms, exposed 1.50 ms, hidden 57.1%") != std::string::npos);
+  // h.1 [4.5,6.5] runs under replica 1's last W (the reducer serves both replicas); h.0
+  // [6.5,8] starts when every replica's compute has ended.
+  REQUIRE(s.overlap.size() == 2);
+  CHECK(s.overlap[0].name == "all-reduce h.1");  // ordered by first start
+  CHECK(s.overlap[0].hidden_fraction() == Approx(1));
+  CHECK(s.overlap[1].total_us == Approx(1.5 * unit));
+  CHECK(s.overlap[1].hidden_us == 0);
 
   SECTION("a collective track per replica serves that replica only") {
     const summary r = summarize(dp_trace(true));
@@ -266,5 +275,92 @@ TEST_CASE("summary: data-parallel communication hidden behind compute", "[trace]
     for (auto& e : p.events)
       if (e.name == "dp") e.dur_us *= 10;
     CHECK(summarize(p).dp_hidden_fraction == 0);
+  }
+}
+
+namespace {
+
+// Two replicas of one rank with a ZeRO shard track each (rank 0, replica r), in units:
+//   stage 0 · dp 0: compute [5,12] and [8,20] (overlapping: counted once), step 0; [30,40] step 1
+//   stage 0 · dp 1: compute [0,10] step 0; [30,40] step 1
+//   shard 0 · dp 0: reduce-scatter [0,10] step 0 (hidden 5: [5,10]; dp 1's compute does not
+//                   count), all-gather [18,22] step 0 (hidden 2), all-gather [38,42] step 1
+//                   (hidden 2)
+//   shard 0 · dp 1: reduce-scatter [0,4] step 0 (hidden 4)
+trace_file zero_trace() {
+  builder b;
+  b.trace.meta.schedule = "1f1b";
+  b.trace.meta.replicas = 2;
+  const int s0 = b.add_track(1, "stage 0 · dp 0", "stage", 0, 0);
+  const int s1 = b.add_track(2, "stage 0 · dp 1", "stage", 0, 1);
+  const int z0 = b.add_track(10, "zero shard 0 · dp 0", "collective", 0, 0);
+  const int z1 = b.add_track(11, "zero shard 0 · dp 1", "collective", 0, 1);
+  b.span(s0, "compute", "F", 5, 12, 0, 0, 0);
+  b.span(s0, "compute", "B", 8, 20, 0, 0, 0);
+  b.span(s1, "compute", "F", 0, 10, 0, 0, 0);
+  for (const int t : {s0, s1}) b.span(t, "compute", "F", 30, 40, 1, 0, 0);
+  b.span(z0, "collective", "reduce-scatter", 0, 10, 0);
+  b.span(z0, "collective", "all-gather", 18, 22, 0);
+  b.span(z0, "collective", "all-gather", 38, 42, 1);
+  b.span(z1, "collective", "reduce-scatter", 0, 4, 0);
+  return b.trace;
+}
+
+}  // namespace
+
+TEST_CASE("summary: collective time overlapped by compute, per name", "[trace][summary]") {
+  const trace_file t = zero_trace();
+  const summary s = summarize(t);
+  REQUIRE(s.overlap.size() == 2);
+  const collective_overlap &rs = s.overlap[0], &ag = s.overlap[1];
+  CHECK(rs.name == "reduce-scatter");  // starts first
+  CHECK(rs.spans == 2);
+  CHECK(rs.total_us == Approx(14 * unit));
+  CHECK(rs.hidden_us == Approx(9 * unit));
+  CHECK(ag.name == "all-gather");
+  CHECK(ag.spans == 2);
+  CHECK(ag.total_us == Approx(8 * unit));
+  CHECK(ag.hidden_us == Approx(4 * unit));
+  CHECK(ag.hidden_fraction() == Approx(0.5));
+  CHECK(s.dp_comm_us == Approx(22 * unit));  // the dp figures are unchanged
+  CHECK(format_summary(s, t.meta).find("overlap: reduce-scatter 14.00 ms, 64.3% hidden behind "
+                                       "compute; all-gather 8.00 ms, 50.0% hidden\n") !=
+        std::string::npos);
+  const auto j = nlohmann::json::parse(summary_json(s, t.meta));
+  REQUIRE(j.at("overlap").size() == 2);
+  CHECK(j.at("overlap")[0].at("name") == "reduce-scatter");
+  CHECK(j.at("overlap")[0].at("spans") == 2);
+  CHECK(j.at("overlap")[0].at("total_us").get<double>() == Approx(14 * unit));
+  CHECK(j.at("overlap")[0].at("hidden_us").get<double>() == Approx(9 * unit));
+  CHECK(j.at("overlap")[0].at("hidden_fraction").get<double>() == Approx(9.0 / 14));
+
+  SECTION("a collective 0-10 under compute 5-20 of its replica is half hidden") {
+    trace_file one = t;
+    std::erase_if(one.events, [](const event& e) {
+      return e.category == "collective" && !(e.track == 10 && e.name == "reduce-scatter");
+    });
+    const summary o = summarize(one);
+    REQUIRE(o.overlap.size() == 1);
+    CHECK(o.overlap[0].hidden_fraction() == Approx(0.5));
+  }
+  SECTION("skip_steps leaves the warm-up step's collectives out") {
+    const summary k = summarize(t, 1);
+    REQUIRE(k.overlap.size() == 1);
+    CHECK(k.overlap[0].name == "all-gather");
+    CHECK(k.overlap[0].total_us == Approx(4 * unit));
+    CHECK(k.overlap[0].hidden_fraction() == Approx(0.5));
+  }
+  SECTION("a collective track without a replica serves every replica of its rank") {
+    trace_file any = t;
+    builder b{any};
+    const int reducer = b.add_track(12, "dp reducer 0", "collective", 0);
+    b.span(reducer, "collective", "all-reduce", 8, 24, 0);  // dp 1 to 10, dp 0 to 20: 12 of 16
+    const int other = b.add_track(13, "zero shard 1 · dp 0", "collective", 1, 0);
+    b.span(other, "collective", "all-reduce", 1, 5, 0);  // no stage of rank 1 computes
+    const summary a = summarize(b.trace);
+    REQUIRE(a.overlap.size() == 3);
+    CHECK(a.overlap[1].name == "all-reduce");
+    CHECK(a.overlap[1].total_us == Approx(20 * unit));
+    CHECK(a.overlap[1].hidden_us == Approx(12 * unit));
   }
 }
