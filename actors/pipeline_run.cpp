@@ -458,7 +458,8 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
             if (!f.ok) failure = my_rank == control ? f.message : "job ended: " + f.message;
           });
     }
-    if (failure.empty() && my_rank == control) {
+    const bool collect = o.collect_parameters || o.check_replicas || !r.weights_path().empty();
+    if (failure.empty() && my_rank == control && collect) {
       // ZeRO-3 stages answer after gathering their parameters from every replica (a
       // collective): ask every replica at once, before waiting for any answer.
       const int asked = o.check_replicas || r.parallel.zero == 3 ? r.parallel.dp : 1;

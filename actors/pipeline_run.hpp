@@ -37,6 +37,9 @@ struct run_options {
   std::vector<int> seq_lens;    // per micro-batch sequence lengths, cycled; empty: batch.seq_len
   int compute_threads = 0;      // BLAS/OpenMP threads per stage; 0: cores / (pp * dp), >= 1
   bool check_replicas = false;  // compare every replica's final parameters bitwise
+  // Take the final parameters into run_result::parameters even when no weights file is written.
+  // ZeRO-3 gathers them whole on every replica for it, which a memory measurement may not want.
+  bool collect_parameters = true;
   // Test hook: the handle a stage uses to reach a peer stage; return a relay in front of it.
   std::function<caf::actor(caf::actor_system&, const caf::actor& target)> link_relay;
   // Called in the driving thread after every step (1-based), e.g. to swap the schedule.

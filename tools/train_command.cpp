@@ -107,6 +107,7 @@ std::function<int()> add_train_command(CLI::App& app) {
       } else {
         actors::run_options o;
         o.trace_path = opts->trace;
+        o.collect_parameters = false;  // only for the weights file (output.weights)
         o.launch = launch;
         o.peer_timeout = std::chrono::milliseconds(static_cast<long>(opts->peer_timeout * 1000));
         o.rendezvous_timeout =
