@@ -77,14 +77,16 @@ class zero_shard_impl : public zero_shard_actor::base {
   }
 
   void on_bucket(const grad_bucket& b) {
-    const key k{zero_collective::buckets, b.step, b.bucket, 0};
+    start_ring({zero_collective::buckets, b.step, b.bucket, 0}, b.ranges,
+               topology::ring_kind::reduce_scatter);
+  }
+
+  // Starts this replica's part of a ring over `ranges` (a bucket, in the stage's buffers).
+  void start_ring(const key& k, const topology::float_ranges& ranges, topology::ring_kind kind) {
     auto& c = running_[k];
     c.t0 = cfg_.trace.now_us();
-    for (const auto& r : b.ranges) c.bytes += r.second * 4;
-    send(k, counted(c, [&] {
-           return c.feed.start(b.ranges, cfg_.replica, cfg_.replicas,
-                               topology::ring_kind::reduce_scatter);
-         }));
+    for (const auto& r : ranges) c.bytes += r.second * 4;
+    send(k, counted(c, [&] { return c.feed.start(ranges, cfg_.replica, cfg_.replicas, kind); }));
     finish_if_done(k, c);
   }
 
@@ -100,35 +102,19 @@ class zero_shard_impl : public zero_shard_actor::base {
     }
     gathers_pending_ = static_cast<int>(layout_.buckets.size());
     if (gathers_pending_ == 0) update_finished();
-    for (int b = 0; b < static_cast<int>(layout_.buckets.size()); ++b) {
-      const key k{zero_collective::buckets, u.step, b, 1};
-      auto& c = running_[k];
-      c.t0 = cfg_.trace.now_us();
-      c.bytes = shard_of(b).numel * 4;
-      send(k, counted(c, [&] {
-             return c.feed.start(param_ranges(shard_of(b)), cfg_.replica, cfg_.replicas,
-                                 topology::ring_kind::all_gather);
-           }));
-      finish_if_done(k, c);
-    }
+    for (int b = 0; b < static_cast<int>(layout_.buckets.size()); ++b)
+      start_ring({zero_collective::buckets, u.step, b, 1}, param_ranges(shard_of(b)),
+                 topology::ring_kind::all_gather);
   }
 
   // ZeRO-3: this replica's owned floats of the bucket into the stage's buffer, then the ring
   // all-gather of the rest; zero_gathered when the bucket is whole.
   void on_gather(const zero_gather& g) {
-    const key k{g.collective, g.step, g.seq, 1};
     const auto& b = shard_of(g.bucket);
     for (const auto& s : b.segments)
       std::memcpy(layout_.views.params.at(static_cast<std::size_t>(s.chunk)) + s.offset,
                   params_.data() + s.at, static_cast<std::size_t>(s.numel) * sizeof(float));
-    auto& c = running_[k];
-    c.t0 = cfg_.trace.now_us();
-    c.bytes = b.numel * 4;
-    send(k, counted(c, [&] {
-           return c.feed.start(param_ranges(b), cfg_.replica, cfg_.replicas,
-                               topology::ring_kind::all_gather);
-         }));
-    finish_if_done(k, c);
+    start_ring({g.collective, g.step, g.seq, 1}, param_ranges(b), topology::ring_kind::all_gather);
   }
 
   void on_chunk(ring_chunk m) {
