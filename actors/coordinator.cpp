@@ -91,7 +91,7 @@ class coordinator_impl : public coordinator_actor::base {
       finish_step();
       return;
     }
-    evals_expected_ = std::min(cfg_.replicas, cfg_.eval_batches);
+    evals_expected_ = cfg_.replicas;
     const begin_eval e{step_, cfg_.eval_batches};
     caf::anon_send(caf::actor_cast<schedule_actor>(wiring_.schedule), e);
     for (const auto& l : wiring_.loaders) caf::anon_send(caf::actor_cast<loader_actor>(l), e);

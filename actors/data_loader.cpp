@@ -1,7 +1,10 @@
 // The data loader actor. See data_loader.hpp.
 #include "actors/data_loader.hpp"
 
+#include <algorithm>
 #include <map>
+
+#include "engine/gpt_model.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -80,9 +83,13 @@ class loader_impl : public loader_actor::base {
     return {{std::move(in), std::move(tg)}, 0};
   }
 
+  // Replica r evaluates batches r, r + replicas, ...; every replica sends the same number of
+  // micro-batches, the slots past the last batch being fillers whose targets are all ignored
+  // (the last stage counts no loss for them).
   void send_eval(const begin_eval& e) {
-    int i = 0;
-    for (int j = cfg_.replica; j < e.batches; j += cfg_.replicas, ++i) {
+    const int per_replica = (e.batches + cfg_.replicas - 1) / cfg_.replicas;
+    for (int i = 0; i < per_replica; ++i) {
+      const int j = cfg_.replica + i * cfg_.replicas;
       batch_message in;
       in.eval = true;
       in.step = e.step;
@@ -94,7 +101,12 @@ class loader_impl : public loader_actor::base {
       batch_message tg = in;
       tg.part = batch_part::targets;
       tg.tokens = std::make_shared<payload<std::int32_t>>(in.tokens->size());
-      cfg_.val->fill(j, in.tokens->data(), tg.tokens->data());
+      if (j < e.batches) {
+        cfg_.val->fill(j, in.tokens->data(), tg.tokens->data());
+      } else {
+        std::fill(in.tokens->begin(), in.tokens->end(), 0);
+        std::fill(tg.tokens->begin(), tg.tokens->end(), engine::ignore_index);
+      }
       caf::anon_send(wiring_.first_stage, std::move(in));
       caf::anon_send(wiring_.last_stage, std::move(tg));
     }

@@ -399,6 +399,7 @@ class stage_impl : public stage_actor::base {
     std::uint64_t flow = 0;  // the consumed link message's flow id (0 if none)
     double t0 = 0;           // start of the compute span in progress
     bool computed = false;   // a piece ran since t0
+    bool counted = true;     // its loss counts (not an evaluation filler, every target ignored)
   };
 
   void begin_action(const engine::pipeline_action& a, int round, int index) {
@@ -503,6 +504,8 @@ class stage_impl : public stage_actor::base {
     if (a.stage == last_stage()) {
       auto t = take_batch(batch_part::targets, r.round, a.micro_batch);
       args.targets = t.tokens->data();
+      r.counted = !plan_.eval || std::any_of(t.tokens->begin(), t.tokens->end(),
+                                             [](int y) { return y != engine::ignore_index; });
       args.hold.push_back(t.tokens);
       args.loss_scale = 1.0f / static_cast<float>(plan_.rounds * plan_.plan->shape.micro_batches);
     }
@@ -514,8 +517,10 @@ class stage_impl : public stage_actor::base {
   void end_forward(running_action& r) {
     const auto& a = r.a;
     if (a.stage == last_stage()) {
-      loss_sum_ += compute_->loss(r.chunk, r.id);
-      ++losses_;
+      if (r.counted) {
+        loss_sum_ += compute_->loss(r.chunk, r.id);
+        ++losses_;
+      }
     } else {
       const std::size_t n = std::size_t(r.B) * std::size_t(r.T) * std::size_t(cfg_.model.width);
       auto out = std::make_shared<payload<float>>(n);

@@ -26,16 +26,16 @@ class schedule_impl : public schedule_actor::base {
               caf::anon_send(stage, step_plan{b.step, b.rounds, false, plan_});
         },
         [this](begin_eval& e) {
-          for (int r = 0; r < static_cast<int>(wiring_.stages.size()); ++r) {
-            const int n = (e.batches - r + cfg_.replicas - 1) / cfg_.replicas;
-            if (n <= 0) continue;
-            auto shape = cfg_.shape;
-            shape.micro_batches = n;
-            auto plan =
-                std::make_shared<const engine::pipeline_plan>(engine::plan_forward_only(shape));
-            for (const auto& stage : wiring_.stages[static_cast<std::size_t>(r)])
+          // Every replica runs the same number of micro-batches (the loader fills the slots
+          // past the last batch with ignored targets), so replicas issue the same collectives
+          // (ZeRO-3 gathers) whether or not the batches divide among them.
+          auto shape = cfg_.shape;
+          shape.micro_batches = (e.batches + cfg_.replicas - 1) / cfg_.replicas;
+          auto plan =
+              std::make_shared<const engine::pipeline_plan>(engine::plan_forward_only(shape));
+          for (const auto& replica : wiring_.stages)
+            for (const auto& stage : replica)
               caf::anon_send(stage, step_plan{e.step, 1, true, plan});
-          }
         },
         [this](swap_schedule& s) -> swap_result {
           try {

@@ -77,6 +77,19 @@ inline std::vector<double> serial_losses(engine::recipe r) {
   return out;
 }
 
+// The serial loop's validation losses, at the steps it evaluates.
+inline std::vector<double> serial_val_losses(engine::recipe r) {
+  r.batch.grad_accum = r.micro_batches_per_step();
+  r.parallel = {};
+  std::vector<double> out;
+  engine::train_callbacks cb;
+  cb.on_step = [&](const engine::step_metrics& m) {
+    if (m.val_loss) out.push_back(*m.val_loss);
+  };
+  engine::train(r, cb);
+  return out;
+}
+
 inline run_result run_actors(const engine::recipe& r, run_options o = {}) {
   if (o.compute_threads == 0) o.compute_threads = 1;
   engine::validate_recipe(r);

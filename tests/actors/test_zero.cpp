@@ -160,5 +160,40 @@ TEST_CASE("ZeRO-3 evaluates with gathered parameters", "[actors][zero]") {
   REQUIRE(z3.parameters == z1.parameters);
 }
 
+TEST_CASE("evaluation batches that do not divide among the replicas", "[actors][zero]") {
+  // Every replica runs the same number of evaluation micro-batches (fillers with every target
+  // ignored past the last batch, counting no loss), so ZeRO-3's gathers match across replicas
+  // and the validation loss is the serial loop's.
+  temp_dir dir;
+  engine::recipe base = tiny_recipe(dir);
+  base.steps = 4;
+  base.eval_interval = 2;
+  base.data.val_fraction = 0.2;
+  base.parallel.micro_batches = 2;
+  for (const auto& [dp, batches] : std::vector<std::pair<int, int>>{{3, 5}, {4, 3}, {2, 5}}) {
+    DYNAMIC_SECTION("DP=" << dp << ", " << batches << " evaluation batches") {
+      engine::recipe r = base;
+      r.parallel.dp = dp;
+      r.eval_batches = batches;
+      r.parallel.zero = 1;
+      const auto z1 = run_actors(r);
+      r.parallel.zero = 3;
+      const auto z3 = run_actors(r);
+      const auto serial = serial_val_losses(r);
+      REQUIRE(z1.steps.size() == 4);
+      REQUIRE(serial.size() == 2);
+      int evals = 0;
+      for (std::size_t i = 0; i < z1.steps.size(); ++i) {
+        REQUIRE(z3.steps[i].val_loss.has_value() == z1.steps[i].val_loss.has_value());
+        if (!z1.steps[i].val_loss) continue;
+        REQUIRE(*z3.steps[i].val_loss == *z1.steps[i].val_loss);
+        const double want = serial.at(static_cast<std::size_t>(evals++));
+        REQUIRE(std::abs(*z1.steps[i].val_loss - want) <= 1e-5 * want);
+      }
+      REQUIRE(evals == 2);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace troupe::actors::test
