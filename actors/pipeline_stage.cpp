@@ -122,10 +122,13 @@ class stage_impl : public stage_actor::base {
           std::copy(p, p + seg.numel, l.params.begin() + seg.at);
         }
       }
+      std::int64_t bytes = 0;
       for (int c = 0; c < compute_->chunk_count(); ++c) {
         auto& st = compute_->chunk(c);
         engine::release_zeroed(st.params(), st.parameter_count());
+        bytes += st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
       }
+      param_pool_ = std::make_unique<engine::page_pool>(bytes);
     }
     caf::anon_send(wiring_.reducer, std::move(l));
   }
@@ -192,7 +195,7 @@ class stage_impl : public stage_actor::base {
     use_cursor_ = 0;
     gather_seq_ = 0;
     gather_bucket_.clear();
-    peak_gathered_bytes_ = gathered_bytes_;
+    peak_gathered_bytes_ = gathered_bytes_ + param_pool_->pooled_bytes();
     apply(residency_.start(std::move(uses), cfg_.zero_prefetch));
   }
 
@@ -215,18 +218,26 @@ class stage_impl : public stage_actor::base {
     return plan_.eval ? zero_collective::eval : zero_collective::train;
   }
 
-  // Releases first: at most prefetch + 1 uses' buckets are ever in the buffers.
+  // Releases first: at most prefetch + 1 uses' buckets are ever in the buffers. A released
+  // bucket's pages go to the pool and move under the next gathered bucket, so gathering writes
+  // no fresh page (the pool plus the gathered buckets never hold more than the most gathered).
   void apply(const engine::param_residency::changes& ch) {
     for (int b : ch.release) {
-      for (const auto& [ptr, n] : buckets_.param_ranges(b)) engine::release_zeroed(ptr, n);
+      for (const auto& [ptr, n] : buckets_.param_ranges(b)) param_pool_->release(ptr, n);
       gathered_bytes_ -= bucket_bytes(b);
     }
     for (int b : ch.gather) {
-      caf::anon_send(wiring_.reducer, zero_gather{plan_.step, plan_collective(), gather_seq_, b});
+      start_gather(zero_gather{plan_.step, plan_collective(), gather_seq_, b});
       gather_bucket_[gather_seq_++] = b;
       gathered_bytes_ += bucket_bytes(b);
     }
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    peak_gathered_bytes_ =
+        std::max(peak_gathered_bytes_, gathered_bytes_ + param_pool_->pooled_bytes());
+  }
+
+  void start_gather(const zero_gather& g) {
+    for (const auto& [ptr, n] : buckets_.param_ranges(g.bucket)) param_pool_->acquire(ptr, n);
+    caf::anon_send(wiring_.reducer, g);
   }
 
   std::int64_t bucket_bytes(int b) const {
@@ -253,7 +264,7 @@ class stage_impl : public stage_actor::base {
     if (snapshots_waiting_.empty()) {
       final_pending_ = buckets_.size();
       for (int b = 0; b < buckets_.size(); ++b)
-        caf::anon_send(wiring_.reducer, zero_gather{0, zero_collective::final, b, b});
+        start_gather(zero_gather{0, zero_collective::final, b, b});
     }
     snapshots_waiting_.push_back(rp);
     return rp;
@@ -814,7 +825,7 @@ class stage_impl : public stage_actor::base {
         m.gradients += bytes;
     }
     m.optimizer = compute_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
-    m.buffers += peak_gathered_bytes_;          // ZeRO-3: the most gathered at once this step
+    m.buffers += peak_gathered_bytes_;  // ZeRO-3: the most gathered (and pooled) at once this step
     return m;
   }
 
@@ -857,6 +868,7 @@ class stage_impl : public stage_actor::base {
   int gather_seq_ = 0;                // gathers asked for in this plan
   std::map<int, int> gather_bucket_;  // gather number -> bucket, this plan
   std::int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+  std::unique_ptr<engine::page_pool> param_pool_;  // released buckets' pages, for the next gathers
   bool consolidated_ = false;  // the final weights are gathered: nothing is released any more
   int final_pending_ = 0;
   std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;

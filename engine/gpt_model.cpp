@@ -113,8 +113,9 @@ std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
 gpt_stage::gpt_stage(const gpt_config& config, const stage_range& range)
     : config_(config), range_(range), params_(stage_parameter_layout(config, range)) {
   const std::int64_t total = params_.empty() ? 0 : params_.back().offset + params_.back().numel;
-  param_buf_ = tensor::zeros({total});
-  grad_buf_ = tensor::zeros({total});
+  // Mappings of their own: ZeRO releases and moves their pages (engine/zero.hpp).
+  param_buf_ = tensor::mapped_zeros({total});
+  grad_buf_ = tensor::mapped_zeros({total});
 }
 
 const parameter_info& gpt_stage::parameter(const std::string& name) const {

@@ -2,6 +2,7 @@
 #include "engine/zero.hpp"
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -170,6 +171,112 @@ void release_zeroed(float* data, std::int64_t n) {
   // Private anonymous memory reads as zeros after MADV_DONTNEED; if the kernel refuses, zero it.
   if (::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) != 0)
     std::memset(reinterpret_cast<void*>(lo), 0, hi - lo);
+}
+
+page_pool::page_pool(std::int64_t capacity_bytes) {
+  // Blocks of a power of two pages, at most 512 per capacity: every mapping boundary a move
+  // makes falls on a block boundary, so the pool and its ranges stay a bounded number of
+  // mappings however ranges are released and acquired.
+  const auto page = static_cast<std::size_t>(page_size());
+  const std::size_t pages =
+      static_cast<std::size_t>(std::max<std::int64_t>(capacity_bytes, 0)) / page;
+  std::size_t block_pages = 1;
+  while (block_pages * 512 < pages) block_pages *= 2;
+  block_ = block_pages * page;
+  slots_ = pages / block_pages;
+  if (slots_ == 0) return;
+  void* p = ::mmap(nullptr, slots_ * block_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    slots_ = 0;
+    return;
+  }
+  region_ = static_cast<std::byte*>(p);
+}
+
+page_pool::~page_pool() {
+  if (region_) ::munmap(region_, slots_ * block_);
+}
+
+std::int64_t page_pool::pooled_bytes() const {
+  return static_cast<std::int64_t>(held_slots_ * block_);
+}
+
+// Moves the pages under [from, from + bytes) to `to`; `from` stays mapped and reads zeros. The
+// system call itself, not mremap(): UCX's memory hooks (libucm) replace mremap() in processes
+// that link UCX and drop its fifth argument, the new address.
+bool page_pool::move(void* from, void* to, std::size_t bytes) {
+  if (!can_move_) return false;
+  const long moved = ::syscall(SYS_mremap, from, bytes, bytes,
+                               MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, to);
+  if (moved == reinterpret_cast<long>(to)) return true;
+  can_move_ = false;  // an older kernel, or a range that is not private anonymous memory
+  return false;
+}
+
+// The whole blocks of [data, data + n) as [lo, hi) (lo == hi if none).
+std::pair<std::uintptr_t, std::uintptr_t> page_pool::whole_blocks(const float* data,
+                                                                  std::int64_t n) const {
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const auto end = begin + static_cast<std::uintptr_t>(n) * sizeof(float);
+  const std::uintptr_t lo = (begin + block_ - 1) / block_ * block_, hi = end / block_ * block_;
+  return lo < hi ? std::pair{lo, hi} : std::pair{begin, begin};
+}
+
+void page_pool::release(float* data, std::int64_t n) {
+  if (n <= 0) return;
+  auto [lo, hi] = whole_blocks(data, n);
+  if (lo == hi || region_ == nullptr) {
+    release_zeroed(data, n);
+    return;
+  }
+  const auto* first = reinterpret_cast<float*>(lo);
+  const auto* last = reinterpret_cast<float*>(hi);
+  release_zeroed(data, first - data);
+  release_zeroed(const_cast<float*>(last), data + n - last);
+  // Fill the free gaps of the region, first to last, then merge adjacent runs.
+  std::vector<std::pair<std::size_t, std::size_t>> gaps;
+  std::size_t at = 0;
+  for (const auto& [start, len] : held_) {
+    if (start > at) gaps.emplace_back(at, start - at);
+    at = start + len;
+  }
+  if (at < slots_) gaps.emplace_back(at, slots_ - at);
+  for (const auto& [start, len] : gaps) {
+    if (lo >= hi) break;
+    const std::size_t m = std::min<std::size_t>(len, (hi - lo) / block_);
+    if (!move(reinterpret_cast<void*>(lo), region_ + start * block_, m * block_)) break;
+    held_.emplace(start, m);
+    held_slots_ += m;
+    lo += m * block_;
+  }
+  for (auto it = held_.begin(); it != held_.end();) {
+    auto after = std::next(it);
+    if (after != held_.end() && it->first + it->second == after->first) {
+      it->second += after->second;
+      held_.erase(after);
+    } else {
+      it = after;
+    }
+  }
+  if (lo < hi && ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) != 0)
+    std::memset(reinterpret_cast<void*>(lo), 0, hi - lo);
+}
+
+void page_pool::acquire(float* data, std::int64_t n) {
+  if (n <= 0 || held_.empty()) return;
+  auto [lo, hi] = whole_blocks(data, n);
+  // Take from the last run, from its end, so the region's front stays filled.
+  while (lo < hi && !held_.empty()) {
+    auto run = std::prev(held_.end());
+    const std::size_t m = std::min<std::size_t>(run->second, (hi - lo) / block_);
+    const std::size_t from = run->first + run->second - m;
+    if (!move(region_ + from * block_, reinterpret_cast<void*>(lo), m * block_)) return;
+    run->second -= m;
+    if (run->second == 0) held_.erase(run);
+    held_slots_ -= m;
+    lo += m * block_;
+  }
 }
 
 std::int64_t resident_bytes(const void* data, std::int64_t n) {

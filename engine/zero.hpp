@@ -121,4 +121,38 @@ void release_zeroed(float* data, std::int64_t n);
 // Bytes of [data, data + n) resident in memory (mincore), rounded to whole pages.
 std::int64_t resident_bytes(const void* data, std::int64_t n);
 
+// Whole pages moved between buffers instead of handed back to the kernel and faulted in again
+// one by one (a ZeRO-3 bucket gathered for every use). release() is release_zeroed, except that
+// the range's whole pages move into the pool (mremap with MREMAP_DONTUNMAP, Linux >= 5.7), so
+// the range reads zeros and holds no memory. acquire(), before a range is written whole, moves
+// pooled pages under the range's whole pages, so writing it faults nothing; until written its
+// contents are unspecified. Pages are only moved, never copied: what the pool holds plus what
+// its acquired ranges hold never exceeds what was released into it. Ranges must lie in private
+// anonymous mappings (kernels::tensor::mapped_zeros). Where the kernel cannot move pages,
+// release() is release_zeroed and acquire() does nothing. Pages move in blocks (a power of two
+// pages, at most 512 blocks per capacity), so mapping boundaries stay few; the partial blocks at
+// a range's ends are released as release_zeroed does. Not thread-safe: one owner.
+class page_pool {
+ public:
+  // Holds at most capacity_bytes (rounded down to blocks); pages beyond go back to the kernel.
+  explicit page_pool(std::int64_t capacity_bytes);
+  ~page_pool();
+  page_pool(const page_pool&) = delete;
+  page_pool& operator=(const page_pool&) = delete;
+
+  void release(float* data, std::int64_t n);
+  void acquire(float* data, std::int64_t n);
+  std::int64_t pooled_bytes() const;  // bytes of pages held now
+  std::int64_t block_bytes() const { return static_cast<std::int64_t>(block_); }
+
+ private:
+  bool move(void* from, void* to, std::size_t bytes);
+  std::pair<std::uintptr_t, std::uintptr_t> whole_blocks(const float* data, std::int64_t n) const;
+  std::byte* region_ = nullptr;
+  std::size_t block_ = 0, slots_ = 0;        // pages move in blocks; the region has slots_
+  std::map<std::size_t, std::size_t> held_;  // region slot -> run length of held blocks
+  std::size_t held_slots_ = 0;
+  bool can_move_ = true;
+};
+
 }  // namespace troupe::engine

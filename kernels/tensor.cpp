@@ -1,6 +1,9 @@
 // Tensor storage and dtype conversions. See tensor.hpp for the invariants.
 #include "kernels/tensor.hpp"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstdlib>
@@ -65,6 +68,20 @@ tensor tensor::empty(shape_t shape, dtype type) {
   if (!p) throw std::bad_alloc();
   t.storage_ =
       std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); });
+  t.data_ = p;
+  return t;
+}
+
+tensor tensor::mapped_zeros(shape_t shape, dtype type) {
+  tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = std::move(shape);
+  t.type_ = type;
+  const std::size_t bytes = std::max<std::size_t>(t.nbytes(), 1);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  t.storage_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(p),
+                                          [bytes](std::byte* q) { ::munmap(q, bytes); });
   t.data_ = p;
   return t;
 }

@@ -31,6 +31,9 @@ class tensor {
   // A new owning CPU tensor; contents uninitialised (empty) or zero (zeros).
   static tensor empty(shape_t shape, dtype type = dtype::f32);
   static tensor zeros(shape_t shape, dtype type = dtype::f32);
+  // A zero tensor in a private anonymous mapping of its own (page-aligned), whose pages can be
+  // handed back to the kernel or moved (engine::release_zeroed, engine::page_pool).
+  static tensor mapped_zeros(shape_t shape, dtype type = dtype::f32);
   // A tensor over memory that the caller keeps alive.
   static tensor borrow(void* data, shape_t shape, dtype type = dtype::f32,
                        device_kind device = device_kind::cpu);
