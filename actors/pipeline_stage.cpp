@@ -153,6 +153,12 @@ class stage_impl : public stage_actor::base {
     }
     buckets_.build(chunks, cfg_.bucket_layers);
     find_tied_copies();
+    if (release_grads()) {
+      std::int64_t bytes = 0;
+      for (const auto* st : chunks)
+        bytes += st->parameter_count() * static_cast<std::int64_t>(sizeof(float));
+      grad_pool_ = std::make_unique<engine::page_pool>(bytes);
+    }
   }
 
   // ---- plan ---------------------------------------------------------------------------
@@ -166,6 +172,7 @@ class stage_impl : public stage_actor::base {
     losses_ = 0;
     waiting_since_ = -1;
     if (!plan_.eval) {
+      if (release_grads()) take_back_grads();
       buckets_.start_step();
       buckets_pending_ = cfg_.replicas > 1 || zero() ? buckets_.size() : 0;
       shard_square_sums_.assign(static_cast<std::size_t>(buckets_.size()), 0.0);
@@ -176,6 +183,16 @@ class stage_impl : public stage_actor::base {
     if (gathering()) start_gathers();
     grant_initial_credits();
     advance();
+  }
+
+  // ZeRO-2/3: the gradient buffer was released bucket by bucket into the pool; its pages come
+  // back (moved, not faulted in) and are zeroed before backward accumulates into them.
+  void take_back_grads() {
+    for (int c = 0; c < compute_->chunk_count(); ++c) {
+      auto& st = compute_->chunk(c);
+      grad_pool_->acquire(st.grads(), st.parameter_count());
+      st.zero_grad();
+    }
   }
 
   // ---- ZeRO-3: parameters gathered before each use (S6) ---------------------------------
@@ -195,7 +212,7 @@ class stage_impl : public stage_actor::base {
     use_cursor_ = 0;
     gather_seq_ = 0;
     gather_bucket_.clear();
-    peak_gathered_bytes_ = gathered_bytes_ + param_pool_->pooled_bytes();
+    peak_gathered_bytes_ = gathered_bytes_;
     apply(residency_.start(std::move(uses), cfg_.zero_prefetch));
   }
 
@@ -231,8 +248,7 @@ class stage_impl : public stage_actor::base {
       gather_bucket_[gather_seq_++] = b;
       gathered_bytes_ += bucket_bytes(b);
     }
-    peak_gathered_bytes_ =
-        std::max(peak_gathered_bytes_, gathered_bytes_ + param_pool_->pooled_bytes());
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
   }
 
   void start_gather(const zero_gather& g) {
@@ -683,10 +699,9 @@ class stage_impl : public stage_actor::base {
     --buckets_pending_;
     if (zero()) {
       shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
-      // ZeRO-2: the shard copied its chunk; the whole bucket goes back to zero pages.
+      // ZeRO-2: the shard copied its chunk; the whole bucket's pages go to the pool.
       if (release_grads())
-        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges)
-          engine::release_zeroed(ptr, n);
+        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges) grad_pool_->release(ptr, n);
     } else {
       bucket_final(r.bucket);
     }
@@ -798,7 +813,7 @@ class stage_impl : public stage_actor::base {
 
   // The shard updated its floats and every replica's parameters are whole again.
   void on_zero_updated(const zero_update_done& d) {
-    if (!release_grads()) compute_->zero_grad();  // ZeRO-2: every bucket was released already
+    if (!release_grads()) compute_->zero_grad();  // ZeRO-2: zeroed when taken back (next step)
     engine::memory_report mem = memory();
     mem.parameters += d.memory.parameters;  // ZeRO-3: the owned parameters
     mem.optimizer += d.memory.optimizer;
@@ -811,6 +826,7 @@ class stage_impl : public stage_actor::base {
   // What the stage itself holds: parameter and gradient buffers and its optimizer state. A
   // ZeRO-2 gradient buffer is released bucket by bucket: its resident pages count as buffers.
   // ZeRO-3 parameter buffers hold gathered buckets only: their peak this step counts as buffers.
+  // Released pages kept for reuse (the page pools) count as pooled.
   engine::memory_report memory() const {
     engine::memory_report m;
     m.replica = cfg_.replica;
@@ -825,7 +841,9 @@ class stage_impl : public stage_actor::base {
         m.gradients += bytes;
     }
     m.optimizer = compute_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
-    m.buffers += peak_gathered_bytes_;  // ZeRO-3: the most gathered (and pooled) at once this step
+    m.buffers += peak_gathered_bytes_;          // ZeRO-3: the most gathered at once this step
+    for (const auto* pool : {param_pool_.get(), grad_pool_.get()})
+      if (pool) m.pooled += pool->pooled_bytes();
     return m;
   }
 
@@ -869,6 +887,7 @@ class stage_impl : public stage_actor::base {
   std::map<int, int> gather_bucket_;  // gather number -> bucket, this plan
   std::int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
   std::unique_ptr<engine::page_pool> param_pool_;  // released buckets' pages, for the next gathers
+  std::unique_ptr<engine::page_pool> grad_pool_;   // ZeRO-2/3: released gradient pages
   bool consolidated_ = false;  // the final weights are gathered: nothing is released any more
   int final_pending_ = 0;
   std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;

@@ -63,7 +63,9 @@ void run_in_process(const zero_bench_options& o, const std::vector<std::string>&
     c.final_loss = res.summary.final_loss;
     if (!res.steps.empty())
       for (const auto& m : res.steps.back().memory)
-        if (m.model_state() + m.buffers > c.memory.model_state() + c.memory.buffers) c.memory = m;
+        if (m.model_state() + m.buffers + m.pooled >
+            c.memory.model_state() + c.memory.buffers + c.memory.pooled)
+          c.memory = m;
   } catch (const std::exception& e) {
     c.error = e.what();
   }
@@ -215,7 +217,7 @@ std::string format_zero_report(const zero_bench_report& r) {
       std::snprintf(line, sizeof line,
                     "\ndp=%d: Ψ = %.3f M parameters per rank (16Ψ = %.1f MiB)\n"
                     "zero     step ms   tok/s  vs DDP  goal             loss  params  grads  "
-                    "optim  state formula buffers  peak RSS per rank\n",
+                    "optim  state formula buffers pooled  peak RSS per rank\n",
                     c.dp, psi / 1e6, 16 * psi / mib);
       out += line;
     }
@@ -236,14 +238,15 @@ std::string format_zero_report(const zero_bench_report& r) {
       rss.erase(0, 1);
     }
     std::snprintf(line, sizeof line,
-                  "%-7s %8.1f %7.0f %6s  %-13s %7.4f %7.2f %6.2f %6.2f %6.2f %7.2f %7.2f  ",
+                  "%-7s %8.1f %7.0f %6s  %-13s %7.4f %7.2f %6.2f %6.2f %6.2f %7.2f %7.2f %6.2f  ",
                   zero_name(c.zero).c_str(), c.step_ms, c.tokens_per_s,
                   c.step_vs_ddp > 0 ? format("%.2fx", c.step_vs_ddp).c_str() : "-", goal.c_str(),
                   c.final_loss, static_cast<double>(c.memory.parameters) / mib,
                   static_cast<double>(c.memory.gradients) / mib,
                   static_cast<double>(c.memory.optimizer) / mib,
                   static_cast<double>(c.memory.model_state()) / mib, c.formula.total() / mib,
-                  static_cast<double>(c.memory.buffers) / mib);
+                  static_cast<double>(c.memory.buffers) / mib,
+                  static_cast<double>(c.memory.pooled) / mib);
     out += line + rss + "\n";
   }
   return out;
@@ -264,10 +267,10 @@ std::string zero_report_json(const zero_bench_report& r) {
     j["step_time_vs_ddp"] = c.step_vs_ddp > 0 ? json(c.step_vs_ddp) : json(nullptr);
     j["step_time_goal"] = c.zero > 0 ? json(step_time_goal(c.zero)) : json(nullptr);
     j["final_loss"] = c.final_loss;
-    j["memory"] = {{"replica", c.memory.replica},          {"rank", c.memory.rank},
-                   {"parameters", c.memory.parameters},    {"gradients", c.memory.gradients},
-                   {"optimizer", c.memory.optimizer},      {"buffers", c.memory.buffers},
-                   {"model_state", c.memory.model_state()}};
+    j["memory"] = {{"replica", c.memory.replica},       {"rank", c.memory.rank},
+                   {"parameters", c.memory.parameters}, {"gradients", c.memory.gradients},
+                   {"optimizer", c.memory.optimizer},   {"buffers", c.memory.buffers},
+                   {"pooled", c.memory.pooled},         {"model_state", c.memory.model_state()}};
     j["formula"] = {{"parameters", c.formula.parameters},
                     {"gradients", c.formula.gradients},
                     {"optimizer", c.formula.optimizer},

@@ -32,7 +32,8 @@ void jsonl_writer::write(const step_metrics& m) {
                            {"parameters", r.parameters},
                            {"gradients", r.gradients},
                            {"optimizer", r.optimizer},
-                           {"buffers", r.buffers}});
+                           {"buffers", r.buffers},
+                           {"pooled", r.pooled}});
   out_ << j.dump() << '\n';
   out_.flush();
   if (!out_) throw std::runtime_error(path_.string() + ": write failed");

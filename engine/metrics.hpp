@@ -23,6 +23,7 @@ struct memory_report {
   std::int64_t optimizer = 0;   // AdamW moments
   std::int64_t buffers = 0;     // temporary: resident pages of a released gradient-accumulation
                                 // buffer, collective chunks in flight
+  std::int64_t pooled = 0;      // freed pages kept for reuse (engine::page_pool), not returned
   std::int64_t model_state() const { return parameters + gradients + optimizer; }
 };
 

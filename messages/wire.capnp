@@ -122,6 +122,7 @@ struct MemoryReport {
   gradients @3 :Int64;
   optimizer @4 :Int64;
   buffers @5 :Int64;
+  pooled @6 :Int64;
 }
 
 struct UpdateDone {

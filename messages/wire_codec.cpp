@@ -154,6 +154,7 @@ class writer {
     b.setGradients(m.gradients);
     b.setOptimizer(m.optimizer);
     b.setBuffers(m.buffers);
+    b.setPooled(m.pooled);
   }
 
   void body(s::Envelope::Body::Builder b, const wire::body& msg);
@@ -452,6 +453,7 @@ class reader {
     m.gradients = r.getGradients();
     m.optimizer = r.getOptimizer();
     m.buffers = r.getBuffers();
+    m.pooled = r.getPooled();
     return m;
   }
 

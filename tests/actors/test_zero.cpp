@@ -125,6 +125,12 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
             if (zero == 3) REQUIRE(m.buffers > 0);
             if (zero == 3 && dp == 1) REQUIRE(m.buffers < 4 * p.parameters);
             REQUIRE(m.buffers >= 0);
+            // Page pools (released gradient pages, ZeRO-2/3; released buckets, ZeRO-3) hold
+            // only what was released: at most the rank's gradients, plus its parameters.
+            if (zero < 2) REQUIRE(m.pooled == 0);
+            if (zero >= 2) REQUIRE(m.pooled > 0);  // pages were moved, not handed back
+            REQUIRE(m.pooled >= 0);
+            REQUIRE(m.pooled <= (zero == 3 ? 8 : 4) * p.parameters);
             REQUIRE(std::abs(double(m.model_state()) - p.model_state.total()) <=
                     0.05 * p.model_state.total());
           }

@@ -93,8 +93,9 @@ struct checker {
     same_memory(w.memory, g.memory);
   }
   static void same_memory(const engine::memory_report& a, const engine::memory_report& b) {
-    CHECK(std::tie(a.replica, a.rank, a.parameters, a.gradients, a.optimizer, a.buffers) ==
-          std::tie(b.replica, b.rank, b.parameters, b.gradients, b.optimizer, b.buffers));
+    CHECK(
+        std::tie(a.replica, a.rank, a.parameters, a.gradients, a.optimizer, a.buffers, a.pooled) ==
+        std::tie(b.replica, b.rank, b.parameters, b.gradients, b.optimizer, b.buffers, b.pooled));
   }
   void operator()(const eval_done& w) {
     const auto& g = as<eval_done>();

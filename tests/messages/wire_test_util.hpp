@@ -111,7 +111,7 @@ inline body sample(std::size_t kind) {
     case 8:
       return apply_update{5, 3.5e-7};
     case 9:
-      return update_done{5, 1, 0, 2e-3, {1, 2, 1 << 20, 3 << 20, std::int64_t{5} << 32, 77}};
+      return update_done{5, 1, 0, 2e-3, {1, 2, 1 << 20, 3 << 20, std::int64_t{5} << 32, 77, 4096}};
     case 10:
       return eval_done{6, 1, 12.75, 8};
     case 11:
@@ -142,7 +142,7 @@ inline body sample(std::size_t kind) {
                           12.5,
                           4096,
                           3e9,
-                          {{0, 0, 100, 200, 300, 4}, {1, 1, 5, 6, 7, 8}}}};
+                          {{0, 0, 100, 200, 300, 4, 9}, {1, 1, 5, 6, 7, 8, 0}}}};
     case 16:
       return heartbeat{3, ~0ull};
     case 17:
