@@ -13,9 +13,9 @@
 //      is the sum of the shard's per-bucket reports, in bucket order.
 //  S6. ZeRO-3: an action's pass stops before each piece that reads parameters; it goes on only
 //      once the piece's buckets are gathered. Gathers and releases follow the plan's sequence of
-//      uses (engine::param_residency), never timing, so every replica issues the same gathers
-//      in the same order; a held bucket is never gathered again, so no gather writes
-//      parameters a piece is reading.
+//      uses (engine::param_residency, kept by topology::param_gathers), never timing, so every
+//      replica issues the same gathers in the same order; a held bucket is never gathered
+//      again, so no gather writes parameters a piece is reading.
 #include "actors/pipeline_stage.hpp"
 
 #include <algorithm>
@@ -32,6 +32,7 @@
 #include "kernels/cpu_threads.hpp"
 #include "topology/grad_buckets.hpp"
 #include "topology/link_credits.hpp"
+#include "topology/param_gathers.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -128,7 +129,7 @@ class stage_impl : public stage_actor::base {
         engine::release_zeroed(st.params(), st.parameter_count());
         bytes += st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
       }
-      param_pool_ = std::make_unique<engine::page_pool>(bytes);
+      gathers_ = std::make_unique<topology::param_gathers>(buckets_, bytes);
     }
     caf::anon_send(wiring_.reducer, std::move(l));
   }
@@ -206,60 +207,17 @@ class stage_impl : public stage_actor::base {
         const auto kind = a.kind == engine::action_kind::forward ? engine::pass_kind::forward
                                                                  : engine::pass_kind::backward;
         for (const auto& stop : engine::pass_stops(compute_->chunk(c), kind))
-          uses.push_back(buckets_of(c, stop));
+          uses.push_back(gathers_->buckets_of(c, stop));
       }
     }
-    use_cursor_ = 0;
-    gather_seq_ = 0;
-    gather_bucket_.clear();
-    peak_gathered_bytes_ = gathered_bytes_;
-    apply(residency_.start(std::move(uses), cfg_.zero_prefetch));
-  }
-
-  std::vector<int> buckets_of(int chunk, const std::vector<int>& blocks) const {
-    std::vector<int> b;
-    for (int block : blocks) b.push_back(buckets_.bucket_of(chunk, block));
-    std::sort(b.begin(), b.end());
-    b.erase(std::unique(b.begin(), b.end()), b.end());
-    return b;
-  }
-
-  // A pass stopped where the plan's next use says it would (every replica must agree).
-  void check_stop(int chunk, const std::vector<int>& blocks) const {
-    if (use_cursor_ >= residency_.uses() ||
-        buckets_of(chunk, blocks) != residency_.use(use_cursor_))
-      throw std::logic_error("ZeRO-3: a pass read parameters its plan did not foresee");
+    const auto collective = plan_collective();
+    gathers_->start(std::move(uses), cfg_.zero_prefetch, [this, collective](int seq, int bucket) {
+      caf::anon_send(wiring_.reducer, zero_gather{plan_.step, collective, seq, bucket});
+    });
   }
 
   zero_collective plan_collective() const {
     return plan_.eval ? zero_collective::eval : zero_collective::train;
-  }
-
-  // Releases first: at most prefetch + 1 uses' buckets are ever in the buffers. A released
-  // bucket's pages go to the pool and move under the next gathered bucket, so gathering writes
-  // no fresh page (the pool plus the gathered buckets never hold more than the most gathered).
-  void apply(const engine::param_residency::changes& ch) {
-    for (int b : ch.release) {
-      for (const auto& [ptr, n] : buckets_.param_ranges(b)) param_pool_->release(ptr, n);
-      gathered_bytes_ -= bucket_bytes(b);
-    }
-    for (int b : ch.gather) {
-      start_gather(zero_gather{plan_.step, plan_collective(), gather_seq_, b});
-      gather_bucket_[gather_seq_++] = b;
-      gathered_bytes_ += bucket_bytes(b);
-    }
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-  }
-
-  void start_gather(const zero_gather& g) {
-    for (const auto& [ptr, n] : buckets_.param_ranges(g.bucket)) param_pool_->acquire(ptr, n);
-    caf::anon_send(wiring_.reducer, g);
-  }
-
-  std::int64_t bucket_bytes(int b) const {
-    std::int64_t n = 0;
-    for (const auto& r : buckets_.bucket(b).ranges) n += r.second;
-    return n * static_cast<std::int64_t>(sizeof(float));
   }
 
   void on_gathered(const zero_gathered& g) {
@@ -269,7 +227,7 @@ class stage_impl : public stage_actor::base {
     }
     if (!active_ || g.step != plan_.step || g.collective != plan_collective())
       throw std::logic_error("ZeRO-3: a parameter gather finished outside its plan");
-    residency_.gathered(gather_bucket_.at(g.seq));
+    gathers_->gathered(g.seq);
     advance_if_waiting();
   }
 
@@ -279,8 +237,9 @@ class stage_impl : public stage_actor::base {
     auto rp = make_response_promise<stage_snapshot>();
     if (snapshots_waiting_.empty()) {
       final_pending_ = buckets_.size();
-      for (int b = 0; b < buckets_.size(); ++b)
-        start_gather(zero_gather{0, zero_collective::final, b, b});
+      gathers_->gather_all([this](int seq, int bucket) {
+        caf::anon_send(wiring_.reducer, zero_gather{0, zero_collective::final, seq, bucket});
+      });
     }
     snapshots_waiting_.push_back(rp);
     return rp;
@@ -463,19 +422,19 @@ class stage_impl : public stage_actor::base {
     for (;;) {
       if (r.stopped) {
         if (gathering()) {
-          if (!residency_.ready(use_cursor_)) return false;
-          r.use = use_cursor_++;
+          if (!gathers_->next_ready()) return false;
+          r.use = gathers_->begin_next();
         }
         r.stopped = false;
       }
       const std::vector<int>* stop = r.pass.next();
       if (r.use >= 0 || !gathering() || !stop) r.computed = true;  // not only a pass's prologue
       if (r.use >= 0) {
-        apply(residency_.finished(r.use));
+        gathers_->finish(r.use);
         r.use = -1;
       }
       if (!stop) return true;
-      if (gathering()) check_stop(r.chunk, *stop);
+      if (gathering()) gathers_->check_next(gathers_->buckets_of(r.chunk, *stop));
       r.stopped = true;
     }
   }
@@ -841,9 +800,11 @@ class stage_impl : public stage_actor::base {
         m.gradients += bytes;
     }
     m.optimizer = compute_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
-    m.buffers += peak_gathered_bytes_;          // ZeRO-3: the most gathered at once this step
-    for (const auto* pool : {param_pool_.get(), grad_pool_.get()})
-      if (pool) m.pooled += pool->pooled_bytes();
+    if (gathers_) {
+      m.buffers += gathers_->peak_bytes();  // ZeRO-3: the most gathered at once this step
+      m.pooled += gathers_->pooled_bytes();
+    }
+    if (grad_pool_) m.pooled += grad_pool_->pooled_bytes();
     return m;
   }
 
@@ -881,13 +842,8 @@ class stage_impl : public stage_actor::base {
   std::optional<running_action> run_;
   const char* waiting_for_ = "input";
   // ZeRO-3
-  engine::param_residency residency_;
-  int use_cursor_ = 0;                // the plan's next parameter use
-  int gather_seq_ = 0;                // gathers asked for in this plan
-  std::map<int, int> gather_bucket_;  // gather number -> bucket, this plan
-  std::int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
-  std::unique_ptr<engine::page_pool> param_pool_;  // released buckets' pages, for the next gathers
-  std::unique_ptr<engine::page_pool> grad_pool_;   // ZeRO-2/3: released gradient pages
+  std::unique_ptr<topology::param_gathers> gathers_;  // which buckets the buffers hold
+  std::unique_ptr<engine::page_pool> grad_pool_;      // ZeRO-2/3: released gradient pages
   bool consolidated_ = false;  // the final weights are gathered: nothing is released any more
   int final_pending_ = 0;
   std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;
