@@ -173,7 +173,7 @@ class stage_impl : public stage_actor::base {
     losses_ = 0;
     waiting_since_ = -1;
     if (!plan_.eval) {
-      if (release_grads()) take_back_grads();
+      if (release_grads() && grad_pool_->pooled_bytes() > 0) take_back_grads();
       buckets_.start_step();
       buckets_pending_ = cfg_.replicas > 1 || zero() ? buckets_.size() : 0;
       shard_square_sums_.assign(static_cast<std::size_t>(buckets_.size()), 0.0);
@@ -187,7 +187,13 @@ class stage_impl : public stage_actor::base {
   }
 
   // ZeRO-2/3: the gradient buffer was released bucket by bucket into the pool; its pages come
-  // back (moved, not faulted in) and are zeroed before backward accumulates into them.
+  // back (moved, not faulted in) and are zeroed before backward accumulates into them. Only when
+  // the step accumulates several micro-batches: then every block's gradient is resident from the
+  // first backward to the last anyway, so taking the pages back early raises no peak. With one
+  // micro-batch per step a bucket is released while backward goes on to earlier layers, and its
+  // pages are handed back to the kernel instead, so the rank never holds all gradients at once.
+  bool pool_grads() const { return plan_.rounds * plan_.plan->shape.micro_batches > 1; }
+
   void take_back_grads() {
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       auto& st = compute_->chunk(c);
@@ -659,8 +665,14 @@ class stage_impl : public stage_actor::base {
     if (zero()) {
       shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
       // ZeRO-2: the shard copied its chunk; the whole bucket's pages go to the pool.
-      if (release_grads())
-        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges) grad_pool_->release(ptr, n);
+      if (release_grads()) {
+        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges) {
+          if (pool_grads())
+            grad_pool_->release(ptr, n);
+          else
+            engine::release_zeroed(ptr, n);
+        }
+      }
     } else {
       bucket_final(r.bucket);
     }

@@ -140,6 +140,30 @@ TEST_CASE("model-state bytes per rank follow the ZeRO formulas", "[actors][zero]
   }
 }
 
+TEST_CASE("ZeRO-2 pools gradient pages only when the step accumulates micro-batches",
+          "[actors][zero]") {
+  // With one micro-batch per step a bucket is released while backward goes on, so its pages go
+  // back to the kernel (the rank never holds every gradient at once); with several, every
+  // gradient is resident from the first backward to the last anyway and the pages are pooled.
+  temp_dir dir;
+  engine::recipe r = tiny_recipe(dir);
+  r.steps = 3;
+  r.parallel.dp = 2;
+  r.parallel.zero = 2;
+  for (int m : {1, 2}) {
+    DYNAMIC_SECTION(m << " micro-batches") {
+      r.parallel.micro_batches = m;
+      const auto res = run_actors(r);
+      REQUIRE(res.steps.size() == 3);
+      for (const auto& step : res.steps)
+        for (const auto& mem : step.memory) {
+          if (m == 1) REQUIRE(mem.pooled == 0);
+          if (m > 1) REQUIRE(mem.pooled > 0);
+        }
+    }
+  }
+}
+
 TEST_CASE("ZeRO-3 evaluates with gathered parameters", "[actors][zero]") {
   temp_dir dir;
   engine::recipe base = tiny_recipe(dir);
