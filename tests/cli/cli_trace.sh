@@ -3,7 +3,8 @@
 # B 2 ms; window 9 ms, busy 6 ms per stage, bubble 1/3) with a data-parallel all-reduce of 2 ms
 # of which 1 ms is waited for (hidden 50%). Checks the figures in the text and JSON summaries,
 # that render writes an SVG (and never the input), and that bad input exits 2 with one line on
-# stderr naming the file.
+# stderr naming the file. Then a real ZeRO-3 run's trace: reduce-scatter and all-gather spans,
+# and their hidden share in the summary.
 # Usage: cli_trace.sh TROUPE
 set -u
 troupe=${1:?usage: cli_trace.sh TROUPE}
@@ -114,6 +115,51 @@ expect_bad no-such-step "step 3" -- render "$tmp/trace.json" -o "$tmp/y.svg" --s
 expect_bad overwrite-input trace.json -- render "$tmp/trace.json" -o "$tmp/trace.json"
 expect_bad unwritable-output no-such-dir -- render "$tmp/trace.json" -o "$tmp/no-such-dir/x.svg"
 cmp -s "$tmp/trace.json" "$tmp/trace.orig" || fail "the input trace was modified"
+
+# A real ZeRO-3 run (PP=1 x DP=2, 2 layers, 3 steps): its trace has a reduce-scatter span per
+# bucket, replica and step (4 buckets: head, 2 layers, embedding), all-gather spans for the
+# gathers before each use, and the summary reports the hidden share of each.
+printf 'the quick brown fox jumps over the lazy dog.\n%.0s' $(seq 1 200) >"$tmp/corpus.txt"
+cat >"$tmp/z3.toml" <<TOML
+seed = 3
+steps = 3
+eval_interval = 0
+[model]
+vocab_size = 256
+context = 32
+layers = 2
+heads = 2
+width = 32
+[data]
+format = "text"
+train = "$tmp/corpus.txt"
+val_fraction = 0.1
+[batch]
+micro_batch = 2
+seq_len = 32
+[parallel]
+dp = 2
+zero = 3
+micro_batches = 2
+[output]
+dir = "$tmp/z3"
+TOML
+if timeout 120 "$troupe" train "$tmp/z3.toml" --trace "$tmp/z3.json" >"$tmp/z3.log" 2>&1; then
+  "$troupe" trace summary "$tmp/z3.json" --json >"$tmp/z3.summary.json" 2>&1 ||
+    fail "summary of a ZeRO-3 trace: $(cat "$tmp/z3.summary.json")"
+  python3 - "$tmp/z3.summary.json" <<'PY' || fail "ZeRO-3 trace overlap"
+import json, sys
+rows = {o["name"]: o for o in json.load(open(sys.argv[1]))["overlap"]}
+assert set(rows) == {"all-gather", "reduce-scatter"}, rows
+assert rows["reduce-scatter"]["spans"] == 3 * 2 * 4, rows["reduce-scatter"]
+assert rows["all-gather"]["spans"] > 0 and rows["all-gather"]["spans"] % 6 == 0, rows["all-gather"]
+for r in rows.values():
+    assert 0 <= r["hidden_fraction"] <= 1 and r["hidden_us"] <= r["total_us"], r
+print("ZeRO-3 trace:", {k: (v["spans"], round(v["hidden_fraction"], 3)) for k, v in rows.items()})
+PY
+else
+  fail "ZeRO-3 train with --trace: $(tail -n 3 "$tmp/z3.log")"
+fi
 
 if [[ $failures -ne 0 ]]; then
   echo "$failures failure(s)" >&2
