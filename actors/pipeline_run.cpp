@@ -328,7 +328,11 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
   gc.hosts.resize(static_cast<std::size_t>(env.world));
   for (const auto& peer : w.peers) {
     gc.hosts.at(static_cast<std::size_t>(peer.rank)) = peer.host;
-    if (peer.rank != env.rank) transport->connect(peer.rank, peer.worker_address);
+    // Peers on other hosts get UCX's peer error handling (a lost peer is reported, and UCX 1.13
+    // cannot abort this process while wiring up tcp); peers on this host keep shared memory,
+    // which that mode would turn off, and are watched by heartbeats (docs/transport.md).
+    if (peer.rank != env.rank)
+      transport->connect(peer.rank, peer.worker_address, peer.host != h.host);
   }
   return std::make_unique<remote_mesh>(std::move(transport), std::move(gc));
 }

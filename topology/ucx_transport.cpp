@@ -176,7 +176,8 @@ struct ucx_transport::impl {
     int peer = 0;
     ucp_ep_h ep = nullptr;
     std::uint32_t next_send = 0;
-    std::string failure;  // non-empty once the peer failed
+    bool error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER on this endpoint
+    std::string failure;          // non-empty once the peer failed
   };
   struct inbound {  // receiving side of one peer
     std::uint32_t next_sequence = 0;
@@ -393,7 +394,7 @@ struct ucx_transport::impl {
     for (auto& [peer, p] : peers) {
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = options.peer_error_handling && !p.failure.empty() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      param.flags = p.error_handling && !p.failure.empty() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
       ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
       if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
     }
@@ -491,6 +492,11 @@ std::vector<std::uint8_t> ucx_transport::address() const {
 }
 
 void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address) {
+  connect(peer, address, impl_->options.peer_error_handling);
+}
+
+void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address,
+                            bool peer_error_handling) {
   if (impl_->peers.count(peer))
     throw ucx_error("ucx_transport: peer " + std::to_string(peer) + " is already connected");
   if (address.empty())
@@ -498,12 +504,12 @@ void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address) 
   auto& p = impl_->peers[peer];
   p.owner = impl_.get();
   p.peer = peer;
+  p.error_handling = peer_error_handling;
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  ep.err_mode =
-      impl_->options.peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-  if (impl_->options.peer_error_handling) {
+  ep.err_mode = peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  if (peer_error_handling) {
     ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.err_handler.cb = &impl::endpoint_failed;
     ep.err_handler.arg = &p;

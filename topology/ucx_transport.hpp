@@ -66,8 +66,12 @@ class ucx_transport {
   int rank() const;
   // Worker address blob, exchanged at rendezvous.
   std::vector<std::uint8_t> address() const;
-  // Creates the endpoint to `peer` (once per peer; a second call throws).
+  // Creates the endpoint to `peer` (once per peer; a second call throws), with the options'
+  // peer_error_handling, or with the mode given for this endpoint alone: on for a peer on
+  // another host (tcp either way; a lost peer is reported), off for one on this host (keeps
+  // shared memory, which the mode would turn off).
   void connect(int peer, const std::vector<std::uint8_t>& address);
+  void connect(int peer, const std::vector<std::uint8_t>& address, bool peer_error_handling);
 
   // One whole frame to peer, vectored and zero-copy: UCX reads the caller's buffers, which must
   // stay valid until `done` runs (from progress(), or inline if UCX completed immediately).
@@ -77,8 +81,8 @@ class ucx_transport {
   // Every received frame, whole, in the first `bytes` bytes of an aligned_buffer no one else
   // holds, from progress().
   void on_receive(receive_callback fn);
-  // UCX reported an endpoint failure to this peer (only in peer_error_handling mode, or a failed
-  // send). Reported once per peer; later sends to it fail at once.
+  // UCX reported an endpoint failure to this peer (only on an endpoint in peer_error_handling
+  // mode, or a failed send). Reported once per peer; later sends to it fail at once.
   void on_peer_error(peer_error_callback fn);
 
   // Handles ready events; 0 = nothing happened. Not re-entrant: callbacks must not call it.

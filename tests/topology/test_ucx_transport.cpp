@@ -466,6 +466,47 @@ TEST_CASE(
   CHECK(results[0].values.at("closed") == "yes");
 }
 
+TEST_CASE("ucx_transport sets peer error handling per endpoint", "[unit]") {
+  // One endpoint with the mode (a peer on another host: tcp, failures reported) and one without
+  // (a peer on this host: shared memory) from the same worker; frames cross both.
+  const auto results = run_sides({[](int, const report& out) {
+    ucx_transport a(0), local(1), remote(2);
+    a.connect(1, local.address(), false);
+    a.connect(2, remote.address(), true);
+    local.connect(0, a.address());
+    remote.connect(0, a.address(), true);
+    out.line("local", a.transport_info(1));
+    out.line("remote", a.transport_info(2));
+    int received = 0, sent = 0;
+    auto count = [&](int from, std::shared_ptr<troupe::messages::aligned_buffer>, std::size_t n) {
+      SIDE_CHECK((from == 0 && n == 5));
+      ++received;
+      return 0;
+    };
+    local.on_receive(count);
+    remote.on_receive(count);
+    const char text[] = "frame";
+    for (int peer : {1, 2})
+      a.send(peer, {{text, 5}}, [&](bool ok, const std::string&) { sent += ok; });
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while ((received < 2 || sent < 2) && std::chrono::steady_clock::now() < deadline) {
+      a.progress();
+      local.progress();
+      remote.progress();
+    }
+    out.line("received", std::to_string(received));
+    out.line("sent", std::to_string(sent));
+    return 0;
+  }});
+  REQUIRE(results[0].exited_ok());
+  // Shared-memory lanes print as posix/memory, sysv/memory or cma/memory.
+  CHECK_THAT(results[0].values.at("local"), Catch::Contains("/memory"));
+  CHECK_THAT(results[0].values.at("remote"), !Catch::Contains("/memory"));
+  CHECK_THAT(results[0].values.at("remote"), Catch::Contains("tcp"));
+  CHECK(results[0].values.at("received") == "2");
+  CHECK(results[0].values.at("sent") == "2");
+}
+
 TEST_CASE("ucx_transport wake() interrupts wait() from another thread", "[unit]") {
   const auto results = run_sides({[](int, const report& out) {
     ucx_transport t(0);
