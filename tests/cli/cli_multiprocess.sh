@@ -120,14 +120,20 @@ configs=(
   "pp4gpipe 4 --set parallel.pp=4 --set parallel.schedule=gpipe --set parallel.layer_split=[1,1,1,2] --set model.layers=5"
   "pp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
 )
+# same_as_one_process NAME WORLD ARGS...: the job in one process, then as WORLD processes;
+# both must give identical losses, validation losses and weights.
+same_as_one_process() {
+  local name=$1 world=$2
+  shift 2
+  "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name-one" "$@" \
+    >"$tmp/$name-one.log" 2>&1 || { echo "FAIL: in-process $name" >&2; cat "$tmp/$name-one.log" >&2; exit 1; }
+  run_job "$name" "$world" "$@"
+  compare "$name-one" "$name"
+}
+
 for c in "${configs[@]}"; do
   read -r -a f <<<"$c"
-  name=${f[0]} world=${f[1]}
-  args=("${f[@]:2}")
-  "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name-one" "${args[@]}" \
-    >"$tmp/$name-one.log" 2>&1 || { echo "FAIL: in-process $name" >&2; cat "$tmp/$name-one.log" >&2; exit 1; }
-  run_job "$name" "$world" "${args[@]}"
-  compare "$name-one" "$name"
+  same_as_one_process "${f[@]}"
 done
 
 # ZeRO-1/2/3 at DP=2 and DP=4, with PP=1 and PP=2, over 20 steps across processes: each is
@@ -145,11 +151,8 @@ for c in "${zero_layouts[@]}"; do
   layout=${f[0]} world=${f[1]}
   for z in 0 1 2 3; do
     name=z$z$layout-20
-    args=("${f[@]:2}" --set steps=20 --set parallel.zero=$z --set parallel.zero_prefetch=$((z == 3 ? 1 + world % 3 : 1)))
-    "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name-one" "${args[@]}" \
-      >"$tmp/$name-one.log" 2>&1 || { echo "FAIL: in-process $name" >&2; cat "$tmp/$name-one.log" >&2; exit 1; }
-    run_job "$name" "$world" "${args[@]}"
-    compare "$name-one" "$name"
+    same_as_one_process "$name" "$world" "${f[@]:2}" --set steps=20 --set parallel.zero=$z \
+      --set parallel.zero_prefetch=$((z == 3 ? 1 + world % 3 : 1))
     [[ $z -eq 0 ]] || compare_close "z0$layout-20" "$name"
   done
 done
