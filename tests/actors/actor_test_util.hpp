@@ -66,27 +66,26 @@ inline std::vector<double> losses_of(const std::vector<engine::step_metrics>& st
   return out;
 }
 
-// The one-stage, one-replica serial loop over the same N micro-batches per step.
-inline std::vector<double> serial_losses(engine::recipe r) {
+// Every step of the one-stage, one-replica serial loop over the same N micro-batches per step.
+inline std::vector<engine::step_metrics> serial_steps(engine::recipe r) {
   r.batch.grad_accum = r.micro_batches_per_step();
   r.parallel = {};
-  std::vector<double> out;
+  std::vector<engine::step_metrics> out;
   engine::train_callbacks cb;
-  cb.on_step = [&](const engine::step_metrics& m) { out.push_back(m.loss); };
+  cb.on_step = [&](const engine::step_metrics& m) { out.push_back(m); };
   engine::train(r, cb);
   return out;
 }
 
+inline std::vector<double> serial_losses(const engine::recipe& r) {
+  return losses_of(serial_steps(r));
+}
+
 // The serial loop's validation losses, at the steps it evaluates.
-inline std::vector<double> serial_val_losses(engine::recipe r) {
-  r.batch.grad_accum = r.micro_batches_per_step();
-  r.parallel = {};
+inline std::vector<double> serial_val_losses(const engine::recipe& r) {
   std::vector<double> out;
-  engine::train_callbacks cb;
-  cb.on_step = [&](const engine::step_metrics& m) {
+  for (const auto& m : serial_steps(r))
     if (m.val_loss) out.push_back(*m.val_loss);
-  };
-  engine::train(r, cb);
   return out;
 }
 
