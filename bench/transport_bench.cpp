@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -105,8 +107,46 @@ int reap(pid_t pid, clock_type::time_point deadline) {
   return status;
 }
 
+// Both sides of every measurement, ours and ucx_perftest's, run pinned one process per core:
+// the measuring side on the first allowed CPU, the other side on the second. Unpinned, the
+// scheduler's placement moved ucx_perftest's 8-byte latency between 0.07 and 0.16 us from one
+// run to the next on a 2-vCPU machine; pinned, it stayed within 0.160-0.166 us.
+class cpu_pin {
+ public:
+  // side 0: the measuring side, 1: the other side. No pinning with fewer than two CPUs.
+  explicit cpu_pin(int side) {
+    static const cpu_set_t allowed = [] {  // the process's CPUs before any pinning
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      if (::sched_getaffinity(0, sizeof set, &set) != 0) CPU_ZERO(&set);
+      return set;
+    }();
+    if (CPU_COUNT(&allowed) < 2 || ::sched_getaffinity(0, sizeof saved_, &saved_) != 0) return;
+    int seen = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+      if (!CPU_ISSET(cpu, &allowed) || seen++ != side) continue;
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      pinned_ = ::sched_setaffinity(0, sizeof one, &one) == 0;
+      break;
+    }
+  }
+  ~cpu_pin() {
+    if (pinned_) ::sched_setaffinity(0, sizeof saved_, &saved_);
+  }
+  cpu_pin(const cpu_pin&) = delete;
+  cpu_pin& operator=(const cpu_pin&) = delete;
+
+ private:
+  cpu_set_t saved_{};
+  bool pinned_ = false;
+};
+
 // posix_spawn with UCX_TLS replaced; stdout and stderr to out_fd (or /dev/null when -1).
-pid_t spawn(const std::vector<std::string>& args, const std::string& tls, int out_fd) {
+// side: the CPU side (cpu_pin) the process runs on.
+pid_t spawn(const std::vector<std::string>& args, const std::string& tls, int out_fd, int side) {
+  const cpu_pin pin(side);  // inherited by the child
   std::vector<std::string> env_text;
   for (char** e = environ; *e; ++e)
     if (std::strncmp(*e, "UCX_TLS=", 8) != 0) env_text.emplace_back(*e);
@@ -168,7 +208,7 @@ perftest_result run_perftest(const std::string& exe, const std::string& tls,
                              const std::string& test, std::size_t size, long frames, long warmup,
                              bool sleep_mode) {
   const std::string port = std::to_string(fresh_port());
-  const pid_t server = spawn({exe, "-p", port}, tls, -1);
+  const pid_t server = spawn({exe, "-p", port}, tls, -1, 1);
   const auto deadline = clock_type::now() + measurement_deadline;
   std::string out;
   int status = 0;
@@ -183,7 +223,7 @@ perftest_result run_perftest(const std::string& exe, const std::string& tls,
                                      "-w", std::to_string(warmup),
                                      "-v"};
     if (sleep_mode) args.insert(args.end(), {"-E", "sleep"});
-    const pid_t client = spawn(args, tls, pipe_fd[1]);
+    const pid_t client = spawn(args, tls, pipe_fd[1], 0);
     ::close(pipe_fd[1]);
     out.clear();
     for (char buf[4096];;) {
@@ -254,7 +294,7 @@ class peer_session {
     pid_ = spawn(
         {o.self_exe, "bench", "transport-peer", "--fd", std::to_string(sp[1]), "--transports", tls,
          "--mode", mode, "--warmup", std::to_string(warmup), "--frames", std::to_string(frames)},
-        tls, 2);
+        tls, 2, 1);
     ::close(sp[1]);
     topology::ucx_options uo;
     uo.transports = tls;
@@ -292,6 +332,7 @@ class peer_session {
   std::unique_ptr<topology::ucx_transport> transport;
 
  private:
+  cpu_pin pin_{0};  // this process measures on the first CPU while the session lasts
   pid_t pid_ = -1;
   int sock_ = -1;
 };
@@ -401,6 +442,36 @@ std::string human_bytes(std::size_t b) {
   return std::to_string(b) + " B";
 }
 
+// --only: which rows run (see transport_bench_options::only).
+class row_filter {
+ public:
+  explicit row_filter(const std::vector<std::string>& words) {
+    for (const auto& w : words) {
+      if (w == "shm" || w == "tcp")
+        transports_.insert(w == "shm" ? "posix,cma,self" : "tcp");
+      else if (w == "bandwidth" || w == "latency" || w == "latency-wait")
+        metrics_.insert(w);
+      else if (w == "64KiB" || w == "1MiB" || w == "16MiB")
+        sizes_.insert(w == "64KiB"  ? std::size_t{64} << 10
+                      : w == "1MiB" ? std::size_t{1} << 20
+                                    : std::size_t{16} << 20);
+      else
+        fail("--only: unknown row kind '" + w +
+             "' (shm, tcp, bandwidth, latency, latency-wait, 64KiB, 1MiB, 16MiB)");
+    }
+  }
+  // payload 0: a latency row, which no size word excludes.
+  bool operator()(const std::string& tls, const std::string& metric, std::size_t payload) const {
+    return (transports_.empty() || transports_.count(tls)) &&
+           (metrics_.empty() || metrics_.count(metric)) &&
+           (sizes_.empty() || payload == 0 || sizes_.count(payload));
+  }
+
+ private:
+  std::set<std::string> transports_, metrics_;
+  std::set<std::size_t> sizes_;
+};
+
 }  // namespace
 
 transport_bench_report run_transport_bench(const transport_bench_options& o) {
@@ -420,11 +491,13 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
     std::fprintf(stderr, "troupe bench transport: %s over %s\n", what.c_str(), tls.c_str());
   };
   auto lowest = [](double best, double v) { return best == 0 ? v : std::min(best, v); };
+  const row_filter wanted(o.only);
   for (const std::string tls : {"posix,cma,self", "tcp"}) {
     for (const std::size_t payload :
          {std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{16} << 20}) {
+      if (!wanted(tls, "bandwidth", payload)) continue;
       log("bandwidth " + human_bytes(payload), tls);
-      transport_row row{"bandwidth", tls, payload, 0, 0, 0, 0, 0, 0, false, ""};
+      transport_row row{"bandwidth", tls, payload, 0, 0, 0, 0, 0, 0, false, "", {}, {}};
       row.frames = std::max<long>(50, static_cast<long>(bytes_per_run / payload));
       // Enough warm-up frames to fill the window several times: the receiver's buffer pool then
       // holds every buffer in use (steady state; a buffer's first use faults its pages in).
@@ -432,6 +505,7 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
       for (int r = 0; r < report.repeats; ++r) {
         const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames);
         row.ours = std::max(row.ours, run.bytes_per_s);
+        row.ours_runs.push_back(run.bytes_per_s);
         row.frame_bytes = run.frame_bytes;
         report.send_zero_copy_checked &= run.zero_copy;
         report.receive_views_checked &= run.views;
@@ -440,22 +514,26 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
             run_perftest(perftest, tls, "tag_bw", row.frame_bytes, row.frames, warmup, false);
         if (!peer.error.empty()) row.peer_error = peer.error;
         row.peer = std::max(row.peer, peer.bytes_per_s);
+        if (peer.error.empty()) row.peer_runs.push_back(peer.bytes_per_s);
       }
       row.met = row.peer > 0 && row.ours >= 0.9 * row.peer;
       report.rows.push_back(row);
     }
     for (const std::string mode : {"latency", "latency-wait"}) {
+      if (!wanted(tls, mode, 0)) continue;
       log(mode == "latency" ? "8 B latency (busy polling)" : "8 B latency (wait())", tls);
       const long frames = mode == "latency" ? latency_frames : wait_frames, warmup = frames / 10;
-      transport_row row{mode, tls, 8, 8, frames, 0, 0, 0, 0, false, ""};
+      transport_row row{mode, tls, 8, 8, frames, 0, 0, 0, 0, false, "", {}, {}};
       for (int r = 0; r < report.repeats; ++r) {
         const auto run = ours_latency(o, tls, mode, warmup, frames);
         row.ours = lowest(row.ours, run.median_us);
+        row.ours_runs.push_back(run.median_us);
         row.ours_mean = lowest(row.ours_mean, run.mean_us);
         const auto peer =
             run_perftest(perftest, tls, "tag_lat", 8, frames, warmup, mode != "latency");
         if (!peer.error.empty()) row.peer_error = peer.error;
         if (peer.error.empty()) row.peer = lowest(row.peer, peer.latency_median_us);
+        if (peer.error.empty()) row.peer_runs.push_back(peer.latency_median_us);
         if (peer.error.empty()) row.peer_mean = lowest(row.peer_mean, peer.latency_mean_us);
       }
       row.met = row.peer > 0 && row.ours <= 2 * row.peer;
@@ -523,7 +601,9 @@ std::string transport_report_json(const transport_bench_report& r) {
                         {"unit", row.metric == "bandwidth" ? "bytes/s" : "us one-way, median"},
                         {"ratio", row.peer > 0 ? row.ours / row.peer : 0.0},
                         {"goal", goal_text(row)},
-                        {"met", row.met}};
+                        {"met", row.met},
+                        {"ours_runs", row.ours_runs},
+                        {"peer_runs", row.peer_runs}};
     if (row.metric != "bandwidth") {
       j["ours_mean"] = row.ours_mean;
       j["peer_mean"] = row.peer_mean;

@@ -12,9 +12,12 @@
 namespace troupe::bench {
 
 struct transport_bench_options {
-  bool quick = false;    // fewer frames and one repeat: for development
-  int repeats = 0;       // runs of each side per row, best kept; 0 = 3 (1 with quick)
-  std::string self_exe;  // the troupe binary (runs the peer process)
+  bool quick = false;  // fewer frames and one repeat: for development
+  int repeats = 0;     // runs of each side per row, best kept; 0 = 3 (1 with quick)
+  // Row filters: "shm"/"tcp", "bandwidth"/"latency"/"latency-wait", "64KiB"/"1MiB"/"16MiB".
+  // A row runs if, for each of the three kinds that has a word here, it matches one of them.
+  std::vector<std::string> only;
+  std::string self_exe;                   // the troupe binary (runs the peer process)
   std::string perftest = "ucx_perftest";  // looked up on PATH unless it contains a '/'
 };
 
@@ -25,9 +28,10 @@ struct transport_row {
   std::size_t frame_bytes = 0;    // bytes on the wire per frame; ucx_perftest sends this size
   long frames = 0;                // timed frames (bandwidth) or round trips (latency)
   double ours = 0, peer = 0;      // bytes/s, or one-way latency in µs (median)
-  double ours_mean = 0, peer_mean = 0;  // latency rows: mean one-way µs
-  bool met = false;                     // the goal (see goal_text)
-  std::string peer_error;               // non-empty: ucx_perftest failed, peer is 0
+  double ours_mean = 0, peer_mean = 0;       // latency rows: mean one-way µs
+  bool met = false;                          // the goal (see goal_text)
+  std::string peer_error;                    // non-empty: ucx_perftest failed, peer is 0
+  std::vector<double> ours_runs, peer_runs;  // every run's figure, in run order (best kept above)
 };
 
 struct transport_bench_report {

@@ -38,6 +38,8 @@ struct bench_options {
   bool quick = false;
   bench::transport_peer_options transport_peer;
   int zero_steps = 10;
+  int transport_repeats = 0;
+  std::vector<std::string> transport_only;
   std::string zero_recipe = TROUPE_SOURCE_DIR "/examples/default.toml";
   std::vector<int> zero_levels = {0, 1, 2, 3};
   std::vector<int> zero_dps = {2, 4};
@@ -181,6 +183,8 @@ std::string self_exe() {
 int run_transport(const bench_options& o) {
   bench::transport_bench_options to;
   to.quick = o.quick;
+  to.repeats = o.transport_repeats;
+  to.only = o.transport_only;
   to.self_exe = self_exe();
   bench::transport_bench_report report;
   try {
@@ -250,6 +254,14 @@ std::function<int()> add_bench_command(CLI::App& app) {
       "transport", "UCX frames between two processes vs ucx_perftest (bandwidth, latency)");
   transport->add_flag("--json", opts->json_output, "Print one JSON report");
   transport->add_flag("--quick", opts->quick, "Fewer frames, one run per side (development)");
+  transport
+      ->add_option("--repeats", opts->transport_repeats, "Runs of each side per row, best kept")
+      ->check(CLI::Range(1, 100));
+  transport
+      ->add_option("--only", opts->transport_only,
+                   "Rows to run: shm, tcp, bandwidth, latency, latency-wait, 64KiB, 1MiB, "
+                   "16MiB (a row runs if it matches every given kind)")
+      ->delimiter(',');
   auto* zero = bench->add_subcommand(
       "zero", "ZeRO-1/2/3 vs DDP: step time, model state and measured peak RSS per rank");
   zero->add_flag("--json", opts->json_output, "Print one JSON report");

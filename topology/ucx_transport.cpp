@@ -1,26 +1,28 @@
-// UCX tag-matching transport for whole wire frames (see ucx_transport.hpp for the contract).
+// UCX active-message transport for whole wire frames (see ucx_transport.hpp for the contract).
 //
-// Wire: a frame travels as one or more contiguous tag messages ("parts"). Every iov entry of
-// zero_copy_threshold bytes or more is its own part, sent from the caller's memory, so UCX moves
-// it by zero-copy rendezvous (a cma get over shared memory); a run of shorter entries is copied
-// into one staging part (UCX copies such sizes for an eager send anyway), or sent in place when
-// the run is a single entry. Not one UCP_DATATYPE_IOV message: UCX 1.13 has no zero-copy
-// rendezvous for iov and moved 1 MiB iov frames at about a sixth of the contiguous bandwidth here
-// (ucx_perftest -D iov,contig).
-// Tag = [sender rank: 20 bits][first part of a frame: 1][message sequence mod 2^11: 11]
-//       [frame bytes, on the first part: 32].
-// Receiving probes the unexpected queue (ucp_tag_probe_nb, remove). The first part's tag gives the
-// frame size, so the receiver allocates the frame's aligned_buffer at once and receives every
-// part by its message handle straight to its offset: no second copy. UCX keeps the messages of
-// one endpoint in order (tag matching does not overtake), which the sequence bits check; frames
-// complete out of order (a rendezvous part after a later eager frame) and are delivered in order.
+// Wire: a frame travels as one or more active messages (ucp_am_send_nbx, one id). Each message's
+// AM header is an am_header (sender rank, message sequence, frame size, first-of-frame flag)
+// followed by "inline" bytes; its AM data is one iov entry of zero_copy_threshold bytes or more,
+// sent from the caller's memory, which UCX moves by zero-copy rendezvous (a cma get over shared
+// memory) with the AM header riding in the rendezvous request. A run of shorter entries (the
+// Cap'n Proto segment table and header segment) is copied into the AM header of the message that
+// carries the next long entry, or of a message of its own; a run too long for an AM header
+// (4 KiB, or UCX's max_am_header if smaller) goes as the data of a message of its own. So an
+// activation frame is one message (it was two tag messages, header then payload, before).
+// Receiving: the AM callback (inside ucp_worker_progress) reads the header, allocates the frame's
+// aligned_buffer when the first message says how big the frame is, copies the inline bytes and any
+// eager data to their offsets, and starts rendezvous receives straight into the buffer
+// (ucp_am_recv_data_nbx): nobody copies a payload again. UCX delivers one endpoint's messages in
+// order, which the sequence numbers check; frames complete out of order (a rendezvous part after a
+// later eager frame) and are delivered in order.
 // Buffers of frames of pool_min_bytes or more are reused once every holder dropped them
 // (buffer_pool): a fresh 16 MiB buffer per frame faulted in ~3,000 pages per frame here, which
 // cost about as much as moving the frame.
-// At most max_receives_outstanding parts (and max_receive_bytes_outstanding bytes, but always
-// min_receives_outstanding parts) are being received at once; further messages wait in UCX (a
-// rendezvous message moves no payload until its receive is posted). The small byte budget keeps
-// the receive working set in cache: with 512 MiB, 32 frames of 1 MiB in flight each had their own
+// At most max_receives_outstanding rendezvous receives (and max_receive_bytes_outstanding bytes,
+// but always min_receives_outstanding receives) run at once; further rendezvous descriptors are
+// kept (the callback returns UCS_INPROGRESS) and started from progress() as receives complete (a
+// rendezvous message moves no payload until its receive starts). The small byte budget keeps the
+// receive working set in cache: with 512 MiB, 32 frames of 1 MiB in flight each had their own
 // buffer and the receiver ran at half of ucx_perftest's bandwidth (which receives into one
 // buffer); with 4 MiB, at 0.91-0.99x. Pool buffers of 2 MiB or more use transparent huge pages
 // (aligned_buffer::make_large): 16 MiB frames went from about 0.83x to 0.85-0.94x. UCX callbacks
@@ -51,16 +53,20 @@ constexpr std::size_t max_receives_outstanding = 64;
 constexpr std::size_t min_receives_outstanding = 2;
 constexpr std::size_t max_receive_bytes_outstanding = std::size_t{4} << 20;
 constexpr auto close_deadline = std::chrono::seconds(2);
-constexpr int rank_bits = 20, sequence_bits = 11;
-constexpr std::uint32_t sequence_mask = (1u << sequence_bits) - 1;
+constexpr int rank_bits = 20;
+constexpr unsigned frame_am_id = 1;
+
+// The start of every active message's header; the message's inline bytes follow it.
+struct am_header {
+  std::uint32_t rank = 0;         // the sender
+  std::uint32_t sequence = 0;     // the sender's message number to this peer
+  std::uint32_t frame_bytes = 0;  // the whole frame's size
+  std::uint32_t first = 0;        // 1 on the first message of a frame
+};
+static_assert(sizeof(am_header) == 16);
 
 [[noreturn]] void fail(const std::string& what, ucs_status_t status) {
   throw ucx_error("ucx_transport: " + what + ": " + ucs_status_string(status));
-}
-
-std::uint64_t make_tag(int rank, bool first, std::uint32_t sequence, std::uint32_t frame_bytes) {
-  return (std::uint64_t(rank) << 44) | (std::uint64_t(first) << 43) |
-         (std::uint64_t(sequence & sequence_mask) << 32) | frame_bytes;
 }
 
 // Receive buffers by size class (a granule of 1/16 of the size's power of two, at least 4 KiB).
@@ -128,12 +134,12 @@ struct ucx_transport::impl {
   struct send_op {
     impl* owner = nullptr;
     int peer = 0;
-    std::vector<std::byte> staging;  // the copied short entries
+    std::vector<std::byte> staging;  // the messages' AM headers (am_header + inline bytes), runs
     send_callback done;
-    std::vector<void*> requests;  // UCX requests of the parts still in flight at send()
+    std::vector<void*> requests;  // UCX requests of the messages still in flight at send()
     std::size_t completed = 0;
-    bool in_use = false, posted = false;  // posted: every part was handed to UCX
-    ucs_status_t status = UCS_OK;         // first failure of a part
+    bool in_use = false, posted = false;  // posted: every message was handed to UCX
+    ucs_status_t status = UCS_OK;         // first failure of a message
     void reset() {
       staging.clear();
       done = nullptr;
@@ -147,29 +153,44 @@ struct ucx_transport::impl {
     std::uint64_t index = 0;  // per-peer frame number, in send order
     std::shared_ptr<messages::aligned_buffer> buffer;
     std::size_t bytes = 0;    // the frame's size (the buffer may be larger)
-    std::size_t posted = 0;   // bytes of parts posted so far
-    std::size_t pending = 0;  // part receives not yet completed
+    std::size_t posted = 0;   // bytes of the messages that arrived so far
+    std::size_t pending = 0;  // messages whose bytes are not all in the buffer yet
     bool ok = true, in_use = false;
     void reset() { *this = frame_state{}; }
   };
-  struct recv_op {
+  struct recv_op {  // one arrived message of a frame
     impl* owner = nullptr;
     int peer = 0;
     inbound* in = nullptr;
     frame_state* frame = nullptr;
-    std::shared_ptr<messages::aligned_buffer> scratch;  // for a message that broke the protocol
-    std::size_t bytes = 0;
+    std::size_t offset = 0;        // of its bytes (inline bytes, then data) in the frame
+    std::size_t inline_bytes = 0;  // from its AM header
+    std::size_t bytes = 0;         // AM data bytes
+    bool rendezvous = false;
+    // Deferred: the inline bytes and the data UCX keeps (a rendezvous descriptor or persistent
+    // eager data), or, for eager data UCX does not keep, a copy of it after the inline bytes.
+    std::vector<std::byte> held;
+    void* desc = nullptr;
+    bool counted = false;  // a started rendezvous receive, counted in the outstanding ones
     void* request = nullptr;
     bool in_use = false;
     ucs_status_t status = UCS_INPROGRESS;
     void reset() {
       in = nullptr;
       frame = nullptr;
-      scratch.reset();
+      offset = inline_bytes = bytes = 0;
+      rendezvous = counted = false;
+      held.clear();
+      desc = nullptr;
       request = nullptr;
       in_use = false;
       status = UCS_INPROGRESS;
     }
+  };
+  struct am_message {                             // send()'s plan of one active message
+    std::size_t header_at = 0, header_bytes = 0;  // in the send_op's staging
+    const void* data = nullptr;
+    std::size_t data_bytes = 0;
   };
   struct peer_state {
     impl* owner = nullptr;
@@ -182,7 +203,7 @@ struct ucx_transport::impl {
   struct inbound {  // receiving side of one peer
     std::uint32_t next_sequence = 0;
     std::uint64_t next_frame = 0, next_delivery = 0;
-    frame_state* assembling = nullptr;               // parts still to be posted
+    frame_state* assembling = nullptr;               // messages still to arrive
     std::map<std::uint64_t, frame_state*> complete;  // waiting for an earlier one
   };
 
@@ -197,15 +218,16 @@ struct ucx_transport::impl {
   recycler<send_op> sends;
   recycler<recv_op> receives;
   recycler<frame_state> frames;
-  std::vector<std::pair<const void*, std::size_t>> parts;  // send()'s scratch
+  std::vector<am_message> messages;  // send()'s scratch
+  std::size_t header_room = 0;       // am_header + inline bytes at most (max_am_header, 4 KiB)
   std::deque<send_op*> completed_sends;
   std::deque<recv_op*> completed_receives;
+  std::deque<recv_op*> deferred;  // rendezvous messages waiting for room to start receiving
   std::deque<std::pair<int, std::string>> peer_errors;
   std::size_t receives_outstanding = 0, receive_bytes_outstanding = 0;
   receive_callback receive_fn;
   peer_error_callback peer_error_fn;
-  bool dispatching = false;
-  unsigned idle_polls = 0;
+  bool dispatching = false, closing = false;
 
   static void send_done(void*, ucs_status_t status, void* user_data) {
     auto* op = static_cast<send_op*>(user_data);
@@ -213,8 +235,7 @@ struct ucx_transport::impl {
     if (++op->completed == op->requests.size() && op->posted)
       op->owner->completed_sends.push_back(op);
   }
-  static void recv_done(void* request, ucs_status_t status, const ucp_tag_recv_info_t*,
-                        void* user_data) {
+  static void recv_done(void* request, ucs_status_t status, std::size_t, void* user_data) {
     auto* op = static_cast<recv_op*>(user_data);
     op->request = request;
     op->status = status;
@@ -234,24 +255,87 @@ struct ucx_transport::impl {
     return it->second;
   }
 
-  // Which frame a probed message belongs to; nullptr (and a peer error) if it breaks the protocol.
-  frame_state* frame_of(inbound& in, int peer, std::uint64_t tag, std::size_t length) {
-    const bool first = (tag >> 43) & 1;
-    const auto sequence = static_cast<std::uint32_t>(tag >> 32) & sequence_mask;
+  static ucs_status_t am_arrived(void* arg, const void* header, std::size_t header_length,
+                                 void* data, std::size_t length, const ucp_am_recv_param_t* param) {
+    return static_cast<impl*>(arg)->arrived(header, header_length, data, length,
+                                            (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0,
+                                            (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0);
+  }
+
+  // An active message (inside ucp_worker_progress). It lands (land()) now unless earlier
+  // messages wait, or it is a rendezvous one past the outstanding bounds; then it waits in
+  // `deferred`. A frame's buffer is taken when its first message lands, so frames waiting in UCX
+  // hold no buffer (32 frames of 1 MiB in flight each with their own buffer ran at about half the
+  // bandwidth of 4 at a time: the receive working set fell out of cache).
+  ucs_status_t arrived(const void* header, std::size_t header_length, void* data,
+                       std::size_t length, bool rendezvous, bool persistent) {
+    // Dropped: a rendezvous sender then completes without moving its data.
+    if (closing || header_length < sizeof(am_header)) return UCS_OK;
+    am_header h;
+    std::memcpy(&h, header, sizeof h);
+    const int peer = static_cast<int>(h.rank);
+    const std::size_t inline_bytes = header_length - sizeof h;
+    inbound& in = inbounds[peer];
+    frame_state* frame = frame_of(in, peer, h, inline_bytes + length);
+    if (!frame) return UCS_OK;
+    recv_op* op = receives.take();
+    op->owner = this;
+    op->peer = peer;
+    op->in = &in;
+    op->frame = frame;
+    op->offset = frame->posted;
+    op->inline_bytes = inline_bytes;
+    op->bytes = length;
+    op->rendezvous = rendezvous;
+    frame->posted += inline_bytes + length;
+    if (frame->posted == frame->bytes) in.assembling = nullptr;
+    ++frame->pending;
+    const auto* inline_at = static_cast<const std::byte*>(header) + sizeof h;
+    if (deferred.empty() && (!rendezvous || room_to_receive())) {
+      land(op, inline_at, data);
+      return UCS_OK;  // UCX keeps the descriptor of a started rendezvous receive
+    }
+    op->held.assign(inline_at, inline_at + inline_bytes);
+    deferred.push_back(op);
+    if (rendezvous || (persistent && length > 0)) {
+      op->desc = data;
+      return UCS_INPROGRESS;
+    }
+    const auto* bytes = static_cast<const std::byte*>(data);
+    op->held.insert(op->held.end(), bytes, bytes + length);
+    return UCS_OK;
+  }
+
+  // Writes a message's inline bytes and eager data to its offset in the frame's buffer (taken
+  // now if this is the frame's first message to land), or starts its rendezvous receive there.
+  // data: the eager bytes or the rendezvous descriptor; nullptr when `held` has the bytes.
+  void land(recv_op* op, const std::byte* inline_at, void* data) {
+    frame_state* frame = op->frame;
+    if (!frame->buffer) frame->buffer = pool->take(frame->bytes);
+    std::byte* at = frame->buffer->data() + op->offset;
+    if (op->inline_bytes > 0) std::memcpy(at, inline_at, op->inline_bytes);
+    at += op->inline_bytes;
+    if (op->rendezvous) return start_receive(op, data, at);
+    if (op->bytes > 0) std::memcpy(at, data ? data : op->held.data() + op->inline_bytes, op->bytes);
+    op->status = UCS_OK;
+    completed_receives.push_back(op);
+  }
+
+  // Which frame a message belongs to; nullptr (and a peer error) if it breaks the protocol.
+  frame_state* frame_of(inbound& in, int peer, const am_header& h, std::size_t bytes) {
     std::string error;
-    if (sequence != in.next_sequence)
-      error = "message " + std::to_string(sequence) + " arrived where " +
+    if (h.sequence != in.next_sequence)
+      error = "message " + std::to_string(h.sequence) + " arrived where " +
               std::to_string(in.next_sequence) + " was due";
-    else if (first == (in.assembling != nullptr))
-      error = first ? "a frame started inside another" : "a frame part arrived without a frame";
-    in.next_sequence = (sequence + 1) & sequence_mask;
-    if (error.empty() && first) {
+    else if ((h.first != 0) == (in.assembling != nullptr))
+      error = h.first ? "a frame started inside another" : "a frame part arrived without a frame";
+    in.next_sequence = h.sequence + 1;
+    if (error.empty() && h.first) {
       in.assembling = frames.take();
       in.assembling->index = in.next_frame++;
-      in.assembling->bytes = static_cast<std::uint32_t>(tag);
-      in.assembling->buffer = pool->take(in.assembling->bytes);
+      in.assembling->bytes = h.frame_bytes;
     }
-    if (error.empty() && in.assembling->posted + length > in.assembling->bytes)
+    if (error.empty() && in.assembling->posted + bytes > in.assembling->bytes)
       error = "frame parts exceed the frame's " + std::to_string(in.assembling->bytes) + " bytes";
     if (!error.empty()) {
       peer_errors.emplace_back(peer,
@@ -261,47 +345,41 @@ struct ucx_transport::impl {
     return in.assembling;
   }
 
-  // Posts receives for probed messages while under the outstanding bounds.
-  unsigned post_receives() {
-    unsigned posted = 0;
-    while (receives_outstanding < max_receives_outstanding &&
+  bool room_to_receive() const {
+    return receives_outstanding < max_receives_outstanding &&
            (receives_outstanding < min_receives_outstanding ||
-            receive_bytes_outstanding < max_receive_bytes_outstanding)) {
-      ucp_tag_recv_info_t info{};
-      ucp_tag_message_h message = ucp_tag_probe_nb(worker, 0, 0, 1, &info);
-      if (message == nullptr) break;
-      recv_op* op = receives.take();
-      op->owner = this;
-      op->peer = static_cast<int>(info.sender_tag >> 44);
-      op->in = &inbounds[op->peer];
-      op->frame = frame_of(*op->in, op->peer, info.sender_tag, info.length);
-      op->bytes = info.length;
-      std::byte* target = nullptr;
-      if (op->frame) {
-        target = op->frame->buffer->data() + op->frame->posted;
-        op->frame->posted += info.length;
-        ++op->frame->pending;
-        if (op->frame->posted == op->frame->bytes) op->in->assembling = nullptr;
-      } else {
-        op->scratch = messages::aligned_buffer::make(info.length);  // received, then dropped
-        target = op->scratch->data();
-      }
-      ucp_request_param_t param{};
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      param.cb.recv = &recv_done;
-      param.user_data = op;
-      ++receives_outstanding;
-      receive_bytes_outstanding += info.length;
-      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker, target, info.length, message, &param);
-      if (r == nullptr || UCS_PTR_IS_ERR(r)) {
-        op->status = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
-        completed_receives.push_back(op);
-      } else {
-        op->request = r;  // recv_done records the completion
-      }
-      ++posted;
+            receive_bytes_outstanding < max_receive_bytes_outstanding);
+  }
+
+  void start_receive(recv_op* op, void* desc, std::byte* target) {
+    op->counted = true;
+    ++receives_outstanding;
+    receive_bytes_outstanding += op->bytes;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.recv_am = &recv_done;
+    param.user_data = op;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker, desc, target, op->bytes, &param);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      op->status = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
+      completed_receives.push_back(op);
+    } else {
+      op->request = r;  // recv_done records the completion
     }
-    return posted;
+  }
+
+  // Lands deferred messages in arrival order while rendezvous ones fit under the bounds.
+  unsigned land_deferred() {
+    unsigned landed = 0;
+    for (; !deferred.empty() && (!deferred.front()->rendezvous || room_to_receive()); ++landed) {
+      recv_op* op = deferred.front();
+      deferred.pop_front();
+      void* desc = std::exchange(op->desc, nullptr);
+      const bool eager = !op->rendezvous;
+      land(op, op->held.data(), desc);
+      if (desc && eager) ucp_am_data_release(worker, desc);  // persistent eager data, copied
+    }
+    return landed;
   }
 
   void report_peer_failure(int peer, const std::string& reason) {
@@ -315,8 +393,10 @@ struct ucx_transport::impl {
 
   void receive_completed(recv_op* op) {
     if (op->request) ucp_request_free(op->request);
-    --receives_outstanding;
-    receive_bytes_outstanding -= op->bytes;
+    if (op->counted) {
+      --receives_outstanding;
+      receive_bytes_outstanding -= op->bytes;
+    }
     const int peer = op->peer;
     const ucs_status_t status = op->status;
     frame_state* frame = op->frame;
@@ -387,6 +467,12 @@ struct ucx_transport::impl {
   // progresses until all close or the deadline passes, then releases every request UCX still
   // holds (no callback runs for a released request), so the worker can be destroyed.
   void shut_down() {
+    closing = true;  // messages arriving from now on are dropped
+    for (recv_op* op : deferred) {
+      if (op->desc) ucp_am_data_release(worker, op->desc);
+      receives.give_back(op);
+    }
+    deferred.clear();
     for (auto& op : receives.all)
       if (op->in_use && op->request && op->status == UCS_INPROGRESS)
         ucp_request_cancel(worker, op->request);
@@ -442,7 +528,7 @@ ucx_transport::ucx_transport(int rank, const ucx_options& options)
   modify("NET_DEVICES", options.net_devices);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
   const ucs_status_t s = ucp_init(&params, config, &impl_->context);
   ucp_config_release(config);
@@ -454,11 +540,26 @@ ucx_transport::ucx_transport(int rank, const ucx_options& options)
     ucp_cleanup(impl_->context);
     fail("ucp_worker_create", ws);
   }
-  if (auto es = ucp_worker_get_efd(impl_->worker, &impl_->event_fd); es != UCS_OK) {
+  auto setup = [&](const char* what, ucs_status_t status) {
+    if (status == UCS_OK) return;
     ucp_worker_destroy(impl_->worker);
     ucp_cleanup(impl_->context);
-    fail("ucp_worker_get_efd", es);
-  }
+    fail(what, status);
+  };
+  setup("ucp_worker_get_efd", ucp_worker_get_efd(impl_->worker, &impl_->event_fd));
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+  setup("ucp_worker_query", ucp_worker_query(impl_->worker, &attr));
+  impl_->header_room = std::min<std::size_t>(attr.max_am_header, 4096);
+  if (impl_->header_room < sizeof(am_header)) setup("max_am_header", UCS_ERR_UNSUPPORTED);
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  handler.id = frame_am_id;
+  handler.flags = UCP_AM_FLAG_WHOLE_MSG;
+  handler.cb = &impl::am_arrived;
+  handler.arg = impl_.get();
+  setup("ucp_worker_set_am_recv_handler", ucp_worker_set_am_recv_handler(impl_->worker, &handler));
 }
 
 ucx_transport::~ucx_transport() {
@@ -536,46 +637,68 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
   op->owner = impl_.get();
   op->peer = peer;
   op->done = std::move(done);
-  op->staging.resize(staged);
-  // Parts: long entries by reference; a run of short entries copied into one staging part, or
-  // referenced in place when the run is a single entry.
-  auto& parts = impl_->parts;
-  parts.clear();
-  std::size_t staged_at = 0, run_first = 0, run_entries = 0, run_bytes = 0;
-  auto close_run = [&](std::size_t end) {
-    if (run_entries == 1) {
-      parts.push_back(iov[run_first]);
-    } else if (run_entries > 1) {
-      std::byte* at = op->staging.data() + staged_at;
-      for (std::size_t k = run_first; k < end; ++k)
-        if (iov[k].second < zero_copy_threshold && iov[k].second > 0) {
-          std::memcpy(op->staging.data() + staged_at, iov[k].first, iov[k].second);
-          staged_at += iov[k].second;
-        }
-      parts.emplace_back(at, run_bytes);
+  // Room for every message's header and every copied run; never reallocated below.
+  op->staging.resize((iov.size() + 1) * sizeof(am_header) + staged);
+  std::byte* const base = op->staging.data();
+  std::size_t used = 0;
+  // The messages: each long entry by reference as AM data, the run of short entries before it
+  // copied inline into its AM header. A run with no long entry after it is inline in a message
+  // of its own; one too long for an AM header goes as that message's data (in place when it is
+  // a single entry).
+  auto& messages = impl_->messages;
+  messages.clear();
+  std::size_t run_first = 0, run_end = 0, run_entries = 0, run_bytes = 0;
+  auto copy_run = [&] {
+    for (std::size_t k = run_first; k < run_end; ++k)
+      if (iov[k].second > 0 && iov[k].second < zero_copy_threshold) {
+        std::memcpy(base + used, iov[k].first, iov[k].second);
+        used += iov[k].second;
+      }
+  };
+  auto add_message = [&](bool inline_run) -> impl::am_message& {
+    auto& m = messages.emplace_back();
+    m.header_at = used;
+    used += sizeof(am_header);
+    if (inline_run) copy_run();
+    m.header_bytes = used - m.header_at;
+    return m;
+  };
+  auto flush = [&](const void* data, std::size_t bytes) {  // the run, then the long entry if any
+    if (run_entries > 0 && sizeof(am_header) + run_bytes > impl_->header_room) {
+      auto& m = add_message(false);
+      m.data = run_entries == 1 ? iov[run_first].first : base + used;
+      m.data_bytes = run_bytes;
+      if (run_entries > 1) copy_run();
+      run_entries = run_bytes = 0;
     }
+    if (run_entries == 0 && data == nullptr) return;
+    auto& m = add_message(run_entries > 0);
+    m.data = data;
+    m.data_bytes = bytes;
     run_entries = run_bytes = 0;
   };
   for (std::size_t k = 0; k < iov.size(); ++k) {
     if (iov[k].second >= zero_copy_threshold) {
-      close_run(k);
-      parts.push_back(iov[k]);
+      flush(iov[k].first, iov[k].second);
     } else if (iov[k].second > 0) {
       if (run_entries++ == 0) run_first = k;
+      run_end = k + 1;
       run_bytes += iov[k].second;
     }
   }
-  close_run(iov.size());
-  static char nothing = 0;
-  if (parts.empty()) parts.emplace_back(&nothing, 0);  // an empty frame is one empty message
+  flush(nullptr, 0);
+  if (messages.empty()) add_message(false);  // an empty frame is one empty message
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &impl::send_done;
   param.user_data = op;
-  for (std::size_t i = 0; i < parts.size(); ++i) {
-    const std::uint64_t tag = make_tag(impl_->rank, i == 0, p.next_send++,
-                                       i == 0 ? static_cast<std::uint32_t>(total) : 0);
-    ucs_status_ptr_t r = ucp_tag_send_nbx(p.ep, parts[i].first, parts[i].second, tag, &param);
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    const auto& m = messages[i];
+    const am_header h{static_cast<std::uint32_t>(impl_->rank), p.next_send++,
+                      static_cast<std::uint32_t>(total), i == 0 ? 1u : 0u};
+    std::memcpy(base + m.header_at, &h, sizeof h);
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, base + m.header_at, m.header_bytes,
+                                         m.data, m.data_bytes, &param);
     if (UCS_PTR_IS_ERR(r)) {
       if (op->status == UCS_OK) op->status = UCS_PTR_STATUS(r);
     } else if (r != nullptr) {
@@ -594,12 +717,9 @@ unsigned ucx_transport::progress() {
   if (impl_->dispatching)
     throw ucx_error("ucx_transport: progress() called from one of its own callbacks");
   unsigned events = ucp_worker_progress(impl_->worker);
-  // New messages reach the unexpected queue in ucp_worker_progress: probe when it did something
-  // (and every 16th idle call as a safety net), which keeps the busy-polling loop short.
-  if (events > 0 || ++impl_->idle_polls % 16 == 0) events += impl_->post_receives();
   events += impl_->dispatch();
-  // Completed receives freed room under the bounds: take the messages that were left waiting.
-  if (events > 0) events += impl_->post_receives() + impl_->dispatch();
+  // Completed receives freed room under the bounds: start the rendezvous receives left waiting.
+  if (events > 0) events += impl_->land_deferred() + impl_->dispatch();
   return events;
 }
 

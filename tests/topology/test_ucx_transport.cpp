@@ -236,7 +236,11 @@ struct frame_source {
       std::memcpy(&storage[3 + i], &word, std::min<std::size_t>(8, payload_bytes - i));
     }
     const std::uint8_t* payload = storage.data() + 3;
-    const std::size_t a = std::min<std::size_t>(payload_bytes, 1), b = payload_bytes / 3 | 1;
+    std::size_t a = std::min<std::size_t>(payload_bytes, 1), b = payload_bytes / 3 | 1;
+    if (index % 2 == 1 && payload_bytes >= 60000) {  // [header][long][9000 B alone][long][trailer]
+      a = 20000;
+      b = 9000;
+    }
     const std::size_t cut = std::min(payload_bytes, a + b);
     iov = {{header.data(), header.size()},
            {payload, a},
