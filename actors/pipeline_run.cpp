@@ -347,6 +347,16 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     if (cb.on_message && my_rank == 0) cb.on_message(s);
   };
   // 1. Everything that can fail on bad input, before anything is written or spawned.
+  // The update guard's spike thresholds and dynamic loss scaling run in the serial engine only
+  // so far; here a non-finite loss stops the job at once.
+  for (const auto& [key, set] :
+       {std::pair<const char*, bool>{"guard.loss_zscore", r.guard.loss_zscore > 0},
+        {"guard.grad_norm_zscore", r.guard.grad_norm_zscore > 0},
+        {"precision.loss_scale", r.precision.loss_scale != "none"}})
+    if (set)
+      throw engine::recipe_error(std::string("key ") + key +
+                                 ": runs with --engine serial only so far (the actor engine has "
+                                 "no update guard or loss scaling yet)");
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   for (int T : in.seq_lens)

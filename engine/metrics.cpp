@@ -26,6 +26,8 @@ void jsonl_writer::write(const step_metrics& m) {
       {"flops_per_s", m.flops_per_s},
   };
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (!m.skipped.empty()) j["skipped"] = m.skipped;
+  if (m.loss_scale) j["loss_scale"] = *m.loss_scale;
   for (const auto& r : m.memory)
     j["memory"].push_back({{"replica", r.replica},
                            {"rank", r.rank},

@@ -40,6 +40,8 @@ struct step_metrics {
   std::int64_t tokens = 0;            // tokens processed so far
   double flops_per_s = 0;             // model FLOPs (6N + attention) per second
   std::vector<memory_report> memory;  // actor engine: every (replica, rank), replica-major
+  std::string skipped;                // why the update was skipped (update_guard); "" = applied
+  std::optional<double> loss_scale;   // dynamic loss scaling: the scale the step carried
 };
 
 class jsonl_writer {

@@ -103,6 +103,16 @@ const std::map<std::string, field>& schema() {
       {"parallel.bucket_layers", nested(&recipe::parallel, &parallel_config::bucket_layers)},
       {"parallel.zero", nested(&recipe::parallel, &parallel_config::zero)},
       {"parallel.zero_prefetch", nested(&recipe::parallel, &parallel_config::zero_prefetch)},
+      {"precision.dtype", nested(&recipe::precision, &precision_config::dtype)},
+      {"precision.loss_scale", nested(&recipe::precision, &precision_config::loss_scale)},
+      {"precision.init_scale", nested(&recipe::precision, &precision_config::init_scale)},
+      {"precision.growth_interval", nested(&recipe::precision, &precision_config::growth_interval)},
+      {"precision.growth_factor", nested(&recipe::precision, &precision_config::growth_factor)},
+      {"precision.backoff_factor", nested(&recipe::precision, &precision_config::backoff_factor)},
+      {"guard.loss_zscore", nested(&recipe::guard, &guard_config::loss_zscore)},
+      {"guard.grad_norm_zscore", nested(&recipe::guard, &guard_config::grad_norm_zscore)},
+      {"guard.window", nested(&recipe::guard, &guard_config::window)},
+      {"guard.max_skips", nested(&recipe::guard, &guard_config::max_skips)},
   };
   return fields;
 }
@@ -186,6 +196,30 @@ void apply_override(recipe& r, const std::string& text) {
 
 void require(bool ok, const std::string& key, const std::string& what) {
   if (!ok) throw recipe_error("key " + key + ": " + what);
+}
+
+void validate_precision(const recipe& r) {
+  const auto& p = r.precision;
+  require(p.dtype == "fp32" || p.dtype == "bf16" || p.dtype == "fp16", "precision.dtype",
+          "'" + p.dtype + "' is not fp32, bf16 or fp16");
+  require(p.dtype == "fp32", "precision.dtype",
+          p.dtype + " needs the CUDA backend, which troupe train does not run yet (fp32 only)");
+  require(p.loss_scale == "none" || p.loss_scale == "dynamic", "precision.loss_scale",
+          "'" + p.loss_scale + "' is not none or dynamic");
+  require(std::isfinite(p.init_scale) && p.init_scale > 0, "precision.init_scale",
+          "must be a finite number > 0");
+  require(p.growth_interval >= 1, "precision.growth_interval", "must be >= 1");
+  require(std::isfinite(p.growth_factor) && p.growth_factor > 1, "precision.growth_factor",
+          "must be a finite number > 1");
+  require(p.backoff_factor > 0 && p.backoff_factor < 1, "precision.backoff_factor",
+          "must be in (0, 1)");
+  const auto& g = r.guard;
+  require(std::isfinite(g.loss_zscore) && g.loss_zscore >= 0, "guard.loss_zscore",
+          "must be a finite number >= 0 (0: off)");
+  require(std::isfinite(g.grad_norm_zscore) && g.grad_norm_zscore >= 0, "guard.grad_norm_zscore",
+          "must be a finite number >= 0 (0: off)");
+  require(g.window >= 2, "guard.window", "must be >= 2");
+  require(g.max_skips >= 0, "guard.max_skips", "must be >= 0 (0: never stop)");
 }
 
 // Nonsensical parallel layouts are refused here, before anything runs.
@@ -285,6 +319,7 @@ void validate_recipe(const recipe& r) {
     throw recipe_error(std::string("key ") + e.what());
   }
   require(r.steps > 0, "steps", "must be positive");
+  validate_precision(r);
   require(r.eval_interval >= 0, "eval_interval", "must be >= 0");
   require(r.eval_batches > 0, "eval_batches", "must be positive");
   require(r.batch.micro_batch > 0, "batch.micro_batch", "must be positive");

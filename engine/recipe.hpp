@@ -11,6 +11,7 @@
 
 #include "engine/gpt_model.hpp"
 #include "engine/optimizer.hpp"
+#include "engine/update_guard.hpp"
 
 namespace troupe::engine {
 
@@ -54,6 +55,19 @@ struct parallel_config {
   int zero_prefetch = 1;          // ZeRO-3: layers gathered ahead of use
 };
 
+// Number formats and loss scaling (docs/recipe.md, [precision]).
+struct precision_config {
+  std::string dtype = "fp32";       // fp32 | bf16 | fp16 (bf16 and fp16: the CUDA backend)
+  std::string loss_scale = "none";  // none | dynamic
+  double init_scale = 65536;
+  int growth_interval = 2000;
+  double growth_factor = 2;
+  double backoff_factor = 0.5;
+  loss_scale_config scaling() const {
+    return {loss_scale == "dynamic", init_scale, growth_factor, backoff_factor, growth_interval};
+  }
+};
+
 struct recipe {
   std::int64_t seed = 1337;
   int steps = 200;
@@ -66,6 +80,8 @@ struct recipe {
   optimizer_config optimizer;
   output_config output;
   parallel_config parallel;
+  precision_config precision;
+  guard_config guard;  // skipped updates: spikes and non-finite steps ([guard])
 
   // Micro-batches per optimizer step over all replicas: grad_accum * micro_batches * dp.
   int micro_batches_per_step() const {

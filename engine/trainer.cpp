@@ -8,6 +8,7 @@
 
 #include "engine/data/sampler.hpp"
 #include "engine/gpt_weights.hpp"
+#include "kernels/cpu_ops.hpp"
 
 namespace troupe::engine {
 namespace {
@@ -124,18 +125,31 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
   const auto start = clock_type::now();
   const double flops_per_token = r.model.train_flops_per_token(T);
   std::int64_t tokens = 0;
+  update_guard guard(r.guard, r.precision.scaling());
   for (int s = 0; s < r.steps; ++s) {
     const auto t0 = clock_type::now();
     model.zero_grad();
+    const double scale = guard.loss_scale();
+    const float seed = static_cast<float>(scale) / float(accum);
     double loss_sum = 0;
     for (int a = 0; a < accum; ++a) {
       train_sampler.fill(std::int64_t{s} * accum + a, inputs.data(), targets.data());
       stage_forward(model, acts, inputs.data(), nullptr);
-      loss_sum +=
-          stage_loss_backward_start(model, acts, targets.data(), 1.0f / float(accum)).mean();
+      loss_sum += stage_loss_backward_start(model, acts, targets.data(), seed).mean();
       stage_backward(model, acts, nullptr, nullptr);
     }
-    const auto opt = optimizer.step(model, r.optimizer, s, r.steps);
+    // Unscale (exact for the power-of-two scales of dynamic loss scaling), then let the guard
+    // decide on the unscaled norm whether the update applies.
+    if (scale != 1.0) {
+      const float unscale = static_cast<float>(1.0 / scale);
+      float* g = model.grads();
+      for (std::int64_t i = 0; i < model.parameter_count(); ++i) g[i] *= unscale;
+    }
+    const kernels::gradient_span all{model.grads(), model.parameter_count()};
+    const double norm = kernels::global_grad_norm({&all, 1});
+    const guard_decision decision = guard.decide(loss_sum / accum, norm);
+    adamw_optimizer::step_result opt{norm, learning_rate(r.optimizer, s, r.steps)};
+    if (decision.apply) opt = optimizer.step_with_norm(model, r.optimizer, s, r.steps, norm);
     const auto t1 = clock_type::now();
     const double step_s = std::chrono::duration<double>(t1 - t0).count();
     const std::int64_t step_tokens = std::int64_t{B} * T * accum;
@@ -157,12 +171,14 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
       summary.final_val_loss = *m.val_loss;
     }
     m.elapsed_s = std::chrono::duration<double>(clock_type::now() - start).count();
-    if (!std::isfinite(m.loss)) {
-      throw std::runtime_error("step " + std::to_string(s + 1) + ": loss is not finite (" +
-                               std::to_string(m.loss) + "); stopping");
-    }
+    m.skipped = decision.skipped;
+    if (r.precision.scaling().dynamic) m.loss_scale = decision.loss_scale;
     metrics.write(m);
     if (cb.on_step) cb.on_step(m);
+    if (decision.stop)
+      throw std::runtime_error(
+          "step " + std::to_string(s + 1) + ": " + std::to_string(decision.skips_in_a_row) +
+          " updates skipped in a row (guard.max_skips; last: " + decision.skipped + "); stopping");
     summary.final_loss = m.loss;
     summary.steps = s + 1;
   }

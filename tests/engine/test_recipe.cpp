@@ -238,6 +238,28 @@ TEST_CASE("bad enum values are named", "[recipe]") {
   CHECK_THAT(parse_error("[data]\nformat = \"csv\"\n"),
              Catch::Contains("data.format") && Catch::Contains("csv"));
   CHECK_THAT(parse_error("[data]\nformat = \"Text\"\n"), Catch::Contains("data.format"));
+  CHECK_THAT(parse_error("[precision]\ndtype = \"fp8\"\n"),
+             Catch::Contains("precision.dtype") && Catch::Contains("fp8"));
+  CHECK_THAT(parse_error("[precision]\nloss_scale = \"static\"\n"),
+             Catch::Contains("precision.loss_scale") && Catch::Contains("static"));
+}
+
+TEST_CASE("precision and guard keys are range-checked by name", "[recipe]") {
+  const auto msg = parse_error("[precision]\ndtype = \"bf16\"\n");
+  CHECK_THAT(msg, Catch::Contains("precision.dtype") && Catch::Contains("CUDA backend"));
+  check_one_line(msg);
+  CHECK_THAT(parse_error("[precision]\ninit_scale = 0\n"), Catch::Contains("precision.init_scale"));
+  CHECK_THAT(parse_error("[precision]\ngrowth_interval = 0\n"),
+             Catch::Contains("precision.growth_interval"));
+  CHECK_THAT(parse_error("[precision]\ngrowth_factor = 1.0\n"),
+             Catch::Contains("precision.growth_factor"));
+  CHECK_THAT(parse_error("[precision]\nbackoff_factor = 1.0\n"),
+             Catch::Contains("precision.backoff_factor"));
+  CHECK_THAT(parse_error("[guard]\nloss_zscore = -1\n"), Catch::Contains("guard.loss_zscore"));
+  CHECK_THAT(parse_error("[guard]\ngrad_norm_zscore = -1\n"),
+             Catch::Contains("guard.grad_norm_zscore"));
+  CHECK_THAT(parse_error("[guard]\nwindow = 1\n"), Catch::Contains("guard.window"));
+  CHECK_THAT(parse_error("[guard]\nmax_skips = -1\n"), Catch::Contains("guard.max_skips"));
 }
 
 TEST_CASE("learning-rate schedule matches docs/recipe.md", "[recipe][lr]") {

@@ -221,7 +221,7 @@ TEST_CASE("kind names follow the C++ struct names", "[unit]") {
 
 TEST_CASE("a step report without a validation loss keeps it absent", "[unit]") {
   const auto got = round_trip(
-      {0, 0, 0, false, step_report{{3, 10, 1.5, std::nullopt, 0, 0, 0, 0, 0, 0, 0, {}}}});
+      {0, 0, 0, false, step_report{{3, 10, 1.5, std::nullopt, 0, 0, 0, 0, 0, 0, 0, {}, {}, {}}}});
   CHECK_FALSE(std::get<step_report>(got.message).metrics.val_loss.has_value());
 }
 
