@@ -8,19 +8,6 @@
 
 using namespace troupe::actors::test;
 using troupe::engine::recipe;
-using troupe::engine::step_metrics;
-
-namespace {
-
-std::vector<step_metrics> serial_run(recipe r) {
-  std::vector<step_metrics> out;
-  troupe::engine::train_callbacks cb;
-  cb.on_step = [&](const step_metrics& m) { out.push_back(m); };
-  troupe::engine::train(r, cb);
-  return out;
-}
-
-}  // namespace
 
 TEST_CASE("dynamic loss scaling by a power of two leaves the losses bitwise unchanged",
           "[actors][guard]") {
@@ -28,11 +15,11 @@ TEST_CASE("dynamic loss scaling by a power of two leaves the losses bitwise unch
   recipe r = tiny_recipe(dir);
   r.steps = 8;
   r.batch.grad_accum = 2;
-  const auto plain = serial_run(r);
+  const auto plain = serial_steps(r);
   r.precision.loss_scale = "dynamic";
   r.precision.init_scale = 65536;
   r.precision.growth_interval = 3;  // the scale grows twice within the run
-  const auto scaled = serial_run(r);
+  const auto scaled = serial_steps(r);
   REQUIRE(scaled.size() == plain.size());
   for (std::size_t i = 0; i < plain.size(); ++i) {
     INFO("step " << i + 1);
@@ -55,7 +42,7 @@ TEST_CASE("an overflowing loss scale skips updates and backs off until training 
   // Past fp32's range (3.4e38): the scaled backward overflows until the scale backs off into it.
   r.precision.init_scale = 1e40;
   r.guard.max_skips = 0;
-  const auto steps = serial_run(r);
+  const auto steps = serial_steps(r);
   REQUIRE(steps.size() == 24);
   std::size_t skipped = 0;
   while (skipped < steps.size() && !steps[skipped].skipped.empty()) ++skipped;
@@ -83,7 +70,7 @@ TEST_CASE("the guard stops a run after max_skips skipped updates in a row", "[ac
   r.precision.loss_scale = "dynamic";
   r.precision.init_scale = 1e40;
   r.guard.max_skips = 2;
-  CHECK_THROWS_WITH(serial_run(r),
+  CHECK_THROWS_WITH(serial_steps(r),
                     Catch::Contains("step 2: 2 updates skipped in a row (guard.max_skips; last: "
                                     "non-finite gradient norm"));
 }
@@ -95,7 +82,7 @@ TEST_CASE("gradient-norm spikes past the threshold are skipped, the others appli
   r.steps = 20;
   r.guard.window = 4;
   r.guard.grad_norm_zscore = 0.5;  // low enough that some steps of a real run cross it
-  const auto steps = serial_run(r);
+  const auto steps = serial_steps(r);
   int skipped = 0;
   for (std::size_t i = 0; i < steps.size(); ++i) {
     if (steps[i].skipped.empty()) continue;
