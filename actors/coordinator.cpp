@@ -6,6 +6,9 @@
 //      replica 0 (all replicas hold the same reduced gradients), or with ZeRO of every replica
 //      (each holds one shard of them).
 //  C3. Every actor of the run is monitored; a stop before run_finished is a failure naming it.
+//  C4. The update guard (engine::update_guard) sees every step once, in step order, with the
+//      step's mean loss and the global norm of the unscaled gradients (the stages' gradients
+//      carry the loss scale the step began with); every stage gets the same decision.
 #include "actors/coordinator.hpp"
 
 #include "actors/error_text.hpp"
@@ -22,7 +25,7 @@ using clock_type = std::chrono::steady_clock;
 class coordinator_impl : public coordinator_actor::base {
  public:
   coordinator_impl(caf::actor_config& cfg, coordinator_config config)
-      : coordinator_actor::base(cfg), cfg_(std::move(config)) {}
+      : coordinator_actor::base(cfg), cfg_(std::move(config)), guard_(cfg_.guard, cfg_.scaling) {}
 
   void on_exit() override { wiring_ = {}; }
 
@@ -59,7 +62,8 @@ class coordinator_impl : public coordinator_actor::base {
     reported_.assign(static_cast<std::size_t>(stage_count()), grads_ready{});
     memory_.assign(static_cast<std::size_t>(stage_count()), engine::memory_report{});
     eval_reported_.assign(static_cast<std::size_t>(cfg_.replicas), eval_done{});
-    caf::anon_send(caf::actor_cast<schedule_actor>(wiring_.schedule), begin_step{s, cfg_.rounds});
+    caf::anon_send(caf::actor_cast<schedule_actor>(wiring_.schedule),
+                   begin_step{s, cfg_.rounds, guard_.loss_scale()});
   }
 
   // Sums are taken in (replica, rank) order once all reports are in, never in arrival order:
@@ -73,9 +77,12 @@ class coordinator_impl : public coordinator_actor::base {
       loss_sum_ += r.loss_sum;
       losses_ += r.losses;
     }
-    grad_norm_ = std::sqrt(square_sum_);
+    const double scale = guard_.loss_scale();
+    grad_norm_ = std::sqrt(square_sum_) / scale;
+    decision_ = guard_.decide(loss_sum_ / std::max(1, losses_), grad_norm_);
+    const apply_update u{step_, grad_norm_, !decision_.apply, 1.0 / scale};
     for (const auto& replica : wiring_.stages)
-      for (const auto& st : replica) caf::anon_send(st, apply_update{step_, grad_norm_});
+      for (const auto& st : replica) caf::anon_send(st, u);
   }
 
   bool eval_due() const {
@@ -124,13 +131,14 @@ class coordinator_impl : public coordinator_actor::base {
     m.tokens = tokens_;
     m.elapsed_s = std::chrono::duration<double>(now - start_).count();
     m.memory = memory_;
+    m.skipped = decision_.skipped;
+    if (cfg_.scaling.dynamic) m.loss_scale = decision_.loss_scale;
     cfg_.trace.span("step", "step " + std::to_string(step_ + 1), trace_start_, cfg_.trace.now_us(),
                     {step_});
     if (cfg_.trace.enabled()) caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
     caf::anon_send(wiring_.client, step_report{m});
-    if (!std::isfinite(m.loss)) {
-      finish(false, "step " + std::to_string(m.step) + ": loss is not finite (" +
-                        std::to_string(m.loss) + "); stopping");
+    if (decision_.stop) {
+      finish(false, engine::stop_message(m.step, decision_));
     } else if (step_ + 1 < cfg_.steps) {
       begin(step_ + 1);
     } else {
@@ -153,6 +161,8 @@ class coordinator_impl : public coordinator_actor::base {
   }
 
   coordinator_config cfg_;
+  engine::update_guard guard_;
+  engine::guard_decision decision_;  // this step's
   coordinator_wiring wiring_;
   clock_type::time_point start_, step_start_;
   double trace_start_ = 0;

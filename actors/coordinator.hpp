@@ -1,6 +1,7 @@
 // The coordinator: drives steps, gathers metrics, and supervises. Per step it sends
-// begin_step to the schedule actor, collects grads_ready from every stage (summing the squared
-// gradient norms into the global norm), sends apply_update, collects update_done, runs an
+// begin_step (with the step's loss scale) to the schedule actor, collects grads_ready from every
+// stage (summing the squared gradient norms into the global norm), lets the update guard decide,
+// sends apply_update (apply or skip), collects update_done, runs an
 // evaluation pass when due, and reports the step's metrics to the client. It monitors every
 // actor of the run: if one stops before the run is over, it reports which one and why to the
 // client (run_finished with ok = false) and stops.
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "engine/trace_recorder.hpp"
+#include "engine/update_guard.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {
@@ -20,6 +22,8 @@ struct coordinator_config {
   std::int64_t tokens_per_step = 0;
   double flops_per_token = 0;
   engine::trace::recorder trace;
+  engine::guard_config guard;  // the update guard, which the coordinator runs (C4)
+  engine::loss_scale_config scaling;
 };
 
 messages::coordinator_actor spawn_coordinator(caf::actor_system& system, coordinator_config config);

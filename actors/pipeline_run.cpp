@@ -119,6 +119,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
           r.parallel.link_credits > 0 ? r.parallel.link_credits : r.parallel.micro_batches;
       c.bucket_layers = r.parallel.bucket_layers;
       c.zero_prefetch = r.parallel.zero_prefetch;
+      c.recompute = r.activation_checkpoint.full();
       c.zero = static_cast<engine::zero_stage>(r.parallel.zero);
       c.compute_threads = compute_threads(in);
       const std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
@@ -347,16 +348,6 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     if (cb.on_message && my_rank == 0) cb.on_message(s);
   };
   // 1. Everything that can fail on bad input, before anything is written or spawned.
-  // The update guard's spike thresholds and dynamic loss scaling run in the serial engine only
-  // so far; here a non-finite loss stops the job at once.
-  for (const auto& [key, set] :
-       {std::pair<const char*, bool>{"guard.loss_zscore", r.guard.loss_zscore > 0},
-        {"guard.grad_norm_zscore", r.guard.grad_norm_zscore > 0},
-        {"precision.loss_scale", r.precision.loss_scale != "none"}})
-    if (set)
-      throw engine::recipe_error(std::string("key ") + key +
-                                 ": runs with --engine serial only so far (the actor engine has "
-                                 "no update guard or loss scaling yet)");
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   for (int T : in.seq_lens)
@@ -445,6 +436,8 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     cc.tokens_per_step = tokens_per_step(in);
     cc.flops_per_token = r.model.train_flops_per_token(r.batch.seq_len);
     cc.trace = add_track(a, in, "coordinator", "coordinator", -1, -1);
+    cc.guard = r.guard;
+    cc.scaling = r.precision.scaling();
     a.coordinator = place(sys, a, in, pl.coordinator_id, control, "coordinator",
                           [&] { return spawn_coordinator(sys, std::move(cc)); });
     spawn_stages(sys, a, in);

@@ -136,8 +136,9 @@ class stage_impl : public stage_actor::base {
   int my_rank() const { return cfg_.rank; }
 
   void init_chunks() {
-    compute_ = std::make_unique<engine::stage_compute>(
-        cfg_.model, cfg_.layout.rank_chunks(cfg_.rank), /*optimizer_state=*/!zero());
+    compute_ =
+        std::make_unique<engine::stage_compute>(cfg_.model, cfg_.layout.rank_chunks(cfg_.rank),
+                                                /*optimizer_state=*/!zero(), cfg_.recompute);
     std::vector<engine::gpt_stage*> chunks;
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       auto& st = compute_->chunk(c);
@@ -499,7 +500,10 @@ class stage_impl : public stage_actor::base {
       r.counted = !plan_.eval || std::any_of(t.tokens->begin(), t.tokens->end(),
                                              [](int y) { return y != engine::ignore_index; });
       args.hold.push_back(t.tokens);
-      args.loss_scale = 1.0f / static_cast<float>(plan_.rounds * plan_.plan->shape.micro_batches);
+      // The mean over the step's micro-batches, times the step's loss scale (1 without dynamic
+      // loss scaling; a power of two with it, so the seed is exact).
+      args.loss_scale = static_cast<float>(plan_.loss_scale) /
+                        static_cast<float>(plan_.rounds * plan_.plan->shape.micro_batches);
     }
     r.B = args.B;
     r.T = args.T;
@@ -763,21 +767,25 @@ class stage_impl : public stage_actor::base {
                    grads_ready{plan_.step, my_rank(), cfg_.replica, sq, loss_sum_, losses_});
   }
 
+  // A skipped update (the coordinator's guard) drops the step's gradients and leaves the
+  // parameters and moments as they are.
   void on_update(const apply_update& u) {
     if (zero()) {
-      caf::anon_send(wiring_.reducer, zero_update{u.step, u.grad_norm});
+      caf::anon_send(wiring_.reducer, zero_update{u.step, u.grad_norm, u.skip, u.unscale});
       return;
     }
     const double t0 = cfg_.trace.now_us();
-    double lr = 0;
+    double lr = engine::learning_rate(cfg_.optimizer, u.step, cfg_.total_steps);
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       auto& st = compute_->chunk(c);
-      lr = compute_->optimizer(c)
-               .step_with_norm(st, cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm)
-               .lr;
+      if (!u.skip)
+        lr = compute_->optimizer(c)
+                 .step_with_norm(st, cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm,
+                                 u.unscale)
+                 .lr;
       st.zero_grad();
     }
-    cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
+    if (!u.skip) cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
     caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), cfg_.replica, lr, memory()});
     flush_trace();
   }
@@ -812,6 +820,7 @@ class stage_impl : public stage_actor::base {
         m.gradients += bytes;
     }
     m.optimizer = compute_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
+    m.activations = compute_->activation_bytes();
     if (gathers_) {
       m.buffers += gathers_->peak_bytes();  // ZeRO-3: the most gathered at once this step
       m.pooled += gathers_->pooled_bytes();

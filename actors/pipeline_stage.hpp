@@ -33,6 +33,7 @@ struct stage_config {
   engine::zero_stage zero = engine::zero_stage::none;
   int zero_prefetch = 1;  // ZeRO-3: parameter uses gathered ahead of the one being computed
   int compute_threads = 1;
+  bool recompute = false;  // activation checkpointing of every block (engine::block_scratch)
   engine::trace::recorder trace;
 };
 

@@ -23,7 +23,7 @@ class schedule_impl : public schedule_actor::base {
         [this](begin_step& b) {
           for (const auto& replica : wiring_.stages)
             for (const auto& stage : replica)
-              caf::anon_send(stage, step_plan{b.step, b.rounds, false, plan_});
+              caf::anon_send(stage, step_plan{b.step, b.rounds, false, plan_, b.loss_scale});
         },
         [this](begin_eval& e) {
           // Every replica runs the same number of micro-batches (the loader fills the slots
@@ -35,7 +35,7 @@ class schedule_impl : public schedule_actor::base {
               std::make_shared<const engine::pipeline_plan>(engine::plan_forward_only(shape));
           for (const auto& replica : wiring_.stages)
             for (const auto& stage : replica)
-              caf::anon_send(stage, step_plan{e.step, 1, true, plan});
+              caf::anon_send(stage, step_plan{e.step, 1, true, plan, 1.0});
         },
         [this](swap_schedule& s) -> swap_result {
           try {

@@ -90,12 +90,20 @@ class zero_shard_impl : public zero_shard_actor::base {
     finish_if_done(k, c);
   }
 
+  // A skipped update (the coordinator's guard) changes no parameter, so every replica still holds
+  // them whole (ZeRO-1/2) and there is nothing to all-gather; the gradients are dropped.
   void on_update(const zero_update& u) {
-    const double t0 = cfg_.trace.now_us();
-    lr_ = engine::shard_adamw_step(layout_.buckets, layout_.views, m_.data(), v_.data(),
-                                   cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm);
-    cfg_.trace.span("optimizer", "AdamW shard", t0, cfg_.trace.now_us(), {u.step});
     update_step_ = u.step;
+    if (u.skip) {
+      lr_ = engine::learning_rate(cfg_.optimizer, u.step, cfg_.total_steps);
+      update_finished();
+      return;
+    }
+    const double t0 = cfg_.trace.now_us();
+    lr_ =
+        engine::shard_adamw_step(layout_.buckets, layout_.views, m_.data(), v_.data(),
+                                 cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm, u.unscale);
+    cfg_.trace.span("optimizer", "AdamW shard", t0, cfg_.trace.now_us(), {u.step});
     if (sharded_params()) {  // parameters are gathered before each use, not after the update
       update_finished();
       return;

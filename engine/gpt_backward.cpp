@@ -103,6 +103,13 @@ struct backward_pass {
     return stage.range().embedding ? a.encoded_.f32() : a.input_;
   }
 
+  // Checkpointing: block i's inner activations, recomputed into the shared scratch from its
+  // saved input. Must run right before the block's backward, with no pass stop between.
+  void recompute(std::size_t i) const {
+    if (a.recomputes())
+      block_forward(stage, static_cast<int>(i), a.layers_[i], layer_input(i), B, T, false);
+  }
+
   void require_loss(const char* who) const {
     if (stage.range().head && !a.logits_are_grads_)
       throw std::logic_error(std::string(who) + " on the last stage needs the loss first");
@@ -244,6 +251,7 @@ struct backward_pass {
       co_yield next_stop();
       float* dx = i == 0 && dinput_direct ? dinput_direct : spare;
       const layer_grads g = scratch_grads(top);
+      recompute(i);
       layer_input_grad(i, g, dx);
       layer_weight(i, g);
       blocks.done();
@@ -280,6 +288,7 @@ struct backward_pass {
     stage_output_grad(doutput, stage.range().head ? s.lnf.f32() : nullptr, input_grad_of(layers));
     for (std::size_t i = layers; i-- > 0;) {
       co_yield next_stop();
+      recompute(i);
       layer_input_grad(i, saved_grads(i), input_grad_of(i));
     }
     a.weight_grads_pending_ = true;
@@ -299,6 +308,7 @@ struct backward_pass {
       blocks.done();
     }
     for (std::size_t i = layers; i-- > 0;) {
+      recompute(i);  // checkpointing: W reads the block's parameters then
       layer_weight(i, saved_grads(i));
       blocks.done();
     }

@@ -157,30 +157,96 @@ void gpt_stage::init_gpt2(std::uint64_t seed) {
 
 // ---- activations ---------------------------------------------------------------------------
 
-gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T) : B_(B), T_(T) {
-  const auto& c = stage.config();
+namespace {
+
+block_activations allocate_block(const gpt_config& c, int B, int T, bool with_output) {
+  const std::int64_t N = std::int64_t{B} * T, C = c.width, NH = c.heads;
+  block_activations a;
+  a.ln1 = tensor::empty({N, C});
+  a.ln1_mean = tensor::empty({N});
+  a.ln1_rstd = tensor::empty({N});
+  a.qkv = tensor::empty({N, 3 * C});
+  a.att = tensor::empty({B, NH, T, T});
+  a.atty = tensor::empty({N, C});
+  a.res2 = tensor::empty({N, C});
+  a.ln2 = tensor::empty({N, C});
+  a.ln2_mean = tensor::empty({N});
+  a.ln2_rstd = tensor::empty({N});
+  a.fch = tensor::empty({N, 4 * C});
+  a.fch_gelu = tensor::empty({N, 4 * C});
+  if (with_output) a.res3 = tensor::empty({N, C});
+  return a;
+}
+
+std::int64_t block_bytes(const block_activations& a, bool inner, bool output) {
+  std::int64_t b = 0;
+  if (inner)
+    for (const auto* t : {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.atty, &a.res2,
+                          &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fch, &a.fch_gelu})
+      b += static_cast<std::int64_t>(t->nbytes());
+  if (output) b += static_cast<std::int64_t>(a.res3.nbytes());
+  return b;
+}
+
+void check_micro_batch(const gpt_config& c, int B, int T) {
   if (B <= 0 || T <= 0 || T > c.context) {
     throw std::invalid_argument("micro-batch " + std::to_string(B) + "x" + std::to_string(T) +
                                 " does not fit context " + std::to_string(c.context));
   }
-  const std::int64_t N = std::int64_t{B} * T, C = c.width, NH = c.heads;
+}
+
+}  // namespace
+
+block_scratch::block_scratch(const gpt_config& config, int B, int T) : B_(B), T_(T) {
+  check_micro_batch(config, B, T);
+  acts_ = allocate_block(config, B, T, false);
+}
+
+std::int64_t block_scratch::bytes() const { return block_bytes(acts_, true, false); }
+
+std::int64_t block_scratch_bytes(const gpt_config& c, int B, int T) {
+  const std::int64_t N = std::int64_t{B} * T, C = c.width;
+  return 4 * (N * C * 15 + N * 4 + std::int64_t{B} * c.heads * T * T);
+}
+
+std::int64_t activation_bytes(const gpt_config& c, const stage_range& s, int B, int T,
+                              bool recompute, bool split_backward) {
+  const std::int64_t N = std::int64_t{B} * T, C = c.width, NC = N * C;
+  const std::int64_t layers = s.last_layer - s.first_layer;
+  std::int64_t f = 5 * NC;       // gradient scratch: dres x3, dln, datty
+  if (layers > 0) f += 12 * NC;  // dln1, dqkv (3C), dfch, dfch_gelu (4C)
+  f += layers * NC;              // every block's output (res3)
+  if (!recompute) f += layers * (block_scratch_bytes(c, B, T) / 4);
+  if (s.embedding) f += NC;                               // encoded
+  if (s.head) f += NC + 2 * N + N * c.padded_vocab_size;  // ln_f, its statistics, logits
+  if (split_backward) {                                   // stage_backward_input's saved gradients
+    f += layers * 11 * NC;
+    if (s.head) f += NC;
+    if (s.embedding) f += NC;
+  }
+  return 4 * f;
+}
+
+gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T,
+                                 std::shared_ptr<block_scratch> recompute)
+    : B_(B), T_(T), scratch_(std::move(recompute)) {
+  const auto& c = stage.config();
+  check_micro_batch(c, B, T);
+  if (scratch_ && (scratch_->batch() != B || scratch_->seq_len() != T))
+    throw std::invalid_argument("gpt_activations: a block_scratch for micro-batches of " +
+                                std::to_string(scratch_->batch()) + "x" +
+                                std::to_string(scratch_->seq_len()) + ", not " + std::to_string(B) +
+                                "x" + std::to_string(T));
+  const std::int64_t N = std::int64_t{B} * T, C = c.width;
   if (stage.range().embedding) encoded_ = tensor::empty({N, C});
   for (int l = stage.range().first_layer; l < stage.range().last_layer; ++l) {
-    layer_acts a;
-    a.ln1 = tensor::empty({N, C});
-    a.ln1_mean = tensor::empty({N});
-    a.ln1_rstd = tensor::empty({N});
-    a.qkv = tensor::empty({N, 3 * C});
-    a.att = tensor::empty({B, NH, T, T});
-    a.atty = tensor::empty({N, C});
-    a.res2 = tensor::empty({N, C});
-    a.ln2 = tensor::empty({N, C});
-    a.ln2_mean = tensor::empty({N});
-    a.ln2_rstd = tensor::empty({N});
-    a.fch = tensor::empty({N, 4 * C});
-    a.fch_gelu = tensor::empty({N, 4 * C});
-    a.res3 = tensor::empty({N, C});
-    layers_.push_back(std::move(a));
+    if (scratch_) {
+      layer_acts a = scratch_->acts_;  // the inner activations: views of the shared scratch
+      a.res3 = tensor::empty({N, C});
+      layers_.push_back(std::move(a));
+    } else {
+      layers_.push_back(allocate_block(c, B, T, true));
+    }
   }
   if (stage.range().head) {
     lnf_ = tensor::empty({N, C});
@@ -199,6 +265,21 @@ gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T) : B_(B), 
     dfch_ = tensor::empty({N, 4 * C});
     dfch_gelu_ = tensor::empty({N, 4 * C});
   }
+}
+
+std::int64_t gpt_activations::bytes() const {
+  std::int64_t b = 0;
+  auto add = [&](const tensor& t) { b += static_cast<std::int64_t>(t.nbytes()); };
+  add(encoded_);
+  for (const auto& L : layers_) b += block_bytes(L, !scratch_, true);
+  for (const auto* t : {&lnf_, &lnf_mean_, &lnf_rstd_, &logits_, &dres_, &dres_next_, &dln_, &dln1_,
+                        &dqkv_, &datty_, &dfch_, &dfch_gelu_, &dres_mid_})
+    add(*t);
+  for (const auto& g : saved_.layers)
+    for (const auto* t : {&g.mlp_proj, &g.fc, &g.ln2, &g.attn_proj, &g.qkv, &g.ln1}) add(*t);
+  add(saved_.lnf);
+  add(saved_.encoded);
+  return b;
 }
 
 namespace {
@@ -241,13 +322,37 @@ void stage_forward(const gpt_stage& stage, gpt_activations& acts, const std::int
   stage_forward_pass(stage, acts, tokens, input).run();
 }
 
+void block_forward(const gpt_stage& stage, int i, const block_activations& L, const float* x, int B,
+                   int T, bool output) {
+  const int C = stage.config().width, NH = stage.config().heads, N = B * T;
+  const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + i) + ".";
+  auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
+  kernels::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, P("ln_1.weight"),
+                             P("ln_1.bias"), N, C);
+  kernels::linear_forward(L.qkv.f32(), L.ln1.f32(), P("attn.c_attn.weight"), P("attn.c_attn.bias"),
+                          N, C, 3 * C);
+  kernels::attention_forward(L.atty.f32(), L.att.f32(), L.qkv.f32(), B, T, C, NH);
+  kernels::linear_forward(L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"),
+                          P("attn.c_proj.bias"), N, C, C);
+  add_into(L.res2.f32(), x, std::int64_t{N} * C);
+  kernels::layernorm_forward(L.ln2.f32(), L.ln2_mean.f32(), L.ln2_rstd.f32(), L.res2.f32(),
+                             P("ln_2.weight"), P("ln_2.bias"), N, C);
+  kernels::linear_forward(L.fch.f32(), L.ln2.f32(), P("mlp.c_fc.weight"), P("mlp.c_fc.bias"), N, C,
+                          4 * C);
+  kernels::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), std::int64_t{N} * 4 * C);
+  if (!output) return;
+  kernels::linear_forward(L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
+                          P("mlp.c_proj.bias"), N, 4 * C, C);
+  add_into(L.res3.f32(), L.res2.f32(), std::int64_t{N} * C);
+}
+
 block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
                               const std::int32_t* tokens, const float* input) {
   const auto stops = pass_stops(stage, pass_kind::forward);
   std::size_t stop = 0;
   auto next_stop = [&] { return stops.at(stop++); };
   const auto& c = stage.config();
-  const int B = a.B_, T = a.T_, C = c.width, NH = c.heads, Vp = c.padded_vocab_size;
+  const int B = a.B_, T = a.T_, C = c.width, Vp = c.padded_vocab_size;
   const int N = B * T;
   if (a.weight_grads_pending_) {
     throw std::logic_error(
@@ -267,25 +372,8 @@ block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
   }
   for (int i = 0; i < static_cast<int>(a.layers_.size()); ++i) {
     co_yield next_stop();
-    auto& L = a.layers_[static_cast<std::size_t>(i)];
-    const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + i) + ".";
-    auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
-    kernels::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, P("ln_1.weight"),
-                               P("ln_1.bias"), N, C);
-    kernels::linear_forward(L.qkv.f32(), L.ln1.f32(), P("attn.c_attn.weight"),
-                            P("attn.c_attn.bias"), N, C, 3 * C);
-    kernels::attention_forward(L.atty.f32(), L.att.f32(), L.qkv.f32(), B, T, C, NH);
-    kernels::linear_forward(L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"),
-                            P("attn.c_proj.bias"), N, C, C);
-    add_into(L.res2.f32(), x, std::int64_t{N} * C);
-    kernels::layernorm_forward(L.ln2.f32(), L.ln2_mean.f32(), L.ln2_rstd.f32(), L.res2.f32(),
-                               P("ln_2.weight"), P("ln_2.bias"), N, C);
-    kernels::linear_forward(L.fch.f32(), L.ln2.f32(), P("mlp.c_fc.weight"), P("mlp.c_fc.bias"), N,
-                            C, 4 * C);
-    kernels::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), std::int64_t{N} * 4 * C);
-    kernels::linear_forward(L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
-                            P("mlp.c_proj.bias"), N, 4 * C, C);
-    add_into(L.res3.f32(), L.res2.f32(), std::int64_t{N} * C);
+    const auto& L = a.layers_[static_cast<std::size_t>(i)];
+    block_forward(stage, i, L, x, B, T, true);
     x = L.res3.f32();
   }
   if (stage.range().head) {

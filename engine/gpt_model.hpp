@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -100,12 +101,54 @@ class gpt_stage {
   kernels::tensor grad_buf_;
 };
 
-// The saved state of one micro-batch's forward pass through a stage, and its gradient scratch.
-class gpt_activations {
+// What one transformer block's forward keeps for its backward ([N,C] unless noted; N = B*T).
+struct block_activations {
+  kernels::tensor ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2;  // qkv [N,3C], att [B,H,T,T]
+  kernels::tensor ln2, ln2_mean, ln2_rstd, fch, fch_gelu, res3;   // fch, fch_gelu [N,4C]
+};
+
+// Activation checkpointing ("full": every transformer block is recomputed in backward, as
+// Megatron-LM's full recomputation and torchtitan's activation_checkpoint.mode = "full"). The
+// inner activations of a block (everything but its output res3) live in one block_scratch,
+// shared by every micro-batch of the same shape on a rank; each micro-batch keeps only its
+// blocks' outputs. Backward recomputes a block's forward from its saved input just before the
+// block's backward (and again before its weight gradients when the backward is split). The
+// recomputation runs the same kernels on the same input, so gradients are bitwise those of a
+// run without checkpointing. One pass at a time may use a scratch: a block's recomputation and
+// its backward run between the same two pass stops.
+class block_scratch {
  public:
-  gpt_activations(const gpt_stage& stage, int B, int T);
+  block_scratch(const gpt_config& config, int B, int T);
   int batch() const { return B_; }
   int seq_len() const { return T_; }
+  std::int64_t bytes() const;
+
+ private:
+  friend class gpt_activations;
+  int B_, T_;
+  block_activations acts_;  // res3 unset
+};
+
+// Bytes a micro-batch's gpt_activations hold once its backward has run (split_backward: the
+// output gradients stage_backward_input saves for stage_backward_weight included), with or
+// without checkpointing; and the bytes of the block_scratch checkpointing adds per rank and
+// shape. gpt_activations::bytes() is exactly the first (tested); `troupe train --dry-run`
+// plans with both.
+std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
+                              bool recompute, bool split_backward);
+std::int64_t block_scratch_bytes(const gpt_config& config, int B, int T);
+
+// The saved state of one micro-batch's forward pass through a stage, and its gradient scratch.
+// With a block_scratch, blocks are checkpointed (recomputed in backward).
+class gpt_activations {
+ public:
+  gpt_activations(const gpt_stage& stage, int B, int T,
+                  std::shared_ptr<block_scratch> recompute = nullptr);
+  int batch() const { return B_; }
+  int seq_len() const { return T_; }
+  bool recomputes() const { return scratch_ != nullptr; }
+  // Bytes of the tensors this micro-batch holds itself (not the shared block_scratch).
+  std::int64_t bytes() const;
 
  private:
   friend block_pass stage_forward_pass(const gpt_stage&, gpt_activations&, const std::int32_t*,
@@ -117,10 +160,7 @@ class gpt_activations {
   friend const float* stage_output(const gpt_activations&);
   friend struct backward_pass;  // stage_backward, _input and _weight (gpt_backward.cpp)
 
-  struct layer_acts {
-    kernels::tensor ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2;
-    kernels::tensor ln2, ln2_mean, ln2_rstd, fch, fch_gelu, res3;
-  };
+  using layer_acts = block_activations;
   // The gradients of one block's linear and layernorm outputs, which its weight gradients need.
   // [N,C] unless noted.
   struct layer_output_grads {
@@ -139,9 +179,10 @@ class gpt_activations {
     kernels::tensor encoded;  // of the embedding output (first stage)
   };
   int B_, T_;
-  const std::int32_t* tokens_ = nullptr;  // first stage: the micro-batch's tokens (caller keeps)
-  const float* input_ = nullptr;          // later stages: the previous stage's output
-  kernels::tensor encoded_;               // first stage: embedding output
+  std::shared_ptr<block_scratch> scratch_;  // checkpointing: the blocks' inner activations
+  const std::int32_t* tokens_ = nullptr;    // first stage: the micro-batch's tokens (caller keeps)
+  const float* input_ = nullptr;            // later stages: the previous stage's output
+  kernels::tensor encoded_;                 // first stage: embedding output
   std::vector<layer_acts> layers_;
   kernels::tensor lnf_, lnf_mean_, lnf_rstd_, logits_;  // last stage
   // Gradient scratch, reused layer by layer. dres_ and dres_next_ take turns holding the
@@ -157,7 +198,8 @@ class gpt_activations {
 // the blocks (indices into stage_grad_blocks) it reads, in order. Forward: embedding, layers
 // first to last, head; backward (whole or its input half): head, layers last to first. The head
 // reads ln_f and the wte it holds (on a stage with both ends, the embedding block's). Weight
-// gradients read no parameters, so stage_backward_weight has no stops.
+// gradients read no parameters, so stage_backward_weight has no stops (with checkpointing they
+// recompute the blocks, which reads their parameters: ZeRO-3 refuses that combination).
 enum class pass_kind { forward, backward };
 std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind);
 
@@ -220,6 +262,10 @@ block_pass stage_backward_input_pass(const gpt_stage& stage, gpt_activations& ac
 // on_block_done as stage_backward does. Throws std::logic_error if no B waits for its W.
 void stage_backward_weight(const gpt_stage& stage, gpt_activations& acts,
                            const grad_block_fn& on_block_done = {});
+// Transformer block i of the stage (0 = its first) forward from x[N,C] into L. With output =
+// false it stops after the MLP's GELU: what a recomputation for the block's backward needs.
+void block_forward(const gpt_stage& stage, int i, const block_activations& L, const float* x, int B,
+                   int T, bool output);
 // The stage's output hidden state [B,T,C] (not for the last stage) or logits [B,T,Vp].
 const float* stage_output(const gpt_activations& acts);
 

@@ -12,21 +12,6 @@
 namespace troupe::engine {
 namespace {
 
-// Floats one micro-batch's saved activations take on a chunk (gpt_activations' tensors).
-std::int64_t activation_floats(const gpt_config& c, const stage_range& s, std::int64_t B,
-                               std::int64_t T) {
-  const std::int64_t N = B * T, C = c.width;
-  const std::int64_t per_layer = N * C * 6               // ln1, atty, res2, ln2, res3, and qkv's C
-                                 + N * 3 * C             // qkv (3C)
-                                 + N * 4 * C * 2         // fch, fch_gelu
-                                 + N * 4                 // ln mean/rstd x 2
-                                 + B * c.heads * T * T;  // attention probabilities
-  std::int64_t f = per_layer * (s.last_layer - s.first_layer);
-  if (s.embedding) f += N * C;
-  if (s.head) f += N * C + 2 * N + N * c.padded_vocab_size;  // ln_f, its stats, logits
-  return f;
-}
-
 std::string mib(double bytes) {
   char b[32];
   std::snprintf(b, sizeof b, "%.1f MiB", bytes / (1 << 20));
@@ -45,16 +30,20 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r) {
   for (int rank = 0; rank < r.parallel.pp; ++rank) {
     rank_memory_plan p;
     p.rank = rank;
-    std::int64_t act = 0;
+    const bool recompute = r.activation_checkpoint.full();
+    const int B = r.batch.micro_batch, T = r.batch.seq_len;
+    std::int64_t act = 0, act_plain = 0;
     for (const auto& range : layout.rank_chunks(rank)) {
       const auto params = stage_parameter_layout(r.model, range);
       if (!params.empty()) p.parameters += params.back().offset + params.back().numel;
-      act += activation_floats(r.model, range, r.batch.micro_batch, r.batch.seq_len);
+      act += activation_bytes(r.model, range, B, T, recompute, plan.split_backward);
+      act_plain += activation_bytes(r.model, range, B, T, false, plan.split_backward);
     }
     // Chunks of a rank hold their micro-batches separately: the walk below counts live
     // (chunk, micro-batch) pairs, each charged the rank's mean chunk size.
-    p.activation_bytes_per_micro_batch =
-        act * 4 / static_cast<std::int64_t>(layout.rank_chunks(rank).size());
+    const auto chunks = static_cast<std::int64_t>(layout.rank_chunks(rank).size());
+    p.activation_bytes_per_micro_batch = act / chunks;
+    if (recompute) p.recompute_scratch = block_scratch_bytes(r.model, B, T);
     const auto release = plan.split_backward ? action_kind::weight : action_kind::backward;
     int live = 0;
     for (const auto& a : plan.ranks.at(static_cast<std::size_t>(rank))) {
@@ -62,6 +51,7 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r) {
       if (a.kind == release) --live;
       p.micro_batches_in_flight = std::max(p.micro_batches_in_flight, live);
     }
+    p.activation_bytes_without_recompute = act_plain / chunks * p.micro_batches_in_flight;
     p.model_state = zero_formula(static_cast<zero_stage>(r.parallel.zero),
                                  static_cast<double>(p.parameters), r.parallel.dp);
     out.push_back(p);
@@ -88,11 +78,31 @@ std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_pl
                   mib(static_cast<double>(p.activation_bytes_per_micro_batch)).c_str(),
                   p.micro_batches_in_flight, mib(p.model_state.total() + act).c_str());
     s += line;
+    if (p.recompute_scratch > 0) {
+      s.pop_back();
+      s += " (activations: + " + mib(static_cast<double>(p.recompute_scratch)) +
+           " recompute scratch)\n";
+    }
   }
-  s += "activations: one micro-batch's saved activations x the most micro-batches the '" +
+  s += "activations: one micro-batch's activations x the most micro-batches the '" +
        r.parallel.schedule +
        "' plan keeps in flight on the rank; temporary buffers (gradient buckets in flight, "
        "collective chunks) come on top and are reported per step in metrics.jsonl.\n";
+  if (r.activation_checkpoint.full()) {
+    s += "activation checkpointing (full): each micro-batch keeps its blocks' outputs only; one "
+         "block's activations are recomputed at a time, in a scratch per rank";
+    for (const auto& p : plan) {
+      std::snprintf(
+          line, sizeof line, "; rank %d: %s (scratch %s included) instead of %s, saves %s", p.rank,
+          mib(static_cast<double>(p.activation_bytes())).c_str(),
+          mib(static_cast<double>(p.recompute_scratch)).c_str(),
+          mib(static_cast<double>(p.activation_bytes_without_recompute)).c_str(),
+          mib(static_cast<double>(p.activation_bytes_without_recompute - p.activation_bytes()))
+              .c_str());
+      s += line;
+    }
+    s += ".\n";
+  }
   return s;
 }
 

@@ -1,7 +1,8 @@
 // The per-rank memory plan of a recipe, computed before anything is allocated
 // (`troupe train --dry-run`): model state from the ZeRO formulas over the rank's own parameter
 // count (engine/zero.hpp), and the activations of the micro-batches the schedule keeps in flight
-// on the rank (its plan walked: +1 at a forward, -1 when the micro-batch's last backward frees it).
+// on the rank (its plan walked: +1 at a forward, -1 when the micro-batch's last backward frees it),
+// with or without activation checkpointing (engine::activation_bytes).
 #pragma once
 
 #include <cstdint>
@@ -18,9 +19,13 @@ struct rank_memory_plan {
   std::int64_t parameters = 0;  // psi: fp32 parameters of the rank's chunks (with alignment)
   model_state_bytes model_state;
   std::int64_t activation_bytes_per_micro_batch = 0;
-  int micro_batches_in_flight = 0;  // at most, in the schedule's plan for this rank
+  int micro_batches_in_flight = 0;     // at most, in the schedule's plan for this rank
+  std::int64_t recompute_scratch = 0;  // activation checkpointing: one block_scratch per rank
+  // The same rank without checkpointing (equal to activation_bytes() when it is off).
+  std::int64_t activation_bytes_without_recompute = 0;
+  // What stage_compute::activation_bytes() measures once the schedule has run a step.
   std::int64_t activation_bytes() const {
-    return activation_bytes_per_micro_batch * micro_batches_in_flight;
+    return activation_bytes_per_micro_batch * micro_batches_in_flight + recompute_scratch;
   }
 };
 

@@ -35,7 +35,8 @@ void jsonl_writer::write(const step_metrics& m) {
                            {"gradients", r.gradients},
                            {"optimizer", r.optimizer},
                            {"buffers", r.buffers},
-                           {"pooled", r.pooled}});
+                           {"pooled", r.pooled},
+                           {"activations", r.activations}});
   out_ << j.dump() << '\n';
   out_.flush();
   if (!out_) throw std::runtime_error(path_.string() + ": write failed");

@@ -18,12 +18,14 @@ namespace troupe::engine {
 // hold it (bytes). Model state = parameters + gradients + optimizer.
 struct memory_report {
   int replica = 0, rank = 0;
-  std::int64_t parameters = 0;  // parameter buffers
-  std::int64_t gradients = 0;   // gradients kept across the step (full, or a ZeRO shard)
-  std::int64_t optimizer = 0;   // AdamW moments
-  std::int64_t buffers = 0;     // temporary: resident pages of a released gradient-accumulation
-                                // buffer, collective chunks in flight
-  std::int64_t pooled = 0;      // freed pages kept for reuse (engine::page_pool), not returned
+  std::int64_t parameters = 0;   // parameter buffers
+  std::int64_t gradients = 0;    // gradients kept across the step (full, or a ZeRO shard)
+  std::int64_t optimizer = 0;    // AdamW moments
+  std::int64_t buffers = 0;      // temporary: resident pages of a released gradient-accumulation
+                                 // buffer, collective chunks in flight
+  std::int64_t pooled = 0;       // freed pages kept for reuse (engine::page_pool), not returned
+  std::int64_t activations = 0;  // every micro-batch's activations the rank allocated (in flight
+                                 // or pooled) and the checkpointing scratch
   std::int64_t model_state() const { return parameters + gradients + optimizer; }
 };
 

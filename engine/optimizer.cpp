@@ -37,6 +37,16 @@ double clip_coefficient(double grad_norm, double max_norm) {
   return coef < 1.0 ? coef : 1.0;
 }
 
+void unscale_and_clip(float* g, std::int64_t n, double unscale, double clip_coef) {
+  const float f = clip_coef < 1.0 ? static_cast<float>(clip_coef) : 1.0f;
+  if (unscale == 1.0) {
+    if (f == 1.0f) return;
+    for (std::int64_t i = 0; i < n; ++i) g[i] *= f;
+    return;
+  }
+  for (std::int64_t i = 0; i < n; ++i) g[i] = static_cast<float>(double(g[i]) * unscale) * f;
+}
+
 adamw_optimizer::step_result adamw_optimizer::step(gpt_stage& stage, const optimizer_config& c,
                                                    int step, int total_steps) {
   step_result r;
@@ -48,15 +58,12 @@ adamw_optimizer::step_result adamw_optimizer::step(gpt_stage& stage, const optim
 
 adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_stage& stage,
                                                              const optimizer_config& c, int step,
-                                                             int total_steps, double grad_norm) {
+                                                             int total_steps, double grad_norm,
+                                                             double unscale) {
   step_result r;
   r.grad_norm = grad_norm;
-  const double coef = clip_coefficient(grad_norm, c.grad_clip);
-  if (coef < 1.0) {
-    const float f = static_cast<float>(coef);
-    float* g = stage.grads();
-    for (std::int64_t i = 0; i < stage.parameter_count(); ++i) g[i] *= f;
-  }
+  unscale_and_clip(stage.grads(), stage.parameter_count(), unscale,
+                   clip_coefficient(grad_norm, c.grad_clip));
   update(stage, c, step, total_steps, r);
   return r;
 }

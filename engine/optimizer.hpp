@@ -33,6 +33,12 @@ double grad_square_sum(const gpt_stage& stage, bool count_tied_copy = true);
 // that is < 1, else 1 (and 1 when max_norm <= 0).
 double clip_coefficient(double grad_norm, double max_norm);
 
+// g[i] = float(g[i] * unscale) * float(clip_coef) over n gradients: first the loss scale's
+// unscaling (in double, so a scale outside float's normal range loses nothing; exact for the
+// power-of-two scales of dynamic loss scaling), then clipping as clip_grad_norm_ does (a float
+// factor, only when < 1). Nothing is touched when both are 1.
+void unscale_and_clip(float* g, std::int64_t n, double unscale, double clip_coef);
+
 class adamw_optimizer {
  public:
   explicit adamw_optimizer(const gpt_stage& stage);
@@ -46,9 +52,10 @@ class adamw_optimizer {
   step_result step(gpt_stage& stage, const optimizer_config& config, int step, int total_steps);
 
   // The same, when the gradient norm is global over several stages (a pipeline): the caller
-  // computed grad_norm from every stage's grad_square_sum; this clips with it and updates.
+  // computed grad_norm (of the unscaled gradients) from every stage's grad_square_sum; this
+  // unscales the gradients (1 / the loss scale they carry), clips them with it and updates.
   step_result step_with_norm(gpt_stage& stage, const optimizer_config& config, int step,
-                             int total_steps, double grad_norm);
+                             int total_steps, double grad_norm, double unscale = 1);
 
   const kernels::tensor& first_moment() const { return m_; }
   const kernels::tensor& second_moment() const { return v_; }

@@ -113,6 +113,8 @@ const std::map<std::string, field>& schema() {
       {"guard.grad_norm_zscore", nested(&recipe::guard, &guard_config::grad_norm_zscore)},
       {"guard.window", nested(&recipe::guard, &guard_config::window)},
       {"guard.max_skips", nested(&recipe::guard, &guard_config::max_skips)},
+      {"activation_checkpoint.mode",
+       nested(&recipe::activation_checkpoint, &activation_checkpoint_config::mode)},
   };
   return fields;
 }
@@ -258,11 +260,21 @@ void validate_parallel(const recipe& r) {
     throw recipe_error("key parallel.schedule: unknown schedule \"" + p.schedule +
                        "\" (known: " + known + ")");
   }
+  bool split = false;
   try {
-    make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages});
+    split = make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages})
+                .split_backward;
   } catch (const std::invalid_argument& e) {
     throw recipe_error(std::string("key parallel.schedule: ") + e.what());
   }
+  const auto& ac = r.activation_checkpoint.mode;
+  require(ac == "none" || ac == "full", "activation_checkpoint.mode",
+          "must be \"none\" or \"full\", not \"" + ac + "\"");
+  // With a split backward, checkpointing recomputes each block again for its weight gradients,
+  // which read the block's parameters after the pass that gathered them (ZeRO-3) has ended.
+  require(!(r.activation_checkpoint.full() && split && p.zero == 3), "activation_checkpoint.mode",
+          "\"full\" with parallel.zero = 3 needs a schedule without a split backward (not \"" +
+              p.schedule + "\")");
 }
 
 }  // namespace

@@ -68,6 +68,12 @@ struct precision_config {
   }
 };
 
+// Activation checkpointing (docs/recipe.md, [activation_checkpoint]; torchtitan's names).
+struct activation_checkpoint_config {
+  std::string mode = "none";  // none | full (every transformer block recomputed in backward)
+  bool full() const { return mode == "full"; }
+};
+
 struct recipe {
   std::int64_t seed = 1337;
   int steps = 200;
@@ -82,6 +88,7 @@ struct recipe {
   parallel_config parallel;
   precision_config precision;
   guard_config guard;  // skipped updates: spikes and non-finite steps ([guard])
+  activation_checkpoint_config activation_checkpoint;
 
   // Micro-batches per optimizer step over all replicas: grad_accum * micro_batches * dp.
   int micro_batches_per_step() const {

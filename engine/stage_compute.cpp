@@ -17,7 +17,8 @@ std::string describe(int c, micro_batch_id id) {
 }  // namespace
 
 stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
-                             bool optimizer_state) {
+                             bool optimizer_state, bool recompute)
+    : recompute_(recompute) {
   for (const auto& r : chunks) {
     chunk_state s;
     s.stage = std::make_unique<gpt_stage>(model, r);
@@ -39,6 +40,16 @@ std::int64_t stage_compute::optimizer_bytes() const {
     if (c.opt)
       bytes += static_cast<std::int64_t>(c.opt->first_moment().nbytes() +
                                          c.opt->second_moment().nbytes());
+  return bytes;
+}
+
+std::int64_t stage_compute::activation_bytes() const {
+  std::int64_t bytes = 0;
+  for (const auto& c : chunks_) {
+    for (const auto& [id, s] : c.live) bytes += s.acts->bytes();
+    for (const auto& [shape, acts] : c.pool) bytes += acts->bytes();
+  }
+  for (const auto& [shape, s] : scratch_) bytes += s->bytes();
   return bytes;
 }
 
@@ -69,7 +80,13 @@ block_pass stage_compute::forward(int c, micro_batch_id id, forward_args args) {
     fresh.acts = std::move(pooled->second);
     ch.pool.erase(pooled);
   } else {
-    fresh.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T);
+    std::shared_ptr<block_scratch> scratch;
+    if (recompute_) {
+      auto& shared = scratch_[{args.B, args.T}];
+      if (!shared) shared = std::make_shared<block_scratch>(ch.stage->config(), args.B, args.T);
+      scratch = shared;
+    }
+    fresh.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T, std::move(scratch));
   }
   fresh.hold = std::move(args.hold);
   slot& s = ch.live.emplace(id, std::move(fresh)).first->second;  // map nodes do not move

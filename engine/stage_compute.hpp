@@ -9,6 +9,8 @@
 //  - Buffers the caller hands in (tokens, input) are kept alive by the slot through `hold`.
 //  - A head chunk computes the loss in forward and turns its logits into the loss gradient
 //    (scaled by loss_scale), so its backward needs no incoming gradient.
+//  - With recompute (activation checkpointing), every chunk's micro-batches of one shape share
+//    one block_scratch: the rank runs one pass at a time.
 #pragma once
 
 #include <cstdint>
@@ -32,13 +34,17 @@ struct micro_batch_id {
 class stage_compute {
  public:
   // optimizer_state false: no AdamW moments here (ZeRO: a shard actor holds them).
+  // recompute: activation checkpointing of every transformer block (block_scratch).
   stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
-                bool optimizer_state = true);
+                bool optimizer_state = true, bool recompute = false);
 
   int chunk_count() const { return static_cast<int>(chunks_.size()); }
   gpt_stage& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
   adamw_optimizer& optimizer(int c);  // throws std::logic_error without optimizer state
   std::int64_t optimizer_bytes() const;
+  // What the rank's activations take: every gpt_activations it allocated (in flight or pooled
+  // for reuse) and the checkpointing scratch.
+  std::int64_t activation_bytes() const;
   void zero_grad();
 
   struct forward_args {
@@ -82,6 +88,8 @@ class stage_compute {
   slot& live_slot(int c, micro_batch_id id);
   const slot& live_slot(int c, micro_batch_id id) const;
   std::vector<chunk_state> chunks_;
+  bool recompute_ = false;
+  std::map<std::pair<int, int>, std::shared_ptr<block_scratch>> scratch_;  // (B, T)
 };
 
 }  // namespace troupe::engine

@@ -93,7 +93,9 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
   }
   adamw_optimizer optimizer(model);
   const int B = r.batch.micro_batch, T = r.batch.seq_len, accum = r.batch.grad_accum;
-  gpt_activations acts(model, B, T);
+  gpt_activations acts(
+      model, B, T,
+      r.activation_checkpoint.full() ? std::make_shared<block_scratch>(r.model, B, T) : nullptr);
   std::vector<std::int32_t> inputs(static_cast<std::size_t>(B) * T), targets(inputs.size());
 
   // 2. Outputs.
@@ -138,18 +140,14 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
       loss_sum += stage_loss_backward_start(model, acts, targets.data(), seed).mean();
       stage_backward(model, acts, nullptr, nullptr);
     }
-    // Unscale (exact for the power-of-two scales of dynamic loss scaling), then let the guard
-    // decide on the unscaled norm whether the update applies.
-    if (scale != 1.0) {
-      const float unscale = static_cast<float>(1.0 / scale);
-      float* g = model.grads();
-      for (std::int64_t i = 0; i < model.parameter_count(); ++i) g[i] *= unscale;
-    }
+    // The guard decides on the unscaled norm (exact for the power-of-two scales of dynamic loss
+    // scaling) whether the update applies; the optimizer unscales the gradients as it clips.
     const kernels::gradient_span all{model.grads(), model.parameter_count()};
-    const double norm = kernels::global_grad_norm({&all, 1});
+    const double norm = kernels::global_grad_norm({&all, 1}) / scale;
     const guard_decision decision = guard.decide(loss_sum / accum, norm);
     adamw_optimizer::step_result opt{norm, learning_rate(r.optimizer, s, r.steps)};
-    if (decision.apply) opt = optimizer.step_with_norm(model, r.optimizer, s, r.steps, norm);
+    if (decision.apply)
+      opt = optimizer.step_with_norm(model, r.optimizer, s, r.steps, norm, 1.0 / scale);
     const auto t1 = clock_type::now();
     const double step_s = std::chrono::duration<double>(t1 - t0).count();
     const std::int64_t step_tokens = std::int64_t{B} * T * accum;
@@ -175,10 +173,7 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
     if (r.precision.scaling().dynamic) m.loss_scale = decision.loss_scale;
     metrics.write(m);
     if (cb.on_step) cb.on_step(m);
-    if (decision.stop)
-      throw std::runtime_error(
-          "step " + std::to_string(s + 1) + ": " + std::to_string(decision.skips_in_a_row) +
-          " updates skipped in a row (guard.max_skips; last: " + decision.skipped + "); stopping");
+    if (decision.stop) throw std::runtime_error(stop_message(s + 1, decision));
     summary.final_loss = m.loss;
     summary.steps = s + 1;
   }

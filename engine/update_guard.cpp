@@ -80,4 +80,9 @@ guard_decision update_guard::decide(double loss, double grad_norm) {
   return d;
 }
 
+std::string stop_message(int step, const guard_decision& d) {
+  return "step " + std::to_string(step) + ": " + std::to_string(d.skips_in_a_row) +
+         " updates skipped in a row (guard.max_skips; last: " + d.skipped + "); stopping";
+}
+
 }  // namespace troupe::engine

@@ -52,6 +52,10 @@ struct guard_decision {
   bool stop = false;  // max_skips updates in a row were skipped
 };
 
+// The one-line reason a run stops when decision.stop: "step N: K updates skipped in a row
+// (guard.max_skips; last: WHY); stopping". step is 1-based.
+std::string stop_message(int step, const guard_decision& decision);
+
 class update_guard {
  public:
   update_guard(const guard_config& guard, const loss_scale_config& scaling);

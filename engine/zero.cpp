@@ -66,7 +66,7 @@ double shard_square_sum(const bucket_shard& b, const shard_views& views) {
 
 double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views, float* m,
                         float* v, const optimizer_config& c, int step, int total_steps,
-                        double grad_norm) {
+                        double grad_norm, double unscale) {
   const double lr = learning_rate(c, step, total_steps);
   const double coef = clip_coefficient(grad_norm, c.grad_clip);
   kernels::adamw_hparams hp;
@@ -78,10 +78,7 @@ double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_vie
   for (const auto& b : shards) {
     for (const auto& s : b.segments) {
       float* g = views.grad(s);
-      if (coef < 1.0) {
-        const float f = static_cast<float>(coef);
-        for (std::int64_t i = 0; i < s.numel; ++i) g[i] *= f;
-      }
+      unscale_and_clip(g, s.numel, unscale, coef);
       kernels::adamw_update(views.param(s), g, m + s.at, v + s.at, s.numel, hp, step + 1, s.decay);
     }
   }

@@ -69,11 +69,12 @@ struct shard_views {
 double shard_square_sum(const bucket_shard& b, const shard_views& views);
 
 // One AdamW step of a shard, exactly the arithmetic adamw_optimizer applies to the same
-// elements: gradients scaled by the clip coefficient of grad_norm, then the update with the
-// schedule's lr. m and v are the shard's moments (indexed by segment.at). Returns the lr.
+// elements: gradients unscaled (unscale_and_clip) and scaled by the clip coefficient of
+// grad_norm, then the update with the schedule's lr. m and v are the shard's moments (indexed by
+// segment.at). Returns the lr.
 double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_views& views, float* m,
                         float* v, const optimizer_config& c, int step, int total_steps,
-                        double grad_norm);
+                        double grad_norm, double unscale = 1);
 
 // ZeRO-3: when a pipeline rank gathers its parameter buckets and when it releases them, over
 // one pass plan. `uses` are the plan's parameter uses in execution order, each the set of

@@ -77,11 +77,13 @@ struct step_plan {
   int rounds = 1;
   bool eval = false;
   std::shared_ptr<const engine::pipeline_plan> plan;
+  double loss_scale = 1;  // the head seeds its backward with it (dynamic loss scaling)
 };
 
 struct begin_step {
   int step = 0;
   int rounds = 1;
+  double loss_scale = 1;
 };
 
 struct begin_eval {
@@ -97,9 +99,13 @@ struct grads_ready {
   int losses = 0;
 };
 
+// The coordinator's update guard decided: skip (no AdamW; gradients are dropped) or apply with
+// the gradients multiplied by `unscale` (1 / the step's loss scale) and clipped by grad_norm.
 struct apply_update {
   int step = 0;
-  double grad_norm = 0;  // global, before clipping
+  double grad_norm = 0;  // global, of the unscaled gradients, before clipping
+  bool skip = false;
+  double unscale = 1;
 };
 
 struct update_done {
@@ -162,6 +168,8 @@ struct zero_gathered {
 struct zero_update {
   int step = 0;
   double grad_norm = 0;
+  bool skip = false;  // no AdamW and no all-gather: every replica still holds the parameters
+  double unscale = 1;
 };
 struct zero_update_done {
   int step = 0;

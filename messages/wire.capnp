@@ -89,11 +89,13 @@ struct StepPlan {
   rounds @1 :Int32;
   eval @2 :Bool;
   plan @3 :PipelinePlan;    # required
+  lossScale @4 :Float64 = 1.0;
 }
 
 struct BeginStep {
   step @0 :Int32;
   rounds @1 :Int32;
+  lossScale @2 :Float64 = 1.0;
 }
 
 struct BeginEval {
@@ -113,6 +115,8 @@ struct GradsReady {
 struct ApplyUpdate {
   step @0 :Int32;
   gradNorm @1 :Float64;
+  skip @2 :Bool;
+  unscale @3 :Float64 = 1.0;
 }
 
 struct MemoryReport {
@@ -123,6 +127,7 @@ struct MemoryReport {
   optimizer @4 :Int64;
   buffers @5 :Int64;
   pooled @6 :Int64;
+  activations @7 :Int64;
 }
 
 struct UpdateDone {
@@ -193,6 +198,9 @@ struct StepReport {
   tokens @10 :Int64;
   flopsPerS @11 :Float64;
   memory @12 :List(MemoryReport);
+  skipped @13 :Text;          # why the update was skipped; empty when it applied
+  hasLossScale @14 :Bool;
+  lossScale @15 :Float64;
 }
 
 struct Heartbeat {

@@ -145,6 +145,9 @@ class writer {
     b.setFlopsPerS(m.flops_per_s);
     auto mem = b.initMemory(static_cast<unsigned>(m.memory.size()));
     for (unsigned i = 0; i < m.memory.size(); ++i) memory(mem[i], m.memory[i]);
+    b.setSkipped(m.skipped);
+    b.setHasLossScale(m.loss_scale.has_value());
+    b.setLossScale(m.loss_scale.value_or(0.0));
   }
 
   static void memory(s::MemoryReport::Builder b, const engine::memory_report& m) {
@@ -155,6 +158,7 @@ class writer {
     b.setOptimizer(m.optimizer);
     b.setBuffers(m.buffers);
     b.setPooled(m.pooled);
+    b.setActivations(m.activations);
   }
 
   void body(s::Envelope::Body::Builder b, const wire::body& msg);
@@ -201,11 +205,13 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       o.setRounds(m.rounds);
       o.setEval(m.eval);
       w.plan(o.initPlan(), *m.plan);
+      o.setLossScale(m.loss_scale);
     }
     void operator()(const begin_step& m) {
       auto o = b.initBeginStep();
       o.setStep(m.step);
       o.setRounds(m.rounds);
+      o.setLossScale(m.loss_scale);
     }
     void operator()(const begin_eval& m) {
       auto o = b.initBeginEval();
@@ -225,6 +231,8 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       auto o = b.initApplyUpdate();
       o.setStep(m.step);
       o.setGradNorm(m.grad_norm);
+      o.setSkip(m.skip);
+      o.setUnscale(m.unscale);
     }
     void operator()(const update_done& m) {
       auto o = b.initUpdateDone();
@@ -454,6 +462,7 @@ class reader {
     m.optimizer = r.getOptimizer();
     m.buffers = r.getBuffers();
     m.pooled = r.getPooled();
+    m.activations = r.getActivations();
     return m;
   }
 
@@ -520,11 +529,11 @@ body reader::message(s::Envelope::Body::Reader b) {
     case B::STEP_PLAN: {
       const auto r = b.getStepPlan();
       return step_plan{r.getStep(), r.getRounds(), r.getEval(),
-                       at("plan").plan(r.hasPlan(), r.getPlan(), r.getEval())};
+                       at("plan").plan(r.hasPlan(), r.getPlan(), r.getEval()), r.getLossScale()};
     }
     case B::BEGIN_STEP: {
       const auto r = b.getBeginStep();
-      return begin_step{r.getStep(), r.getRounds()};
+      return begin_step{r.getStep(), r.getRounds(), r.getLossScale()};
     }
     case B::BEGIN_EVAL: {
       const auto r = b.getBeginEval();
@@ -537,7 +546,7 @@ body reader::message(s::Envelope::Body::Reader b) {
     }
     case B::APPLY_UPDATE: {
       const auto r = b.getApplyUpdate();
-      return apply_update{r.getStep(), r.getGradNorm()};
+      return apply_update{r.getStep(), r.getGradNorm(), r.getSkip(), r.getUnscale()};
     }
     case B::UPDATE_DONE: {
       const auto r = b.getUpdateDone();
@@ -596,6 +605,8 @@ body reader::message(s::Envelope::Body::Reader b) {
       x.flops_per_s = r.getFlopsPerS();
       list(r.getMemory().size());
       for (auto e : r.getMemory()) x.memory.push_back(memory(e));
+      x.skipped = at("skipped").str(r.hasSkipped(), r.getSkipped());
+      if (r.getHasLossScale()) x.loss_scale = r.getLossScale();
       return m;
     }
     case B::HEARTBEAT: {

@@ -1,5 +1,5 @@
-// The update guard and dynamic loss scaling in a real training run (the serial engine), and the
-// actor engine's refusal of what it does not run yet.
+// The update guard and dynamic loss scaling in real training runs: the serial engine, and the actor
+// engine (the coordinator runs the guard; stages and ZeRO shards skip or apply) against it.
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -94,13 +94,114 @@ TEST_CASE("gradient-norm spikes past the threshold are skipped, the others appli
   CHECK(skipped < 16);
 }
 
-TEST_CASE("the actor engine refuses the guard's thresholds and loss scaling by key",
+// The actor engine's pipeline and data-parallel configurations, ZeRO included, for the tests below.
+struct parallel_config {
+  const char* name;
+  int pp, dp, zero, m;
+  const char* schedule;
+};
+const parallel_config actor_configs[] = {
+    {"one stage", 1, 1, 0, 1, "1f1b"},
+    {"PP=2 x DP=2 1F1B", 2, 2, 0, 2, "1f1b"},
+    {"PP=2 x DP=2 ZeRO-2", 2, 2, 2, 2, "1f1b"},
+    {"PP=2 x DP=2 ZeRO-3 ZB-H1", 2, 2, 3, 2, "zb_h1"},
+};
+recipe with(recipe r, const parallel_config& c) {
+  r.parallel.pp = c.pp;
+  r.parallel.dp = c.dp;
+  r.parallel.zero = c.zero;
+  r.parallel.micro_batches = c.m;
+  r.parallel.schedule = c.schedule;
+  return r;
+}
+
+TEST_CASE("the actor engine's dynamic loss scaling leaves its losses bitwise unchanged",
           "[actors][guard]") {
   temp_dir dir;
-  recipe r = tiny_recipe(dir);
-  r.guard.loss_zscore = 5;
-  CHECK_THROWS_WITH(run_actors(r), Catch::Contains("key guard.loss_zscore"));
-  r.guard.loss_zscore = 0;
+  for (const auto& c : actor_configs) {
+    DYNAMIC_SECTION(c.name) {
+      recipe r = with(tiny_recipe(dir), c);
+      r.steps = 6;
+      const auto plain = run_actors(r).steps;
+      r.precision.loss_scale = "dynamic";
+      r.precision.init_scale = 65536;
+      r.precision.growth_interval = 2;
+      const auto scaled = run_actors(r).steps;
+      REQUIRE(scaled.size() == plain.size());
+      for (std::size_t i = 0; i < plain.size(); ++i) {
+        INFO("step " << i + 1);
+        CHECK(scaled[i].loss == plain[i].loss);
+        CHECK(scaled[i].grad_norm == plain[i].grad_norm);
+        CHECK(scaled[i].skipped.empty());
+        CHECK(*scaled[i].loss_scale == 65536.0 * std::pow(2.0, double(i / 2)));
+      }
+    }
+  }
+}
+
+TEST_CASE("the actor engine skips and backs off an overflowing scale as the serial engine does",
+          "[actors][guard]") {
+  temp_dir dir;
+  recipe base = tiny_recipe(dir);
+  base.steps = 10;
+  base.precision.loss_scale = "dynamic";
+  // Past fp32's range, then far inside it: the first step overflows in every configuration, the
+  // next ones in none. (A scale close to FLT_MAX overflows in some configurations but not in
+  // others: data-parallel and tied-weight sums add scaled gradients before they are averaged.)
+  base.precision.init_scale = 1e40;
+  base.precision.backoff_factor = 1e-4;
+  base.guard.max_skips = 0;
+  for (const auto& c : actor_configs) {
+    DYNAMIC_SECTION(c.name) {
+      const auto want = serial_steps(with(base, c));  // the same micro-batches per step
+      const auto got = run_actors(with(base, c)).steps;
+      REQUIRE(got.size() == want.size());
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        INFO("step " << i + 1 << ": " << got[i].loss << " vs serial " << want[i].loss);
+        CHECK(got[i].skipped.empty() == want[i].skipped.empty());
+        if (!want[i].skipped.empty())
+          CHECK_THAT(got[i].skipped, Catch::StartsWith("non-finite gradient norm"));
+        CHECK(*got[i].loss_scale == *want[i].loss_scale);
+        CHECK(std::abs(got[i].loss - want[i].loss) <= 1e-5 * want[i].loss);
+      }
+      CHECK_FALSE(got[0].skipped.empty());
+      CHECK(got[1].skipped.empty());
+      CHECK(*got[1].loss_scale == 1e40 * 1e-4);
+    }
+  }
+}
+
+TEST_CASE("the actor engine skips the same gradient-norm spikes as the serial engine",
+          "[actors][guard]") {
+  temp_dir dir;
+  recipe base = tiny_recipe(dir);
+  base.steps = 16;
+  base.guard.window = 4;
+  base.guard.grad_norm_zscore = 0.5;
+  for (const auto& c : actor_configs) {
+    DYNAMIC_SECTION(c.name) {
+      const auto want = serial_steps(with(base, c));  // the same micro-batches per step
+      int skipped = 0;
+      for (const auto& m : want) skipped += !m.skipped.empty();
+      REQUIRE(skipped > 0);
+      const auto got = run_actors(with(base, c)).steps;
+      REQUIRE(got.size() == want.size());
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        INFO("step " << i + 1 << ": " << got[i].skipped << " vs serial " << want[i].skipped);
+        CHECK(got[i].skipped.empty() == want[i].skipped.empty());
+        CHECK(std::abs(got[i].loss - want[i].loss) <= 1e-5 * want[i].loss);
+      }
+    }
+  }
+}
+
+TEST_CASE("the actor engine stops after max_skips skipped updates in a row", "[actors][guard]") {
+  temp_dir dir;
+  recipe r = with(tiny_recipe(dir), actor_configs[2]);
   r.precision.loss_scale = "dynamic";
-  CHECK_THROWS_WITH(run_actors(r), Catch::Contains("key precision.loss_scale"));
+  r.precision.init_scale = 1e40;
+  r.guard.max_skips = 3;
+  CHECK_THROWS_WITH(run_actors(r),
+                    Catch::Contains("step 3: 3 updates skipped in a row (guard.max_skips; last: "
+                                    "non-finite gradient norm"));
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A job as separate processes equals the same job in one process: the parallel-equals-serial
 # configurations of the actor engine run with one process per stage (torchrun-style variables),
-# and with several stages per process; every step's loss, the validation losses and the final
+# and with several stages per process, also with the update guard skipping and dynamic loss
+# scaling; every step's loss, the validation losses and the final
 # weights must be identical to the in-process run. Then failures: a killed rank is reported by
 # rank 0 naming it within the heartbeat deadline and every process exits non-zero; a process with
 # the wrong job token or protocol version is refused and the job still completes.
@@ -89,7 +90,7 @@ def rows(d):
 ra, rb = rows(a), rows(b)
 assert len(ra) == len(rb) > 0, (len(ra), len(rb))
 for x, y in zip(ra, rb):
-    for k in ("loss", "grad_norm", "val_loss"):
+    for k in ("loss", "grad_norm", "val_loss", "skipped", "loss_scale"):
         assert x.get(k) == y.get(k), f"step {x['step']}: {k} {x.get(k)} vs {y.get(k)}"
 wa = open(a + "/final.safetensors", "rb").read()
 wb = open(b + "/final.safetensors", "rb").read()
@@ -119,6 +120,7 @@ configs=(
   "dp4 4 --set parallel.dp=4"
   "pp4gpipe 4 --set parallel.pp=4 --set parallel.schedule=gpipe --set parallel.layer_split=[1,1,1,2] --set model.layers=5"
   "pp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
+  "pp2dp2guard 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 --set precision.loss_scale=dynamic --set precision.init_scale=1e40 --set precision.backoff_factor=1e-4 --set guard.window=2 --set guard.grad_norm_zscore=0.5"
 )
 # same_as_one_process NAME WORLD ARGS...: the job in one process, then as WORLD processes;
 # both must give identical losses, validation losses and weights.
@@ -135,6 +137,9 @@ for c in "${configs[@]}"; do
   read -r -a f <<<"$c"
   same_as_one_process "${f[@]}"
 done
+# The update guard ran across processes: the overflowing first step was skipped there too.
+grep -q '"skipped":"non-finite gradient norm' "$tmp/pp2dp2guard/metrics.jsonl" || {
+  echo "FAIL: the guard skipped nothing across processes" >&2; cat "$tmp/pp2dp2guard/metrics.jsonl" >&2; exit 1; }
 
 # ZeRO-1/2/3 at DP=2 and DP=4, with PP=1 and PP=2, over 20 steps across processes: each is
 # identical to the same job in one process, and within 1e-5 of DDP across processes. DP=3 splits

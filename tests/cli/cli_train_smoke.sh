@@ -168,4 +168,16 @@ for needle in "memory plan per rank" "4 psi + 12 psi/N (ZeRO-2)" "model state" "
 done
 [ "$(grep -c '^[01] ' "$tmp/dry.txt")" = 2 ] || { echo "FAIL: --dry-run: not one line per rank" >&2; cat "$tmp/dry.txt" >&2; exit 1; }
 [ ! -e "$tmp/dry" ] || { echo "FAIL: --dry-run wrote $tmp/dry" >&2; exit 1; }
+# With activation checkpointing the plan says what it saves on each rank.
+"$troupe" train "$tmp/recipe.toml" --dry-run --set model.layers=4 --set parallel.pp=2 --set parallel.micro_batches=4 \
+  --set activation_checkpoint.mode=full --set "output.dir=$tmp/dry" >"$tmp/dry-ac.txt" 2>&1 || {
+  echo "FAIL: --dry-run with activation_checkpoint.mode=full exited $?" >&2
+  cat "$tmp/dry-ac.txt" >&2
+  exit 1
+}
+grep -q "activation checkpointing (full): .*rank 0: .* instead of .*, saves " "$tmp/dry-ac.txt" || {
+  echo "FAIL: --dry-run does not report what checkpointing saves:" >&2
+  cat "$tmp/dry-ac.txt" >&2
+  exit 1
+}
 echo "smoke test passed"

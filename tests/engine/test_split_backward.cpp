@@ -5,7 +5,8 @@
 // once, and on_block_done fires once per block, in order, when the block's gradient is final.
 // The passes (block_pass) read only the parameter blocks of their latest stop: run with every
 // other parameter poisoned (NaN), they give the plain functions' numbers bitwise (ZeRO-3 runs them
-// with only the stop's buckets gathered).
+// with only the stop's buckets gathered). Activation checkpointing (block_scratch) gives the same
+// gradients bitwise, whole and split, and holds exactly the bytes the memory plan says.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -402,4 +403,78 @@ TEST_CASE("passes read only the parameter blocks of their latest stop", "[split_
   }
   REQUIRE(same_bits(grads_of(*gated), grads_of(*plain)));
   if (!emb) REQUIRE(same_bits(gd, pd));
+}
+
+// ---- activation checkpointing ------------------------------------------------------------------
+
+TEST_CASE("checkpointed blocks give bitwise the gradients of saved ones, whole and split",
+          "[split_backward][recompute]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  const bool split = GENERATE(false, true);
+  INFO("stage " << sc.name << (split ? ", split backward" : ", whole backward"));
+  auto plain = make_stage(sc.range);
+  auto ckpt = make_stage(sc.range);
+  auto scratch = std::make_shared<block_scratch>(kConfig, 2, 5);
+  gpt_activations pa(*plain, 2, 5), ca(*ckpt, 2, 5, scratch);
+  CHECK(ca.recomputes());
+  CHECK_FALSE(pa.recomputes());
+  auto din_plain = nan_buffer(), din_ckpt = nan_buffer();
+  float* dp = sc.range.embedding ? nullptr : din_plain.data();
+  float* dc = sc.range.embedding ? nullptr : din_ckpt.data();
+  // Two micro-batches through the same scratch: the second forward overwrites what the first
+  // left there, so the first's backward must recompute, not read stale values.
+  const micro_data d0 = make_micro(3), d1 = make_micro(4);
+  gpt_activations other(*ckpt, 2, 5, scratch);
+  forward(*plain, pa, d0);
+  forward(*ckpt, ca, d0);
+  forward(*ckpt, other, d1);
+  stage_backward(*plain, pa, doutput_of(*plain, d0), dp);
+  if (split) {
+    stage_backward_input(*ckpt, ca, doutput_of(*ckpt, d0), dc);
+    forward(*ckpt, other, d1);  // B and W apart, another micro-batch's forward between them
+    stage_backward_weight(*ckpt, ca);
+  } else {
+    stage_backward(*ckpt, ca, doutput_of(*ckpt, d0), dc);
+  }
+  if (!sc.range.embedding) CHECK(same_bits(din_ckpt, din_plain));
+  INFO("gradient relative difference " << rel_diff(grads_of(*ckpt), grads_of(*plain)));
+  CHECK(same_bits(grads_of(*ckpt), grads_of(*plain)));
+}
+
+TEST_CASE("activation bytes: what a micro-batch holds is what the plan says, and less checkpointed",
+          "[split_backward][recompute]") {
+  const stage_case sc = GENERATE(from_range(all_cases()));
+  const bool split = GENERATE(false, true);
+  INFO("stage " << sc.name << (split ? ", split backward" : ", whole backward"));
+  const micro_data d = make_micro(3);
+  auto s = make_stage(sc.range);
+  auto scratch = std::make_shared<block_scratch>(kConfig, 2, 5);
+  CHECK(scratch->bytes() == block_scratch_bytes(kConfig, 2, 5));
+  for (const bool recompute : {false, true}) {
+    INFO((recompute ? "checkpointed" : "saved"));
+    gpt_activations acts(*s, 2, 5, recompute ? scratch : nullptr);
+    forward(*s, acts, d);
+    float* din = nullptr;
+    auto buf = nan_buffer();
+    if (!sc.range.embedding) din = buf.data();
+    if (split) {
+      stage_backward_input(*s, acts, doutput_of(*s, d), din);
+      stage_backward_weight(*s, acts);
+    } else {
+      stage_backward(*s, acts, doutput_of(*s, d), din);
+    }
+    CHECK(acts.bytes() == activation_bytes(kConfig, sc.range, 2, 5, recompute, split));
+  }
+  const int layers = sc.range.last_layer - sc.range.first_layer;
+  // Per block, checkpointing keeps the output only: the scratch's worth less per block.
+  CHECK(activation_bytes(kConfig, sc.range, 2, 5, false, split) -
+            activation_bytes(kConfig, sc.range, 2, 5, true, split) ==
+        layers * block_scratch_bytes(kConfig, 2, 5));
+}
+
+TEST_CASE("a block_scratch serves only micro-batches of its shape", "[split_backward][recompute]") {
+  gpt_stage s(kConfig, {0, 3, true, true});
+  auto scratch = std::make_shared<block_scratch>(kConfig, 2, 5);
+  CHECK_THAT(error_message<std::invalid_argument>([&] { gpt_activations a(s, 2, 4, scratch); }),
+             Catch::Contains("a block_scratch for micro-batches of 2x5, not 2x4"));
 }

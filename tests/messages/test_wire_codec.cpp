@@ -61,6 +61,7 @@ struct checker {
   void operator()(const step_plan& w) {
     const auto& g = as<step_plan>();
     CHECK(std::tie(w.step, w.rounds, w.eval) == std::tie(g.step, g.rounds, g.eval));
+    CHECK(same_double(w.loss_scale, g.loss_scale));
     REQUIRE(g.plan);
     CHECK(g.plan->name == w.plan->name);
     CHECK(g.plan->shape.ranks == w.plan->shape.ranks);
@@ -71,6 +72,7 @@ struct checker {
   }
   void operator()(const begin_step& w) {
     CHECK(std::tie(w.step, w.rounds) == std::tie(as<begin_step>().step, as<begin_step>().rounds));
+    CHECK(same_double(w.loss_scale, as<begin_step>().loss_scale));
   }
   void operator()(const begin_eval& w) {
     CHECK(std::tie(w.step, w.batches) == std::tie(as<begin_eval>().step, as<begin_eval>().batches));
@@ -85,6 +87,8 @@ struct checker {
   void operator()(const apply_update& w) {
     CHECK(w.step == as<apply_update>().step);
     CHECK(same_double(w.grad_norm, as<apply_update>().grad_norm));
+    CHECK(w.skip == as<apply_update>().skip);
+    CHECK(same_double(w.unscale, as<apply_update>().unscale));
   }
   void operator()(const update_done& w) {
     const auto& g = as<update_done>();
@@ -93,9 +97,9 @@ struct checker {
     same_memory(w.memory, g.memory);
   }
   static void same_memory(const engine::memory_report& a, const engine::memory_report& b) {
-    CHECK(
-        std::tie(a.replica, a.rank, a.parameters, a.gradients, a.optimizer, a.buffers, a.pooled) ==
-        std::tie(b.replica, b.rank, b.parameters, b.gradients, b.optimizer, b.buffers, b.pooled));
+    CHECK(std::tie(a.replica, a.rank, a.parameters, a.gradients, a.optimizer, a.buffers, a.pooled,
+                   a.activations) == std::tie(b.replica, b.rank, b.parameters, b.gradients,
+                                              b.optimizer, b.buffers, b.pooled, b.activations));
   }
   void operator()(const eval_done& w) {
     const auto& g = as<eval_done>();
@@ -135,8 +139,8 @@ struct checker {
   void operator()(const step_report& w) {
     const auto& a = w.metrics;
     const auto& b = as<step_report>().metrics;
-    CHECK(std::tie(a.step, a.total_steps, a.tokens, a.val_loss) ==
-          std::tie(b.step, b.total_steps, b.tokens, b.val_loss));
+    CHECK(std::tie(a.step, a.total_steps, a.tokens, a.val_loss, a.skipped, a.loss_scale) ==
+          std::tie(b.step, b.total_steps, b.tokens, b.val_loss, b.skipped, b.loss_scale));
     for (auto f :
          {&engine::step_metrics::loss, &engine::step_metrics::lr, &engine::step_metrics::grad_norm,
           &engine::step_metrics::tokens_per_s, &engine::step_metrics::step_ms,

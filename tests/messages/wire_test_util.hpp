@@ -101,17 +101,23 @@ inline body sample(std::size_t kind) {
     case 4:
       return step_plan{12, 2, false,  // a training plan (eval plans: their own test)
                        std::make_shared<const engine::pipeline_plan>(
-                           engine::make_plan("zb_h1", engine::schedule_shape{2, 4, 1}))};
+                           engine::make_plan("zb_h1", engine::schedule_shape{2, 4, 1})),
+                       131072.0};
     case 5:
-      return begin_step{8, 3};
+      return begin_step{8, 3, 0.25};
     case 6:
       return begin_eval{100, 16};
     case 7:
       return grads_ready{4, 1, 2, 0.125, -1e300, 4};
     case 8:
-      return apply_update{5, 3.5e-7};
+      return apply_update{5, 3.5e-7, true, 1.0 / 65536};
     case 9:
-      return update_done{5, 1, 0, 2e-3, {1, 2, 1 << 20, 3 << 20, std::int64_t{5} << 32, 77, 4096}};
+      return update_done{
+          5,
+          1,
+          0,
+          2e-3,
+          {1, 2, 1 << 20, 3 << 20, std::int64_t{5} << 32, 77, 4096, std::int64_t{3} << 33}};
     case 10:
       return eval_done{6, 1, 12.75, 8};
     case 11:
@@ -142,9 +148,9 @@ inline body sample(std::size_t kind) {
                           12.5,
                           4096,
                           3e9,
-                          {{0, 0, 100, 200, 300, 4, 9}, {1, 1, 5, 6, 7, 8, 0}},
-                          {},
-                          {}}};
+                          {{0, 0, 100, 200, 300, 4, 9, 10}, {1, 1, 5, 6, 7, 8, 0, 11}},
+                          "loss spike: z-score 7.5 > 6",
+                          32768.0}};
     case 16:
       return heartbeat{3, ~0ull};
     case 17:
