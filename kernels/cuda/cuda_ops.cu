@@ -1,0 +1,473 @@
+// The foundation ops on the GPU. See cuda_ops.hpp.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+void check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw cuda_error(std::string(what) + ": cuBLASLt status " + std::to_string(int(s)));
+}
+void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+template <class T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ bf16 from_f<bf16>(float x) {
+  return __float2bfloat16(x);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+constexpr int kThreads = 256;
+unsigned blocks_for(std::int64_t n, int per_block = kThreads) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
+
+// ---- layernorm: one warp per row ---------------------------------------------------------------
+template <class T>
+__global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp,
+                                         const float* w, const float* b, int N, int C) {
+  const int row = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const T* x = inp + static_cast<std::int64_t>(row) * C;
+  float s = 0;
+  for (int i = lane; i < C; i += 32) s += to_f(x[i]);
+  const float m = warp_sum(s) / C;
+  float v = 0;
+  for (int i = lane; i < C; i += 32) {
+    const float d = to_f(x[i]) - m;
+    v += d * d;
+  }
+  const float rs = rsqrtf(warp_sum(v) / C + 1e-5f);
+  T* y = out + static_cast<std::int64_t>(row) * C;
+  for (int i = lane; i < C; i += 32) y[i] = from_f<T>((to_f(x[i]) - m) * rs * w[i] + b[i]);
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = rs;
+  }
+}
+
+template <class T>
+__global__ void layernorm_dinp_kernel(T* dinp, const T* dout, const T* inp, const float* w,
+                                      const float* mean, const float* rstd, int N, int C) {
+  const int row = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const std::int64_t at = static_cast<std::int64_t>(row) * C;
+  const float m = mean[row], rs = rstd[row];
+  float a = 0, b = 0;
+  for (int i = lane; i < C; i += 32) {
+    const float dnorm = to_f(dout[at + i]) * w[i];
+    a += dnorm;
+    b += dnorm * (to_f(inp[at + i]) - m) * rs;
+  }
+  a = warp_sum(a) / C;
+  b = warp_sum(b) / C;
+  for (int i = lane; i < C; i += 32) {
+    const float norm = (to_f(inp[at + i]) - m) * rs;
+    const float dnorm = to_f(dout[at + i]) * w[i];
+    dinp[at + i] = from_f<T>(to_f(dinp[at + i]) + (dnorm - a - norm * b) * rs);
+  }
+}
+
+// One thread per column, rows in order: deterministic.
+template <class T>
+__global__ void layernorm_dparams_kernel(float* dw, float* db, const T* dout, const T* inp,
+                                         const float* mean, const float* rstd, int N, int C) {
+  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (c >= C) return;
+  float sw = 0, sb = 0;
+  for (int n = 0; n < N; ++n) {
+    const std::int64_t at = static_cast<std::int64_t>(n) * C + c;
+    const float dy = to_f(dout[at]);
+    sw += (to_f(inp[at]) - mean[n]) * rstd[n] * dy;
+    sb += dy;
+  }
+  if (dw) dw[c] += sw;
+  if (db) db[c] += sb;
+}
+
+// ---- elementwise
+// ---------------------------------------------------------------------------------
+constexpr float kBeta = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kKappa = 0.044715f;
+
+template <class T>
+__global__ void gelu_forward_kernel(T* out, const T* inp, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = to_f(inp[i]);
+  const float u = kBeta * (x + kKappa * x * x * x);
+  out[i] = from_f<T>(x / (1.0f + expf(-2.0f * u)));
+}
+
+template <class T>
+__global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = to_f(inp[i]);
+  const float u = kBeta * (x + kKappa * x * x * x);
+  const float e = expf(-2.0f * u);
+  const float s = 1.0f / (1.0f + e);
+  const float du = kBeta * (1.0f + 3.0f * kKappa * x * x);
+  dinp[i] = from_f<T>(to_f(dinp[i]) + to_f(dout[i]) * (s + 2.0f * x * s * (e * s) * du));
+}
+
+template <class T>
+__global__ void residual_forward_kernel(T* out, const T* a, const T* b, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+}
+
+// dbias[oc] += sum over rows of dout[n, oc]: one thread per column, rows in order.
+template <class T>
+__global__ void column_sum_kernel(float* out, const T* x, int N, int C) {
+  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (c >= C) return;
+  float s = 0;
+  for (int n = 0; n < N; ++n) s += to_f(x[static_cast<std::int64_t>(n) * C + c]);
+  out[c] += s;
+}
+
+// ---- softmax + cross-entropy: one block per row ----------------------------------------------
+__device__ float block_reduce(float v, bool is_max, float* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = is_max ? warp_max(v) : warp_sum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float r = lane < warps ? shared[lane] : (is_max ? -INFINITY : 0.0f);
+  r = is_max ? warp_max(r) : warp_sum(r);
+  __syncthreads();
+  return r;
+}
+
+template <class T>
+__global__ void softmax_ce_kernel(T* dlogits, const T* logits, const std::int32_t* targets,
+                                  float* losses, int V, int Vp, int ignore_index, float scale) {
+  __shared__ float shared[32];
+  const std::int64_t row = blockIdx.x;
+  const T* x = logits + row * Vp;
+  T* dx = dlogits + row * Vp;
+  const int t = targets[row];
+  const bool counted = t != ignore_index;
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, to_f(x[j]));
+  mx = block_reduce(mx, true, shared);
+  float sum = 0;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) sum += expf(to_f(x[j]) - mx);
+  sum = block_reduce(sum, false, shared);
+  const float x_t = counted ? to_f(x[t]) : 0.0f;  // read before any write (dlogits may alias)
+  __syncthreads();
+  if (threadIdx.x == 0) losses[row] = counted ? mx + logf(sum) - x_t : 0.0f;
+  for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
+    float g = 0;
+    if (counted && j < V) g = (expf(to_f(x[j]) - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale;
+    dx[j] = from_f<T>(g);
+  }
+}
+
+// ---- AdamW: the CPU kernel's arithmetic ---------------------------------------------------------
+struct adamw_coefficients {
+  float step_size, bc2_sqrt, w1, beta2, w2, eps, keep, grad_scale;
+};
+
+__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, std::int64_t n,
+                             adamw_coefficients c, bf16* copy) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = grad[i] * c.grad_scale;
+  const float p = param[i] * c.keep;
+  const float mi = m[i] + c.w1 * (g - m[i]);
+  const float vi = v[i] * c.beta2 + c.w2 * g * g;
+  const float denom = sqrtf(vi) / c.bc2_sqrt + c.eps;
+  const float out = p - c.step_size * (mi / denom);
+  param[i] = out;
+  m[i] = mi;
+  v[i] = vi;
+  if (copy) copy[i] = __float2bfloat16(out);
+}
+
+// ---- sum of squares: per-block partials in fp64, then the host in block order -------------------
+__global__ void square_sum_kernel(double* partial, const float* x, std::int64_t n) {
+  __shared__ double shared[kThreads];
+  double s = 0;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    s += static_cast<double>(x[i]) * x[i];
+  shared[threadIdx.x] = s;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (static_cast<int>(threadIdx.x) < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = shared[0];
+}
+
+template <class T>
+cudaDataType_t data_type();
+template <>
+cudaDataType_t data_type<float>() {
+  return CUDA_R_32F;
+}
+template <>
+cudaDataType_t data_type<bf16>() {
+  return CUDA_R_16BF;
+}
+
+}  // namespace
+
+// cuBLASLt column-major GEMM: D[m,n] = alpha op(A) op(B) + beta C, C = D, optional bias epilogue.
+struct gemm_access {
+  template <class TA, class TD>
+  static void run(const context& ctx, bool trans_a, bool trans_b, int m, int n, int k, const TA* a,
+                  int lda, const TA* b, int ldb, TD* d, int ldd, float beta, const TD* bias) {
+    auto lt = static_cast<cublasLtHandle_t>(ctx.lt_);
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+    cublasLtMatmulPreference_t pref = nullptr;
+    auto cleanup = [&] {
+      if (pref) cublasLtMatmulPreferenceDestroy(pref);
+      if (ld) cublasLtMatrixLayoutDestroy(ld);
+      if (lb) cublasLtMatrixLayoutDestroy(lb);
+      if (la) cublasLtMatrixLayoutDestroy(la);
+      if (op) cublasLtMatmulDescDestroy(op);
+    };
+    try {
+      check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+            "cublasLtMatmulDescCreate");
+      const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+      const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta),
+            "cublasLtMatmulDescSetAttribute(TRANSA)");
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
+            "cublasLtMatmulDescSetAttribute(TRANSB)");
+      if (bias) {
+        const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+        check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
+              "cublasLtMatmulDescSetAttribute(EPILOGUE)");
+        check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                             sizeof bias),
+              "cublasLtMatmulDescSetAttribute(BIAS_POINTER)");
+      }
+      check(cublasLtMatrixLayoutCreate(&la, data_type<TA>(), trans_a ? k : m, trans_a ? m : k, lda),
+            "cublasLtMatrixLayoutCreate(A)");
+      check(cublasLtMatrixLayoutCreate(&lb, data_type<TA>(), trans_b ? n : k, trans_b ? k : n, ldb),
+            "cublasLtMatrixLayoutCreate(B)");
+      check(cublasLtMatrixLayoutCreate(&ld, data_type<TD>(), m, n, ldd),
+            "cublasLtMatrixLayoutCreate(D)");
+      check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+      check(
+          cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                               &ctx.workspace_bytes_, sizeof ctx.workspace_bytes_),
+          "cublasLtMatmulPreferenceSetAttribute");
+      cublasLtMatmulHeuristicResult_t heuristic{};
+      int found = 0;
+      check(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &heuristic, &found),
+            "cublasLtMatmulAlgoGetHeuristic");
+      if (found == 0)
+        throw cuda_error("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(m) +
+                         " n=" + std::to_string(n) + " k=" + std::to_string(k));
+      const float alpha = 1.0f;
+      check(cublasLtMatmul(lt, op, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heuristic.algo,
+                           ctx.workspace_, ctx.workspace_bytes_, ctx.stream_),
+            "cublasLtMatmul");
+    } catch (...) {
+      cleanup();
+      throw;
+    }
+    cleanup();
+  }
+};
+
+context::context() {
+  check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  cublasLtHandle_t lt = nullptr;
+  check(cublasLtCreate(&lt), "cublasLtCreate");
+  lt_ = lt;
+  workspace_bytes_ = std::size_t{32} << 20;  // 32 MiB, as cuBLAS recommends for Hopper
+  check(cudaMalloc(&workspace_, workspace_bytes_), "cudaMalloc(cuBLASLt workspace)");
+}
+
+context::~context() {
+  if (workspace_) cudaFree(workspace_);
+  if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(lt_));
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void context::synchronize() const {
+  check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
+
+template <class T>
+void layernorm_forward(const context& ctx, T* out, float* mean, float* rstd, const T* inp,
+                       const float* weight, const float* bias, int N, int C) {
+  layernorm_forward_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
+      out, mean, rstd, inp, weight, bias, N, C);
+  check_launch("layernorm_forward_kernel");
+}
+
+template <class T>
+void layernorm_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
+                        const T* inp, const float* weight, const float* mean, const float* rstd,
+                        int N, int C) {
+  if (dinp) {
+    layernorm_dinp_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
+        dinp, dout, inp, weight, mean, rstd, N, C);
+    check_launch("layernorm_dinp_kernel");
+  }
+  if (dweight || dbias) {
+    layernorm_dparams_kernel<T>
+        <<<blocks_for(C), kThreads, 0, ctx.stream()>>>(dweight, dbias, dout, inp, mean, rstd, N, C);
+    check_launch("layernorm_dparams_kernel");
+  }
+}
+
+// Row-major out[N,OC] = inp[N,C] W[OC,C]^T is column-major out^T[OC,N] = W^T... with A = W
+// (column-major [C,OC], transposed), B = inp (column-major [C,N]).
+template <class T>
+void linear_forward(const context& ctx, T* out, const T* inp, const T* weight, const T* bias, int N,
+                    int C, int OC) {
+  gemm_access::run<T, T>(ctx, true, false, OC, N, C, weight, C, inp, C, out, OC, 0.0f, bias);
+}
+
+template <class T>
+void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
+                     const T* inp, const T* weight, int N, int C, int OC) {
+  // dinp[N,C] += dout[N,OC] W[OC,C]: column-major dinp^T[C,N] = W^T[C,OC] dout^T[OC,N].
+  if (dinp)
+    gemm_access::run<T, T>(ctx, false, false, C, N, OC, weight, C, dout, OC, dinp, C, 1.0f,
+                           nullptr);
+  // dW[OC,C] += dout^T inp: column-major dW^T[C,OC] = inp^T[C,N] dout[N,OC], into fp32.
+  if (dweight)
+    gemm_access::run<T, float>(ctx, false, true, C, OC, N, inp, C, dout, OC, dweight, C, 1.0f,
+                               nullptr);
+  if (dbias) {
+    column_sum_kernel<T><<<blocks_for(OC), kThreads, 0, ctx.stream()>>>(dbias, dout, N, OC);
+    check_launch("column_sum_kernel");
+  }
+}
+
+template <class T>
+void gelu_forward(const context& ctx, T* out, const T* inp, std::int64_t n) {
+  gelu_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, inp, n);
+  check_launch("gelu_forward_kernel");
+}
+
+template <class T>
+void gelu_backward(const context& ctx, T* dinp, const T* inp, const T* dout, std::int64_t n) {
+  gelu_backward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(dinp, inp, dout, n);
+  check_launch("gelu_backward_kernel");
+}
+
+template <class T>
+void residual_forward(const context& ctx, T* out, const T* a, const T* b, std::int64_t n) {
+  residual_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, a, b, n);
+  check_launch("residual_forward_kernel");
+}
+
+template <class T>
+cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogits, const T* logits,
+                                                    const std::int32_t* targets, float* losses,
+                                                    int N, int V, int Vp, int ignore_index,
+                                                    std::int64_t count, float grad_scale) {
+  cross_entropy_result r;
+  r.count = count;
+  if (N <= 0) return r;
+  const float scale = count > 0 ? grad_scale / static_cast<float>(count) : 0.0f;
+  softmax_ce_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
+      dlogits, logits, targets, losses, V, Vp, ignore_index, scale);
+  check_launch("softmax_ce_kernel");
+  std::vector<float> host(static_cast<std::size_t>(N));
+  check(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                        ctx.stream()),
+        "cudaMemcpyAsync(losses)");
+  ctx.synchronize();
+  for (float l : host) r.loss_sum += l;
+  return r;
+}
+
+void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
+                  std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
+                  bf16* param_copy) {
+  if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based");
+  const double bc1 = 1.0 - std::pow(double(hp.beta1), step);
+  const double bc2 = 1.0 - std::pow(double(hp.beta2), step);
+  adamw_coefficients c;
+  c.step_size = static_cast<float>(static_cast<double>(hp.lr) / bc1);
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.w1 = static_cast<float>(1.0 - double(hp.beta1));
+  c.beta2 = hp.beta2;
+  c.w2 = static_cast<float>(1.0 - double(hp.beta2));
+  c.eps = hp.eps;
+  c.keep = decay && hp.weight_decay != 0.0f
+               ? static_cast<float>(1.0 - double(hp.lr) * double(hp.weight_decay))
+               : 1.0f;
+  c.grad_scale = grad_scale;
+  adamw_kernel<<<blocks_for(n), kThreads, 0, ctx.stream()>>>(param, grad, m, v, n, c, param_copy);
+  check_launch("adamw_kernel");
+}
+
+double square_sum(const context& ctx, const float* x, std::int64_t n) {
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(n), 1024));
+  if (n <= 0) return 0;
+  double* partial = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&partial), blocks * sizeof(double), ctx.stream()),
+        "cudaMallocAsync(square_sum)");
+  square_sum_kernel<<<blocks, kThreads, 0, ctx.stream()>>>(partial, x, n);
+  check_launch("square_sum_kernel");
+  std::vector<double> host(blocks);
+  check(cudaMemcpyAsync(host.data(), partial, blocks * sizeof(double), cudaMemcpyDeviceToHost,
+                        ctx.stream()),
+        "cudaMemcpyAsync(square_sum)");
+  check(cudaFreeAsync(partial, ctx.stream()), "cudaFreeAsync(square_sum)");
+  ctx.synchronize();
+  double s = 0;
+  for (double p : host) s += p;
+  return s;
+}
+
+#define TROUPE_INSTANTIATE(T)                                                                      \
+  template void layernorm_forward<T>(const context&, T*, float*, float*, const T*, const float*,   \
+                                     const float*, int, int);                                      \
+  template void layernorm_backward<T>(const context&, T*, float*, float*, const T*, const T*,      \
+                                      const float*, const float*, const float*, int, int);         \
+  template void linear_forward<T>(const context&, T*, const T*, const T*, const T*, int, int,      \
+                                  int);                                                            \
+  template void linear_backward<T>(const context&, T*, float*, float*, const T*, const T*,         \
+                                   const T*, int, int, int);                                       \
+  template void gelu_forward<T>(const context&, T*, const T*, std::int64_t);                       \
+  template void gelu_backward<T>(const context&, T*, const T*, const T*, std::int64_t);            \
+  template void residual_forward<T>(const context&, T*, const T*, const T*, std::int64_t);         \
+  template cross_entropy_result softmax_cross_entropy_backward<T>(                                 \
+      const context&, T*, const T*, const std::int32_t*, float*, int, int, int, int, std::int64_t, \
+      float);
+TROUPE_INSTANTIATE(float)
+TROUPE_INSTANTIATE(bf16)
+#undef TROUPE_INSTANTIATE
+
+}  // namespace troupe::kernels::cuda

@@ -1,0 +1,100 @@
+// The foundation ops on the GPU (docs/gpu.md): the same semantics as kernels/cpu_ops.hpp
+// (shapes, accumulate conventions, ignore index), on device pointers, enqueued on a stream.
+// T is float (fp32) or __nv_bfloat16 (bf16 activations and working weights); statistics,
+// reductions, master weights and optimizer state are fp32, norms and loss sums fp64.
+//
+// Invariants:
+//  - Every reduction has a fixed order (no atomics), so a kernel's result is bitwise the same
+//    from run to run on the same GPU.
+//  - Backward kernels ACCUMULATE (+=) into their outputs, as on the CPU; a nullptr output is
+//    not computed.
+//  - Errors (a failed launch, a cuBLASLt status) throw cuda_error naming the call.
+// Compiled only when nvcc exists (kernels/meson.build); this header needs the CUDA include
+// directory, not nvcc.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cpu_ops.hpp"
+
+namespace troupe::kernels::cuda {
+
+struct cuda_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+using bf16 = __nv_bfloat16;
+
+// A stream, a cuBLASLt handle and its workspace on the current device. One per thread.
+class context {
+ public:
+  context();
+  ~context();
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+  cudaStream_t stream() const { return stream_; }
+  void synchronize() const;
+
+ private:
+  friend struct gemm_access;
+  cudaStream_t stream_ = nullptr;
+  void* lt_ = nullptr;  // cublasLtHandle_t
+  void* workspace_ = nullptr;
+  std::size_t workspace_bytes_ = 0;
+};
+
+// ---- layer normalisation (eps 1e-5, biased variance); fp32 weight, bias, mean[N], rstd[N] -----
+template <class T>
+void layernorm_forward(const context& ctx, T* out, float* mean, float* rstd, const T* inp,
+                       const float* weight, const float* bias, int N, int C);
+template <class T>
+void layernorm_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
+                        const T* inp, const float* weight, const float* mean, const float* rstd,
+                        int N, int C);
+
+// ---- linear through cuBLASLt: out[N,OC] = inp[N,C] weight[OC,C]^T (+ bias[OC]) ----------------
+// fp32 accumulation for both types; bias through the GEMM's epilogue. Backward accumulates
+// dinp, dweight (into fp32 for bf16: master-weight gradients) and dbias.
+template <class T>
+void linear_forward(const context& ctx, T* out, const T* inp, const T* weight, const T* bias, int N,
+                    int C, int OC);
+template <class T>
+void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
+                     const T* inp, const T* weight, int N, int C, int OC);
+
+// ---- GELU (tanh approximation) and residual ----------------------------------------------------
+template <class T>
+void gelu_forward(const context& ctx, T* out, const T* inp, std::int64_t n);
+template <class T>
+void gelu_backward(const context& ctx, T* dinp, const T* inp, const T* dout, std::int64_t n);
+template <class T>
+void residual_forward(const context& ctx, T* out, const T* a, const T* b, std::int64_t n);
+
+// ---- fused softmax + cross-entropy over the first V of Vp columns ------------------------------
+// losses[N] (fp32) receives each row's loss (0 for ignored rows); dlogits (may alias logits) is
+// OVERWRITTEN with (softmax - onehot) * grad_scale / count, 0 for ignored rows and padded columns.
+// count (the rows whose target is not ignore_index) is passed in: the caller has the targets.
+// Returns the sum of the losses in fp64, summed on the host in row order.
+template <class T>
+cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogits, const T* logits,
+                                                    const std::int32_t* targets, float* losses,
+                                                    int N, int V, int Vp, int ignore_index,
+                                                    std::int64_t count, float grad_scale);
+
+// ---- optimizer and norms ---------------------------------------------------------------------
+// torch.optim.AdamW on fp32 master weights, exactly the CPU kernel's arithmetic. grad_scale
+// multiplies every gradient first (unscaling and clipping); param_copy (may be nullptr) receives
+// the updated weights as bf16 for the next forward.
+void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
+                  std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
+                  bf16* param_copy);
+// Sum of squares of n values, in fp64, in a fixed order.
+double square_sum(const context& ctx, const float* x, std::int64_t n);
+
+}  // namespace troupe::kernels::cuda

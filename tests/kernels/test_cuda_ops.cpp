@@ -1,0 +1,240 @@
+// Every GPU op against the CPU reference (kernels/cpu), in fp32 and bf16, with a tolerance
+// scaled by the dtype: inputs are rounded to the dtype first, so the difference left is the
+// GPU's own (fp32: reduction order; bf16: rounded outputs and intermediates). Runs in the `gpu`
+// suite; without a device the runner exits 77 (SKIP).
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu_ops.hpp"
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace cu = troupe::kernels::cuda;
+namespace cpu = troupe::kernels;
+using cu::bf16;
+
+namespace {
+
+template <class T>
+T to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return __float2bfloat16(x);
+  }
+}
+float from(float x) { return x; }
+float from(bf16 x) { return __bfloat162float(x); }
+
+// Values as the dtype holds them (bf16: rounded).
+template <class T>
+std::vector<float> rounded(std::vector<float> v) {
+  for (auto& x : v) x = from(to<T>(x));
+  return v;
+}
+
+std::vector<float> random_values(std::size_t n, std::uint32_t seed, float lo = -1, float hi = 1) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+// A device array of T, filled from floats, read back as floats.
+template <class T>
+class device_array {
+ public:
+  explicit device_array(std::size_t n) : n_(n) {
+    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T)) ==
+            cudaSuccess);
+  }
+  explicit device_array(const std::vector<float>& host) : device_array(host.size()) {
+    std::vector<T> t(host.size());
+    for (std::size_t i = 0; i < host.size(); ++i) t[i] = to<T>(host[i]);
+    REQUIRE(cudaMemcpy(p_, t.data(), n_ * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  ~device_array() { cudaFree(p_); }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  T* get() const { return p_; }
+  std::vector<float> host() const {
+    std::vector<T> t(n_);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(cudaMemcpy(t.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+    std::vector<float> out(n_);
+    for (std::size_t i = 0; i < n_; ++i) out[i] = from(t[i]);
+    return out;
+  }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_;
+};
+
+// max |got - want| <= tol * max |want|
+template <class T>
+void check_close(const std::vector<float>& got, const std::vector<float>& want, const char* what,
+                 double fp32_tol = 1e-5) {
+  const double tol = std::is_same_v<T, float> ? fp32_tol : 2e-2;
+  REQUIRE(got.size() == want.size());
+  double diff = 0, mag = 1e-30;
+  std::size_t worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double d = std::abs(double(got[i]) - double(want[i]));
+    if (!(d <= diff)) {
+      diff = d;
+      worst = i;
+    }
+    mag = std::max(mag, std::abs(double(want[i])));
+  }
+  INFO(what << ": max difference " << diff << " at " << worst << " (" << got[worst] << " vs "
+            << want[worst] << "), scale " << mag << ", tolerance " << tol);
+  CHECK(diff <= tol * mag);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("layernorm on the GPU matches the CPU reference", "[gpu]", float, bf16) {
+  const int N = 37, C = 768;
+  const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 1, -2, 2));
+  const auto w = random_values(C, 2, 0.5f, 1.5f), b = random_values(C, 3);
+  const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 4));
+  std::vector<float> y(x.size()), mean(N), rstd(N), dx(x.size(), 0.0f), dw(C, 0.0f), db(C, 0.0f);
+  cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+  cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
+                          mean.data(), rstd.data(), N, C);
+  cu::context ctx;
+  device_array<TestType> gx(x), gy(x.size()), gdy(dy), gdx(std::vector<float>(x.size(), 0.0f));
+  device_array<float> gw(w), gb(b), gmean(N), grstd(N), gdw(std::vector<float>(C, 0.0f)),
+      gdb(std::vector<float>(C, 0.0f));
+  cu::layernorm_forward(ctx, gy.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), N,
+                        C);
+  cu::layernorm_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(),
+                         gmean.get(), grstd.get(), N, C);
+  ctx.synchronize();
+  check_close<TestType>(gy.host(), y, "out");
+  check_close<float>(gmean.host(), mean, "mean");
+  check_close<float>(grstd.host(), rstd, "rstd", 1e-4);
+  check_close<TestType>(gdx.host(), dx, "dinp", 1e-4);
+  check_close<TestType>(gdw.host(), dw, "dweight", 1e-4);
+  check_close<TestType>(gdb.host(), db, "dbias", 1e-4);
+}
+
+TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[gpu]", float, bf16) {
+  const int N = 64, C = 96, OC = 160;
+  const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 5));
+  const auto w = rounded<TestType>(random_values(std::size_t(OC) * C, 6, -0.2f, 0.2f));
+  const auto b = rounded<TestType>(random_values(OC, 7));
+  const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(N) * OC, 8));
+  std::vector<float> y(static_cast<std::size_t>(N) * OC), dx(x.size(), 0.0f), dw(w.size(), 0.0f),
+      db(OC, 0.0f);
+  cpu::linear_forward(y.data(), x.data(), w.data(), b.data(), N, C, OC);
+  cpu::linear_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, C, OC);
+  cu::context ctx;
+  device_array<TestType> gx(x), gw(w), gb(b), gy(y.size()), gdy(dy),
+      gdx(std::vector<float>(x.size(), 0.0f));
+  device_array<float> gdw(std::vector<float>(w.size(), 0.0f)), gdb(std::vector<float>(OC, 0.0f));
+  cu::linear_forward(ctx, gy.get(), gx.get(), gw.get(), gb.get(), N, C, OC);
+  cu::linear_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(), N, C,
+                      OC);
+  ctx.synchronize();
+  check_close<TestType>(gy.host(), y, "out", 1e-5);
+  check_close<TestType>(gdx.host(), dx, "dinp", 1e-5);
+  check_close<TestType>(gdw.host(), dw, "dweight", 1e-5);
+  check_close<TestType>(gdb.host(), db, "dbias", 1e-5);
+  // Backward accumulates: a second call doubles the weight gradient.
+  cu::linear_backward<TestType>(ctx, nullptr, gdw.get(), nullptr, gdy.get(), gx.get(), gw.get(), N,
+                                C, OC);
+  ctx.synchronize();
+  for (auto& v : dw) v *= 2;
+  check_close<TestType>(gdw.host(), dw, "dweight accumulated", 1e-5);
+}
+
+TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu]", float, bf16) {
+  const std::int64_t n = 100003;
+  const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(n), 9, -4, 4));
+  const auto y2 = rounded<TestType>(random_values(static_cast<std::size_t>(n), 10));
+  const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(n), 11));
+  std::vector<float> y(static_cast<std::size_t>(n)), dx(static_cast<std::size_t>(n), 0.5f),
+      r(static_cast<std::size_t>(n));
+  cpu::gelu_forward(y.data(), x.data(), n);
+  cpu::gelu_backward(dx.data(), x.data(), dy.data(), n);
+  cpu::residual_forward(r.data(), x.data(), y2.data(), n);
+  cu::context ctx;
+  device_array<TestType> gx(x), gy(static_cast<std::size_t>(n)), gdy(dy),
+      gdx(std::vector<float>(static_cast<std::size_t>(n), 0.5f)), g2(y2),
+      gr(static_cast<std::size_t>(n));
+  cu::gelu_forward(ctx, gy.get(), gx.get(), n);
+  cu::gelu_backward(ctx, gdx.get(), gx.get(), gdy.get(), n);
+  cu::residual_forward(ctx, gr.get(), gx.get(), g2.get(), n);
+  ctx.synchronize();
+  check_close<TestType>(gy.host(), y, "gelu");
+  check_close<TestType>(gdx.host(), dx, "gelu backward (accumulated onto 0.5)");
+  check_close<TestType>(gr.host(), r, "residual");
+}
+
+TEMPLATE_TEST_CASE("fused softmax cross-entropy on the GPU matches the CPU reference", "[gpu]",
+                   float, bf16) {
+  const int N = 19, V = 50257, Vp = 50304, ignore = -100;
+  const auto logits = rounded<TestType>(random_values(static_cast<std::size_t>(N) * Vp, 12, -6, 6));
+  std::vector<std::int32_t> targets(N);
+  std::mt19937 rng(13);
+  for (int i = 0; i < N; ++i) targets[i] = i % 5 == 4 ? ignore : int(rng() % V);
+  std::int64_t count = 0;
+  for (int t : targets) count += t != ignore;
+  std::vector<float> dlogits(logits.size());
+  const auto want = cpu::softmax_cross_entropy_backward(dlogits.data(), logits.data(),
+                                                        targets.data(), N, V, Vp, ignore, 2.0f);
+  cu::context ctx;
+  device_array<TestType> gl(logits);
+  device_array<float> glosses(static_cast<std::size_t>(N));
+  std::int32_t* gt = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&gt), N * sizeof(std::int32_t)) == cudaSuccess);
+  REQUIRE(cudaMemcpy(gt, targets.data(), N * sizeof(std::int32_t), cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+  const auto got = cu::softmax_cross_entropy_backward(ctx, gl.get(), gl.get(), gt, glosses.get(), N,
+                                                      V, Vp, ignore, count, 2.0f);
+  cudaFree(gt);
+  CHECK(got.count == want.count);
+  CHECK(std::abs(got.loss_sum - want.loss_sum) <= 1e-4 * std::abs(want.loss_sum));
+  check_close<TestType>(gl.host(), dlogits, "dlogits (in place)", 1e-4);
+}
+
+TEST_CASE("AdamW on the GPU is the CPU kernel's arithmetic, with unscaling folded in", "[gpu]") {
+  const std::int64_t n = 70001;
+  auto p = random_values(static_cast<std::size_t>(n), 14),
+       g = random_values(static_cast<std::size_t>(n), 15, -0.1f, 0.1f);
+  auto m = random_values(static_cast<std::size_t>(n), 16, -0.01f, 0.01f);
+  auto v = random_values(static_cast<std::size_t>(n), 17, 0.0f, 1e-4f);
+  cpu::adamw_hparams hp{3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f};
+  cu::context ctx;
+  device_array<float> gp(p), gm(m), gv(v);
+  std::vector<float> doubled(g);
+  for (auto& x : doubled) x *= 2;  // the loss scale 2, unscaled by grad_scale 0.5 on the GPU
+  device_array<float> gg(doubled);
+  device_array<bf16> copy(static_cast<std::size_t>(n));
+  cpu::adamw_update(p.data(), g.data(), m.data(), v.data(), n, hp, 7, true);
+  cu::adamw_update(ctx, gp.get(), gg.get(), gm.get(), gv.get(), n, hp, 7, true, 0.5f, copy.get());
+  ctx.synchronize();
+  check_close<float>(gp.host(), p, "param", 1e-6);
+  check_close<float>(gm.host(), m, "m", 1e-6);
+  check_close<float>(gv.host(), v, "v", 1e-6);
+  check_close<bf16>(copy.host(), p, "bf16 copy");
+}
+
+TEST_CASE("the GPU sum of squares matches the CPU gradient norm and repeats bitwise", "[gpu]") {
+  const std::int64_t n = 3'000'017;
+  auto x = random_values(static_cast<std::size_t>(n), 18);
+  const cpu::gradient_span span{x.data(), n};
+  const double want = cpu::global_grad_norm({&span, 1});
+  cu::context ctx;
+  device_array<float> gx(x);
+  const double got = cu::square_sum(ctx, gx.get(), n);
+  CHECK(std::abs(std::sqrt(got) - want) <= 1e-12 * want);
+  CHECK(cu::square_sum(ctx, gx.get(), n) == got);
+}
