@@ -60,6 +60,21 @@ inline engine::recipe tiny_recipe(const temp_dir& dir) {
   return r;
 }
 
+// A parallel layout of the actor engine: PP x DP, ZeRO stage, micro-batches, schedule.
+struct parallel_case {
+  const char* name;
+  int pp, dp, zero, m;
+  const char* schedule;
+};
+inline engine::recipe with_layout(engine::recipe r, const parallel_case& c) {
+  r.parallel.pp = c.pp;
+  r.parallel.dp = c.dp;
+  r.parallel.zero = c.zero;
+  r.parallel.micro_batches = c.m;
+  r.parallel.schedule = c.schedule;
+  return r;
+}
+
 inline std::vector<double> losses_of(const std::vector<engine::step_metrics>& steps) {
   std::vector<double> out;
   for (const auto& m : steps) out.push_back(m.loss);

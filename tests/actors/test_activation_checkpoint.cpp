@@ -10,25 +10,16 @@ using troupe::engine::recipe;
 
 namespace {
 
-struct ckpt_config {
-  const char* name;
-  int pp, dp, zero, m;
-  const char* schedule;
-};
-const ckpt_config configs[] = {
+const parallel_case configs[] = {
     {"PP=2 1F1B", 2, 1, 0, 4, "1f1b"},
     {"PP=3 GPipe", 3, 1, 0, 3, "gpipe"},
     {"PP=2 ZB-H1 (split backward)", 2, 1, 0, 4, "zb_h1"},
     {"PP=2 x DP=2 ZeRO-3 1F1B", 2, 2, 3, 2, "1f1b"},
 };
 
-recipe with(recipe r, const ckpt_config& c, bool full) {
+recipe with(recipe r, const parallel_case& c, bool full) {
+  r = with_layout(r, c);
   r.steps = 4;
-  r.parallel.pp = c.pp;
-  r.parallel.dp = c.dp;
-  r.parallel.zero = c.zero;
-  r.parallel.micro_batches = c.m;
-  r.parallel.schedule = c.schedule;
   r.activation_checkpoint.mode = full ? "full" : "none";
   return r;
 }

@@ -95,25 +95,13 @@ TEST_CASE("gradient-norm spikes past the threshold are skipped, the others appli
 }
 
 // The actor engine's pipeline and data-parallel configurations, ZeRO included, for the tests below.
-struct parallel_config {
-  const char* name;
-  int pp, dp, zero, m;
-  const char* schedule;
-};
-const parallel_config actor_configs[] = {
+const parallel_case actor_configs[] = {
     {"one stage", 1, 1, 0, 1, "1f1b"},
     {"PP=2 x DP=2 1F1B", 2, 2, 0, 2, "1f1b"},
     {"PP=2 x DP=2 ZeRO-2", 2, 2, 2, 2, "1f1b"},
     {"PP=2 x DP=2 ZeRO-3 ZB-H1", 2, 2, 3, 2, "zb_h1"},
 };
-recipe with(recipe r, const parallel_config& c) {
-  r.parallel.pp = c.pp;
-  r.parallel.dp = c.dp;
-  r.parallel.zero = c.zero;
-  r.parallel.micro_batches = c.m;
-  r.parallel.schedule = c.schedule;
-  return r;
-}
+recipe with(const recipe& r, const parallel_case& c) { return with_layout(r, c); }
 
 TEST_CASE("the actor engine's dynamic loss scaling leaves its losses bitwise unchanged",
           "[actors][guard]") {
