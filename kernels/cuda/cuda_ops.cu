@@ -6,45 +6,17 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
 
 namespace troupe::kernels::cuda {
+using namespace detail;
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using detail::check;
 void check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS)
     throw cuda_error(std::string(what) + ": cuBLASLt status " + std::to_string(int(s)));
-}
-void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
-template <class T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ bf16 from_f<bf16>(float x) {
-  return __float2bfloat16(x);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-constexpr int kThreads = 256;
-unsigned blocks_for(std::int64_t n, int per_block = kThreads) {
-  return static_cast<unsigned>((n + per_block - 1) / per_block);
 }
 
 // ---- layernorm: one warp per row ---------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/cpu_ops.hpp"
 
@@ -86,6 +87,60 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
                                                     const std::int32_t* targets, float* losses,
                                                     int N, int V, int Vp, int ignore_index,
                                                     std::int64_t count, float grad_scale);
+
+// ---- token + position embedding ---------------------------------------------------------------
+// out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] (tokens on the device).
+template <class T>
+void embedding_forward(const context& ctx, T* out, const std::int32_t* tokens, const T* wte,
+                       const T* wpe, int B, int T_, int C);
+
+// The positions of a batch grouped by token (stable order), built on the host from the host copy
+// of the tokens and uploaded, so the embedding backward sums each token's rows in a fixed order
+// without atomics.
+class token_groups {
+ public:
+  token_groups() = default;
+  ~token_groups();
+  token_groups(const token_groups&) = delete;
+  token_groups& operator=(const token_groups&) = delete;
+  // Groups host_tokens[0, N) and uploads the groups on ctx's stream.
+  void build(const context& ctx, const std::int32_t* host_tokens, int N);
+  int groups() const { return groups_; }
+  const std::int32_t* device() const { return device_; }  // [tokens G][offsets G+1][positions N]
+  int rows() const { return rows_; }
+
+ private:
+  std::vector<std::int32_t> host_;  // what device_ holds, kept for the asynchronous upload
+  std::int32_t* device_ = nullptr;
+  std::size_t capacity_ = 0;
+  int groups_ = 0, rows_ = 0;
+};
+// dwte[tokens[n],:] += dout[n,:] (grouped: one block per token, positions in order) and
+// dwpe[t,:] += sum over b of dout[b,t,:]; either may be nullptr. fp32 gradients.
+template <class T>
+void embedding_backward(const context& ctx, float* dwte, float* dwpe, const T* dout,
+                        const token_groups& groups, int B, int T_, int C);
+
+// ---- causal multi-head self-attention, fused (flash-attention style) ---------------------------
+// qkv[B,T,3C] as on the CPU; out[B,T,C]; lse[B,NH,T] (fp32) receives each query row's
+// log-sum-exp of its scaled scores, which backward uses instead of the [T,T] probabilities (the
+// probabilities are never stored). Scores, softmax and accumulation in fp32, online softmax over
+// key tiles. Head size hs = C/NH must be 16, 32, 64 or 128 (throws std::invalid_argument).
+template <class T>
+void attention_forward(const context& ctx, T* out, float* lse, const T* qkv, int B, int T_, int C,
+                       int NH);
+// dqkv += the gradient, from dout, the forward's out and lse. Deterministic: dK/dV by key rows and
+// dQ by query rows in two kernels (the scores are recomputed in each), no atomics. scratch needs
+// attention_scratch_floats(B, T, NH) floats.
+std::int64_t attention_scratch_floats(int B, int T_, int NH);
+template <class T>
+void attention_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out,
+                        const float* lse, float* scratch, int B, int T_, int C, int NH);
+
+// ---- conversions and fills -----------------------------------------------------------------
+// out[i] = T(in[i]) (fp32 master weights to the working copy).
+template <class T>
+void convert(const context& ctx, T* out, const float* in, std::int64_t n);
 
 // ---- optimizer and norms ---------------------------------------------------------------------
 // torch.optim.AdamW on fp32 master weights, exactly the CPU kernel's arithmetic. grad_scale

@@ -1,0 +1,46 @@
+// Device helpers shared by the CUDA op files (kernels/cuda/*.cu): error checks, dtype
+// conversion, warp reductions, launch sizes. Included only by .cu files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace troupe::kernels::cuda::detail {
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+template <class T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ bf16 from_f<bf16>(float x) {
+  return __float2bfloat16(x);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+constexpr int kThreads = 256;
+inline unsigned blocks_for(std::int64_t n, int per_block = kThreads) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
+
+}  // namespace troupe::kernels::cuda::detail

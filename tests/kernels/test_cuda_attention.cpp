@@ -1,0 +1,129 @@
+// The fused causal attention and the embedding on the GPU against the CPU reference, in fp32
+// and bf16 (tolerance scaled by the dtype, inputs rounded to it first). `gpu` suite: exit 77
+// (SKIP) without a device.
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <vector>
+
+#include "kernels/cpu_ops.hpp"
+#include "kernels/cuda/cuda_ops.hpp"
+#include "tests/kernels/cuda_test_util.hpp"
+
+using namespace cuda_test;
+
+namespace {
+
+template <class T>
+void check_attention(int B, int Tn, int NH, int hs, std::uint32_t seed) {
+  const int C = NH * hs;
+  const auto n = static_cast<std::size_t>(B) * Tn;
+  const auto qkv = rounded<T>(random_values(n * 3 * C, seed, -2, 2));
+  const auto dout = rounded<T>(random_values(n * C, seed + 1));
+  std::vector<float> out(n * C), att(static_cast<std::size_t>(B) * NH * Tn * Tn),
+      dqkv(n * 3 * C, 0.25f);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), B, Tn, C, NH);
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, Tn, C, NH);
+
+  cu::context ctx;
+  device_array<T> gqkv(qkv), gout(n * C), gdout(dout), gdqkv(std::vector<float>(n * 3 * C, 0.25f));
+  device_array<float> glse(static_cast<std::size_t>(B) * NH * Tn),
+      scratch(static_cast<std::size_t>(cu::attention_scratch_floats(B, Tn, NH)));
+  cu::attention_forward(ctx, gout.get(), glse.get(), gqkv.get(), B, Tn, C, NH);
+  cu::attention_backward(ctx, gdqkv.get(), gdout.get(), gqkv.get(), gout.get(), glse.get(),
+                         scratch.get(), B, Tn, C, NH);
+  ctx.synchronize();
+  INFO("B=" << B << " T=" << Tn << " heads=" << NH << " head size=" << hs);
+  check_close<T>(gout.host(), out, "out", 1e-5);
+  check_close<T>(gdqkv.host(), dqkv, "dqkv (accumulated onto 0.25)", 1e-4);
+
+  // lse is log(sum_j exp(scaled score)) of each row: check row 0 (one key) and the last row.
+  const auto lse = glse.host();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  for (int i : {0, Tn - 1}) {
+    double m = -1e30, sum = 0;
+    std::vector<double> s(static_cast<std::size_t>(i) + 1);
+    for (int j = 0; j <= i; ++j) {
+      double dot = 0;
+      for (int d = 0; d < hs; ++d)
+        dot += double(qkv[static_cast<std::size_t>(i) * 3 * C + d]) *
+               qkv[static_cast<std::size_t>(j) * 3 * C + C + d];
+      s[static_cast<std::size_t>(j)] = dot * scale;
+      m = std::max(m, s[static_cast<std::size_t>(j)]);
+    }
+    for (double v : s) sum += std::exp(v - m);
+    CHECK(std::abs(lse[static_cast<std::size_t>(i)] - (m + std::log(sum))) <=
+          1e-3 * (1 + std::abs(m)));
+  }
+
+  // Deterministic: the same inputs give bitwise the same gradient.
+  device_array<T> again(std::vector<float>(n * 3 * C, 0.25f));
+  cu::attention_backward(ctx, again.get(), gdout.get(), gqkv.get(), gout.get(), glse.get(),
+                         scratch.get(), B, Tn, C, NH);
+  ctx.synchronize();
+  CHECK(again.host() == gdqkv.host());
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("fused causal attention on the GPU matches the CPU reference", "[gpu]", float,
+                   bf16) {
+  check_attention<TestType>(2, 100, 3, 16, 21);  // T not a multiple of the 64-row tile
+  check_attention<TestType>(1, 1, 2, 32, 22);    // one token
+  check_attention<TestType>(2, 130, 2, 64, 23);  // GPT-2's head size, three query tiles
+  check_attention<TestType>(1, 70, 2, 128, 24);  // the 32-row key tiles of head size 128
+}
+
+TEST_CASE("attention on the GPU refuses a head size it has no kernel for", "[gpu]") {
+  cu::context ctx;
+  CHECK_THROWS_AS(cu::attention_forward<float>(ctx, nullptr, nullptr, nullptr, 1, 4, 48, 1),
+                  std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("embedding on the GPU matches the CPU reference", "[gpu]", float, bf16) {
+  const int B = 3, Tn = 17, C = 64, V = 50;
+  const auto n = static_cast<std::size_t>(B) * Tn;
+  const auto wte = rounded<TestType>(random_values(static_cast<std::size_t>(V) * C, 31));
+  const auto wpe = rounded<TestType>(random_values(static_cast<std::size_t>(Tn) * C, 32));
+  const auto dout = rounded<TestType>(random_values(n * C, 33));
+  std::vector<std::int32_t> tokens(n);
+  for (std::size_t i = 0; i < n; ++i)
+    tokens[i] = static_cast<std::int32_t>((i * 7) % 11 + (i % 3) * 13);
+  std::vector<float> out(n * C), dwte(wte.size(), 0.5f), dwpe(wpe.size(), -0.5f);
+  cpu::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, Tn, C);
+  cpu::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, Tn, C);
+
+  cu::context ctx;
+  std::int32_t* gtok = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&gtok), n * sizeof(std::int32_t)) == cudaSuccess);
+  REQUIRE(cudaMemcpy(gtok, tokens.data(), n * sizeof(std::int32_t), cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+  device_array<TestType> gwte(wte), gwpe(wpe), gout(n * C), gdout(dout);
+  device_array<float> gdwte(std::vector<float>(wte.size(), 0.5f)),
+      gdwpe(std::vector<float>(wpe.size(), -0.5f));
+  cu::token_groups groups;
+  groups.build(ctx, tokens.data(), static_cast<int>(n));
+  cu::embedding_forward(ctx, gout.get(), gtok, gwte.get(), gwpe.get(), B, Tn, C);
+  cu::embedding_backward(ctx, gdwte.get(), gdwpe.get(), gdout.get(), groups, B, Tn, C);
+  ctx.synchronize();
+  cudaFree(gtok);
+  check_close<TestType>(gout.host(), out, "out");
+  check_close<float>(gdwte.host(), dwte, "dwte (accumulated onto 0.5)", 1e-5);
+  check_close<float>(gdwpe.host(), dwpe, "dwpe (accumulated onto -0.5)", 1e-5);
+  CHECK_THROWS_AS(
+      cu::embedding_backward(ctx, gdwte.get(), gdwpe.get(), gdout.get(), groups, B, Tn - 1, C),
+      std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("convert rounds fp32 master weights to the working dtype", "[gpu]", float,
+                   bf16) {
+  const auto x = random_values(1001, 41, -3, 3);
+  cu::context ctx;
+  device_array<float> gx(x);
+  device_array<TestType> gy(x.size());
+  cu::convert(ctx, gy.get(), gx.get(), static_cast<std::int64_t>(x.size()));
+  ctx.synchronize();
+  CHECK(gy.host() == rounded<TestType>(x));
+}
