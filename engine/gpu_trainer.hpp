@@ -1,0 +1,76 @@
+// The whole GPT-2 model trained on one CUDA device (docs/gpu.md): the serial engine's model,
+// optimizer and schedule, with every op from kernels/cuda.
+//
+// Invariants:
+//  - The weights start as gpt_stage::init_gpt2(seed) gives them on the host, so a GPU run starts
+//    from the CPU model's exact weights; parameters and gradients keep gpt_stage's flat layout.
+//  - Master weights, gradients and AdamW moments are fp32. With compute_dtype::bf16 the
+//    forward and backward run on a bf16 copy of the weights (refreshed by every AdamW update)
+//    and bf16 activations; layernorm parameters and statistics, GEMM accumulation, softmax and
+//    every gradient reduction stay fp32. compute_dtype::fp32 runs everything in fp32.
+//  - Gradients accumulate (+=) across forward_backward calls until zero_grad, as on the CPU.
+//  - No atomics in any kernel: a step's numbers repeat bitwise on the same GPU.
+// Without CUDA (the build or the machine), constructing one throws std::runtime_error saying
+// why; cuda_training_available() tells beforehand.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "engine/optimizer.hpp"
+
+namespace troupe::engine {
+
+enum class compute_dtype { fp32, bf16 };
+
+// Whether a CUDA device can train here; otherwise, when why_not is given, the reason.
+bool cuda_training_available(std::string* why_not = nullptr);
+
+class gpu_trainer {
+ public:
+  // A model for batches of B sequences of T tokens (T <= config.context) on device 0.
+  gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype, std::uint64_t seed);
+  ~gpu_trainer();
+  gpu_trainer(const gpu_trainer&) = delete;
+  gpu_trainer& operator=(const gpu_trainer&) = delete;
+
+  // Forward and backward of one batch (host arrays of B*T tokens); gradients accumulate. The
+  // backward is seeded with loss_scale (dynamic loss scaling), so gradients carry it. Returns
+  // the mean loss (unscaled) over the counted targets.
+  double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
+                          float loss_scale = 1.0f);
+  void zero_grad();
+  // Sum of squared gradients as held (still carrying the loss scale), in fp64.
+  double grad_square_sum();
+  // One AdamW update at the schedule's learning rate for 0-based `step`; every gradient is
+  // multiplied by grad_multiplier first (1 / loss scale, times the clipping coefficient).
+  // Returns the learning rate.
+  double update(const optimizer_config& config, int step, int total_steps, double grad_multiplier);
+
+  struct step_result {
+    double loss = 0;
+    double grad_norm = 0;  // before clipping
+    double lr = 0;
+  };
+  // zero_grad, forward_backward, the global norm, clipping (config.grad_clip) and update: the
+  // serial trainer's step.
+  step_result train_step(const std::int32_t* inputs, const std::int32_t* targets,
+                         const optimizer_config& config, int step, int total_steps);
+
+  // fp32 master weights and gradients, in gpt_stage's layout (copied to the host).
+  std::vector<float> parameters() const;
+  std::vector<float> gradients() const;
+  const std::vector<parameter_info>& layout() const;
+  std::int64_t device_bytes() const;  // everything this trainer allocated on the device
+  std::string device_name() const;
+
+  struct impl;
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace troupe::engine

@@ -1,0 +1,145 @@
+// The GPT-2 model on the GPU against the serial CPU engine (`gpu` suite; exit 77, SKIP, without
+// a device): the same weights, gradients and training steps within the dtype's tolerance, fp32
+// and bf16; gradients accumulate and repeat bitwise.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "engine/gpu_trainer.hpp"
+#include "engine/optimizer.hpp"
+#include "engine/random.hpp"
+
+using namespace troupe::engine;
+
+namespace {
+
+const gpt_config kConfig{97, 128, 64, 2, 4, 64};  // vocab 97 (padded 128), head size 16
+constexpr int kB = 2, kT = 48;
+
+struct batch {
+  std::vector<std::int32_t> inputs, targets;
+};
+
+batch make_batch(std::uint64_t salt) {
+  batch b;
+  for (int i = 0; i < kB * kT; ++i) {
+    b.inputs.push_back(static_cast<std::int32_t>(splitmix64(salt + i) % 97));
+    b.targets.push_back(i % 11 == 5 ? ignore_index
+                                    : static_cast<std::int32_t>(splitmix64(salt + 7919 + i) % 97));
+  }
+  return b;
+}
+
+// max |a - b| / max |b|
+double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0, mag = 1e-30;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
+    mag = std::max(mag, std::abs(double(b[i])));
+  }
+  return diff / mag;
+}
+
+struct cpu_run {
+  std::vector<double> losses, norms;
+  std::vector<float> first_grads, params;
+};
+
+cpu_run run_cpu(const optimizer_config& oc, int steps) {
+  cpu_run r;
+  gpt_stage model(kConfig, stage_range::whole(kConfig));
+  model.init_gpt2(42);
+  adamw_optimizer opt(model);
+  gpt_activations acts(model, kB, kT);
+  for (int s = 0; s < steps; ++s) {
+    const auto b = make_batch(static_cast<std::uint64_t>(s) * 1000);
+    model.zero_grad();
+    stage_forward(model, acts, b.inputs.data(), nullptr);
+    r.losses.push_back(stage_loss_backward_start(model, acts, b.targets.data(), 1.0f).mean());
+    stage_backward(model, acts, nullptr, nullptr);
+    if (s == 0) r.first_grads.assign(model.grads(), model.grads() + model.parameter_count());
+    r.norms.push_back(opt.step(model, oc, s, steps).grad_norm);
+  }
+  r.params.assign(model.params(), model.params() + model.parameter_count());
+  return r;
+}
+
+void compare(compute_dtype dtype, double loss_tol, double grad_tol, double param_tol) {
+  optimizer_config oc;
+  oc.warmup_steps = 1;
+  const int steps = 4;
+  const auto want = run_cpu(oc, steps);
+  gpu_trainer gpu(kConfig, kB, kT, dtype, 42);
+  for (int s = 0; s < steps; ++s) {
+    const auto b = make_batch(static_cast<std::uint64_t>(s) * 1000);
+    gpu.zero_grad();
+    const double loss = gpu.forward_backward(b.inputs.data(), b.targets.data());
+    if (s == 0) {
+      INFO("first step's gradients");
+      CHECK(relative_difference(gpu.gradients(), want.first_grads) <= grad_tol);
+    }
+    const double norm = std::sqrt(gpu.grad_square_sum());
+    gpu.update(oc, s, steps, clip_coefficient(norm, oc.grad_clip));
+    INFO("step " << s << ": loss " << loss << " vs " << want.losses[static_cast<std::size_t>(s)]
+                 << ", norm " << norm << " vs " << want.norms[static_cast<std::size_t>(s)]);
+    CHECK(std::abs(loss - want.losses[static_cast<std::size_t>(s)]) <=
+          loss_tol * want.losses[static_cast<std::size_t>(s)]);
+    CHECK(std::abs(norm - want.norms[static_cast<std::size_t>(s)]) <=
+          10 * loss_tol * want.norms[static_cast<std::size_t>(s)]);
+  }
+  CHECK(relative_difference(gpu.parameters(), want.params) <= param_tol);
+}
+
+}  // namespace
+
+TEST_CASE("GPT-2 on the GPU in fp32 trains as the CPU engine does", "[gpu][trainer]") {
+  compare(compute_dtype::fp32, 1e-5, 1e-4, 1e-5);
+}
+
+TEST_CASE("GPT-2 on the GPU in bf16 (fp32 master weights) follows the CPU engine",
+          "[gpu][trainer]") {
+  compare(compute_dtype::bf16, 2e-2, 5e-2, 1e-2);
+}
+
+TEST_CASE("GPU gradients accumulate across batches and repeat bitwise", "[gpu][trainer]") {
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16}) {
+    gpu_trainer gpu(kConfig, kB, kT, dtype, 7);
+    const auto b = make_batch(5);
+    gpu.zero_grad();
+    const double l1 = gpu.forward_backward(b.inputs.data(), b.targets.data());
+    const auto once = gpu.gradients();
+    // Deterministic: the same batch again from zero gives bitwise the same loss and gradients.
+    gpu.zero_grad();
+    const double l2 = gpu.forward_backward(b.inputs.data(), b.targets.data());
+    CHECK(l1 == l2);
+    CHECK(gpu.gradients() == once);
+    // Accumulating: a second batch without zero_grad adds (wte sums head and embedding parts,
+    // so the sum is within rounding, not bitwise, of twice).
+    gpu.forward_backward(b.inputs.data(), b.targets.data());
+    auto twice = once;
+    for (auto& g : twice) g *= 2;
+    CHECK(relative_difference(gpu.gradients(), twice) <= 1e-6);
+    // A loss scale of 2^10 scales every gradient by 2^10 (exactly, in exact arithmetic; the
+    // kernels' rounding is scale-invariant for powers of two).
+    if (dtype == compute_dtype::fp32) {
+      gpu.zero_grad();
+      gpu.forward_backward(b.inputs.data(), b.targets.data(), 1024.0f);
+      auto scaled = once;
+      for (auto& g : scaled) g *= 1024.0f;
+      CHECK(relative_difference(gpu.gradients(), scaled) <= 1e-6);
+    }
+  }
+}
+
+TEST_CASE("the GPU trainer refuses a token outside the vocabulary", "[gpu][trainer]") {
+  gpu_trainer gpu(kConfig, kB, kT, compute_dtype::fp32, 1);
+  auto b = make_batch(1);
+  b.inputs[3] = 97;
+  CHECK_THROWS_WITH(gpu.forward_backward(b.inputs.data(), b.targets.data()),
+                    Catch::Contains("token 97 outside the vocabulary of 97"));
+}
