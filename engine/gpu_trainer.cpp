@@ -350,5 +350,6 @@ std::vector<float> gpu_trainer::gradients() const {
 const std::vector<parameter_info>& gpu_trainer::layout() const { return impl_->layout; }
 std::int64_t gpu_trainer::device_bytes() const { return impl_->arena.bytes(); }
 std::string gpu_trainer::device_name() const { return kernels::cuda_device_name(0); }
+void gpu_trainer::synchronize() const { impl_->ctx.synchronize(); }
 
 }  // namespace troupe::engine

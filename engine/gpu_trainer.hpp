@@ -66,6 +66,7 @@ class gpu_trainer {
   const std::vector<parameter_info>& layout() const;
   std::int64_t device_bytes() const;  // everything this trainer allocated on the device
   std::string device_name() const;
+  void synchronize() const;  // waits for everything enqueued
 
   struct impl;
 

@@ -34,5 +34,6 @@ const std::vector<parameter_info>& gpu_trainer::layout() const {
 }
 std::int64_t gpu_trainer::device_bytes() const { return 0; }
 std::string gpu_trainer::device_name() const { return {}; }
+void gpu_trainer::synchronize() const {}
 
 }  // namespace troupe::engine

@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_train_step.hpp"
 #include "bench/peak_flops.hpp"
+#include "bench/peer_process.hpp"
 #include "bench/pipeline_bench.hpp"
 #include "bench/train_step.hpp"
 #include "bench/transport_bench.hpp"
@@ -32,6 +34,8 @@ struct bench_options {
   bool json_output = false;
   bool no_peer = false;
   std::string python;
+  std::string device = "cpu";
+  bench::gpu_train_step_options gpu;
   int steps = 5;
   int warmup = 2;
   int pipeline_steps = 4;
@@ -45,22 +49,10 @@ struct bench_options {
   std::vector<int> zero_dps = {2, 4};
 };
 
-// Runs a command and returns its stdout, or nullopt when it fails.
-std::optional<std::string> capture(const std::string& command) {
-  std::unique_ptr<FILE, int (*)(FILE*)> pipe(::popen(command.c_str(), "r"), ::pclose);
-  if (!pipe) return std::nullopt;
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), pipe.get())) out += buf.data();
-  const int status = ::pclose(pipe.release());
-  if (status != 0) return std::nullopt;
-  return out;
-}
-
 std::string find_python(const bench_options& o) {
   if (!o.python.empty()) return o.python;
   std::fprintf(stderr, "bench: preparing the PyTorch peer venv (tests/oracle/venv.sh)...\n");
-  auto out = capture("bash '" TROUPE_SOURCE_DIR "/tests/oracle/venv.sh'");
+  auto out = bench::capture_command("bash '" TROUPE_SOURCE_DIR "/tests/oracle/venv.sh'");
   if (!out) return "";
   while (!out->empty() && (out->back() == '\n' || out->back() == ' ')) out->pop_back();
   return *out;
@@ -76,15 +68,9 @@ std::optional<json> run_peer(const std::string& python, const bench::train_step_
                 threads, python.c_str(), c.model.layers, c.model.heads, c.model.width,
                 c.model.vocab_size, c.model.context, c.batch, c.seq_len, o.steps, o.warmup,
                 threads);
-  auto out = capture(cmd);
+  auto out = bench::capture_command(cmd);
   if (!out) return std::nullopt;
-  const auto nl = out->find_last_of('{');
-  if (nl == std::string::npos) return std::nullopt;
-  try {
-    return json::parse(out->substr(nl));
-  } catch (const json::exception&) {
-    return std::nullopt;
-  }
+  return bench::last_json_object(*out);
 }
 
 std::vector<bench::train_step_case> cases(const bench_options& o) {
@@ -241,10 +227,23 @@ std::function<int()> add_bench_command(CLI::App& app) {
   step->add_flag("--json", opts->json_output, "Print one JSON report");
   step->add_flag("--no-peer", opts->no_peer, "Skip the PyTorch peer");
   step->add_option("--python", opts->python,
-                   "Python with torch for the peer (default: the oracle venv)");
-  step->add_option("--steps", opts->steps, "Timed steps per case")->check(CLI::PositiveNumber);
-  step->add_option("--warmup", opts->warmup, "Untimed warm-up steps per case")
-      ->check(CLI::NonNegativeNumber);
+                   "Python with torch for the peer (default: the oracle venv; cuda: python3)");
+  auto* steps =
+      step->add_option("--steps", opts->steps, "Timed steps per case")->check(CLI::PositiveNumber);
+  auto* warmup = step->add_option("--warmup", opts->warmup, "Untimed warm-up steps per case")
+                     ->check(CLI::NonNegativeNumber);
+  step->add_option("--device", opts->device,
+                   "cpu (small models vs PyTorch eager on the CPU) or cuda (GPT-2 small on GPU 0 "
+                   "vs PyTorch eager and torch.compile)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  step->add_option("--dtype", opts->gpu.dtype, "cuda: bf16 (fp32 master weights) or fp32")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
+  step->add_option("--batch", opts->gpu.batch, "cuda: sequences per step")
+      ->check(CLI::PositiveNumber);
+  step->add_option("--seq", opts->gpu.seq_len, "cuda: tokens per sequence")
+      ->check(CLI::Range(1, 1024));
+  step->add_option("--layers", opts->gpu.layers, "cuda: transformer blocks (GPT-2 small: 12)")
+      ->check(CLI::Range(1, 48));
   auto* pipe = bench->add_subcommand(
       "pipeline", "Measured pipeline bubble vs theory, actor dispatch share, DP overlap");
   pipe->add_flag("--json", opts->json_output, "Print one JSON report");
@@ -286,11 +285,20 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->required();
   peer->add_option("--warmup", opts->transport_peer.warmup, "Untimed frames (bandwidth)");
   peer->add_option("--frames", opts->transport_peer.frames, "Timed frames (bandwidth)");
-  return [opts, step, pipe, transport, zero, peer]() {
+  return [opts, step, steps, warmup, pipe, transport, zero, peer]() {
     if (pipe->parsed()) return run_pipeline(*opts);
     if (zero->parsed()) return run_zero(*opts);
     if (transport->parsed()) return run_transport(*opts);
     if (peer->parsed()) return bench::run_transport_peer(opts->transport_peer);
+    if (opts->device == "cuda") {
+      auto g = opts->gpu;
+      if (steps->count() > 0) g.steps = opts->steps;
+      if (warmup->count() > 0) g.warmup = opts->warmup;
+      if (!opts->python.empty()) g.python = opts->python;
+      g.no_peer = opts->no_peer;
+      g.json_output = opts->json_output;
+      return bench::run_gpu_train_step_bench(g);
+    }
     (void)step;
     return run_bench(*opts);
   };
