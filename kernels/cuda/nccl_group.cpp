@@ -1,0 +1,214 @@
+// See nccl_group.hpp.
+#include "kernels/cuda/nccl_group.hpp"
+
+#include <nccl.h>
+
+#include <cstring>
+#include <thread>
+
+namespace troupe::kernels::cuda {
+namespace {
+
+void check_cuda(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw cuda_error(what + ": " + cudaGetErrorString(e));
+}
+
+ncclComm_t as_comm(void* c) { return static_cast<ncclComm_t>(c); }
+
+}  // namespace
+
+nccl_id nccl_new_id() {
+  ncclUniqueId id;
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) throw nccl_error(std::string("ncclGetUniqueId: ") + ncclGetErrorString(r));
+  static_assert(sizeof(id.internal) == std::tuple_size_v<nccl_id>);
+  nccl_id out;
+  std::memcpy(out.data(), id.internal, out.size());
+  return out;
+}
+
+std::string nccl_version() {
+  int v = 0;
+  ncclGetVersion(&v);
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100);
+}
+
+nccl_group::nccl_group(std::string name, const nccl_id& id, int ranks, int rank, int device,
+                       std::chrono::milliseconds join_timeout)
+    : name_(std::move(name)), ranks_(ranks), rank_(rank), device_(device) {
+  if (ranks < 1 || rank < 0 || rank >= ranks)
+    throw std::invalid_argument("nccl group " + name_ + ": rank " + std::to_string(rank) + " of " +
+                                std::to_string(ranks));
+  check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+             "nccl group " + name_ + ": cudaStreamCreate");
+  check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming),
+             "nccl group " + name_ + ": cudaEventCreate");
+  ncclUniqueId uid;
+  std::memcpy(uid.internal, id.data(), id.size());
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, ranks, uid, rank, &config);
+  comm_ = comm;
+  if (r != ncclSuccess && r != ncclInProgress) {
+    const std::string why = std::string("ncclCommInitRankConfig: ") + ncclGetErrorString(r);
+    if (comm_) ncclCommAbort(comm);
+    comm_ = nullptr;
+    throw nccl_error("nccl group " + name_ + " (rank " + std::to_string(rank) + " of " +
+                     std::to_string(ranks) + "): " + why);
+  }
+  try {
+    settle("join", std::chrono::steady_clock::now() + join_timeout);
+  } catch (...) {
+    cudaEventDestroy(done_);
+    cudaStreamDestroy(stream_);
+    throw;
+  }
+}
+
+nccl_group::~nccl_group() {
+  if (comm_) {
+    if (broken()) {
+      ncclCommAbort(as_comm(comm_));
+    } else {
+      // Finalize flushes outstanding work; a communicator that cannot finish is aborted.
+      ncclCommFinalize(as_comm(comm_));
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      ncclResult_t state = ncclInProgress;
+      while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+        ncclCommGetAsyncError(as_comm(comm_), &state);
+        if (state == ncclInProgress) std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      if (state == ncclSuccess) {
+        ncclCommDestroy(as_comm(comm_));
+      } else {
+        ncclCommAbort(as_comm(comm_));
+      }
+    }
+  }
+  if (done_) cudaEventDestroy(done_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+// Polls the communicator until the last non-blocking call has completed, or aborts it.
+void nccl_group::settle(const char* op, std::chrono::steady_clock::time_point deadline) {
+  ncclResult_t state = ncclInProgress;
+  while (true) {
+    ncclCommGetAsyncError(as_comm(comm_), &state);
+    if (state != ncclInProgress) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      abort(std::string(op) + " did not complete before its deadline");
+      throw nccl_error("nccl group " + name_ + " (rank " + std::to_string(rank_) + " of " +
+                       std::to_string(ranks_) + "): " + broken_reason_ + "; communicator aborted");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  if (state != ncclSuccess) {
+    abort(std::string(op) + ": " + ncclGetErrorString(state));
+    throw nccl_error("nccl group " + name_ + " (rank " + std::to_string(rank_) +
+                     "): " + broken_reason_ + "; communicator aborted");
+  }
+}
+
+void nccl_group::usable(const char* op) const {
+  if (broken())
+    throw nccl_error("nccl group " + name_ + ": " + op + " on a broken communicator (" +
+                     broken_reason_ + ")");
+}
+
+void nccl_group::order_after(cudaEvent_t after) {
+  if (after) check_cuda(cudaStreamWaitEvent(stream_, after, 0), "cudaStreamWaitEvent");
+}
+
+namespace {
+constexpr auto kEnqueueDeadline = std::chrono::seconds(60);
+
+void enqueue_result(ncclResult_t r, const char* op, nccl_group& g) {
+  if (r != ncclSuccess && r != ncclInProgress)
+    throw nccl_error("nccl group " + g.name() + ": " + op + ": " + ncclGetErrorString(r));
+}
+}  // namespace
+
+void nccl_group::all_reduce_sum(float* data, std::int64_t n, cudaEvent_t after) {
+  usable("all_reduce");
+  order_after(after);
+  enqueue_result(ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclFloat32, ncclSum,
+                               as_comm(comm_), stream_),
+                 "ncclAllReduce", *this);
+  settle("all_reduce", std::chrono::steady_clock::now() + kEnqueueDeadline);
+}
+
+void nccl_group::reduce_scatter_sum(const float* in, float* out, std::int64_t per_rank,
+                                    cudaEvent_t after) {
+  usable("reduce_scatter");
+  order_after(after);
+  enqueue_result(ncclReduceScatter(in, out, static_cast<std::size_t>(per_rank), ncclFloat32,
+                                   ncclSum, as_comm(comm_), stream_),
+                 "ncclReduceScatter", *this);
+  settle("reduce_scatter", std::chrono::steady_clock::now() + kEnqueueDeadline);
+}
+
+void nccl_group::all_gather(const float* in, float* out, std::int64_t per_rank, cudaEvent_t after) {
+  usable("all_gather");
+  order_after(after);
+  enqueue_result(ncclAllGather(in, out, static_cast<std::size_t>(per_rank), ncclFloat32,
+                               as_comm(comm_), stream_),
+                 "ncclAllGather", *this);
+  settle("all_gather", std::chrono::steady_clock::now() + kEnqueueDeadline);
+}
+
+void nccl_group::send(const void* data, std::size_t bytes, int peer, cudaEvent_t after) {
+  usable("send");
+  order_after(after);
+  enqueue_result(ncclSend(data, bytes, ncclUint8, peer, as_comm(comm_), stream_), "ncclSend",
+                 *this);
+  settle("send", std::chrono::steady_clock::now() + kEnqueueDeadline);
+}
+
+void nccl_group::recv(void* data, std::size_t bytes, int peer, cudaEvent_t after) {
+  usable("recv");
+  order_after(after);
+  enqueue_result(ncclRecv(data, bytes, ncclUint8, peer, as_comm(comm_), stream_), "ncclRecv",
+                 *this);
+  settle("recv", std::chrono::steady_clock::now() + kEnqueueDeadline);
+}
+
+cudaEvent_t nccl_group::done() {
+  check_cuda(cudaEventRecord(done_, stream_), "cudaEventRecord");
+  return done_;
+}
+
+void nccl_group::wait(std::chrono::milliseconds timeout, const std::string& what) {
+  usable("wait");
+  check_cuda(cudaEventRecord(done_, stream_), "cudaEventRecord");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    const cudaError_t q = cudaEventQuery(done_);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) check_cuda(q, "nccl group " + name_ + ": " + what);
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(as_comm(comm_), &state);
+    if (state != ncclSuccess && state != ncclInProgress) {
+      abort(what + ": " + ncclGetErrorString(state));
+      break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      abort(what + " did not finish within " + std::to_string(timeout.count()) + " ms");
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  throw nccl_error("nccl group " + name_ + " (rank " + std::to_string(rank_) + " of " +
+                   std::to_string(ranks_) + "): " + broken_reason_ + "; communicator aborted");
+}
+
+void nccl_group::abort(const std::string& reason) {
+  if (broken()) return;
+  broken_reason_ = reason;
+  if (comm_) ncclCommAbort(as_comm(comm_));
+  comm_ = nullptr;
+}
+
+}  // namespace troupe::kernels::cuda

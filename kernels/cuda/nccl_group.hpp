@@ -1,0 +1,82 @@
+// One NCCL communicator (a DP or TP group, or a pipeline link) with its own stream
+// (docs/gpu.md). Host code; needs the CUDA and NCCL headers, not nvcc.
+//
+// Invariants:
+//  - The communicator is non-blocking (ncclConfig_t.blocking = 0): no NCCL call can hang the
+//    caller. Joining and every wait have a deadline; when it passes, or NCCL reports an
+//    asynchronous error, the communicator is aborted (ncclCommAbort, which also tears down
+//    kernels stuck on a dead peer) and nccl_error says which group, rank and operation.
+//  - Collectives and send/recv run on the group's own stream, ordered after the compute
+//    stream's work by an event (`after`), so compute continues while they run; done() gives an
+//    event the compute stream waits on before it reads the result.
+//  - A broken (aborted) group refuses further work with the reason it broke.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace troupe::kernels::cuda {
+
+struct nccl_error : cuda_error {
+  using cuda_error::cuda_error;
+};
+
+// ncclUniqueId as bytes, to travel in the rendezvous message from rank 0 to the others.
+using nccl_id = std::array<char, 128>;
+nccl_id nccl_new_id();
+// "2.28.x" of the NCCL library linked.
+std::string nccl_version();
+
+class nccl_group {
+ public:
+  // Joins the group `name` of `ranks` ranks as `rank`, on CUDA device `device`; waits up to
+  // `join_timeout` for all ranks, then aborts and throws nccl_error naming the group.
+  nccl_group(std::string name, const nccl_id& id, int ranks, int rank, int device,
+             std::chrono::milliseconds join_timeout);
+  ~nccl_group();
+  nccl_group(const nccl_group&) = delete;
+  nccl_group& operator=(const nccl_group&) = delete;
+
+  const std::string& name() const { return name_; }
+  int rank() const { return rank_; }
+  int size() const { return ranks_; }
+  cudaStream_t stream() const { return stream_; }
+  bool broken() const { return !broken_reason_.empty(); }
+
+  // Enqueued on the group's stream after `after` (an event of the producing stream; nullptr:
+  // no ordering). They return at once.
+  void all_reduce_sum(float* data, std::int64_t n, cudaEvent_t after);
+  void reduce_scatter_sum(const float* in, float* out, std::int64_t per_rank, cudaEvent_t after);
+  void all_gather(const float* in, float* out, std::int64_t per_rank, cudaEvent_t after);
+  void send(const void* data, std::size_t bytes, int peer, cudaEvent_t after);
+  void recv(void* data, std::size_t bytes, int peer, cudaEvent_t after);
+
+  // An event recorded after everything enqueued so far (valid until the next done()).
+  cudaEvent_t done();
+  // Waits until everything enqueued has finished; past the deadline, or on an asynchronous
+  // NCCL error, aborts and throws nccl_error naming the group, rank and `what`.
+  void wait(std::chrono::milliseconds timeout, const std::string& what);
+  // Tears the communicator down now (ncclCommAbort); later calls throw with `reason`.
+  void abort(const std::string& reason);
+
+ private:
+  void settle(const char* op, std::chrono::steady_clock::time_point deadline);
+  void usable(const char* op) const;
+  void order_after(cudaEvent_t after);
+
+  std::string name_;
+  int ranks_ = 0, rank_ = 0, device_ = 0;
+  void* comm_ = nullptr;  // ncclComm_t
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+  std::string broken_reason_;
+};
+
+}  // namespace troupe::kernels::cuda
