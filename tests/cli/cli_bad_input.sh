@@ -172,6 +172,19 @@ grep -q colour "$tmp/prev.stderr" || fail "existing-output: stderr does not name
   fail "existing-output: files were added: $(ls -A "$tmp/prev")"
 [[ $failures -eq $before_failures ]] && echo "ok: existing-output"
 
+# The GPU benchmark where no GPU can train (a build without CUDA, or no device): exit 1 and one
+# line saying why. Where a GPU is usable it runs (a tiny case) and must succeed.
+before_failures=$failures
+rc=0
+"$troupe" bench train-step --device cuda --no-peer --batch 1 --seq 16 --layers 1 --steps 1 \
+  --warmup 0 >"$tmp/gpu.stdout" 2>"$tmp/gpu.stderr" || rc=$?
+if [[ $rc -ne 0 ]]; then
+  [[ $rc -eq 1 ]] || fail "bench-no-gpu: exit code $rc, expected 1"
+  [[ $(wc -l <"$tmp/gpu.stderr") -eq 1 ]] || fail "bench-no-gpu: stderr not one line"
+  grep -q -- "--device cuda: " "$tmp/gpu.stderr" || fail "bench-no-gpu: stderr does not say why"
+fi
+[[ $failures -eq $before_failures ]] && echo "ok: bench-no-gpu (exit $rc: $(cat "$tmp/gpu.stderr"))"
+
 if [[ $failures -ne 0 ]]; then
   echo "$failures failure(s)" >&2
   exit 1
