@@ -8,6 +8,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <type_traits>
+#include <unordered_map>
 
 #include "kernels/cuda/cuda_ops.hpp"
 #include "kernels/cuda/device_info.hpp"
@@ -72,6 +73,7 @@ struct gpu_trainer::impl {
   gpt_config config;
   int B = 0, T = 0;
   std::vector<parameter_info> layout;
+  std::unordered_map<std::string, const parameter_info*> by_name;  // into layout
   std::int64_t P = 0;
   cu::context ctx;
   device_arena arena;
@@ -108,9 +110,9 @@ struct model_impl final : gpu_trainer::impl {
   const float* F(const std::string& name) const { return master + param(name).offset; }
   float* G(const std::string& name) const { return grads + param(name).offset; }
   const parameter_info& param(const std::string& name) const {
-    for (const auto& p : layout)
-      if (p.name == name) return p;
-    throw std::logic_error("gpu_trainer: no parameter " + name);
+    const auto it = by_name.find(name);
+    if (it == by_name.end()) throw std::logic_error("gpu_trainer: no parameter " + name);
+    return *it->second;
   }
 
   void allocate() {
@@ -269,6 +271,7 @@ gpu_trainer::gpu_trainer(const gpt_config& config, int B, int T, compute_dtype d
   gpt_stage host(config, stage_range::whole(config));
   host.init_gpt2(seed);
   s.layout = host.parameters();
+  for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
   s.P = host.parameter_count();
   s.master = s.arena.alloc<float>(s.P);
   s.grads = s.arena.alloc<float>(s.P);
@@ -305,12 +308,7 @@ double gpu_trainer::update(const optimizer_config& config, int step, int total_s
                            double grad_multiplier) {
   auto& s = *impl_;
   const double lr = learning_rate(config, step, total_steps);
-  kernels::adamw_hparams hp;
-  hp.lr = static_cast<float>(lr);
-  hp.beta1 = config.beta1;
-  hp.beta2 = config.beta2;
-  hp.eps = config.eps;
-  hp.weight_decay = config.weight_decay;
+  const kernels::adamw_hparams hp = adamw_hparams_at(config, lr);
   for (const auto& p : s.layout) {
     cu::adamw_update(s.ctx, s.master + p.offset, s.grads + p.offset, s.m + p.offset, s.v + p.offset,
                      p.numel, hp, step + 1, p.decay, static_cast<float>(grad_multiplier),

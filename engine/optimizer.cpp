@@ -31,6 +31,16 @@ double grad_square_sum(const gpt_stage& stage, bool count_tied_copy) {
   return sum;
 }
 
+kernels::adamw_hparams adamw_hparams_at(const optimizer_config& c, double lr) {
+  kernels::adamw_hparams hp;
+  hp.lr = static_cast<float>(lr);
+  hp.beta1 = c.beta1;
+  hp.beta2 = c.beta2;
+  hp.eps = c.eps;
+  hp.weight_decay = c.weight_decay;
+  return hp;
+}
+
 double clip_coefficient(double grad_norm, double max_norm) {
   if (max_norm <= 0) return 1.0;
   const double coef = max_norm / (grad_norm + 1e-6);
@@ -71,12 +81,7 @@ adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_stage& stage,
 void adamw_optimizer::update(gpt_stage& stage, const optimizer_config& c, int step, int total_steps,
                              step_result& r) {
   r.lr = learning_rate(c, step, total_steps);
-  kernels::adamw_hparams hp;
-  hp.lr = static_cast<float>(r.lr);
-  hp.beta1 = c.beta1;
-  hp.beta2 = c.beta2;
-  hp.eps = c.eps;
-  hp.weight_decay = c.weight_decay;
+  const kernels::adamw_hparams hp = adamw_hparams_at(c, r.lr);
   for (const auto& p : stage.parameters()) {
     kernels::adamw_update(stage.params() + p.offset, stage.grads() + p.offset, m_.f32() + p.offset,
                           v_.f32() + p.offset, p.numel, hp, step + 1, p.decay);

@@ -25,6 +25,8 @@ struct optimizer_config {
 // The learning rate of 0-based step `step` out of `total_steps` (docs/recipe.md).
 double learning_rate(const optimizer_config& config, int step, int total_steps);
 
+// The AdamW kernel's hyperparameters of `config` at learning rate lr.
+kernels::adamw_hparams adamw_hparams_at(const optimizer_config& config, double lr);
 // Sum of squared gradients of a stage, in double. A last stage without the embedding holds a
 // copy of the tied wte; pass count_tied_copy = false so the pipeline counts wte once.
 double grad_square_sum(const gpt_stage& stage, bool count_tied_copy = true);

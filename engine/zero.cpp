@@ -69,12 +69,7 @@ double shard_adamw_step(const std::vector<bucket_shard>& shards, const shard_vie
                         double grad_norm, double unscale) {
   const double lr = learning_rate(c, step, total_steps);
   const double coef = clip_coefficient(grad_norm, c.grad_clip);
-  kernels::adamw_hparams hp;
-  hp.lr = static_cast<float>(lr);
-  hp.beta1 = c.beta1;
-  hp.beta2 = c.beta2;
-  hp.eps = c.eps;
-  hp.weight_decay = c.weight_decay;
+  const kernels::adamw_hparams hp = adamw_hparams_at(c, lr);
   for (const auto& b : shards) {
     for (const auto& s : b.segments) {
       float* g = views.grad(s);
