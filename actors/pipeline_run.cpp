@@ -348,6 +348,10 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     if (cb.on_message && my_rank == 0) cb.on_message(s);
   };
   // 1. Everything that can fail on bad input, before anything is written or spawned.
+  if (r.device != "cpu")
+    throw engine::recipe_error("key device: the actor engine runs on CPUs; device = \"" + r.device +
+                               "\" trains the whole model on one GPU with the serial loop "
+                               "(--engine serial)");
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   for (int T : in.seq_lens)

@@ -77,8 +77,11 @@ struct gpu_trainer::impl {
   std::int64_t P = 0;
   cu::context ctx;
   device_arena arena;
+  virtual double evaluate(const std::int32_t* inputs, const std::int32_t* targets) = 0;
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
-  cu::bf16* working = nullptr;  // bf16 runs: the weights the kernels read
+  void* working = nullptr;  // bf16 / fp16 runs: the 16-bit weights the kernels read
+  compute_dtype dtype = compute_dtype::fp32;
+  bool recompute = false;
 };
 
 namespace {
@@ -104,7 +107,7 @@ struct model_impl final : gpu_trainer::impl {
     if constexpr (std::is_same_v<D, float>) {
       return master + off;
     } else {
-      return working + off;
+      return static_cast<const D*>(working) + off;
     }
   }
   const float* F(const std::string& name) const { return master + param(name).offset; }
@@ -115,6 +118,8 @@ struct model_impl final : gpu_trainer::impl {
     return *it->second;
   }
 
+  // Keep in step with plan_gpu_memory (gpu_plan.cpp): the GPU suite checks device_bytes()
+  // against it. With recompute, every layer's internals are one shared set of buffers.
   void allocate() {
     const int C = config.width, Vp = config.padded_vocab_size, NH = config.heads;
     const std::int64_t N = std::int64_t{B} * T, NC = N * C;
@@ -123,19 +128,23 @@ struct model_impl final : gpu_trainer::impl {
     encoded = arena.alloc<D>(NC);
     for (int l = 0; l < config.layers; ++l) {
       layer L{};
-      L.ln1 = arena.alloc<D>(NC);
-      L.qkv = arena.alloc<D>(3 * NC);
-      L.atty = arena.alloc<D>(NC);
-      L.res2 = arena.alloc<D>(NC);
-      L.ln2 = arena.alloc<D>(NC);
-      L.fch = arena.alloc<D>(4 * NC);
-      L.fch_gelu = arena.alloc<D>(4 * NC);
+      if (recompute && l > 0) {
+        L = layers.front();
+      } else {
+        L.ln1 = arena.alloc<D>(NC);
+        L.qkv = arena.alloc<D>(3 * NC);
+        L.atty = arena.alloc<D>(NC);
+        L.res2 = arena.alloc<D>(NC);
+        L.ln2 = arena.alloc<D>(NC);
+        L.fch = arena.alloc<D>(4 * NC);
+        L.fch_gelu = arena.alloc<D>(4 * NC);
+        L.ln1_mean = arena.alloc<float>(N);
+        L.ln1_rstd = arena.alloc<float>(N);
+        L.ln2_mean = arena.alloc<float>(N);
+        L.ln2_rstd = arena.alloc<float>(N);
+        L.lse = arena.alloc<float>(std::int64_t{B} * NH * T);
+      }
       L.res3 = arena.alloc<D>(NC);
-      L.ln1_mean = arena.alloc<float>(N);
-      L.ln1_rstd = arena.alloc<float>(N);
-      L.ln2_mean = arena.alloc<float>(N);
-      L.ln2_rstd = arena.alloc<float>(N);
-      L.lse = arena.alloc<float>(std::int64_t{B} * NH * T);
       layers.push_back(L);
     }
     lnf = arena.alloc<D>(NC);
@@ -154,12 +163,36 @@ struct model_impl final : gpu_trainer::impl {
     dqkv = arena.alloc<D>(3 * NC);
   }
 
-  double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
-                          float loss_scale) override {
-    const int C = config.width, NH = config.heads, V = config.vocab_size,
-              Vp = config.padded_vocab_size;
-    const int N = B * T;
+  // Block l's forward from its input x into its buffers (the shared ones with recompute).
+  void block_forward(int l, const D* x) {
+    const int C = config.width, NH = config.heads, N = B * T;
     const std::int64_t NC = std::int64_t{N} * C;
+    const auto& L = layers[static_cast<std::size_t>(l)];
+    const std::string p = "transformer.h." + std::to_string(l) + ".";
+    cu::layernorm_forward(ctx, L.ln1, L.ln1_mean, L.ln1_rstd, x, F(p + "ln_1.weight"),
+                          F(p + "ln_1.bias"), N, C);
+    cu::linear_forward(ctx, L.qkv, L.ln1, W(p + "attn.c_attn.weight"), W(p + "attn.c_attn.bias"), N,
+                       C, 3 * C);
+    cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, C, NH);
+    cu::linear_forward(ctx, L.res2, L.atty, W(p + "attn.c_proj.weight"), W(p + "attn.c_proj.bias"),
+                       N, C, C);
+    cu::residual_forward(ctx, L.res2, L.res2, x, NC);
+    cu::layernorm_forward(ctx, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, F(p + "ln_2.weight"),
+                          F(p + "ln_2.bias"), N, C);
+    cu::linear_forward(ctx, L.fch, L.ln2, W(p + "mlp.c_fc.weight"), W(p + "mlp.c_fc.bias"), N, C,
+                       4 * C);
+    cu::gelu_forward(ctx, L.fch_gelu, L.fch, 4 * NC);
+    cu::linear_forward(ctx, L.res3, L.fch_gelu, W(p + "mlp.c_proj.weight"),
+                       W(p + "mlp.c_proj.bias"), N, 4 * C, C);
+    cu::residual_forward(ctx, L.res3, L.res3, L.res2, NC);
+  }
+
+  // Uploads a batch (checked against the vocabulary) and runs the forward up to the fused
+  // softmax + cross-entropy, which leaves dlogits (seeded with loss_scale) in `logits`.
+  kernels::cross_entropy_result forward(const std::int32_t* inputs, const std::int32_t* targets,
+                                        float loss_scale) {
+    const int C = config.width, V = config.vocab_size, Vp = config.padded_vocab_size;
+    const int N = B * T;
     for (int i = 0; i < N; ++i) {
       if (inputs[i] < 0 || inputs[i] >= V)
         throw std::invalid_argument("gpu_trainer: token " + std::to_string(inputs[i]) +
@@ -173,38 +206,32 @@ struct model_impl final : gpu_trainer::impl {
     check(cudaMemcpyAsync(d_targets, targets, static_cast<std::size_t>(N) * sizeof(std::int32_t),
                           cudaMemcpyHostToDevice, ctx.stream()),
           "cudaMemcpyAsync(targets)");
-    groups.build(ctx, inputs, N);
-
-    // ---- forward ----
     cu::embedding_forward(ctx, encoded, d_inputs, W("transformer.wte.weight"),
                           W("transformer.wpe.weight"), B, T, C);
     const D* x = encoded;
     for (int l = 0; l < config.layers; ++l) {
-      const auto& L = layers[static_cast<std::size_t>(l)];
-      const std::string p = "transformer.h." + std::to_string(l) + ".";
-      cu::layernorm_forward(ctx, L.ln1, L.ln1_mean, L.ln1_rstd, x, F(p + "ln_1.weight"),
-                            F(p + "ln_1.bias"), N, C);
-      cu::linear_forward(ctx, L.qkv, L.ln1, W(p + "attn.c_attn.weight"), W(p + "attn.c_attn.bias"),
-                         N, C, 3 * C);
-      cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, C, NH);
-      cu::linear_forward(ctx, L.res2, L.atty, W(p + "attn.c_proj.weight"),
-                         W(p + "attn.c_proj.bias"), N, C, C);
-      cu::residual_forward(ctx, L.res2, L.res2, x, NC);
-      cu::layernorm_forward(ctx, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, F(p + "ln_2.weight"),
-                            F(p + "ln_2.bias"), N, C);
-      cu::linear_forward(ctx, L.fch, L.ln2, W(p + "mlp.c_fc.weight"), W(p + "mlp.c_fc.bias"), N, C,
-                         4 * C);
-      cu::gelu_forward(ctx, L.fch_gelu, L.fch, 4 * NC);
-      cu::linear_forward(ctx, L.res3, L.fch_gelu, W(p + "mlp.c_proj.weight"),
-                         W(p + "mlp.c_proj.bias"), N, 4 * C, C);
-      cu::residual_forward(ctx, L.res3, L.res3, L.res2, NC);
-      x = L.res3;
+      block_forward(l, x);
+      x = layers[static_cast<std::size_t>(l)].res3;
     }
     cu::layernorm_forward(ctx, lnf, lnf_mean, lnf_rstd, x, F("transformer.ln_f.weight"),
                           F("transformer.ln_f.bias"), N, C);
     cu::linear_forward<D>(ctx, logits, lnf, W("transformer.wte.weight"), nullptr, N, C, Vp);
-    const auto loss = cu::softmax_cross_entropy_backward(ctx, logits, logits, d_targets, losses, N,
-                                                         V, Vp, ignore_index, count, loss_scale);
+    return cu::softmax_cross_entropy_backward(ctx, logits, logits, d_targets, losses, N, V, Vp,
+                                              ignore_index, count, loss_scale);
+  }
+
+  double evaluate(const std::int32_t* inputs, const std::int32_t* targets) override {
+    return forward(inputs, targets, 1.0f).mean();
+  }
+
+  double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
+                          float loss_scale) override {
+    const int C = config.width, NH = config.heads, Vp = config.padded_vocab_size;
+    const int N = B * T;
+    const std::int64_t NC = std::int64_t{N} * C;
+    const auto loss = forward(inputs, targets, loss_scale);
+    groups.build(ctx, inputs, N);
+    const D* x = layers.empty() ? encoded : layers.back().res3;
 
     // ---- backward (logits now hold dlogits) ----
     zero(ctx, dlnf, NC);
@@ -219,6 +246,8 @@ struct model_impl final : gpu_trainer::impl {
       const auto& L = layers[static_cast<std::size_t>(l)];
       const D* in = l > 0 ? layers[static_cast<std::size_t>(l) - 1].res3 : encoded;
       const std::string p = "transformer.h." + std::to_string(l) + ".";
+      // The last block's internals are still in the shared buffers from the forward.
+      if (recompute && l + 1 < config.layers) block_forward(l, in);
       zero(ctx, dfch_gelu, 4 * NC);
       cu::linear_backward(ctx, dfch_gelu, G(p + "mlp.c_proj.weight"), G(p + "mlp.c_proj.bias"),
                           dres, L.fch_gelu, W(p + "mlp.c_proj.weight"), N, 4 * C, C);
@@ -250,45 +279,81 @@ struct model_impl final : gpu_trainer::impl {
 
 }  // namespace
 
-gpu_trainer::gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype,
-                         std::uint64_t seed) {
+namespace {
+gpt_stage initial_weights(const gpt_config& config, std::uint64_t seed) {
   config.validate();
+  gpt_stage host(config, stage_range::whole(config));
+  host.init_gpt2(seed);
+  return host;
+}
+}  // namespace
+
+gpu_trainer::gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype,
+                         std::uint64_t seed)
+    : gpu_trainer(initial_weights(config, seed), B, T, gpu_trainer_options{dtype, false}) {}
+
+gpu_trainer::gpu_trainer(const gpt_stage& weights, int B, int T,
+                         const gpu_trainer_options& options) {
+  const gpt_config& config = weights.config();
+  config.validate();
+  const stage_range& range = weights.range();
+  if (range.first_layer != 0 || range.last_layer != config.layers || !range.embedding ||
+      !range.head)
+    throw std::invalid_argument("gpu_trainer: the host weights are not a whole model");
   if (B < 1 || T < 1 || T > config.context)
     throw std::invalid_argument("gpu_trainer: batch " + std::to_string(B) + " x sequence " +
                                 std::to_string(T) + " (the context is " +
                                 std::to_string(config.context) + ")");
   std::string why;
   if (!cuda_training_available(&why)) throw std::runtime_error("--device cuda: " + why);
-  if (dtype == compute_dtype::bf16) {
-    impl_ = std::make_unique<model_impl<cu::bf16>>();
-  } else {
-    impl_ = std::make_unique<model_impl<float>>();
+  switch (options.dtype) {
+    case compute_dtype::bf16:
+      impl_ = std::make_unique<model_impl<cu::bf16>>();
+      break;
+    case compute_dtype::fp16:
+      impl_ = std::make_unique<model_impl<cu::fp16>>();
+      break;
+    case compute_dtype::fp32:
+      impl_ = std::make_unique<model_impl<float>>();
+      break;
   }
   auto& s = *impl_;
   s.config = config;
   s.B = B;
   s.T = T;
-  gpt_stage host(config, stage_range::whole(config));
-  host.init_gpt2(seed);
-  s.layout = host.parameters();
+  s.dtype = options.dtype;
+  s.recompute = options.recompute;
+  s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
-  s.P = host.parameter_count();
+  s.P = weights.parameter_count();
   s.master = s.arena.alloc<float>(s.P);
   s.grads = s.arena.alloc<float>(s.P);
   s.m = s.arena.alloc<float>(s.P);
   s.v = s.arena.alloc<float>(s.P);
-  check(cudaMemcpy(s.master, host.params(), static_cast<std::size_t>(s.P) * sizeof(float),
+  check(cudaMemcpy(s.master, weights.params(), static_cast<std::size_t>(s.P) * sizeof(float),
                    cudaMemcpyHostToDevice),
         "cudaMemcpy(parameters)");
   zero(s.ctx, s.grads, s.P);
   zero(s.ctx, s.m, s.P);
   zero(s.ctx, s.v, s.P);
-  if (dtype == compute_dtype::bf16) {
-    s.working = s.arena.alloc<cu::bf16>(s.P);
-    cu::convert(s.ctx, s.working, s.master, s.P);
-    static_cast<model_impl<cu::bf16>&>(s).allocate();
-  } else {
-    static_cast<model_impl<float>&>(s).allocate();
+  switch (options.dtype) {
+    case compute_dtype::bf16: {
+      auto* w = s.arena.alloc<cu::bf16>(s.P);
+      s.working = w;
+      cu::convert(s.ctx, w, s.master, s.P);
+      static_cast<model_impl<cu::bf16>&>(s).allocate();
+      break;
+    }
+    case compute_dtype::fp16: {
+      auto* w = s.arena.alloc<cu::fp16>(s.P);
+      s.working = w;
+      cu::convert(s.ctx, w, s.master, s.P);
+      static_cast<model_impl<cu::fp16>&>(s).allocate();
+      break;
+    }
+    case compute_dtype::fp32:
+      static_cast<model_impl<float>&>(s).allocate();
+      break;
   }
   s.ctx.synchronize();
 }
@@ -300,6 +365,10 @@ double gpu_trainer::forward_backward(const std::int32_t* inputs, const std::int3
   return impl_->forward_backward(inputs, targets, loss_scale);
 }
 
+double gpu_trainer::evaluate(const std::int32_t* inputs, const std::int32_t* targets) {
+  return impl_->evaluate(inputs, targets);
+}
+
 void gpu_trainer::zero_grad() { zero(impl_->ctx, impl_->grads, impl_->P); }
 
 double gpu_trainer::grad_square_sum() { return cu::square_sum(impl_->ctx, impl_->grads, impl_->P); }
@@ -309,10 +378,17 @@ double gpu_trainer::update(const optimizer_config& config, int step, int total_s
   auto& s = *impl_;
   const double lr = learning_rate(config, step, total_steps);
   const kernels::adamw_hparams hp = adamw_hparams_at(config, lr);
+  const auto multiplier = static_cast<float>(grad_multiplier);
   for (const auto& p : s.layout) {
-    cu::adamw_update(s.ctx, s.master + p.offset, s.grads + p.offset, s.m + p.offset, s.v + p.offset,
-                     p.numel, hp, step + 1, p.decay, static_cast<float>(grad_multiplier),
-                     s.working ? s.working + p.offset : nullptr);
+    float *w = s.master + p.offset, *g = s.grads + p.offset, *m = s.m + p.offset,
+          *v = s.v + p.offset;
+    if (s.dtype == compute_dtype::fp16) {
+      cu::adamw_update(s.ctx, w, g, m, v, p.numel, hp, step + 1, p.decay, multiplier,
+                       static_cast<cu::fp16*>(s.working) + p.offset);
+    } else {
+      cu::adamw_update(s.ctx, w, g, m, v, p.numel, hp, step + 1, p.decay, multiplier,
+                       s.working ? static_cast<cu::bf16*>(s.working) + p.offset : nullptr);
+    }
   }
   return lr;
 }
@@ -341,6 +417,14 @@ std::vector<float> to_host(const cu::context& ctx, const float* p, std::int64_t 
 
 std::vector<float> gpu_trainer::parameters() const {
   return to_host(impl_->ctx, impl_->master, impl_->P);
+}
+void gpu_trainer::copy_parameters_to(gpt_stage& host) const {
+  if (host.parameter_count() != impl_->P)
+    throw std::invalid_argument("gpu_trainer: the host stage does not hold the whole model");
+  impl_->ctx.synchronize();
+  check(cudaMemcpy(host.params(), impl_->master, static_cast<std::size_t>(impl_->P) * sizeof(float),
+                   cudaMemcpyDeviceToHost),
+        "cudaMemcpy(to host)");
 }
 std::vector<float> gpu_trainer::gradients() const {
   return to_host(impl_->ctx, impl_->grads, impl_->P);

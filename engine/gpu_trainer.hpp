@@ -2,14 +2,20 @@
 // optimizer and schedule, with every op from kernels/cuda.
 //
 // Invariants:
-//  - The weights start as gpt_stage::init_gpt2(seed) gives them on the host, so a GPU run starts
-//    from the CPU model's exact weights; parameters and gradients keep gpt_stage's flat layout.
-//  - Master weights, gradients and AdamW moments are fp32. With compute_dtype::bf16 the
-//    forward and backward run on a bf16 copy of the weights (refreshed by every AdamW update)
-//    and bf16 activations; layernorm parameters and statistics, GEMM accumulation, softmax and
-//    every gradient reduction stay fp32. compute_dtype::fp32 runs everything in fp32.
+//  - The weights start as the host model given (gpt_stage::init_gpt2(seed), or Hugging Face
+//    weights loaded into a gpt_stage), so a GPU run starts from the CPU model's exact weights;
+//    parameters and gradients keep gpt_stage's flat layout.
+//  - Master weights, gradients and AdamW moments are fp32. With compute_dtype bf16 or fp16 the
+//    forward and backward run on a 16-bit copy of the weights (refreshed by every AdamW update)
+//    and 16-bit activations; layernorm parameters and statistics, GEMM accumulation, softmax and
+//    every gradient reduction stay fp32. fp16 needs dynamic loss scaling (its gradients
+//    underflow without it): the caller seeds backward with the scale and skips non-finite steps.
+//  - Activation checkpointing (recompute): each block keeps only its output; its internals live
+//    in one shared scratch and are recomputed, by the same kernels, before the block's backward,
+//    so a step's numbers are bitwise those of the run without it.
 //  - Gradients accumulate (+=) across forward_backward calls until zero_grad, as on the CPU.
 //  - No atomics in any kernel: a step's numbers repeat bitwise on the same GPU.
+//  - gpu_memory_plan() gives, without a device, exactly the bytes the trainer allocates.
 // Without CUDA (the build or the machine), constructing one throws std::runtime_error saying
 // why; cuda_training_available() tells beforehand.
 #pragma once
@@ -24,15 +30,37 @@
 
 namespace troupe::engine {
 
-enum class compute_dtype { fp32, bf16 };
+enum class compute_dtype { fp32, bf16, fp16 };
+// "fp32", "bf16" or "fp16"; anything else throws std::invalid_argument.
+compute_dtype parse_compute_dtype(const std::string& name);
+const char* compute_dtype_name(compute_dtype dtype);
+
+struct gpu_trainer_options {
+  compute_dtype dtype = compute_dtype::fp32;
+  bool recompute = false;  // activation checkpointing: every block recomputed in backward
+};
+
+// The device memory a gpu_trainer allocates (its arena; cuBLASLt's workspace and the token
+// groups are not counted), computed on the host.
+struct gpu_memory_plan {
+  std::int64_t model_state = 0;  // fp32 master weights, gradients, AdamW m and v (+ 16-bit copy)
+  std::int64_t activations = 0;  // what forward keeps for backward, and backward's scratch
+  std::int64_t activations_without_recompute = 0;  // the same without checkpointing
+  std::int64_t total() const { return model_state + activations; }
+};
+gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
+                                const gpu_trainer_options& options);
 
 // Whether a CUDA device can train here; otherwise, when why_not is given, the reason.
 bool cuda_training_available(std::string* why_not = nullptr);
 
 class gpu_trainer {
  public:
-  // A model for batches of B sequences of T tokens (T <= config.context) on device 0.
+  // A model for batches of B sequences of T tokens (T <= config.context) on device 0, with
+  // gpt_stage::init_gpt2(seed)'s weights.
   gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype, std::uint64_t seed);
+  // The same with the weights of a whole-model host stage (e.g. loaded from Hugging Face).
+  gpu_trainer(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options);
   ~gpu_trainer();
   gpu_trainer(const gpu_trainer&) = delete;
   gpu_trainer& operator=(const gpu_trainer&) = delete;
@@ -42,6 +70,8 @@ class gpu_trainer {
   // the mean loss (unscaled) over the counted targets.
   double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
                           float loss_scale = 1.0f);
+  // The mean loss of one batch, forward only (validation); gradients are untouched.
+  double evaluate(const std::int32_t* inputs, const std::int32_t* targets);
   void zero_grad();
   // Sum of squared gradients as held (still carrying the loss scale), in fp64.
   double grad_square_sum();
@@ -62,6 +92,8 @@ class gpu_trainer {
 
   // fp32 master weights and gradients, in gpt_stage's layout (copied to the host).
   std::vector<float> parameters() const;
+  // The master weights copied into a whole-model host stage of the same config (to save them).
+  void copy_parameters_to(gpt_stage& host) const;
   std::vector<float> gradients() const;
   const std::vector<parameter_info>& layout() const;
   std::int64_t device_bytes() const;  // everything this trainer allocated on the device

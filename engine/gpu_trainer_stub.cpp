@@ -12,11 +12,18 @@ bool cuda_training_available(std::string* why_not) {
 
 struct gpu_trainer::impl {};
 
-gpu_trainer::gpu_trainer(const gpt_config&, int, int, compute_dtype, std::uint64_t) {
+namespace {
+[[noreturn]] void no_cuda() {
   std::string why;
   cuda_training_available(&why);
   throw std::runtime_error("--device cuda: " + why);
 }
+}  // namespace
+
+gpu_trainer::gpu_trainer(const gpt_config&, int, int, compute_dtype, std::uint64_t) { no_cuda(); }
+gpu_trainer::gpu_trainer(const gpt_stage&, int, int, const gpu_trainer_options&) { no_cuda(); }
+double gpu_trainer::evaluate(const std::int32_t*, const std::int32_t*) { return 0; }
+void gpu_trainer::copy_parameters_to(gpt_stage&) const {}
 gpu_trainer::~gpu_trainer() = default;
 double gpu_trainer::forward_backward(const std::int32_t*, const std::int32_t*, float) { return 0; }
 void gpu_trainer::zero_grad() {}

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "engine/gpt_model.hpp"
+#include "engine/gpu_trainer.hpp"
 #include "engine/pipeline_layout.hpp"
 #include "engine/schedule.hpp"
 
@@ -102,6 +103,42 @@ std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_pl
       s += line;
     }
     s += ".\n";
+  }
+  return s;
+}
+
+std::string format_gpu_memory_plan(const recipe& r) {
+  validate_recipe(r);
+  gpu_trainer_options o{parse_compute_dtype(r.precision.dtype), r.activation_checkpoint.full()};
+  const gpu_memory_plan p = plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, o);
+  const std::int64_t P = r.model.parameter_count();
+  std::string s =
+      "device memory plan, the whole model on one GPU (" + r.precision.dtype +
+      " compute, fp32 master weights, gradients and AdamW moments" +
+      (o.dtype == compute_dtype::fp32 ? "" : ", a " + r.precision.dtype + " copy of the weights") +
+      "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
+      std::to_string(r.batch.seq_len) + " tokens:\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "%12s %12s %14s %12s\n", "parameters", "model state",
+                "activations", "total");
+  s += line;
+  std::snprintf(line, sizeof line, "%12lld %12s %14s %12s\n", static_cast<long long>(P),
+                mib(static_cast<double>(p.model_state)).c_str(),
+                mib(static_cast<double>(p.activations)).c_str(),
+                mib(static_cast<double>(p.total())).c_str());
+  s += line;
+  s += "activations: what the forward keeps for the backward and the backward's scratch, for one "
+       "micro-batch (micro-batches run one after another); cuBLASLt's 32 MiB workspace comes on "
+       "top.\n";
+  if (o.recompute) {
+    std::snprintf(
+        line, sizeof line,
+        "activation checkpointing (full): each block keeps its output only, one set of "
+        "block buffers is shared and recomputed: %s instead of %s, saves %s.\n",
+        mib(static_cast<double>(p.activations)).c_str(),
+        mib(static_cast<double>(p.activations_without_recompute)).c_str(),
+        mib(static_cast<double>(p.activations_without_recompute - p.activations)).c_str());
+    s += line;
   }
   return s;
 }

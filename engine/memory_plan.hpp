@@ -35,4 +35,8 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r);
 // A table, one line per rank, and the formula in words.
 std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_plan>& plan);
 
+// device = "cuda": the device memory of the whole model on one GPU (plan_gpu_memory in
+// engine/gpu_trainer.hpp), with and without activation checkpointing. Throws recipe_error.
+std::string format_gpu_memory_plan(const recipe& r);
+
 }  // namespace troupe::engine

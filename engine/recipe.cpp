@@ -66,6 +66,8 @@ const std::map<std::string, field>& schema() {
       {"eval_batches", int_field(&recipe::eval_batches)},
       {"init",
        {kind::string, [](recipe& r, const toml::node& n) { r.init = *n.value<std::string>(); }}},
+      {"device",
+       {kind::string, [](recipe& r, const toml::node& n) { r.device = *n.value<std::string>(); }}},
       {"model.vocab_size", nested(&recipe::model, &gpt_config::vocab_size)},
       {"model.padded_vocab_size", nested(&recipe::model, &gpt_config::padded_vocab_size)},
       {"model.context", nested(&recipe::model, &gpt_config::context)},
@@ -204,10 +206,14 @@ void validate_precision(const recipe& r) {
   const auto& p = r.precision;
   require(p.dtype == "fp32" || p.dtype == "bf16" || p.dtype == "fp16", "precision.dtype",
           "'" + p.dtype + "' is not fp32, bf16 or fp16");
-  require(p.dtype == "fp32", "precision.dtype",
-          p.dtype + " needs the CUDA backend, which troupe train does not run yet (fp32 only)");
+  require(r.device == "cpu" || r.device == "cuda", "device",
+          "'" + r.device + "' is not cpu or cuda");
+  require(p.dtype == "fp32" || r.device == "cuda", "precision.dtype",
+          p.dtype + " needs device = \"cuda\" (the CPU engines compute in fp32)");
   require(p.loss_scale == "none" || p.loss_scale == "dynamic", "precision.loss_scale",
           "'" + p.loss_scale + "' is not none or dynamic");
+  require(p.dtype != "fp16" || p.loss_scale == "dynamic", "precision.loss_scale",
+          "fp16 needs \"dynamic\" (fp16 gradients underflow without loss scaling)");
   require(std::isfinite(p.init_scale) && p.init_scale > 0, "precision.init_scale",
           "must be a finite number > 0");
   require(p.growth_interval >= 1, "precision.growth_interval", "must be >= 1");
@@ -332,6 +338,12 @@ void validate_recipe(const recipe& r) {
   }
   require(r.steps > 0, "steps", "must be positive");
   validate_precision(r);
+  if (r.device == "cuda") {
+    const int hs = r.model.width / r.model.heads;
+    require(hs == 16 || hs == 32 || hs == 64 || hs == 128, "model.heads",
+            "device \"cuda\": head size " + std::to_string(hs) +
+                " (width / heads); the GPU attention kernel takes 16, 32, 64 or 128");
+  }
   require(r.eval_interval >= 0, "eval_interval", "must be >= 0");
   require(r.eval_batches > 0, "eval_batches", "must be positive");
   require(r.batch.micro_batch > 0, "batch.micro_batch", "must be positive");

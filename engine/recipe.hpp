@@ -80,6 +80,7 @@ struct recipe {
   int eval_interval = 50;
   int eval_batches = 8;
   std::string init;
+  std::string device = "cpu";  // cpu | cuda (the whole model on one GPU: the serial loop)
   gpt_config model;
   data_config data;
   batch_config batch;

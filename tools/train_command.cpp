@@ -1,6 +1,7 @@
-// `troupe train RECIPE.toml [--set key=value ...] [--trace FILE] [--engine actors|serial]`: the
-// actor engine (pipeline stages, schedule, data loaders, coordinator) by default, or the serial
-// reference loop. A process started by `troupe launch`, srun, mpirun or a torchrun-style
+// `troupe train RECIPE.toml [--set key=value ...] [--trace FILE] [--engine actors|serial]
+// [--device cpu|cuda]`: the actor engine (pipeline stages, schedule, data loaders, coordinator) by
+// default on the CPU, or the serial loop (the reference, and the whole model on one GPU with
+// --device cuda). A process started by `troupe launch`, srun, mpirun or a torchrun-style
 // environment joins its job from the environment (topology/launch_env.hpp); rank 0 prints.
 // With --report-peak-rss every process, whatever its rank, ends a successful run with one JSON
 // line on stderr: {"rank":R,"world":W,"peak_rss_bytes":N} (`troupe bench zero` reads it).
@@ -35,7 +36,8 @@ std::function<int()> add_train_command(CLI::App& app) {
     std::string recipe;
     std::vector<std::string> overrides;
     std::string trace;
-    std::string engine = "actors";
+    std::string engine;  // empty: actors on the CPU, serial on a GPU
+    std::string device;  // empty: the recipe's `device`
     double peer_timeout = 10;
     double rendezvous_timeout = 120;
     bool dry_run = false;
@@ -49,8 +51,13 @@ std::function<int()> add_train_command(CLI::App& app) {
       ->allow_extra_args(false);
   cmd->add_option("--trace", opts->trace,
                   "Write a Chrome trace-event file of every message and action (Perfetto)");
-  cmd->add_option("--engine", opts->engine, "actors (default) or serial (the reference loop)")
+  cmd->add_option("--engine", opts->engine,
+                  "actors (the default on the CPU) or serial (the reference loop; the default "
+                  "with --device cuda)")
       ->check(CLI::IsMember({"actors", "serial"}));
+  cmd->add_option("--device", opts->device,
+                  "cpu, or cuda: the whole model on one GPU (the recipe key `device`)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--peer-timeout", opts->peer_timeout,
                   "Seconds without a heartbeat after which a peer process counts as lost")
       ->check(CLI::Range(0.1, 3600.0));
@@ -65,14 +72,21 @@ std::function<int()> add_train_command(CLI::App& app) {
   return [opts]() -> int {
     engine::recipe r;
     try {
-      r = engine::load_recipe(opts->recipe, opts->overrides);
+      auto overrides = opts->overrides;
+      if (!opts->device.empty()) overrides.push_back("device=\"" + opts->device + "\"");
+      r = engine::load_recipe(opts->recipe, overrides);
     } catch (const engine::recipe_error& e) {
       std::fprintf(stderr, "troupe train: %s\n", e.what());
       return exit_bad_input;
     }
+    const bool gpu = r.device == "cuda";
+    if (opts->engine.empty()) opts->engine = gpu ? "serial" : "actors";
     if (opts->dry_run) {
       try {
-        std::fputs(engine::format_memory_plan(r, engine::plan_memory(r)).c_str(), stdout);
+        std::fputs((gpu ? engine::format_gpu_memory_plan(r)
+                        : engine::format_memory_plan(r, engine::plan_memory(r)))
+                       .c_str(),
+                   stdout);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "troupe train: %s\n", e.what());
         return exit_bad_input;

@@ -426,6 +426,7 @@ void convert(const context& ctx, T* out, const float* in, std::int64_t n) {
   template void convert<T>(const context&, T*, const float*, std::int64_t);
 TROUPE_INSTANTIATE(float)
 TROUPE_INSTANTIATE(bf16)
+TROUPE_INSTANTIATE(fp16)
 #undef TROUPE_INSTANTIATE
 
 }  // namespace troupe::kernels::cuda

@@ -18,6 +18,7 @@ inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel)
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(fp16 x) { return __half2float(x); }
 template <class T>
 __device__ __forceinline__ T from_f(float x);
 template <>
@@ -27,6 +28,10 @@ __device__ __forceinline__ float from_f<float>(float x) {
 template <>
 __device__ __forceinline__ bf16 from_f<bf16>(float x) {
   return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ fp16 from_f<fp16>(float x) {
+  return __float2half(x);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -168,8 +168,9 @@ struct adamw_coefficients {
   float step_size, bc2_sqrt, w1, beta2, w2, eps, keep, grad_scale;
 };
 
+template <class W>
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, std::int64_t n,
-                             adamw_coefficients c, bf16* copy) {
+                             adamw_coefficients c, W* copy) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float g = grad[i] * c.grad_scale;
@@ -181,7 +182,7 @@ __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v
   param[i] = out;
   m[i] = mi;
   v[i] = vi;
-  if (copy) copy[i] = __float2bfloat16(out);
+  if (copy) copy[i] = from_f<W>(out);
 }
 
 // ---- sum of squares: per-block partials in fp64, then the host in block order -------------------
@@ -209,6 +210,10 @@ cudaDataType_t data_type<float>() {
 template <>
 cudaDataType_t data_type<bf16>() {
   return CUDA_R_16BF;
+}
+template <>
+cudaDataType_t data_type<fp16>() {
+  return CUDA_R_16F;
 }
 
 }  // namespace
@@ -383,9 +388,11 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
   return r;
 }
 
-void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
+namespace {
+template <class W>
+void adamw_launch(const context& ctx, float* param, const float* grad, float* m, float* v,
                   std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
-                  bf16* param_copy) {
+                  W* param_copy) {
   if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based");
   const double bc1 = 1.0 - std::pow(double(hp.beta1), step);
   const double bc2 = 1.0 - std::pow(double(hp.beta2), step);
@@ -400,8 +407,21 @@ void adamw_update(const context& ctx, float* param, const float* grad, float* m,
                ? static_cast<float>(1.0 - double(hp.lr) * double(hp.weight_decay))
                : 1.0f;
   c.grad_scale = grad_scale;
-  adamw_kernel<<<blocks_for(n), kThreads, 0, ctx.stream()>>>(param, grad, m, v, n, c, param_copy);
+  adamw_kernel<W>
+      <<<blocks_for(n), kThreads, 0, ctx.stream()>>>(param, grad, m, v, n, c, param_copy);
   check_launch("adamw_kernel");
+}
+}  // namespace
+
+void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
+                  std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
+                  bf16* param_copy) {
+  adamw_launch(ctx, param, grad, m, v, n, hp, step, decay, grad_scale, param_copy);
+}
+void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
+                  std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
+                  fp16* param_copy) {
+  adamw_launch(ctx, param, grad, m, v, n, hp, step, decay, grad_scale, param_copy);
 }
 
 double square_sum(const context& ctx, const float* x, std::int64_t n) {
@@ -440,6 +460,7 @@ double square_sum(const context& ctx, const float* x, std::int64_t n) {
       float);
 TROUPE_INSTANTIATE(float)
 TROUPE_INSTANTIATE(bf16)
+TROUPE_INSTANTIATE(fp16)
 #undef TROUPE_INSTANTIATE
 
 }  // namespace troupe::kernels::cuda

@@ -1,7 +1,7 @@
 // The foundation ops on the GPU (docs/gpu.md): the same semantics as kernels/cpu_ops.hpp
 // (shapes, accumulate conventions, ignore index), on device pointers, enqueued on a stream.
-// T is float (fp32) or __nv_bfloat16 (bf16 activations and working weights); statistics,
-// reductions, master weights and optimizer state are fp32, norms and loss sums fp64.
+// T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16): the activations and working weights;
+// statistics, reductions, master weights and optimizer state are fp32, norms and loss sums fp64.
 //
 // Invariants:
 //  - Every reduction has a fixed order (no atomics), so a kernel's result is bitwise the same
@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -31,6 +32,7 @@ struct cuda_error : std::runtime_error {
 };
 
 using bf16 = __nv_bfloat16;
+using fp16 = __half;
 
 // A stream, a cuBLASLt handle and its workspace on the current device. One per thread.
 class context {
@@ -145,10 +147,13 @@ void convert(const context& ctx, T* out, const float* in, std::int64_t n);
 // ---- optimizer and norms ---------------------------------------------------------------------
 // torch.optim.AdamW on fp32 master weights, exactly the CPU kernel's arithmetic. grad_scale
 // multiplies every gradient first (unscaling and clipping); param_copy (may be nullptr) receives
-// the updated weights as bf16 for the next forward.
+// the updated weights as bf16 (or fp16) for the next forward.
 void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
                   std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
                   bf16* param_copy);
+void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
+                  std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
+                  fp16* param_copy);
 // Sum of squares of n values, in fp64, in a fixed order.
 double square_sum(const context& ctx, const float* x, std::int64_t n);
 

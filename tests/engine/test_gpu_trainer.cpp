@@ -1,6 +1,7 @@
 // The GPT-2 model on the GPU against the serial CPU engine (`gpu` suite; exit 77, SKIP, without
-// a device): the same weights, gradients and training steps within the dtype's tolerance, fp32
-// and bf16; gradients accumulate and repeat bitwise.
+// a device): the same weights, gradients and training steps within the dtype's tolerance, fp32,
+// bf16 and fp16 (with a loss scale); gradients accumulate and repeat bitwise; activation
+// checkpointing changes no bit and allocates what plan_gpu_memory says.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -69,7 +70,10 @@ cpu_run run_cpu(const optimizer_config& oc, int steps) {
   return r;
 }
 
-void compare(compute_dtype dtype, double loss_tol, double grad_tol, double param_tol) {
+// Four AdamW steps on the GPU against the CPU; backward seeded with loss_scale (a power of two),
+// unscaled in the update as the training loop does.
+void compare(compute_dtype dtype, double loss_tol, double grad_tol, double param_tol,
+             float loss_scale = 1.0f) {
   optimizer_config oc;
   oc.warmup_steps = 1;
   const int steps = 4;
@@ -78,13 +82,16 @@ void compare(compute_dtype dtype, double loss_tol, double grad_tol, double param
   for (int s = 0; s < steps; ++s) {
     const auto b = make_batch(static_cast<std::uint64_t>(s) * 1000);
     gpu.zero_grad();
-    const double loss = gpu.forward_backward(b.inputs.data(), b.targets.data());
+    const double loss = gpu.forward_backward(b.inputs.data(), b.targets.data(), loss_scale);
     if (s == 0) {
       INFO("first step's gradients");
-      CHECK(relative_difference(gpu.gradients(), want.first_grads) <= grad_tol);
+      auto unscaled = gpu.gradients();
+      for (auto& g : unscaled) g /= loss_scale;
+      CHECK(relative_difference(unscaled, want.first_grads) <= grad_tol);
     }
-    const double norm = std::sqrt(gpu.grad_square_sum());
-    gpu.update(oc, s, steps, clip_coefficient(norm, oc.grad_clip));
+    const double norm = std::sqrt(gpu.grad_square_sum()) / loss_scale;
+    REQUIRE(std::isfinite(norm));
+    gpu.update(oc, s, steps, clip_coefficient(norm, oc.grad_clip) / loss_scale);
     INFO("step " << s << ": loss " << loss << " vs " << want.losses[static_cast<std::size_t>(s)]
                  << ", norm " << norm << " vs " << want.norms[static_cast<std::size_t>(s)]);
     CHECK(std::abs(loss - want.losses[static_cast<std::size_t>(s)]) <=
@@ -106,8 +113,62 @@ TEST_CASE("GPT-2 on the GPU in bf16 (fp32 master weights) follows the CPU engine
   compare(compute_dtype::bf16, 2e-2, 5e-2, 1e-2);
 }
 
+TEST_CASE("GPT-2 on the GPU in fp16 with a loss scale follows the CPU engine", "[gpu][trainer]") {
+  // fp16 keeps 10 mantissa bits (bf16 7): tighter than bf16; the scale keeps small activation
+  // gradients out of fp16's subnormals.
+  compare(compute_dtype::fp16, 1e-2, 3e-2, 5e-3, 1024.0f);
+}
+
+TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the plan",
+          "[gpu][trainer]") {
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
+    INFO("dtype " << compute_dtype_name(dtype));
+    gpt_stage host(kConfig, stage_range::whole(kConfig));
+    host.init_gpt2(3);
+    gpu_trainer plain(host, kB, kT, {dtype, false});
+    gpu_trainer recomputed(host, kB, kT, {dtype, true});
+    const auto plan_plain = plan_gpu_memory(kConfig, kB, kT, {dtype, false});
+    const auto plan_recompute = plan_gpu_memory(kConfig, kB, kT, {dtype, true});
+    CHECK(plain.device_bytes() == plan_plain.total());
+    CHECK(recomputed.device_bytes() == plan_recompute.total());
+    CHECK(recomputed.device_bytes() < plain.device_bytes());
+    optimizer_config oc;
+    oc.warmup_steps = 1;
+    for (int s = 0; s < 3; ++s) {
+      const auto b = make_batch(static_cast<std::uint64_t>(s) * 31 + 2);
+      for (auto* g : {&plain, &recomputed}) {
+        g->zero_grad();
+        g->forward_backward(b.inputs.data(), b.targets.data(), 8.0f);
+      }
+      CHECK(recomputed.gradients() == plain.gradients());
+      for (auto* g : {&plain, &recomputed}) g->update(oc, s, 3, 1.0 / 8);
+    }
+    CHECK(recomputed.parameters() == plain.parameters());
+  }
+}
+
+TEST_CASE("the GPU trainer starts from given host weights, evaluates and hands weights back",
+          "[gpu][trainer]") {
+  gpt_stage host(kConfig, stage_range::whole(kConfig));
+  host.init_gpt2(42);
+  gpu_trainer from_host(host, kB, kT, {compute_dtype::fp32, false});
+  gpu_trainer from_seed(kConfig, kB, kT, compute_dtype::fp32, 42);
+  CHECK(from_host.parameters() == from_seed.parameters());
+  const auto b = make_batch(9);
+  from_host.zero_grad();
+  const double eval = from_host.evaluate(b.inputs.data(), b.targets.data());
+  CHECK(from_host.gradients() == std::vector<float>(from_host.gradients().size(), 0.0f));
+  CHECK(eval == from_host.forward_backward(b.inputs.data(), b.targets.data()));
+  from_host.update(optimizer_config{}, 0, 1, 1.0);
+  gpt_stage back(kConfig, stage_range::whole(kConfig));
+  from_host.copy_parameters_to(back);
+  CHECK(std::vector<float>(back.params(), back.params() + back.parameter_count()) ==
+        from_host.parameters());
+  CHECK(from_host.parameters() != from_seed.parameters());
+}
+
 TEST_CASE("GPU gradients accumulate across batches and repeat bitwise", "[gpu][trainer]") {
-  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16}) {
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
     gpu_trainer gpu(kConfig, kB, kT, dtype, 7);
     const auto b = make_batch(5);
     gpu.zero_grad();

@@ -18,6 +18,7 @@
 namespace cu = troupe::kernels::cuda;
 namespace cpu = troupe::kernels;
 using cu::bf16;
+using cu::fp16;
 
 namespace cuda_test {
 
@@ -25,14 +26,17 @@ template <class T>
 T to(float x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
+  } else if constexpr (std::is_same_v<T, fp16>) {
+    return __float2half(x);
   } else {
     return __float2bfloat16(x);
   }
 }
 inline float from(float x) { return x; }
 inline float from(bf16 x) { return __bfloat162float(x); }
+inline float from(fp16 x) { return __half2float(x); }
 
-// Values as the dtype holds them (bf16: rounded).
+// Values as the dtype holds them (bf16, fp16: rounded).
 template <class T>
 std::vector<float> rounded(std::vector<float> v) {
   for (auto& x : v) x = from(to<T>(x));
@@ -83,7 +87,8 @@ class device_array {
 template <class T>
 void check_close(const std::vector<float>& got, const std::vector<float>& want, const char* what,
                  double fp32_tol = 1e-5) {
-  const double tol = std::is_same_v<T, float> ? fp32_tol : 2e-2;
+  // About five units in the last place of the 16-bit types (bf16 2^-8, fp16 2^-11).
+  const double tol = std::is_same_v<T, float> ? fp32_tol : std::is_same_v<T, fp16> ? 5e-3 : 2e-2;
   REQUIRE(got.size() == want.size());
   double diff = 0, mag = 1e-30;
   std::size_t worst = 0;

@@ -1,5 +1,5 @@
-// The fused causal attention and the embedding on the GPU against the CPU reference, in fp32
-// and bf16 (tolerance scaled by the dtype, inputs rounded to it first). `gpu` suite: exit 77
+// The fused causal attention and the embedding on the GPU against the CPU reference, in fp32,
+// bf16 and fp16 (tolerance scaled by the dtype, inputs rounded to it first). `gpu` suite: exit 77
 // (SKIP) without a device.
 #include <catch2/catch.hpp>
 
@@ -69,7 +69,7 @@ void check_attention(int B, int Tn, int NH, int hs, std::uint32_t seed) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("fused causal attention on the GPU matches the CPU reference", "[gpu]", float,
-                   bf16) {
+                   bf16, fp16) {
   check_attention<TestType>(2, 100, 3, 16, 21);  // T not a multiple of the 64-row tile
   check_attention<TestType>(1, 1, 2, 32, 22);    // one token
   check_attention<TestType>(2, 130, 2, 64, 23);  // GPT-2's head size, three query tiles
@@ -82,7 +82,7 @@ TEST_CASE("attention on the GPU refuses a head size it has no kernel for", "[gpu
                   std::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("embedding on the GPU matches the CPU reference", "[gpu]", float, bf16) {
+TEMPLATE_TEST_CASE("embedding on the GPU matches the CPU reference", "[gpu]", float, bf16, fp16) {
   const int B = 3, Tn = 17, C = 64, V = 50;
   const auto n = static_cast<std::size_t>(B) * Tn;
   const auto wte = rounded<TestType>(random_values(static_cast<std::size_t>(V) * C, 31));
@@ -117,8 +117,8 @@ TEMPLATE_TEST_CASE("embedding on the GPU matches the CPU reference", "[gpu]", fl
       std::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("convert rounds fp32 master weights to the working dtype", "[gpu]", float,
-                   bf16) {
+TEMPLATE_TEST_CASE("convert rounds fp32 master weights to the working dtype", "[gpu]", float, bf16,
+                   fp16) {
   const auto x = random_values(1001, 41, -3, 3);
   cu::context ctx;
   device_array<float> gx(x);

@@ -1,7 +1,7 @@
-// Every GPU op against the CPU reference (kernels/cpu), in fp32 and bf16, with a tolerance
+// Every GPU op against the CPU reference (kernels/cpu), in fp32, bf16 and fp16, with a tolerance
 // scaled by the dtype: inputs are rounded to the dtype first, so the difference left is the
-// GPU's own (fp32: reduction order; bf16: rounded outputs and intermediates). Runs in the `gpu`
-// suite; without a device the runner exits 77 (SKIP).
+// GPU's own (fp32: reduction order; bf16, fp16: rounded outputs and intermediates). Runs in the
+// `gpu` suite; without a device the runner exits 77 (SKIP).
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
@@ -16,7 +16,7 @@
 
 using namespace cuda_test;
 
-TEMPLATE_TEST_CASE("layernorm on the GPU matches the CPU reference", "[gpu]", float, bf16) {
+TEMPLATE_TEST_CASE("layernorm on the GPU matches the CPU reference", "[gpu]", float, bf16, fp16) {
   const int N = 37, C = 768;
   const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 1, -2, 2));
   const auto w = random_values(C, 2, 0.5f, 1.5f), b = random_values(C, 3);
@@ -42,7 +42,8 @@ TEMPLATE_TEST_CASE("layernorm on the GPU matches the CPU reference", "[gpu]", fl
   check_close<TestType>(gdb.host(), db, "dbias", 1e-4);
 }
 
-TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[gpu]", float, bf16) {
+TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[gpu]", float, bf16,
+                   fp16) {
   const int N = 64, C = 96, OC = 160;
   const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 5));
   const auto w = rounded<TestType>(random_values(std::size_t(OC) * C, 6, -0.2f, 0.2f));
@@ -72,7 +73,8 @@ TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[g
   check_close<TestType>(gdw.host(), dw, "dweight accumulated", 1e-5);
 }
 
-TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu]", float, bf16) {
+TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu]", float, bf16,
+                   fp16) {
   const std::int64_t n = 100003;
   const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(n), 9, -4, 4));
   const auto y2 = rounded<TestType>(random_values(static_cast<std::size_t>(n), 10));
@@ -96,7 +98,7 @@ TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu
 }
 
 TEMPLATE_TEST_CASE("fused softmax cross-entropy on the GPU matches the CPU reference", "[gpu]",
-                   float, bf16) {
+                   float, bf16, fp16) {
   const int N = 19, V = 50257, Vp = 50304, ignore = -100;
   const auto logits = rounded<TestType>(random_values(static_cast<std::size_t>(N) * Vp, 12, -6, 6));
   std::vector<std::int32_t> targets(N);
@@ -129,6 +131,7 @@ TEST_CASE("AdamW on the GPU is the CPU kernel's arithmetic, with unscaling folde
   auto m = random_values(static_cast<std::size_t>(n), 16, -0.01f, 0.01f);
   auto v = random_values(static_cast<std::size_t>(n), 17, 0.0f, 1e-4f);
   cpu::adamw_hparams hp{3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f};
+  const auto p0 = p, m0 = m, v0 = v;  // the state before the CPU update
   cu::context ctx;
   device_array<float> gp(p), gm(m), gv(v);
   std::vector<float> doubled(g);
@@ -142,6 +145,14 @@ TEST_CASE("AdamW on the GPU is the CPU kernel's arithmetic, with unscaling folde
   check_close<float>(gm.host(), m, "m", 1e-6);
   check_close<float>(gv.host(), v, "v", 1e-6);
   check_close<bf16>(copy.host(), p, "bf16 copy");
+  // The same update with an fp16 working copy (fp16 training).
+  device_array<float> gp16(p0), gm16(m0), gv16(v0);
+  device_array<fp16> copy16(static_cast<std::size_t>(n));
+  cu::adamw_update(ctx, gp16.get(), gg.get(), gm16.get(), gv16.get(), n, hp, 7, true, 0.5f,
+                   copy16.get());
+  ctx.synchronize();
+  CHECK(gp16.host() == gp.host());
+  check_close<fp16>(copy16.host(), p, "fp16 copy");
 }
 
 TEST_CASE("the GPU sum of squares matches the CPU gradient norm and repeats bitwise", "[gpu]") {
