@@ -65,5 +65,21 @@ TEST_CASE("the actor engine with one stage equals the serial loop bitwise", "[ac
   REQUIRE(got == want);
 }
 
+TEST_CASE("the serial loop on a parallel layout runs the same step on one stage",
+          "[actors][parallel]") {
+  // `troupe train --engine serial` (and --device cuda) on a recipe written for PP x DP: every
+  // step takes grad_accum x micro_batches x dp micro-batches, bitwise the one-stage recipe.
+  temp_dir dir;
+  engine::recipe r = with(tiny_recipe(dir), configs()[2]);  // PP=2 x DP=2, 2 micro-batches
+  r.batch.grad_accum = 2;
+  r.steps = 4;
+  std::vector<double> got;
+  engine::train_callbacks cb;
+  cb.on_step = [&](const engine::step_metrics& m) { got.push_back(m.loss); };
+  engine::train(r, cb);
+  REQUIRE(got == serial_losses(r));
+  require_close(losses_of(run_actors(r).steps), got, 1e-5);
+}
+
 }  // namespace
 }  // namespace troupe::actors::test

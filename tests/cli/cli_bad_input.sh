@@ -154,6 +154,15 @@ expect_bad split-wrong-type parallel.layer_split -- "$tmp/ok.toml" \
   --set "parallel.layer_split=[1.5]"
 expect_bad dp-zero parallel.dp -- "$tmp/ok.toml" --set parallel.dp=0
 expect_bad micro-batches-zero parallel.micro_batches -- "$tmp/ok.toml" --set parallel.micro_batches=0
+# Devices and number formats: bf16 / fp16 need the GPU, fp16 needs dynamic loss scaling, the GPU
+# attention kernel's head sizes, and the actor engine runs on CPUs.
+expect_bad bad-device device tpu -- "$tmp/ok.toml" --set device=tpu
+expect_bad bf16-on-cpu precision.dtype cuda -- "$tmp/ok.toml" --set precision.dtype=bf16
+expect_bad fp16-without-scaling precision.loss_scale dynamic -- "$tmp/ok.toml" --device cuda \
+  --set model.width=32 --set precision.dtype=fp16
+expect_bad gpu-head-size model.heads "head size 8" -- "$tmp/ok.toml" --device cuda
+expect_bad gpu-actor-engine device "--engine serial" -- "$tmp/ok.toml" --device cuda \
+  --set model.width=32 --engine actors
 
 # An existing output dir with a previous run's weights: a bad key leaves them untouched.
 before_failures=$failures
@@ -184,6 +193,21 @@ if [[ $rc -ne 0 ]]; then
   grep -q -- "--device cuda: " "$tmp/gpu.stderr" || fail "bench-no-gpu: stderr does not say why"
 fi
 [[ $failures -eq $before_failures ]] && echo "ok: bench-no-gpu (exit $rc: $(cat "$tmp/gpu.stderr"))"
+
+# `troupe train --device cuda` where no GPU can train: exit 1, one line saying why, nothing
+# written. Where a GPU is usable it trains the tiny recipe and must succeed.
+before_failures=$failures
+rc=0
+"$troupe" train "$tmp/ok.toml" --device cuda --set model.width=32 --set steps=1 \
+  --set "output.dir=$tmp/gpu-train-out" >"$tmp/gpu-train.stdout" 2>"$tmp/gpu-train.stderr" || rc=$?
+if [[ $rc -ne 0 ]]; then
+  [[ $rc -eq 1 ]] || fail "train-no-gpu: exit code $rc, expected 1"
+  [[ $(wc -l <"$tmp/gpu-train.stderr") -eq 1 ]] || fail "train-no-gpu: stderr not one line"
+  grep -q -- "--device cuda: " "$tmp/gpu-train.stderr" || fail "train-no-gpu: stderr does not say why"
+  [[ ! -e $tmp/gpu-train-out ]] || fail "train-no-gpu: the output dir was created"
+fi
+[[ $failures -eq $before_failures ]] &&
+  echo "ok: train-no-gpu (exit $rc: $(head -c 200 "$tmp/gpu-train.stderr"))"
 
 if [[ $failures -ne 0 ]]; then
   echo "$failures failure(s)" >&2

@@ -246,7 +246,7 @@ TEST_CASE("bad enum values are named", "[recipe]") {
 
 TEST_CASE("precision and guard keys are range-checked by name", "[recipe]") {
   const auto msg = parse_error("[precision]\ndtype = \"bf16\"\n");
-  CHECK_THAT(msg, Catch::Contains("precision.dtype") && Catch::Contains("CUDA backend"));
+  CHECK_THAT(msg, Catch::Contains("precision.dtype") && Catch::Contains("device = \"cuda\""));
   check_one_line(msg);
   CHECK_THAT(parse_error("[precision]\ninit_scale = 0\n"), Catch::Contains("precision.init_scale"));
   CHECK_THAT(parse_error("[precision]\ngrowth_interval = 0\n"),
@@ -260,6 +260,28 @@ TEST_CASE("precision and guard keys are range-checked by name", "[recipe]") {
              Catch::Contains("guard.grad_norm_zscore"));
   CHECK_THAT(parse_error("[guard]\nwindow = 1\n"), Catch::Contains("guard.window"));
   CHECK_THAT(parse_error("[guard]\nmax_skips = -1\n"), Catch::Contains("guard.max_skips"));
+}
+
+TEST_CASE("device picks the CPU or one GPU, and the 16-bit dtypes need the GPU", "[recipe]") {
+  CHECK(parse("").device == "cpu");
+  CHECK(parse("device = \"cuda\"\n").device == "cuda");
+  CHECK(parse("", {"device=cuda"}).device == "cuda");
+  const auto bad = parse_error("device = \"tpu\"\n");
+  CHECK_THAT(bad, Catch::Contains("key device") && Catch::Contains("tpu"));
+  check_one_line(bad);
+  // bf16 and fp16 run on the GPU; fp16 only with dynamic loss scaling.
+  CHECK(parse("device = \"cuda\"\n[precision]\ndtype = \"bf16\"\n").precision.dtype == "bf16");
+  CHECK_THAT(parse_error("device = \"cpu\"\n[precision]\ndtype = \"fp16\"\n"),
+             Catch::Contains("precision.dtype"));
+  const auto fp16 = parse_error("device = \"cuda\"\n[precision]\ndtype = \"fp16\"\n");
+  CHECK_THAT(fp16, Catch::Contains("precision.loss_scale") && Catch::Contains("dynamic"));
+  CHECK(parse("device = \"cuda\"\n[precision]\ndtype = \"fp16\"\nloss_scale = \"dynamic\"\n")
+            .precision.dtype == "fp16");
+  // The GPU attention kernel's head sizes: 16, 32, 64, 128.
+  const auto heads = parse_error("device = \"cuda\"\n[model]\nwidth = 96\nheads = 2\n");
+  CHECK_THAT(heads, Catch::Contains("model.heads") && Catch::Contains("head size 48"));
+  CHECK(parse("[model]\nwidth = 96\nheads = 2\n").model.heads == 2);  // fine on the CPU
+  CHECK(parse("device = \"cuda\"\n[model]\nwidth = 128\nheads = 2\n").model.heads == 2);
 }
 
 TEST_CASE("learning-rate schedule matches docs/recipe.md", "[recipe][lr]") {

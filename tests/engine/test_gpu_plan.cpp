@@ -1,0 +1,70 @@
+// The GPU trainer's host-side parts, run everywhere: dtype names, and the device memory plan
+// (plan_gpu_memory) that --dry-run prints and the GPU suite checks against the allocation:
+// activation checkpointing keeps one set of block buffers instead of one per layer, 16-bit
+// compute halves the activations and adds a 16-bit weight copy.
+#include <catch2/catch.hpp>
+
+#include <stdexcept>
+
+#include "engine/gpu_trainer.hpp"
+#include "engine/memory_plan.hpp"
+#include "engine/recipe.hpp"
+
+using namespace troupe::engine;
+
+TEST_CASE("compute dtypes are named and parsed", "[gpu-plan]") {
+  for (auto d : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16})
+    CHECK(parse_compute_dtype(compute_dtype_name(d)) == d);
+  CHECK_THROWS_WITH(parse_compute_dtype("fp8"), Catch::Contains("fp8"));
+}
+
+TEST_CASE("the GPU memory plan follows the model, the dtype and checkpointing", "[gpu-plan]") {
+  const gpt_config c{50257, 50304, 1024, 12, 12, 768};  // GPT-2 small
+  const int B = 4, T = 1024;
+  const std::int64_t P = 124'475'904;  // padded vocabulary: 50304 x 768 tied embedding
+  const std::int64_t N = std::int64_t{B} * T, NC = N * 768;
+  const auto fp32 = plan_gpu_memory(c, B, T, {compute_dtype::fp32, false});
+  const auto bf16 = plan_gpu_memory(c, B, T, {compute_dtype::bf16, false});
+  const auto fp16 = plan_gpu_memory(c, B, T, {compute_dtype::fp16, false});
+  const auto bf16_ac = plan_gpu_memory(c, B, T, {compute_dtype::bf16, true});
+  // fp32 master weights, gradients, m, v; plus a 16-bit copy.
+  CHECK(fp32.model_state == 16 * P);
+  CHECK(bf16.model_state == 18 * P);
+  CHECK(fp16.model_state == bf16.model_state);
+  CHECK(fp16.activations == bf16.activations);
+  CHECK(fp32.activations == fp32.activations_without_recompute);
+  // Per layer the block keeps ln1, qkv, atty, res2, ln2, fch, fch_gelu (15 NC values), its
+  // output (NC), the layernorm statistics (4 N floats) and the attention's lse (B NH T floats).
+  const std::int64_t layer16 = 16 * NC * 2 + 4 * N * 4 + std::int64_t{B} * 12 * T * 4;
+  const std::int64_t layer32 = 16 * NC * 4 + 4 * N * 4 + std::int64_t{B} * 12 * T * 4;
+  CHECK(plan_gpu_memory(c, B, T, {compute_dtype::bf16, false}).activations -
+            plan_gpu_memory(gpt_config{50257, 50304, 1024, 11, 12, 768}, B, T,
+                            {compute_dtype::bf16, false})
+                .activations ==
+        layer16);
+  CHECK(fp32.activations - plan_gpu_memory(gpt_config{50257, 50304, 1024, 11, 12, 768}, B, T,
+                                           {compute_dtype::fp32, false})
+                               .activations ==
+        layer32);
+  // Checkpointing: the internals of 11 of the 12 blocks are not kept.
+  CHECK(bf16_ac.activations_without_recompute == bf16.activations);
+  CHECK(bf16.activations - bf16_ac.activations ==
+        11 * (15 * NC * 2 + 4 * N * 4 + std::int64_t{B} * 12 * T * 4));
+  CHECK(bf16_ac.model_state == bf16.model_state);
+}
+
+TEST_CASE("--dry-run on the GPU prints the plan and what checkpointing saves", "[gpu-plan]") {
+  recipe r = parse_recipe(
+      "device = \"cuda\"\n[model]\nvocab_size = 256\ncontext = 128\nlayers = 4\nheads = 4\n"
+      "width = 256\n[data]\ntrain = \"x\"\n[precision]\ndtype = \"bf16\"\n"
+      "[activation_checkpoint]\nmode = \"full\"\n",
+      "test.toml", {});
+  const std::string text = format_gpu_memory_plan(r);
+  const auto plan =
+      plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, {compute_dtype::bf16, true});
+  CHECK_THAT(text, Catch::Contains("bf16 compute") && Catch::Contains("activation checkpointing") &&
+                       Catch::Contains("saves"));
+  char total[32];
+  std::snprintf(total, sizeof total, "%.1f MiB", static_cast<double>(plan.total()) / (1 << 20));
+  CHECK_THAT(text, Catch::Contains(total));
+}
