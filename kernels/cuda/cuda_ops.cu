@@ -3,7 +3,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <map>
+#include <memory>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -67,21 +70,79 @@ __global__ void layernorm_dinp_kernel(T* dinp, const T* dout, const T* inp, cons
   }
 }
 
-// One thread per column, rows in order: deterministic.
-template <class T>
-__global__ void layernorm_dparams_kernel(float* dw, float* db, const T* dout, const T* inp,
-                                         const float* mean, const float* rstd, int N, int C) {
+// ---- column sums (layernorm dweight/dbias, linear dbias): deterministic, in two stages ------
+// Stage 1: a block per (32 columns, 256-row chunk), 8 row lanes per column, each lane summing its
+// rows in order, the 8 lanes summed in order; one partial per (chunk, column). Stage 2: a thread
+// per column sums the chunks in order. No atomics: the sums repeat bitwise.
+constexpr int kColTile = 32, kRowLanes = 8, kChunkRows = 256;
+
+// WITH_NORM: also sum (inp - mean) * rstd * dout (layernorm's dweight) into pw.
+template <class T, bool WITH_NORM>
+__global__ void column_partials_kernel(float* pw, float* pb, const T* dout, const T* inp,
+                                       const float* mean, const float* rstd, int N, int C) {
+  __shared__ float sw[kRowLanes][kColTile], sb[kRowLanes][kColTile];
+  const int c = static_cast<int>(blockIdx.x) * kColTile + static_cast<int>(threadIdx.x);
+  const int n0 = static_cast<int>(blockIdx.y) * kChunkRows, n1 = min(N, n0 + kChunkRows);
+  float a = 0, b = 0;
+  if (c < C) {
+    for (int n = n0 + static_cast<int>(threadIdx.y); n < n1; n += kRowLanes) {
+      const std::int64_t at = static_cast<std::int64_t>(n) * C + c;
+      const float dy = to_f(dout[at]);
+      if constexpr (WITH_NORM) a += (to_f(inp[at]) - mean[n]) * rstd[n] * dy;
+      b += dy;
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = a;
+  sb[threadIdx.y][threadIdx.x] = b;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  float ta = 0, tb = 0;
+  for (int y = 0; y < kRowLanes; ++y) {
+    ta += sw[y][threadIdx.x];
+    tb += sb[y][threadIdx.x];
+  }
+  const std::int64_t at = static_cast<std::int64_t>(blockIdx.y) * C + c;
+  if constexpr (WITH_NORM) pw[at] = ta;
+  pb[at] = tb;
+}
+
+__global__ void column_finish_kernel(float* dw, float* db, const float* pw, const float* pb,
+                                     int chunks, int C) {
   const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= C) return;
-  float sw = 0, sb = 0;
-  for (int n = 0; n < N; ++n) {
-    const std::int64_t at = static_cast<std::int64_t>(n) * C + c;
-    const float dy = to_f(dout[at]);
-    sw += (to_f(inp[at]) - mean[n]) * rstd[n] * dy;
-    sb += dy;
+  float a = 0, b = 0;
+  for (int k = 0; k < chunks; ++k) {
+    const std::int64_t at = static_cast<std::int64_t>(k) * C + c;
+    if (pw) a += pw[at];
+    b += pb[at];
   }
-  if (dw) dw[c] += sw;
-  if (db) db[c] += sb;
+  if (dw) dw[c] += a;
+  if (db) db[c] += b;
+}
+
+// db[c] += sum over rows of dout[., c]; with WITH_NORM also dw[c] += sum of the normalised input
+// times dout (layernorm). Either output may be nullptr.
+template <class T, bool WITH_NORM>
+void column_sums(const context& ctx, float* dw, float* db, const T* dout, const T* inp,
+                 const float* mean, const float* rstd, int N, int C) {
+  if (N <= 0 || C <= 0) return;
+  const int chunks = (N + kChunkRows - 1) / kChunkRows;
+  const std::size_t per = static_cast<std::size_t>(chunks) * static_cast<std::size_t>(C);
+  float* partial = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&partial),
+                        (WITH_NORM ? 2 : 1) * per * sizeof(float), ctx.stream()),
+        "cudaMallocAsync(column_sums)");
+  float* pw = WITH_NORM ? partial : nullptr;
+  float* pb = WITH_NORM ? partial + per : partial;
+  const dim3 grid(static_cast<unsigned>((C + kColTile - 1) / kColTile),
+                  static_cast<unsigned>(chunks));
+  column_partials_kernel<T, WITH_NORM>
+      <<<grid, dim3(kColTile, kRowLanes), 0, ctx.stream()>>>(pw, pb, dout, inp, mean, rstd, N, C);
+  check_launch("column_partials_kernel");
+  column_finish_kernel<<<blocks_for(C), kThreads, 0, ctx.stream()>>>(WITH_NORM ? dw : nullptr, db,
+                                                                     pw, pb, chunks, C);
+  check_launch("column_finish_kernel");
+  check(cudaFreeAsync(partial, ctx.stream()), "cudaFreeAsync(column_sums)");
 }
 
 // ---- elementwise
@@ -114,16 +175,6 @@ template <class T>
 __global__ void residual_forward_kernel(T* out, const T* a, const T* b, std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
-}
-
-// dbias[oc] += sum over rows of dout[n, oc]: one thread per column, rows in order.
-template <class T>
-__global__ void column_sum_kernel(float* out, const T* x, int N, int C) {
-  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (c >= C) return;
-  float s = 0;
-  for (int n = 0; n < N; ++n) s += to_f(x[static_cast<std::int64_t>(n) * C + c]);
-  out[c] += s;
 }
 
 // ---- softmax + cross-entropy: one block per row ----------------------------------------------
@@ -218,66 +269,139 @@ cudaDataType_t data_type<fp16>() {
 
 }  // namespace
 
+// One GEMM shape's cuBLASLt objects and the algorithm the heuristic chose, made on the shape's
+// first call and reused: a GPT-2 step runs a few dozen shapes thousands of times, and creating
+// descriptors and asking the heuristic costs tens of microseconds of host time per call.
+struct gemm_plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  gemm_plan() = default;
+  gemm_plan(const gemm_plan&) = delete;
+  gemm_plan& operator=(const gemm_plan&) = delete;
+  ~gemm_plan() {
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// The key: everything the plan depends on, including each pointer's alignment (the heuristic
+// must not pick an algorithm that needs more alignment than the pointers have).
+using gemm_key = std::array<std::int64_t, 14>;
+
+struct gemm_cache {
+  std::map<gemm_key, std::unique_ptr<gemm_plan>> plans;
+};
+
+namespace {
+// The largest power of two (at most 256) that divides the address.
+std::uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::uint32_t align = 256;
+  while (align > 1 && a % align != 0) align /= 2;
+  return align;
+}
+}  // namespace
+
 // cuBLASLt column-major GEMM: D[m,n] = alpha op(A) op(B) + beta C, C = D, optional bias epilogue.
 struct gemm_access {
   template <class TA, class TD>
   static void run(const context& ctx, bool trans_a, bool trans_b, int m, int n, int k, const TA* a,
                   int lda, const TA* b, int ldb, TD* d, int ldd, float beta, const TD* bias) {
     auto lt = static_cast<cublasLtHandle_t>(ctx.lt_);
-    cublasLtMatmulDesc_t op = nullptr;
-    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+    const std::uint32_t align_a = alignment_of(a), align_b = alignment_of(b),
+                        align_d = alignment_of(d);
+    const gemm_key key{trans_a,
+                       trans_b,
+                       m,
+                       n,
+                       k,
+                       lda,
+                       ldb,
+                       ldd,
+                       int(data_type<TA>()),
+                       int(data_type<TD>()),
+                       bias != nullptr,
+                       align_a,
+                       align_b,
+                       align_d};
+    auto& slot = ctx.gemms_->plans[key];
+    if (!slot) slot = make_plan<TA, TD>(ctx, key, bias != nullptr);
+    gemm_plan& plan = *slot;
+    if (bias)
+      check(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                           sizeof bias),
+            "cublasLtMatmulDescSetAttribute(BIAS_POINTER)");
+    const float alpha = 1.0f;
+    check(cublasLtMatmul(lt, plan.op, &alpha, a, plan.la, b, plan.lb, &beta, d, plan.ld, d, plan.ld,
+                         &plan.algo, ctx.workspace_, ctx.workspace_bytes_, ctx.stream_),
+          "cublasLtMatmul");
+  }
+
+ private:
+  template <class TA, class TD>
+  static std::unique_ptr<gemm_plan> make_plan(const context& ctx, const gemm_key& key, bool bias) {
+    const bool trans_a = key[0] != 0, trans_b = key[1] != 0;
+    const auto m = static_cast<std::uint64_t>(key[2]), n = static_cast<std::uint64_t>(key[3]),
+               k = static_cast<std::uint64_t>(key[4]);
+    auto plan = std::make_unique<gemm_plan>();
     cublasLtMatmulPreference_t pref = nullptr;
-    auto cleanup = [&] {
-      if (pref) cublasLtMatmulPreferenceDestroy(pref);
-      if (ld) cublasLtMatrixLayoutDestroy(ld);
-      if (lb) cublasLtMatrixLayoutDestroy(lb);
-      if (la) cublasLtMatrixLayoutDestroy(la);
-      if (op) cublasLtMatmulDescDestroy(op);
-    };
     try {
-      check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+      check(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
             "cublasLtMatmulDescCreate");
       const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
       const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta),
+      check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta),
             "cublasLtMatmulDescSetAttribute(TRANSA)");
-      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
+      check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
             "cublasLtMatmulDescSetAttribute(TRANSB)");
       if (bias) {
         const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-        check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
+        check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                             sizeof epi),
               "cublasLtMatmulDescSetAttribute(EPILOGUE)");
-        check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                             sizeof bias),
-              "cublasLtMatmulDescSetAttribute(BIAS_POINTER)");
       }
-      check(cublasLtMatrixLayoutCreate(&la, data_type<TA>(), trans_a ? k : m, trans_a ? m : k, lda),
+      check(cublasLtMatrixLayoutCreate(&plan->la, data_type<TA>(), trans_a ? k : m, trans_a ? m : k,
+                                       key[5]),
             "cublasLtMatrixLayoutCreate(A)");
-      check(cublasLtMatrixLayoutCreate(&lb, data_type<TA>(), trans_b ? n : k, trans_b ? k : n, ldb),
+      check(cublasLtMatrixLayoutCreate(&plan->lb, data_type<TA>(), trans_b ? n : k, trans_b ? k : n,
+                                       key[6]),
             "cublasLtMatrixLayoutCreate(B)");
-      check(cublasLtMatrixLayoutCreate(&ld, data_type<TD>(), m, n, ldd),
+      check(cublasLtMatrixLayoutCreate(&plan->ld, data_type<TD>(), m, n, key[7]),
             "cublasLtMatrixLayoutCreate(D)");
       check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
       check(
           cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                &ctx.workspace_bytes_, sizeof ctx.workspace_bytes_),
-          "cublasLtMatmulPreferenceSetAttribute");
+          "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)");
+      const std::uint32_t align[] = {static_cast<std::uint32_t>(key[11]),
+                                     static_cast<std::uint32_t>(key[12]),
+                                     static_cast<std::uint32_t>(key[13])};
+      const cublasLtMatmulPreferenceAttributes_t which[] = {
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+      for (int i = 0; i < 4; ++i)
+        check(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &align[std::min(i, 2)],
+                                                   sizeof(std::uint32_t)),
+              "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)");
       cublasLtMatmulHeuristicResult_t heuristic{};
       int found = 0;
-      check(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &heuristic, &found),
-            "cublasLtMatmulAlgoGetHeuristic");
+      check(
+          cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(ctx.lt_), plan->op, plan->la,
+                                         plan->lb, plan->ld, plan->ld, pref, 1, &heuristic, &found),
+          "cublasLtMatmulAlgoGetHeuristic");
       if (found == 0)
         throw cuda_error("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(m) +
                          " n=" + std::to_string(n) + " k=" + std::to_string(k));
-      const float alpha = 1.0f;
-      check(cublasLtMatmul(lt, op, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heuristic.algo,
-                           ctx.workspace_, ctx.workspace_bytes_, ctx.stream_),
-            "cublasLtMatmul");
+      plan->algo = heuristic.algo;
     } catch (...) {
-      cleanup();
+      if (pref) cublasLtMatmulPreferenceDestroy(pref);
       throw;
     }
-    cleanup();
+    cublasLtMatmulPreferenceDestroy(pref);
+    return plan;
   }
 };
 
@@ -288,9 +412,11 @@ context::context() {
   lt_ = lt;
   workspace_bytes_ = std::size_t{32} << 20;  // 32 MiB, as cuBLAS recommends for Hopper
   check(cudaMalloc(&workspace_, workspace_bytes_), "cudaMalloc(cuBLASLt workspace)");
+  gemms_ = new gemm_cache;
 }
 
 context::~context() {
+  delete gemms_;  // before the handle its plans were made with
   if (workspace_) cudaFree(workspace_);
   if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(lt_));
   if (stream_) cudaStreamDestroy(stream_);
@@ -317,11 +443,7 @@ void layernorm_backward(const context& ctx, T* dinp, float* dweight, float* dbia
         dinp, dout, inp, weight, mean, rstd, N, C);
     check_launch("layernorm_dinp_kernel");
   }
-  if (dweight || dbias) {
-    layernorm_dparams_kernel<T>
-        <<<blocks_for(C), kThreads, 0, ctx.stream()>>>(dweight, dbias, dout, inp, mean, rstd, N, C);
-    check_launch("layernorm_dparams_kernel");
-  }
+  if (dweight || dbias) column_sums<T, true>(ctx, dweight, dbias, dout, inp, mean, rstd, N, C);
 }
 
 // Row-major out[N,OC] = inp[N,C] W[OC,C]^T is column-major out^T[OC,N] = W^T... with A = W
@@ -343,10 +465,7 @@ void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, 
   if (dweight)
     gemm_access::run<T, float>(ctx, false, true, C, OC, N, inp, C, dout, OC, dweight, C, 1.0f,
                                nullptr);
-  if (dbias) {
-    column_sum_kernel<T><<<blocks_for(OC), kThreads, 0, ctx.stream()>>>(dbias, dout, N, OC);
-    check_launch("column_sum_kernel");
-  }
+  if (dbias) column_sums<T, false>(ctx, nullptr, dbias, dout, dout, nullptr, nullptr, N, OC);
 }
 
 template <class T>

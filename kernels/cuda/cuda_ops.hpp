@@ -34,7 +34,10 @@ struct cuda_error : std::runtime_error {
 using bf16 = __nv_bfloat16;
 using fp16 = __half;
 
-// A stream, a cuBLASLt handle and its workspace on the current device. One per thread.
+struct gemm_cache;  // cuBLASLt descriptors and algorithms by GEMM shape (cuda_ops.cu)
+
+// A stream, a cuBLASLt handle, its workspace and a cache of GEMM plans on the current device.
+// One per thread.
 class context {
  public:
   context();
@@ -50,6 +53,7 @@ class context {
   void* lt_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   std::size_t workspace_bytes_ = 0;
+  gemm_cache* gemms_ = nullptr;
 };
 
 // ---- layer normalisation (eps 1e-5, biased variance); fp32 weight, bias, mean[N], rstd[N] -----
