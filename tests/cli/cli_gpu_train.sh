@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `troupe train --device cuda` (`gpu` suite; exit 77, SKIP, where no GPU can train): the default
 # recipe's model, shortened, on one GPU against the CPU serial loop over the same micro-batches.
-#  - fp32: every step's loss and gradient norm within 1e-4 relative of the CPU's, and the
-#    validation losses too; the weights file is written and has the CPU file's size.
-#  - bf16 with activation checkpointing: bitwise the losses of bf16 without it, and within 5e-2
-#    of the CPU; --dry-run's plan shows checkpointing saving memory.
+#  - fp32: every step's loss and validation loss within 1e-4 relative of the CPU's, gradient
+#    norms within 1e-3; the weights file is written and has the CPU file's size.
+#  - bf16: losses within 5e-2 of the CPU, norms within 2e-1 (test_gpu_trainer's tolerances);
+#    with activation checkpointing bitwise the losses without it; --dry-run's plan shows
+#    checkpointing saving memory.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -56,17 +57,17 @@ import json, os, sys
 tmp = sys.argv[1]
 def rows(name):
     return [json.loads(l) for l in open(f"{tmp}/{name}/metrics.jsonl")]
-def close(a, b, tol, what):
+def close(a, b, tol, norm_tol, what):  # losses within tol, gradient norms within norm_tol
     assert len(a) == len(b) > 0, (what, len(a), len(b))
     for x, y in zip(a, b):
-        for k in ("loss", "grad_norm", "val_loss"):
+        for k, t in (("loss", tol), ("val_loss", tol), ("grad_norm", norm_tol)):
             if k in x or k in y:
-                assert abs(x[k] - y[k]) <= tol * abs(x[k]), f"{what}: step {x['step']} {k} {x[k]} vs {y[k]}"
+                assert abs(x[k] - y[k]) <= t * abs(x[k]), f"{what}: step {x['step']} {k} {x[k]} vs {y[k]}"
 cpu, g32, g16, g16ac, f16 = (rows(n) for n in ("cpu", "gpu32", "gpu16", "gpu16ac", "fp16"))
-close(cpu, g32, 1e-4, "fp32 GPU vs CPU")
+close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
 assert os.path.getsize(f"{tmp}/gpu32/final.safetensors") == os.path.getsize(f"{tmp}/cpu/final.safetensors")
 assert [r["loss"] for r in g16] == [r["loss"] for r in g16ac], "checkpointing changed bf16 losses"
-close(cpu, g16, 5e-2, "bf16 GPU vs CPU")
+close(cpu, g16, 5e-2, 2e-1, "bf16 GPU vs CPU")
 skipped = [r for r in f16 if r.get("skipped")]
 assert skipped and f16[0].get("skipped"), "fp16 from 2^40: the first step was not skipped"
 assert all("non-finite" in r["skipped"] for r in skipped), skipped
