@@ -66,10 +66,16 @@ bool cuda_training_available(std::string* why_not) {
   return false;
 }
 
+// What does not depend on the compute dtype; model_impl<D> adds the rest.
 struct gpu_trainer::impl {
   virtual ~impl() = default;
+  // The 16-bit working copy of the weights (bf16 / fp16 runs) and every activation buffer.
+  virtual void allocate() = 0;
   virtual double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
                                   float loss_scale) = 0;
+  virtual double evaluate(const std::int32_t* inputs, const std::int32_t* targets) = 0;
+  // AdamW on every parameter; the working copy, if any, receives the new weights.
+  virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
   gpt_config config;
   int B = 0, T = 0;
   std::vector<parameter_info> layout;
@@ -77,10 +83,7 @@ struct gpu_trainer::impl {
   std::int64_t P = 0;
   cu::context ctx;
   device_arena arena;
-  virtual double evaluate(const std::int32_t* inputs, const std::int32_t* targets) = 0;
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
-  void* working = nullptr;  // bf16 / fp16 runs: the 16-bit weights the kernels read
-  compute_dtype dtype = compute_dtype::fp32;
   bool recompute = false;
 };
 
@@ -94,6 +97,7 @@ struct model_impl final : gpu_trainer::impl {
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *lse;
   };
   std::vector<layer> layers;
+  D* working = nullptr;  // bf16 / fp16 runs: the 16-bit weights the kernels read
   std::int32_t *d_inputs = nullptr, *d_targets = nullptr;
   cu::token_groups groups;
   D *encoded = nullptr, *lnf = nullptr, *logits = nullptr;
@@ -107,7 +111,7 @@ struct model_impl final : gpu_trainer::impl {
     if constexpr (std::is_same_v<D, float>) {
       return master + off;
     } else {
-      return static_cast<const D*>(working) + off;
+      return working + off;
     }
   }
   const float* F(const std::string& name) const { return master + param(name).offset; }
@@ -120,9 +124,13 @@ struct model_impl final : gpu_trainer::impl {
 
   // Keep in step with plan_gpu_memory (gpu_plan.cpp): the GPU suite checks device_bytes()
   // against it. With recompute, every layer's internals are one shared set of buffers.
-  void allocate() {
+  void allocate() override {
     const int C = config.width, Vp = config.padded_vocab_size, NH = config.heads;
     const std::int64_t N = std::int64_t{B} * T, NC = N * C;
+    if constexpr (!std::is_same_v<D, float>) {
+      working = arena.alloc<D>(P);
+      cu::convert(ctx, working, master, P);
+    }
     d_inputs = arena.alloc<std::int32_t>(N);
     d_targets = arena.alloc<std::int32_t>(N);
     encoded = arena.alloc<D>(NC);
@@ -224,6 +232,19 @@ struct model_impl final : gpu_trainer::impl {
     return forward(inputs, targets, 1.0f).mean();
   }
 
+  void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
+    for (const auto& p : layout) {
+      const auto o = p.offset;
+      if constexpr (std::is_same_v<D, float>) {
+        cu::adamw_update(ctx, master + o, grads + o, m + o, v + o, p.numel, hp, step, p.decay,
+                         grad_multiplier, static_cast<cu::bf16*>(nullptr));
+      } else {
+        cu::adamw_update(ctx, master + o, grads + o, m + o, v + o, p.numel, hp, step, p.decay,
+                         grad_multiplier, working + o);
+      }
+    }
+  }
+
   double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
                           float loss_scale) override {
     const int C = config.width, NH = config.heads, Vp = config.padded_vocab_size;
@@ -321,7 +342,6 @@ gpu_trainer::gpu_trainer(const gpt_stage& weights, int B, int T,
   s.config = config;
   s.B = B;
   s.T = T;
-  s.dtype = options.dtype;
   s.recompute = options.recompute;
   s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
@@ -336,25 +356,7 @@ gpu_trainer::gpu_trainer(const gpt_stage& weights, int B, int T,
   zero(s.ctx, s.grads, s.P);
   zero(s.ctx, s.m, s.P);
   zero(s.ctx, s.v, s.P);
-  switch (options.dtype) {
-    case compute_dtype::bf16: {
-      auto* w = s.arena.alloc<cu::bf16>(s.P);
-      s.working = w;
-      cu::convert(s.ctx, w, s.master, s.P);
-      static_cast<model_impl<cu::bf16>&>(s).allocate();
-      break;
-    }
-    case compute_dtype::fp16: {
-      auto* w = s.arena.alloc<cu::fp16>(s.P);
-      s.working = w;
-      cu::convert(s.ctx, w, s.master, s.P);
-      static_cast<model_impl<cu::fp16>&>(s).allocate();
-      break;
-    }
-    case compute_dtype::fp32:
-      static_cast<model_impl<float>&>(s).allocate();
-      break;
-  }
+  s.allocate();
   s.ctx.synchronize();
 }
 
@@ -378,18 +380,7 @@ double gpu_trainer::update(const optimizer_config& config, int step, int total_s
   auto& s = *impl_;
   const double lr = learning_rate(config, step, total_steps);
   const kernels::adamw_hparams hp = adamw_hparams_at(config, lr);
-  const auto multiplier = static_cast<float>(grad_multiplier);
-  for (const auto& p : s.layout) {
-    float *w = s.master + p.offset, *g = s.grads + p.offset, *m = s.m + p.offset,
-          *v = s.v + p.offset;
-    if (s.dtype == compute_dtype::fp16) {
-      cu::adamw_update(s.ctx, w, g, m, v, p.numel, hp, step + 1, p.decay, multiplier,
-                       static_cast<cu::fp16*>(s.working) + p.offset);
-    } else {
-      cu::adamw_update(s.ctx, w, g, m, v, p.numel, hp, step + 1, p.decay, multiplier,
-                       s.working ? static_cast<cu::bf16*>(s.working) + p.offset : nullptr);
-    }
-  }
+  s.adamw(hp, step + 1, static_cast<float>(grad_multiplier));
   return lr;
 }
 
