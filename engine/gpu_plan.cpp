@@ -1,8 +1,8 @@
-// The host-side parts of the GPU trainer (gpu_trainer.hpp), built with or without CUDA: dtype
+// The host-side parts of the GPU chunks (gpu_stage.hpp), built with or without CUDA: dtype
 // names and the device memory plan.
 #include <stdexcept>
 
-#include "engine/gpu_trainer.hpp"
+#include "engine/gpu_stage.hpp"
 
 namespace troupe::engine {
 
@@ -25,32 +25,50 @@ const char* compute_dtype_name(compute_dtype dtype) {
   return "fp32";
 }
 
-// The arena of gpu_trainer.cpp allocation by allocation (model_impl::allocate and the
-// constructor); the GPU suite checks gpu_trainer::device_bytes() against it.
-gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
-                                const gpu_trainer_options& options) {
-  const std::int64_t d = options.dtype == compute_dtype::fp32 ? 4 : 2;  // activation bytes
-  const auto layout = stage_parameter_layout(config, stage_range::whole(config));
-  const std::int64_t P = layout.empty() ? 0 : layout.back().offset + layout.back().numel;
+namespace {
+// gpu_stage.cpp's arena allocation by allocation (model_impl::allocate and the constructor);
+// the GPU suite checks gpu_stage::device_bytes() against it.
+std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
+                              std::int64_t d, bool recompute, int slots) {
   const std::int64_t N = std::int64_t{B} * T, NC = N * config.width;
-  const std::int64_t L = config.layers;
-  gpu_memory_plan plan;
-  plan.model_state = 4 * P * 4 + (d == 2 ? 2 * P : 0);
+  const std::int64_t layers = range.last_layer - range.first_layer;
   const std::int64_t lse = 4 * std::int64_t{B} * config.heads * T;
   // A block's internals: ln1, qkv, atty, res2, ln2, fch, fch_gelu (15 NC), two layernorms'
   // statistics and the attention's log-sum-exp.
   const std::int64_t internals = 15 * NC * d + 4 * N * 4 + lse;
-  const std::int64_t outputs = L * NC * d;                      // res3 of every block
-  const std::int64_t rest = 2 * N * 4                           // tokens and targets
-                            + NC * d                            // the embedding's output
-                            + NC * d + 2 * N * 4                // ln_f and its statistics
-                            + N * config.padded_vocab_size * d  // logits (then dlogits)
-                            + N * 4                             // per-row losses
-                            + lse                               // attention backward's scratch
-                            + 16 * NC * d;                      // backward's gradient buffers
-  plan.activations_without_recompute = L * internals + outputs + rest;
-  plan.activations = (options.recompute && L > 0 ? internals : L * internals) + outputs + rest;
+  // What each micro-batch in flight keeps: its input (the embedding's output or the received
+  // activation), every block's output, the blocks' internals unless recomputed, and on a head
+  // chunk ln_f's statistics and the gradient of its output.
+  const std::int64_t per_slot = NC * d + layers * NC * d + (recompute ? 0 : layers * internals) +
+                                (range.head ? 2 * N * 4 + NC * d : 0);
+  const std::int64_t shared = (recompute && layers > 0 ? internals : 0)  // the shared internals
+                              + (range.embedding ? N * 4 : 0)            // tokens
+                              + (range.head ? N * 4                      // targets
+                                                  + NC * d               // ln_f's output
+                                                  + N * config.padded_vocab_size * d  // logits
+                                                  + N * 4  // per-row losses
+                                            : 0) +
+                              lse             // attention backward's scratch
+                              + 15 * NC * d;  // backward's gradient buffers
+  return slots * per_slot + shared;
+}
+}  // namespace
+
+gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_range& range, int B,
+                                      int T, const gpu_trainer_options& options, int slots) {
+  const std::int64_t d = options.dtype == compute_dtype::fp32 ? 4 : 2;  // activation bytes
+  const auto layout = stage_parameter_layout(config, range);
+  const std::int64_t P = layout.empty() ? 0 : layout.back().offset + layout.back().numel;
+  gpu_memory_plan plan;
+  plan.model_state = 4 * P * 4 + (d == 2 ? 2 * P : 0);
+  plan.activations_without_recompute = activation_bytes(config, range, B, T, d, false, slots);
+  plan.activations = activation_bytes(config, range, B, T, d, options.recompute, slots);
   return plan;
+}
+
+gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
+                                const gpu_trainer_options& options) {
+  return plan_gpu_stage_memory(config, stage_range::whole(config), B, T, options, 1);
 }
 
 }  // namespace troupe::engine

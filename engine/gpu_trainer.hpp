@@ -15,7 +15,8 @@
 //    so a step's numbers are bitwise those of the run without it.
 //  - Gradients accumulate (+=) across forward_backward calls until zero_grad, as on the CPU.
 //  - No atomics in any kernel: a step's numbers repeat bitwise on the same GPU.
-//  - gpu_memory_plan() gives, without a device, exactly the bytes the trainer allocates.
+//  - plan_gpu_memory() gives, without a device, exactly the bytes the trainer allocates.
+// It is the whole model as one gpu_stage (gpu_stage.hpp) with one micro-batch in flight.
 // Without CUDA (the build or the machine), constructing one throws std::runtime_error saying
 // why; cuda_training_available() tells beforehand.
 #pragma once
@@ -26,33 +27,10 @@
 #include <vector>
 
 #include "engine/gpt_model.hpp"
+#include "engine/gpu_stage.hpp"
 #include "engine/optimizer.hpp"
 
 namespace troupe::engine {
-
-enum class compute_dtype { fp32, bf16, fp16 };
-// "fp32", "bf16" or "fp16"; anything else throws std::invalid_argument.
-compute_dtype parse_compute_dtype(const std::string& name);
-const char* compute_dtype_name(compute_dtype dtype);
-
-struct gpu_trainer_options {
-  compute_dtype dtype = compute_dtype::fp32;
-  bool recompute = false;  // activation checkpointing: every block recomputed in backward
-};
-
-// The device memory a gpu_trainer allocates (its arena; cuBLASLt's workspace and the token
-// groups are not counted), computed on the host.
-struct gpu_memory_plan {
-  std::int64_t model_state = 0;  // fp32 master weights, gradients, AdamW m and v (+ 16-bit copy)
-  std::int64_t activations = 0;  // what forward keeps for backward, and backward's scratch
-  std::int64_t activations_without_recompute = 0;  // the same without checkpointing
-  std::int64_t total() const { return model_state + activations; }
-};
-gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
-                                const gpu_trainer_options& options);
-
-// Whether a CUDA device can train here; otherwise, when why_not is given, the reason.
-bool cuda_training_available(std::string* why_not = nullptr);
 
 class gpu_trainer {
  public:
@@ -100,10 +78,11 @@ class gpu_trainer {
   std::string device_name() const;
   void synchronize() const;  // waits for everything enqueued
 
-  struct impl;
+  // The whole model as one chunk with one slot.
+  gpu_stage& stage() { return *stage_; }
 
  private:
-  std::unique_ptr<impl> impl_;
+  std::unique_ptr<gpu_stage> stage_;
 };
 
 }  // namespace troupe::engine

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -406,20 +407,28 @@ struct gemm_access {
 };
 
 context::context() {
-  check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-  cublasLtHandle_t lt = nullptr;
-  check(cublasLtCreate(&lt), "cublasLtCreate");
-  lt_ = lt;
-  workspace_bytes_ = std::size_t{32} << 20;  // 32 MiB, as cuBLAS recommends for Hopper
-  check(cudaMalloc(&workspace_, workspace_bytes_), "cudaMalloc(cuBLASLt workspace)");
-  gemms_ = new gemm_cache;
+  // The constructor throws, so the destructor would not run: free what was made on failure.
+  try {
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    cublasLtHandle_t lt = nullptr;
+    check(cublasLtCreate(&lt), "cublasLtCreate");
+    lt_ = lt;
+    workspace_bytes_ = std::size_t{32} << 20;  // 32 MiB, as cuBLAS recommends for Hopper
+    check(cudaMalloc(&workspace_, workspace_bytes_), "cudaMalloc(cuBLASLt workspace)");
+    gemms_ = new gemm_cache;
+  } catch (...) {
+    release();
+    throw;
+  }
 }
 
-context::~context() {
-  delete gemms_;  // before the handle its plans were made with
-  if (workspace_) cudaFree(workspace_);
-  if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(lt_));
-  if (stream_) cudaStreamDestroy(stream_);
+context::~context() { release(); }
+
+void context::release() noexcept {
+  delete std::exchange(gemms_, nullptr);  // before the handle its plans were made with
+  if (workspace_) cudaFree(std::exchange(workspace_, nullptr));
+  if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(std::exchange(lt_, nullptr)));
+  if (stream_) cudaStreamDestroy(std::exchange(stream_, nullptr));
 }
 
 void context::synchronize() const {

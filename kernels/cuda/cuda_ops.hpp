@@ -49,6 +49,7 @@ class context {
 
  private:
   friend struct gemm_access;
+  void release() noexcept;
   cudaStream_t stream_ = nullptr;
   void* lt_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;

@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 
+#include "engine/gpu_stage.hpp"
 #include "engine/gpu_trainer.hpp"
 #include "engine/memory_plan.hpp"
 #include "engine/recipe.hpp"
@@ -51,6 +52,38 @@ TEST_CASE("the GPU memory plan follows the model, the dtype and checkpointing", 
   CHECK(bf16.activations - bf16_ac.activations ==
         11 * (15 * NC * 2 + 4 * N * 4 + std::int64_t{B} * 12 * T * 4));
   CHECK(bf16_ac.model_state == bf16.model_state);
+}
+
+TEST_CASE("a pipeline chunk's GPU plan: its own layers, a tied wte copy, slots in flight",
+          "[gpu-plan]") {
+  const gpt_config c{50257, 50304, 1024, 12, 12, 768};  // GPT-2 small
+  const int B = 4, T = 1024;
+  const std::int64_t N = std::int64_t{B} * T, NC = N * 768, lse = std::int64_t{B} * 12 * T * 4;
+  const std::int64_t wte = std::int64_t{50304} * 768;
+  const auto ranges = partition_layers(c, 2);  // 6 + 6 layers
+  const gpu_trainer_options bf16{compute_dtype::bf16, false};
+  const auto whole = plan_gpu_memory(c, B, T, bf16);
+  CHECK(plan_gpu_stage_memory(c, stage_range::whole(c), B, T, bf16, 1).total() == whole.total());
+  const auto first = plan_gpu_stage_memory(c, ranges[0], B, T, bf16, 1);
+  const auto last = plan_gpu_stage_memory(c, ranges[1], B, T, bf16, 1);
+  // The two chunks hold every parameter once, and the last one its own copy of the tied wte:
+  // 18 bytes a parameter (fp32 weights, gradients, m, v and the bf16 copy).
+  CHECK(first.model_state + last.model_state == whole.model_state + 18 * wte);
+  // A second micro-batch in flight on the first chunk keeps another input and, per layer, the
+  // block's output and internals (15 NC values, 4 N statistics, the lse).
+  const std::int64_t per_slot = NC * 2 + 6 * (16 * NC * 2 + 4 * N * 4 + lse);
+  CHECK(plan_gpu_stage_memory(c, ranges[0], B, T, bf16, 2).activations - first.activations ==
+        per_slot);
+  CHECK(plan_gpu_stage_memory(c, ranges[0], B, T, bf16, 5).activations - first.activations ==
+        4 * per_slot);
+  // With checkpointing a slot keeps only the input and the blocks' outputs.
+  const gpu_trainer_options bf16_ac{compute_dtype::bf16, true};
+  CHECK(plan_gpu_stage_memory(c, ranges[0], B, T, bf16_ac, 2).activations -
+            plan_gpu_stage_memory(c, ranges[0], B, T, bf16_ac, 1).activations ==
+        7 * NC * 2);
+  // The head chunk's slot also keeps ln_f's statistics and its output's gradient.
+  CHECK(plan_gpu_stage_memory(c, ranges[1], B, T, bf16, 2).activations - last.activations ==
+        per_slot + 2 * N * 4 + NC * 2);
 }
 
 TEST_CASE("--dry-run on the GPU prints the plan and what checkpointing saves", "[gpu-plan]") {

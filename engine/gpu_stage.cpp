@@ -1,0 +1,533 @@
+// One pipeline chunk of GPT-2 on one CUDA device. See gpu_stage.hpp. Host code only: every
+// kernel is enqueued through kernels/cuda/cuda_ops.hpp on the chunk's stream.
+#include "engine/gpu_stage.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <type_traits>
+#include <unordered_map>
+
+#include "kernels/cuda/cuda_ops.hpp"
+#include "kernels/cuda/device_info.hpp"
+
+namespace troupe::engine {
+namespace cu = kernels::cuda;
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw cu::cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Device allocations owned together, freed together.
+class device_arena {
+ public:
+  device_arena() = default;
+  device_arena(const device_arena&) = delete;
+  device_arena& operator=(const device_arena&) = delete;
+  ~device_arena() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  template <class T>
+  T* alloc(std::int64_t n) {
+    void* p = nullptr;
+    const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(n, 1)) * sizeof(T);
+    check(cudaMalloc(&p, bytes), "cudaMalloc");
+    blocks_.push_back(p);
+    bytes_ += static_cast<std::int64_t>(bytes);
+    return static_cast<T*>(p);
+  }
+  std::int64_t bytes() const { return bytes_; }
+
+ private:
+  std::vector<void*> blocks_;
+  std::int64_t bytes_ = 0;
+};
+
+template <class T>
+void zero(const cu::context& ctx, T* p, std::int64_t n) {
+  check(cudaMemsetAsync(p, 0, static_cast<std::size_t>(n) * sizeof(T), ctx.stream()),
+        "cudaMemsetAsync");
+}
+template <class T>
+void copy(const cu::context& ctx, T* dst, const T* src, std::int64_t n) {
+  check(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToDevice,
+                        ctx.stream()),
+        "cudaMemcpyAsync");
+}
+
+// Makes `device` current for the calling thread (actors move between threads).
+struct device_guard {
+  explicit device_guard(int device) { check(cudaSetDevice(device), "cudaSetDevice"); }
+};
+
+}  // namespace
+
+bool cuda_training_available(std::string* why_not) {
+  if (kernels::cuda_device_count() > 0) return true;
+  if (why_not) *why_not = "no usable CUDA device";
+  return false;
+}
+
+// What does not depend on the compute dtype; model_impl<D> adds the rest. The device is made
+// current before the context is created (its stream and cuBLASLt handle belong to it).
+struct gpu_stage::impl {
+  explicit impl(int device_) : device(device_), guard(device_) {}
+  virtual ~impl() = default;
+  // The 16-bit working copy of the weights (bf16 / fp16 runs) and every activation buffer.
+  virtual void allocate() = 0;
+  virtual void* input(int slot) = 0;
+  virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                         float loss_scale, bool train) = 0;
+  virtual const void* output(int slot) const = 0;
+  virtual const void* backward(int slot, const void* doutput) = 0;
+  // AdamW on every parameter; the working copy, if any, receives the new weights.
+  virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
+
+  const parameter_info& param(const std::string& name) const {
+    const auto it = by_name.find(name);
+    if (it == by_name.end()) throw std::logic_error("gpu_stage: no parameter " + name);
+    return *it->second;
+  }
+  void check_slot(int slot) const {
+    if (slot < 0 || slot >= slots)
+      throw std::out_of_range("gpu_stage: slot " + std::to_string(slot) + " outside [0, " +
+                              std::to_string(slots) + ")");
+  }
+
+  int device = 0;
+  device_guard guard;
+  gpt_config config;
+  stage_range range;
+  int B = 0, T = 0, slots = 1;
+  std::size_t element_bytes = 4;  // of an activation in the compute dtype
+  std::vector<parameter_info> layout;
+  std::unordered_map<std::string, const parameter_info*> by_name;  // into layout
+  std::int64_t P = 0;
+  cu::context ctx;
+  device_arena arena;
+  float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
+  bool recompute = false;
+};
+
+namespace {
+
+// Everything of one dtype: the weights the kernels read (W), activations and gradient scratch.
+template <class D>
+struct model_impl final : gpu_stage::impl {
+  using gpu_stage::impl::impl;
+  // A block's internals, kept for its backward (per slot and layer; one shared set with
+  // recompute).
+  struct block_buffers {
+    D *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res2 = nullptr, *ln2 = nullptr,
+      *fch = nullptr, *fch_gelu = nullptr;
+    float *ln1_mean = nullptr, *ln1_rstd = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr,
+          *lse = nullptr;
+  };
+  // What one micro-batch in flight keeps from its forward for its backward.
+  struct slot_buffers {
+    D* input = nullptr;                 // the embedding's output, or the received activation
+    std::vector<block_buffers> blocks;  // per layer (without recompute)
+    std::vector<D*> out;                // every block's output (res3)
+    float *lnf_mean = nullptr, *lnf_rstd = nullptr;  // head
+    D* dlnf = nullptr;                               // head: the gradient of ln_f's output
+    std::vector<std::int32_t> tokens;                // embedding: the tokens, for dwte
+  };
+  int layers() const { return range.last_layer - range.first_layer; }
+
+  std::vector<slot_buffers> slot_state;
+  block_buffers shared;                 // recompute: every block's internals
+  int held_slot = -1, held_layer = -1;  // recompute: which block `shared` holds
+  D* working = nullptr;                 // bf16 / fp16 runs: the 16-bit weights
+  std::int32_t *d_tokens = nullptr, *d_targets = nullptr;
+  cu::token_groups groups;
+  D *lnf = nullptr, *logits = nullptr;
+  float *losses = nullptr, *att_scratch = nullptr;
+  D *da = nullptr, *db = nullptr, *dfch_gelu = nullptr, *dfc = nullptr, *dln = nullptr,
+    *datty = nullptr, *dqkv = nullptr;
+
+  // The weights the kernels read: the 16-bit copy, or the fp32 master weights.
+  const D* W(const std::string& name) const {
+    const auto off = param(name).offset;
+    if constexpr (std::is_same_v<D, float>) {
+      return master + off;
+    } else {
+      return working + off;
+    }
+  }
+  const float* F(const std::string& name) const { return master + param(name).offset; }
+  float* G(const std::string& name) const { return grads + param(name).offset; }
+  static std::string block_prefix(int layer) {
+    return "transformer.h." + std::to_string(layer) + ".";
+  }
+
+  block_buffers alloc_block(std::int64_t N, std::int64_t NC) {
+    block_buffers b;
+    b.ln1 = arena.alloc<D>(NC);
+    b.qkv = arena.alloc<D>(3 * NC);
+    b.atty = arena.alloc<D>(NC);
+    b.res2 = arena.alloc<D>(NC);
+    b.ln2 = arena.alloc<D>(NC);
+    b.fch = arena.alloc<D>(4 * NC);
+    b.fch_gelu = arena.alloc<D>(4 * NC);
+    b.ln1_mean = arena.alloc<float>(N);
+    b.ln1_rstd = arena.alloc<float>(N);
+    b.ln2_mean = arena.alloc<float>(N);
+    b.ln2_rstd = arena.alloc<float>(N);
+    b.lse = arena.alloc<float>(std::int64_t{B} * config.heads * T);
+    return b;
+  }
+
+  // Keep in step with plan_gpu_stage_memory (gpu_plan.cpp): the GPU suite checks
+  // device_bytes() against it.
+  void allocate() override {
+    const int C = config.width, Vp = config.padded_vocab_size, NH = config.heads;
+    const std::int64_t N = std::int64_t{B} * T, NC = N * C;
+    if constexpr (!std::is_same_v<D, float>) {
+      working = arena.alloc<D>(P);
+      cu::convert(ctx, working, master, P);
+    }
+    if (recompute && layers() > 0) shared = alloc_block(N, NC);
+    slot_state.resize(static_cast<std::size_t>(slots));
+    for (auto& s : slot_state) {
+      s.input = arena.alloc<D>(NC);
+      for (int l = 0; l < layers(); ++l) {
+        if (!recompute) s.blocks.push_back(alloc_block(N, NC));
+        s.out.push_back(arena.alloc<D>(NC));
+      }
+      if (range.head) {
+        s.lnf_mean = arena.alloc<float>(N);
+        s.lnf_rstd = arena.alloc<float>(N);
+        s.dlnf = arena.alloc<D>(NC);
+      }
+    }
+    if (range.embedding) d_tokens = arena.alloc<std::int32_t>(N);
+    if (range.head) {
+      d_targets = arena.alloc<std::int32_t>(N);
+      lnf = arena.alloc<D>(NC);
+      logits = arena.alloc<D>(N * Vp);
+      losses = arena.alloc<float>(N);
+    }
+    att_scratch = arena.alloc<float>(cu::attention_scratch_floats(B, T, NH));
+    da = arena.alloc<D>(NC);
+    db = arena.alloc<D>(NC);
+    dfch_gelu = arena.alloc<D>(4 * NC);
+    dfc = arena.alloc<D>(4 * NC);
+    dln = arena.alloc<D>(NC);
+    datty = arena.alloc<D>(NC);
+    dqkv = arena.alloc<D>(3 * NC);
+  }
+
+  const block_buffers& internals(int slot, int l) const {
+    return recompute
+               ? shared
+               : slot_state[static_cast<std::size_t>(slot)].blocks[static_cast<std::size_t>(l)];
+  }
+  const D* block_input(int slot, int l) const {
+    const auto& s = slot_state[static_cast<std::size_t>(slot)];
+    return l > 0 ? s.out[static_cast<std::size_t>(l) - 1] : s.input;
+  }
+
+  // Local block l of `slot` (layer first_layer + l): from its input into its internals and its
+  // output.
+  void block_forward(int slot, int l) {
+    const int C = config.width, NH = config.heads, N = B * T;
+    const std::int64_t NC = std::int64_t{N} * C;
+    const auto& L = internals(slot, l);
+    const D* x = block_input(slot, l);
+    D* out = slot_state[static_cast<std::size_t>(slot)].out[static_cast<std::size_t>(l)];
+    const std::string p = block_prefix(range.first_layer + l);
+    cu::layernorm_forward(ctx, L.ln1, L.ln1_mean, L.ln1_rstd, x, F(p + "ln_1.weight"),
+                          F(p + "ln_1.bias"), N, C);
+    cu::linear_forward(ctx, L.qkv, L.ln1, W(p + "attn.c_attn.weight"), W(p + "attn.c_attn.bias"), N,
+                       C, 3 * C);
+    cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, C, NH);
+    cu::linear_forward(ctx, L.res2, L.atty, W(p + "attn.c_proj.weight"), W(p + "attn.c_proj.bias"),
+                       N, C, C);
+    cu::residual_forward(ctx, L.res2, L.res2, x, NC);
+    cu::layernorm_forward(ctx, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, F(p + "ln_2.weight"),
+                          F(p + "ln_2.bias"), N, C);
+    cu::linear_forward(ctx, L.fch, L.ln2, W(p + "mlp.c_fc.weight"), W(p + "mlp.c_fc.bias"), N, C,
+                       4 * C);
+    cu::gelu_forward(ctx, L.fch_gelu, L.fch, 4 * NC);
+    cu::linear_forward(ctx, out, L.fch_gelu, W(p + "mlp.c_proj.weight"), W(p + "mlp.c_proj.bias"),
+                       N, 4 * C, C);
+    cu::residual_forward(ctx, out, out, L.res2, NC);
+    held_slot = slot;
+    held_layer = l;
+  }
+
+  void* input(int slot) override {
+    check_slot(slot);
+    if (range.embedding)
+      throw std::logic_error("gpu_stage: a chunk with the embedding takes tokens, not an input");
+    return slot_state[static_cast<std::size_t>(slot)].input;
+  }
+
+  const void* output(int slot) const override {
+    check_slot(slot);
+    if (range.head) throw std::logic_error("gpu_stage: a head chunk has no output activation");
+    const auto& s = slot_state[static_cast<std::size_t>(slot)];
+    return layers() > 0 ? s.out.back() : s.input;
+  }
+
+  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                 float loss_scale, bool train) override {
+    check_slot(slot);
+    const int C = config.width, V = config.vocab_size, Vp = config.padded_vocab_size;
+    const int N = B * T;
+    auto& s = slot_state[static_cast<std::size_t>(slot)];
+    if (range.embedding) {
+      if (!tokens) throw std::invalid_argument("gpu_stage: the embedding chunk needs tokens");
+      for (int i = 0; i < N; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= V)
+          throw std::invalid_argument("gpu_stage: token " + std::to_string(tokens[i]) +
+                                      " outside the vocabulary of " + std::to_string(V));
+      }
+      s.tokens.assign(tokens, tokens + N);
+      check(cudaMemcpyAsync(d_tokens, tokens, static_cast<std::size_t>(N) * sizeof(std::int32_t),
+                            cudaMemcpyHostToDevice, ctx.stream()),
+            "cudaMemcpyAsync(tokens)");
+      cu::embedding_forward(ctx, s.input, d_tokens, W("transformer.wte.weight"),
+                            W("transformer.wpe.weight"), B, T, C);
+    }
+    for (int l = 0; l < layers(); ++l) block_forward(slot, l);
+    if (!range.head) return std::numeric_limits<double>::quiet_NaN();
+
+    if (!targets) throw std::invalid_argument("gpu_stage: the head chunk needs targets");
+    std::int64_t count = 0;
+    for (int i = 0; i < N; ++i) count += targets[i] != ignore_index;
+    check(cudaMemcpyAsync(d_targets, targets, static_cast<std::size_t>(N) * sizeof(std::int32_t),
+                          cudaMemcpyHostToDevice, ctx.stream()),
+          "cudaMemcpyAsync(targets)");
+    const D* x = layers() > 0 ? s.out.back() : s.input;
+    cu::layernorm_forward(ctx, lnf, s.lnf_mean, s.lnf_rstd, x, F("transformer.ln_f.weight"),
+                          F("transformer.ln_f.bias"), N, C);
+    cu::linear_forward<D>(ctx, logits, lnf, W("transformer.wte.weight"), nullptr, N, C, Vp);
+    // Leaves dlogits (seeded with loss_scale) in `logits`.
+    const auto loss = cu::softmax_cross_entropy_backward(ctx, logits, logits, d_targets, losses, N,
+                                                         V, Vp, ignore_index, count, loss_scale);
+    if (train) {  // the head's backward up to ln_f's output: the logits are not kept
+      zero(ctx, s.dlnf, std::int64_t{N} * C);
+      cu::linear_backward(ctx, s.dlnf, G("transformer.wte.weight"), nullptr, logits, lnf,
+                          W("transformer.wte.weight"), N, C, Vp);
+    }
+    return loss.mean();
+  }
+
+  const void* backward(int slot, const void* doutput) override {
+    check_slot(slot);
+    const int C = config.width, NH = config.heads;
+    const int N = B * T;
+    const std::int64_t NC = std::int64_t{N} * C;
+    auto& s = slot_state[static_cast<std::size_t>(slot)];
+    D* dres = da;  // the gradient of the current block's output, then of its input
+    D* dmid = db;  // the gradient of res2
+    if (range.head) {
+      zero(ctx, dres, NC);
+      const D* x = layers() > 0 ? s.out.back() : s.input;
+      cu::layernorm_backward(ctx, dres, G("transformer.ln_f.weight"), G("transformer.ln_f.bias"),
+                             s.dlnf, x, F("transformer.ln_f.weight"), s.lnf_mean, s.lnf_rstd, N, C);
+    } else {
+      if (!doutput) throw std::invalid_argument("gpu_stage: backward needs the output's gradient");
+      copy(ctx, dres, static_cast<const D*>(doutput), NC);
+    }
+    for (int l = layers() - 1; l >= 0; --l) {
+      // The block's internals: its own (no recompute), or the shared ones, recomputed unless
+      // they still hold this block of this slot (the last block right after its forward).
+      if (recompute && (held_slot != slot || held_layer != l)) block_forward(slot, l);
+      const auto& L = internals(slot, l);
+      const D* in = block_input(slot, l);
+      const std::string p = block_prefix(range.first_layer + l);
+      zero(ctx, dfch_gelu, 4 * NC);
+      cu::linear_backward(ctx, dfch_gelu, G(p + "mlp.c_proj.weight"), G(p + "mlp.c_proj.bias"),
+                          dres, L.fch_gelu, W(p + "mlp.c_proj.weight"), N, 4 * C, C);
+      zero(ctx, dfc, 4 * NC);
+      cu::gelu_backward(ctx, dfc, L.fch, dfch_gelu, 4 * NC);
+      zero(ctx, dln, NC);
+      cu::linear_backward(ctx, dln, G(p + "mlp.c_fc.weight"), G(p + "mlp.c_fc.bias"), dfc, L.ln2,
+                          W(p + "mlp.c_fc.weight"), N, C, 4 * C);
+      copy(ctx, dmid, dres, NC);
+      cu::layernorm_backward(ctx, dmid, G(p + "ln_2.weight"), G(p + "ln_2.bias"), dln, L.res2,
+                             F(p + "ln_2.weight"), L.ln2_mean, L.ln2_rstd, N, C);
+      zero(ctx, datty, NC);
+      cu::linear_backward(ctx, datty, G(p + "attn.c_proj.weight"), G(p + "attn.c_proj.bias"), dmid,
+                          L.atty, W(p + "attn.c_proj.weight"), N, C, C);
+      zero(ctx, dqkv, 3 * NC);
+      cu::attention_backward(ctx, dqkv, datty, L.qkv, L.atty, L.lse, att_scratch, B, T, C, NH);
+      zero(ctx, dln, NC);
+      cu::linear_backward(ctx, dln, G(p + "attn.c_attn.weight"), G(p + "attn.c_attn.bias"), dqkv,
+                          L.ln1, W(p + "attn.c_attn.weight"), N, C, 3 * C);
+      copy(ctx, dres, dmid, NC);
+      cu::layernorm_backward(ctx, dres, G(p + "ln_1.weight"), G(p + "ln_1.bias"), dln, in,
+                             F(p + "ln_1.weight"), L.ln1_mean, L.ln1_rstd, N, C);
+    }
+    if (!range.embedding) return dres;
+    groups.build(ctx, s.tokens.data(), N);
+    cu::embedding_backward(ctx, G("transformer.wte.weight"), G("transformer.wpe.weight"), dres,
+                           groups, B, T, C);
+    return nullptr;
+  }
+
+  void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
+    for (const auto& p : layout) {
+      const auto o = p.offset;
+      if constexpr (std::is_same_v<D, float>) {
+        cu::adamw_update(ctx, master + o, grads + o, m + o, v + o, p.numel, hp, step, p.decay,
+                         grad_multiplier, static_cast<cu::bf16*>(nullptr));
+      } else {
+        cu::adamw_update(ctx, master + o, grads + o, m + o, v + o, p.numel, hp, step, p.decay,
+                         grad_multiplier, working + o);
+      }
+    }
+  }
+};
+
+std::unique_ptr<gpu_stage::impl> make_impl(compute_dtype dtype, int device) {
+  switch (dtype) {
+    case compute_dtype::bf16:
+      return std::make_unique<model_impl<cu::bf16>>(device);
+    case compute_dtype::fp16:
+      return std::make_unique<model_impl<cu::fp16>>(device);
+    case compute_dtype::fp32:
+      break;
+  }
+  return std::make_unique<model_impl<float>>(device);
+}
+
+}  // namespace
+
+gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options,
+                     int slots, int device) {
+  const gpt_config& config = weights.config();
+  config.validate();
+  if (B < 1 || T < 1 || T > config.context)
+    throw std::invalid_argument("gpu_stage: batch " + std::to_string(B) + " x sequence " +
+                                std::to_string(T) + " (the context is " +
+                                std::to_string(config.context) + ")");
+  if (slots < 1)
+    throw std::invalid_argument("gpu_stage: " + std::to_string(slots) + " slots (at least 1)");
+  std::string why;
+  if (!cuda_training_available(&why)) throw std::runtime_error("--device cuda: " + why);
+  if (device < 0 || device >= kernels::cuda_device_count())
+    throw std::invalid_argument("gpu_stage: CUDA device " + std::to_string(device) +
+                                " does not exist (" + std::to_string(kernels::cuda_device_count()) +
+                                " here)");
+  impl_ = make_impl(options.dtype, device);
+  auto& s = *impl_;
+  s.config = config;
+  s.range = weights.range();
+  s.B = B;
+  s.T = T;
+  s.slots = slots;
+  s.element_bytes = options.dtype == compute_dtype::fp32 ? 4 : 2;
+  s.recompute = options.recompute;
+  s.layout = weights.parameters();
+  for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
+  s.P = weights.parameter_count();
+  s.master = s.arena.alloc<float>(s.P);
+  s.grads = s.arena.alloc<float>(s.P);
+  s.m = s.arena.alloc<float>(s.P);
+  s.v = s.arena.alloc<float>(s.P);
+  check(cudaMemcpy(s.master, weights.params(), static_cast<std::size_t>(s.P) * sizeof(float),
+                   cudaMemcpyHostToDevice),
+        "cudaMemcpy(parameters)");
+  zero(s.ctx, s.grads, s.P);
+  zero(s.ctx, s.m, s.P);
+  zero(s.ctx, s.v, s.P);
+  s.allocate();
+  s.ctx.synchronize();
+}
+
+gpu_stage::~gpu_stage() {
+  if (impl_) cudaSetDevice(impl_->device);  // the stream and buffers belong to it
+}
+
+const gpt_config& gpu_stage::config() const { return impl_->config; }
+const stage_range& gpu_stage::range() const { return impl_->range; }
+int gpu_stage::slots() const { return impl_->slots; }
+std::size_t gpu_stage::activation_bytes() const {
+  return static_cast<std::size_t>(impl_->B) * static_cast<std::size_t>(impl_->T) *
+         static_cast<std::size_t>(impl_->config.width) * impl_->element_bytes;
+}
+
+void* gpu_stage::input(int slot) {
+  device_guard g(impl_->device);
+  return impl_->input(slot);
+}
+double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                          float loss_scale, bool train) {
+  device_guard g(impl_->device);
+  return impl_->forward(slot, tokens, targets, loss_scale, train);
+}
+const void* gpu_stage::output(int slot) const { return impl_->output(slot); }
+const void* gpu_stage::backward(int slot, const void* doutput) {
+  device_guard g(impl_->device);
+  return impl_->backward(slot, doutput);
+}
+
+void gpu_stage::zero_grad() {
+  device_guard g(impl_->device);
+  zero(impl_->ctx, impl_->grads, impl_->P);
+}
+
+double gpu_stage::grad_square_sum(bool count_tied_copy) {
+  device_guard g(impl_->device);
+  auto& s = *impl_;
+  const bool tied_copy = s.range.head && !s.range.embedding;
+  if (!tied_copy || count_tied_copy) return cu::square_sum(s.ctx, s.grads, s.P);
+  // Every parameter but the head's wte copy, in layout order (one contiguous run each side).
+  const auto& wte = s.param("transformer.wte.weight");
+  return cu::square_sum(s.ctx, s.grads, wte.offset) +
+         cu::square_sum(s.ctx, s.grads + wte.offset + wte.numel, s.P - wte.offset - wte.numel);
+}
+
+void gpu_stage::adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) {
+  device_guard g(impl_->device);
+  impl_->adamw(hp, step, grad_multiplier);
+}
+
+float* gpu_stage::device_parameters() { return impl_->master; }
+float* gpu_stage::device_gradients() { return impl_->grads; }
+std::int64_t gpu_stage::parameter_count() const { return impl_->P; }
+const std::vector<parameter_info>& gpu_stage::layout() const { return impl_->layout; }
+
+namespace {
+std::vector<float> to_host(const gpu_stage::impl& s, const float* p) {
+  device_guard g(s.device);
+  std::vector<float> out(static_cast<std::size_t>(s.P));
+  s.ctx.synchronize();
+  check(cudaMemcpy(out.data(), p, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
+        "cudaMemcpy(to host)");
+  return out;
+}
+}  // namespace
+
+std::vector<float> gpu_stage::parameters() const { return to_host(*impl_, impl_->master); }
+std::vector<float> gpu_stage::gradients() const { return to_host(*impl_, impl_->grads); }
+
+void gpu_stage::copy_parameters_to(gpt_stage& host) const {
+  const auto& r = host.range();
+  const auto& mine = impl_->range;
+  if (host.parameter_count() != impl_->P || r.first_layer != mine.first_layer ||
+      r.last_layer != mine.last_layer || r.embedding != mine.embedding || r.head != mine.head)
+    throw std::invalid_argument("gpu_stage: the host stage holds a different range");
+  device_guard g(impl_->device);
+  impl_->ctx.synchronize();
+  check(cudaMemcpy(host.params(), impl_->master, static_cast<std::size_t>(impl_->P) * sizeof(float),
+                   cudaMemcpyDeviceToHost),
+        "cudaMemcpy(to host)");
+}
+
+std::int64_t gpu_stage::device_bytes() const { return impl_->arena.bytes(); }
+std::string gpu_stage::device_name() const { return kernels::cuda_device_name(impl_->device); }
+void* gpu_stage::stream() const { return impl_->ctx.stream(); }
+void gpu_stage::synchronize() const {
+  device_guard g(impl_->device);
+  impl_->ctx.synchronize();
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,135 @@
+// One pipeline chunk of GPT-2 (a stage_range: the embedding, blocks [first, last), the head) on
+// one CUDA device, with the saved activations of up to `slots` micro-batches in flight: what a
+// GPU pipeline stage holds (docs/gpu.md). gpu_trainer is the whole model as one chunk with one
+// slot. Host code: the kernels come from kernels/cuda through the .cpp.
+//
+// Invariants:
+//  - The weights start as the host stage given (the same stage_range, the same flat layout as
+//    gpt_stage), so a GPU chunk starts from the CPU chunk's exact weights, and parameters and
+//    gradients keep gpt_stage's layout. A head chunk without the embedding holds its own copy
+//    of the tied wte, as on the CPU: whoever drives the pipeline sums the two copies' gradients.
+//  - Master weights, gradients and AdamW moments are fp32. With compute_dtype bf16 or fp16 the
+//    passes run on a 16-bit copy of the weights (refreshed by every AdamW update) and 16-bit
+//    activations; layernorm parameters and statistics, GEMM accumulation, softmax and every
+//    gradient reduction stay fp32. fp16 needs dynamic loss scaling: the caller seeds the head's
+//    loss gradient with the scale and skips non-finite steps.
+//  - Activations between chunks are device buffers of [B, T, width] in the compute dtype
+//    (activation_bytes()). A slot is a micro-batch in flight: its forward keeps what its
+//    backward needs until the slot's next forward; slots never share saved activations.
+//  - A head chunk computes the loss in forward and, when training, turns the logits into the
+//    loss gradient and runs the head's backward up to ln_f's input gradient right away (the
+//    logits never outlive the forward), so its backward needs no incoming gradient.
+//  - Activation checkpointing (recompute): each block keeps only its output per slot; the
+//    blocks' internals live in one scratch shared by every layer and slot and are recomputed,
+//    by the same kernels, before a block's backward (unless the scratch still holds that very
+//    block of that slot), so the numbers are bitwise those of the run without it.
+//  - Everything is enqueued on the chunk's own stream (stream()), in call order; gradients
+//    accumulate (+=) across micro-batches until zero_grad. No atomics: a pass repeats bitwise.
+//  - plan_gpu_stage_memory() gives, without a device, exactly the bytes the chunk allocates.
+// Without CUDA (the build or the machine), constructing one throws std::runtime_error saying
+// why; cuda_training_available() tells beforehand.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "engine/optimizer.hpp"
+
+namespace troupe::engine {
+
+enum class compute_dtype { fp32, bf16, fp16 };
+// "fp32", "bf16" or "fp16"; anything else throws std::invalid_argument.
+compute_dtype parse_compute_dtype(const std::string& name);
+const char* compute_dtype_name(compute_dtype dtype);
+
+struct gpu_trainer_options {
+  compute_dtype dtype = compute_dtype::fp32;
+  bool recompute = false;  // activation checkpointing: every block recomputed in backward
+};
+
+// The device memory a chunk allocates (its arena; cuBLASLt's workspace and the token groups
+// are not counted), computed on the host.
+struct gpu_memory_plan {
+  std::int64_t model_state = 0;  // fp32 master weights, gradients, AdamW m and v (+ 16-bit copy)
+  std::int64_t activations = 0;  // what forward keeps for backward, and backward's scratch
+  std::int64_t activations_without_recompute = 0;  // the same without checkpointing
+  std::int64_t total() const { return model_state + activations; }
+};
+gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_range& range, int B,
+                                      int T, const gpu_trainer_options& options, int slots);
+// The whole model as one chunk with one slot (gpu_trainer).
+gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
+                                const gpu_trainer_options& options);
+
+// Whether a CUDA device can train here; otherwise, when why_not is given, the reason.
+bool cuda_training_available(std::string* why_not = nullptr);
+
+class gpu_stage {
+ public:
+  // The chunk of `weights` (its range and parameters) for micro-batches of B sequences of T
+  // tokens (T <= config.context), on CUDA device `device`, with `slots` micro-batches in flight
+  // at most. Every call makes that device current for the calling thread.
+  gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options,
+            int slots = 1, int device = 0);
+  ~gpu_stage();
+  gpu_stage(const gpu_stage&) = delete;
+  gpu_stage& operator=(const gpu_stage&) = delete;
+
+  const gpt_config& config() const;
+  const stage_range& range() const;
+  int slots() const;
+  // Bytes of one activation (or activation gradient) between chunks: B * T * width values.
+  std::size_t activation_bytes() const;
+
+  // A chunk without the embedding: the device buffer that receives `slot`'s input activation
+  // (a link writes it, on this stream or ordered before it by an event) before forward(slot).
+  void* input(int slot);
+  // Forward of one micro-batch into `slot` (in [0, slots)). tokens: host, B*T, for a chunk with
+  // the embedding (checked against the vocabulary); targets: host, for a head chunk. A head
+  // chunk returns the mean loss (unscaled) over the counted targets and, when `train`, leaves
+  // the loss gradient seeded with loss_scale ready for backward; other chunks return NaN.
+  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                 float loss_scale = 1.0f, bool train = true);
+  // A chunk without the head: slot's output activation (device), valid until slot's next forward.
+  const void* output(int slot) const;
+  // Backward of slot's micro-batch; its weight gradients accumulate. doutput: the gradient of
+  // output(slot) (device; nullptr for a head chunk). Returns the gradient of input(slot)
+  // (device, valid until the next backward) for a chunk without the embedding, else nullptr.
+  const void* backward(int slot, const void* doutput);
+
+  void zero_grad();
+  // Sum of squared gradients as held (still carrying the loss scale), in fp64. Without
+  // count_tied_copy, a head chunk's copy of the tied wte is left out (the pipeline counts wte
+  // once, on the embedding chunk).
+  double grad_square_sum(bool count_tied_copy = true);
+  // AdamW on every parameter with 1-based `step`; every gradient is multiplied by
+  // grad_multiplier first (1 / loss scale, times the clipping coefficient).
+  void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier);
+
+  // fp32 master weights and gradients on the device, in gpt_stage's layout (parameter_count()
+  // floats each), for collectives and the tied-weight exchange, on this stream's order.
+  float* device_parameters();
+  float* device_gradients();
+  std::int64_t parameter_count() const;
+  const std::vector<parameter_info>& layout() const;
+  // Copies to the host (after synchronizing).
+  std::vector<float> parameters() const;
+  std::vector<float> gradients() const;
+  // The master weights into a host stage of the same range (to save them).
+  void copy_parameters_to(gpt_stage& host) const;
+
+  std::int64_t device_bytes() const;  // everything this chunk allocated on the device
+  std::string device_name() const;
+  void* stream() const;      // the cudaStream_t everything is enqueued on
+  void synchronize() const;  // waits for everything enqueued
+
+  struct impl;
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace troupe::engine

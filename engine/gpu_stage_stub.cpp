@@ -1,0 +1,50 @@
+// gpu_stage in a build without CUDA (-Dwith_cuda=disabled, or no nvcc): constructing one says
+// so; nothing else can be reached.
+#include <stdexcept>
+
+#include "engine/gpu_stage.hpp"
+
+namespace troupe::engine {
+
+bool cuda_training_available(std::string* why_not) {
+  if (why_not) *why_not = "this build has no CUDA (nvcc was not found, or -Dwith_cuda=disabled)";
+  return false;
+}
+
+struct gpu_stage::impl {
+  gpt_config config;
+  stage_range range;
+  std::vector<parameter_info> layout;
+};
+
+gpu_stage::gpu_stage(const gpt_stage&, int, int, const gpu_trainer_options&, int, int) {
+  std::string why;
+  cuda_training_available(&why);
+  throw std::runtime_error("--device cuda: " + why);
+}
+gpu_stage::~gpu_stage() = default;
+// Unreachable: no gpu_stage exists in this build.
+const gpt_config& gpu_stage::config() const { return impl_->config; }
+const stage_range& gpu_stage::range() const { return impl_->range; }
+int gpu_stage::slots() const { return 0; }
+std::size_t gpu_stage::activation_bytes() const { return 0; }
+void* gpu_stage::input(int) { return nullptr; }
+double gpu_stage::forward(int, const std::int32_t*, const std::int32_t*, float, bool) { return 0; }
+const void* gpu_stage::output(int) const { return nullptr; }
+const void* gpu_stage::backward(int, const void*) { return nullptr; }
+void gpu_stage::zero_grad() {}
+double gpu_stage::grad_square_sum(bool) { return 0; }
+void gpu_stage::adamw(const kernels::adamw_hparams&, int, float) {}
+float* gpu_stage::device_parameters() { return nullptr; }
+float* gpu_stage::device_gradients() { return nullptr; }
+std::int64_t gpu_stage::parameter_count() const { return 0; }
+const std::vector<parameter_info>& gpu_stage::layout() const { return impl_->layout; }
+std::vector<float> gpu_stage::parameters() const { return {}; }
+std::vector<float> gpu_stage::gradients() const { return {}; }
+void gpu_stage::copy_parameters_to(gpt_stage&) const {}
+std::int64_t gpu_stage::device_bytes() const { return 0; }
+std::string gpu_stage::device_name() const { return {}; }
+void* gpu_stage::stream() const { return nullptr; }
+void gpu_stage::synchronize() const {}
+
+}  // namespace troupe::engine

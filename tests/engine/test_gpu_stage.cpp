@@ -1,0 +1,279 @@
+// GPU pipeline chunks (`gpu` suite; exit 77, SKIP, without a device): two chunks of the model on
+// one device, driven in a two-stage 1F1B order with two micro-batches in flight, give bitwise
+// the whole model's losses, gradients and updated weights (the tied wte, whose two copies'
+// gradients are summed in another order, within rounding), with and without activation
+// checkpointing; every chunk allocates exactly what plan_gpu_stage_memory says; misuse is refused.
+#include <cuda_runtime_api.h>
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "engine/gpu_stage.hpp"
+#include "engine/gpu_trainer.hpp"
+#include "engine/optimizer.hpp"
+#include "engine/random.hpp"
+
+using namespace troupe::engine;
+
+namespace {
+
+const gpt_config kConfig{97, 128, 64, 4, 4, 64};  // 4 layers, head size 16
+constexpr int kB = 2, kT = 40, kMicroBatches = 4;
+
+struct batch {
+  std::vector<std::int32_t> inputs, targets;
+};
+
+batch make_batch(std::uint64_t salt) {
+  batch b;
+  for (int i = 0; i < kB * kT; ++i) {
+    b.inputs.push_back(static_cast<std::int32_t>(splitmix64(salt + i) % 97));
+    b.targets.push_back(i % 13 == 4 ? ignore_index
+                                    : static_cast<std::int32_t>(splitmix64(salt + 4099 + i) % 97));
+  }
+  return b;
+}
+
+void cuda_ok(cudaError_t e) { REQUIRE(e == cudaSuccess); }
+
+// Moves `bytes` from src (on `from`'s stream) to dst (on `to`'s stream), finished on return.
+void transfer(const gpu_stage& from, const void* src, const gpu_stage& to, void* dst,
+              std::size_t bytes) {
+  from.synchronize();
+  cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                          static_cast<cudaStream_t>(to.stream())));
+  to.synchronize();
+}
+
+const parameter_info& wte_of(const std::vector<parameter_info>& layout) {
+  for (const auto& p : layout)
+    if (p.name == "transformer.wte.weight") return p;
+  throw std::logic_error("no wte");
+}
+
+// The parameter named in `layout` (a chunk's) as a slice of values laid out as `layout`.
+std::vector<float> slice(const std::vector<float>& values, const parameter_info& p) {
+  return {values.begin() + p.offset, values.begin() + p.offset + p.numel};
+}
+
+std::vector<float> slice_of(const std::vector<float>& whole_values,
+                            const std::vector<parameter_info>& whole_layout,
+                            const std::string& name) {
+  for (const auto& p : whole_layout)
+    if (p.name == name) return slice(whole_values, p);
+  throw std::logic_error("no " + name);
+}
+
+double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0, mag = 1e-30;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
+    mag = std::max(mag, std::abs(double(b[i])));
+  }
+  return diff / mag;
+}
+
+struct pipeline_result {
+  std::vector<double> losses;                     // per micro-batch, per step
+  std::vector<std::vector<float>> grads, params;  // per chunk, after the last step
+  double grad_norm = 0;                           // of the last step
+};
+
+// Two chunks, two slots each, on device 0: each step runs kMicroBatches micro-batches in the
+// two-stage 1F1B order (stage 0: F0 F1 B0 F2 B1 F3 B2 B3), then sums the tied wte gradients,
+// takes the global norm (wte once) and updates both chunks.
+pipeline_result run_pipeline(const gpu_trainer_options& options, int steps) {
+  const auto ranges = partition_layers(kConfig, 2);
+  gpt_stage host0(kConfig, ranges[0]), host1(kConfig, ranges[1]);
+  host0.init_gpt2(11);
+  host1.init_gpt2(11);
+  gpu_stage first(host0, kB, kT, options, 2), last(host1, kB, kT, options, 2);
+  const std::size_t bytes = first.activation_bytes();
+  REQUIRE(bytes == last.activation_bytes());
+  const auto& wte0 = wte_of(first.layout());
+  const auto& wte1 = wte_of(last.layout());
+  REQUIRE(wte0.numel == wte1.numel);
+  optimizer_config oc;
+  oc.warmup_steps = 1;
+  pipeline_result r;
+  for (int step = 0; step < steps; ++step) {
+    first.zero_grad();
+    last.zero_grad();
+    std::vector<batch> batches;
+    for (int mb = 0; mb < kMicroBatches; ++mb)
+      batches.push_back(make_batch(static_cast<std::uint64_t>(step * 100 + mb)));
+    auto forward = [&](int mb) {
+      const int slot = mb % 2;
+      first.forward(slot, batches[static_cast<std::size_t>(mb)].inputs.data(), nullptr);
+      transfer(first, first.output(slot), last, last.input(slot), bytes);
+      r.losses.push_back(
+          last.forward(slot, nullptr, batches[static_cast<std::size_t>(mb)].targets.data()));
+    };
+    auto backward = [&](int mb) {
+      const int slot = mb % 2;
+      const void* dinput = last.backward(slot, nullptr);
+      REQUIRE(dinput != nullptr);
+      last.synchronize();
+      CHECK(first.backward(slot, dinput) == nullptr);
+      first.synchronize();
+    };
+    forward(0);
+    forward(1);
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      backward(mb);
+      if (mb + 2 < kMicroBatches) forward(mb + 2);
+    }
+    // The tied wte: both copies receive the sum of their gradients.
+    auto g0 = first.gradients(), g1 = last.gradients();
+    for (std::int64_t i = 0; i < wte0.numel; ++i)
+      g0[static_cast<std::size_t>(wte0.offset + i)] +=
+          g1[static_cast<std::size_t>(wte1.offset + i)];
+    cuda_ok(cudaMemcpy(first.device_gradients() + wte0.offset, g0.data() + wte0.offset,
+                       static_cast<std::size_t>(wte0.numel) * sizeof(float),
+                       cudaMemcpyHostToDevice));
+    cuda_ok(cudaMemcpy(last.device_gradients() + wte1.offset, g0.data() + wte0.offset,
+                       static_cast<std::size_t>(wte1.numel) * sizeof(float),
+                       cudaMemcpyHostToDevice));
+    r.grad_norm = std::sqrt(first.grad_square_sum() + last.grad_square_sum(false));
+    const double lr = learning_rate(oc, step, steps);
+    const auto multiplier = static_cast<float>(clip_coefficient(r.grad_norm, oc.grad_clip));
+    first.adamw(adamw_hparams_at(oc, lr), step + 1, multiplier);
+    last.adamw(adamw_hparams_at(oc, lr), step + 1, multiplier);
+    if (step + 1 == steps) r.grads = {first.gradients(), last.gradients()};
+  }
+  r.params = {first.parameters(), last.parameters()};
+  // The two copies of wte stay equal.
+  CHECK(slice(r.params[0], wte0) == slice(r.params[1], wte1));
+  return r;
+}
+
+// The whole model as one chunk over the same micro-batches, in micro-batch order.
+pipeline_result run_whole(const gpu_trainer_options& options, int steps,
+                          std::vector<parameter_info>& layout) {
+  gpt_stage host(kConfig, stage_range::whole(kConfig));
+  host.init_gpt2(11);
+  gpu_trainer whole(host, kB, kT, options);
+  layout = whole.layout();
+  optimizer_config oc;
+  oc.warmup_steps = 1;
+  pipeline_result r;
+  for (int step = 0; step < steps; ++step) {
+    whole.zero_grad();
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      const auto b = make_batch(static_cast<std::uint64_t>(step * 100 + mb));
+      r.losses.push_back(whole.forward_backward(b.inputs.data(), b.targets.data()));
+    }
+    r.grad_norm = std::sqrt(whole.grad_square_sum());
+    whole.update(oc, step, steps, clip_coefficient(r.grad_norm, oc.grad_clip));
+    if (step + 1 == steps) r.grads = {whole.gradients()};
+  }
+  r.params = {whole.parameters()};
+  return r;
+}
+
+// Every parameter of the chunks against the whole model's: bitwise, but wte within `wte_tol`.
+void compare_chunks(const pipeline_result& chunks, const pipeline_result& whole,
+                    const std::vector<parameter_info>& whole_layout,
+                    const std::vector<std::vector<parameter_info>>& layouts, double wte_tol,
+                    bool grads) {
+  for (std::size_t c = 0; c < layouts.size(); ++c) {
+    for (const auto& p : layouts[c]) {
+      INFO("chunk " << c << " " << p.name << (grads ? " gradient" : " weight"));
+      const auto mine = slice(grads ? chunks.grads[c] : chunks.params[c], p);
+      const auto theirs = slice_of(grads ? whole.grads[0] : whole.params[0], whole_layout, p.name);
+      if (p.name == "transformer.wte.weight")
+        CHECK(relative_difference(mine, theirs) <= wte_tol);
+      else
+        CHECK(mine == theirs);
+    }
+  }
+}
+
+std::vector<std::vector<parameter_info>> chunk_layouts() {
+  const auto ranges = partition_layers(kConfig, 2);
+  return {stage_parameter_layout(kConfig, ranges[0]), stage_parameter_layout(kConfig, ranges[1])};
+}
+
+}  // namespace
+
+TEST_CASE("two GPU chunks in a 1F1B order give the whole model's numbers", "[gpu][stage]") {
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16}) {
+    INFO("dtype " << compute_dtype_name(dtype));
+    std::vector<parameter_info> whole_layout;
+    // One step: bitwise. The head's loss of every micro-batch (the same kernels on the same
+    // bits), the gradients but the tied wte's (its two halves summed in another order), and the
+    // updated weights the same way.
+    const auto whole = run_whole({dtype, false}, 1, whole_layout);
+    const auto piped = run_pipeline({dtype, false}, 1);
+    CHECK(piped.losses == whole.losses);
+    compare_chunks(piped, whole, whole_layout, chunk_layouts(), 1e-5, true);
+    compare_chunks(piped, whole, whole_layout, chunk_layouts(), 1e-5, false);
+    CHECK(std::abs(piped.grad_norm - whole.grad_norm) <= 1e-6 * whole.grad_norm);
+    // Later steps start from wte weights that differ in their last bits: within rounding.
+    const auto whole3 = run_whole({dtype, false}, 3, whole_layout);
+    const auto piped3 = run_pipeline({dtype, false}, 3);
+    REQUIRE(piped3.losses.size() == whole3.losses.size());
+    const double tol = dtype == compute_dtype::fp32 ? 1e-5 : 2e-2;
+    for (std::size_t i = 0; i < whole3.losses.size(); ++i)
+      CHECK(std::abs(piped3.losses[i] - whole3.losses[i]) <= tol * std::abs(whole3.losses[i]));
+  }
+}
+
+TEST_CASE("GPU chunks with activation checkpointing and two slots change no bit", "[gpu][stage]") {
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
+    INFO("dtype " << compute_dtype_name(dtype));
+    const auto plain = run_pipeline({dtype, false}, 2);
+    const auto recomputed = run_pipeline({dtype, true}, 2);
+    CHECK(recomputed.losses == plain.losses);
+    CHECK(recomputed.grads == plain.grads);
+    CHECK(recomputed.params == plain.params);
+  }
+}
+
+TEST_CASE("a GPU chunk allocates exactly its memory plan", "[gpu][stage]") {
+  const auto ranges = partition_layers(kConfig, 2);
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16}) {
+    for (bool recompute : {false, true}) {
+      for (int slots : {1, 3}) {
+        for (const auto& range :
+             {ranges[0], ranges[1], stage_range::whole(kConfig), stage_range{1, 3, false, false}}) {
+          INFO(compute_dtype_name(dtype)
+               << " recompute " << recompute << " slots " << slots << " layers ["
+               << range.first_layer << ", " << range.last_layer << ") embedding " << range.embedding
+               << " head " << range.head);
+          gpt_stage host(kConfig, range);
+          host.init_gpt2(1);
+          gpu_stage chunk(host, kB, kT, {dtype, recompute}, slots);
+          CHECK(chunk.device_bytes() ==
+                plan_gpu_stage_memory(kConfig, range, kB, kT, {dtype, recompute}, slots).total());
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a GPU chunk refuses misuse, naming it", "[gpu][stage]") {
+  const auto ranges = partition_layers(kConfig, 2);
+  gpt_stage host0(kConfig, ranges[0]), host1(kConfig, ranges[1]);
+  host0.init_gpt2(1);
+  host1.init_gpt2(1);
+  gpu_stage first(host0, kB, kT, {}, 2), last(host1, kB, kT, {}, 2);
+  const auto b = make_batch(1);
+  CHECK_THROWS_WITH(first.forward(2, b.inputs.data(), nullptr), Catch::Contains("slot 2"));
+  CHECK_THROWS_WITH(first.input(0), Catch::Contains("takes tokens"));
+  CHECK_THROWS_WITH(first.forward(0, nullptr, nullptr), Catch::Contains("needs tokens"));
+  CHECK_THROWS_WITH(last.forward(0, nullptr, nullptr), Catch::Contains("needs targets"));
+  CHECK_THROWS_WITH(last.output(0), Catch::Contains("no output"));
+  first.forward(0, b.inputs.data(), nullptr);
+  CHECK_THROWS_WITH(first.backward(0, nullptr), Catch::Contains("output's gradient"));
+  gpt_stage wrong(kConfig, ranges[1]);
+  CHECK_THROWS_WITH(first.copy_parameters_to(wrong), Catch::Contains("different range"));
+  CHECK_THROWS_WITH(gpu_stage(host0, kB, kT, {}, 0), Catch::Contains("0 slots"));
+  CHECK_THROWS_WITH(gpu_stage(host0, kB, kT, {}, 1, 99), Catch::Contains("device 99"));
+}
