@@ -75,8 +75,10 @@ bool cuda_training_available(std::string* why_not) {
 // What does not depend on the compute dtype; model_impl<D> adds the rest. The device is made
 // current before the context is created (its stream and cuBLASLt handle belong to it).
 struct gpu_stage::impl {
-  explicit impl(int device_) : device(device_), guard(device_) {}
-  virtual ~impl() = default;
+  explicit impl(int device_) : device(device_), guard(device_) {
+    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  virtual ~impl() { cudaEventDestroy(event); }
   // The 16-bit working copy of the weights (bf16 / fp16 runs) and every activation buffer.
   virtual void allocate() = 0;
   virtual void* input(int slot) = 0;
@@ -108,6 +110,7 @@ struct gpu_stage::impl {
   std::unordered_map<std::string, const parameter_info*> by_name;  // into layout
   std::int64_t P = 0;
   cu::context ctx;
+  cudaEvent_t event = nullptr;  // record_event()'s
   device_arena arena;
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
   bool recompute = false;
@@ -525,6 +528,16 @@ void gpu_stage::copy_parameters_to(gpt_stage& host) const {
 std::int64_t gpu_stage::device_bytes() const { return impl_->arena.bytes(); }
 std::string gpu_stage::device_name() const { return kernels::cuda_device_name(impl_->device); }
 void* gpu_stage::stream() const { return impl_->ctx.stream(); }
+void* gpu_stage::record_event() {
+  device_guard g(impl_->device);
+  check(cudaEventRecord(impl_->event, impl_->ctx.stream()), "cudaEventRecord");
+  return impl_->event;
+}
+void gpu_stage::wait_event(void* event) {
+  device_guard g(impl_->device);
+  check(cudaStreamWaitEvent(impl_->ctx.stream(), static_cast<cudaEvent_t>(event), 0),
+        "cudaStreamWaitEvent");
+}
 void gpu_stage::synchronize() const {
   device_guard g(impl_->device);
   impl_->ctx.synchronize();

@@ -123,7 +123,12 @@ class gpu_stage {
 
   std::int64_t device_bytes() const;  // everything this chunk allocated on the device
   std::string device_name() const;
-  void* stream() const;      // the cudaStream_t everything is enqueued on
+  void* stream() const;  // the cudaStream_t everything is enqueued on
+  // A cudaEvent_t recorded now on the stream, after everything enqueued so far (for a link's
+  // `ready`); the chunk re-records the same event at the next call.
+  void* record_event();
+  // The stream waits for a cudaEvent_t (a link's) before what is enqueued next.
+  void wait_event(void* event);
   void synchronize() const;  // waits for everything enqueued
 
   struct impl;

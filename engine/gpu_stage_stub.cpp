@@ -45,6 +45,8 @@ void gpu_stage::copy_parameters_to(gpt_stage&) const {}
 std::int64_t gpu_stage::device_bytes() const { return 0; }
 std::string gpu_stage::device_name() const { return {}; }
 void* gpu_stage::stream() const { return nullptr; }
+void* gpu_stage::record_event() { return nullptr; }
+void gpu_stage::wait_event(void*) {}
 void gpu_stage::synchronize() const {}
 
 }  // namespace troupe::engine

@@ -17,6 +17,7 @@
 #include "engine/gpu_trainer.hpp"
 #include "engine/optimizer.hpp"
 #include "engine/random.hpp"
+#include "kernels/cuda/activation_link.hpp"
 
 using namespace troupe::engine;
 
@@ -85,10 +86,23 @@ struct pipeline_result {
   double grad_norm = 0;                           // of the last step
 };
 
+struct device_buffer {
+  void* p = nullptr;
+  explicit device_buffer(std::size_t bytes) { cuda_ok(cudaMalloc(&p, bytes)); }
+  ~device_buffer() { cudaFree(p); }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+};
+
+// How activations and gradients cross between the chunks: copied with the host waiting on
+// both streams, or through local activation links ordered by events alone.
+enum class crossing { host_synchronized, links };
+
 // Two chunks, two slots each, on device 0: each step runs kMicroBatches micro-batches in the
 // two-stage 1F1B order (stage 0: F0 F1 B0 F2 B1 F3 B2 B3), then sums the tied wte gradients,
 // takes the global norm (wte once) and updates both chunks.
-pipeline_result run_pipeline(const gpu_trainer_options& options, int steps) {
+pipeline_result run_pipeline(const gpu_trainer_options& options, int steps,
+                             crossing how = crossing::host_synchronized) {
   const auto ranges = partition_layers(kConfig, 2);
   gpt_stage host0(kConfig, ranges[0]), host1(kConfig, ranges[1]);
   host0.init_gpt2(11);
@@ -99,6 +113,11 @@ pipeline_result run_pipeline(const gpu_trainer_options& options, int steps) {
   const auto& wte0 = wte_of(first.layout());
   const auto& wte1 = wte_of(last.layout());
   REQUIRE(wte0.numel == wte1.numel);
+  // The links: activations forward, gradients back; the first chunk receives its output's
+  // gradient into a buffer of its own.
+  auto activations = troupe::kernels::cuda::make_local_link(0, 0);
+  auto gradients = troupe::kernels::cuda::make_local_link(0, 0);
+  device_buffer doutput(bytes);
   optimizer_config oc;
   oc.warmup_steps = 1;
   pipeline_result r;
@@ -111,7 +130,14 @@ pipeline_result run_pipeline(const gpu_trainer_options& options, int steps) {
     auto forward = [&](int mb) {
       const int slot = mb % 2;
       first.forward(slot, batches[static_cast<std::size_t>(mb)].inputs.data(), nullptr);
-      transfer(first, first.output(slot), last, last.input(slot), bytes);
+      if (how == crossing::links) {
+        first.wait_event(activations->send(first.output(slot), bytes,
+                                           static_cast<cudaEvent_t>(first.record_event())));
+        last.wait_event(activations->receive(last.input(slot), bytes,
+                                             static_cast<cudaEvent_t>(last.record_event())));
+      } else {
+        transfer(first, first.output(slot), last, last.input(slot), bytes);
+      }
       r.losses.push_back(
           last.forward(slot, nullptr, batches[static_cast<std::size_t>(mb)].targets.data()));
     };
@@ -119,9 +145,18 @@ pipeline_result run_pipeline(const gpu_trainer_options& options, int steps) {
       const int slot = mb % 2;
       const void* dinput = last.backward(slot, nullptr);
       REQUIRE(dinput != nullptr);
-      last.synchronize();
-      CHECK(first.backward(slot, dinput) == nullptr);
-      first.synchronize();
+      if (how == crossing::links) {
+        // The last chunk's next backward overwrites dinput only once the link released it.
+        last.wait_event(
+            gradients->send(dinput, bytes, static_cast<cudaEvent_t>(last.record_event())));
+        first.wait_event(
+            gradients->receive(doutput.p, bytes, static_cast<cudaEvent_t>(first.record_event())));
+        CHECK(first.backward(slot, doutput.p) == nullptr);
+      } else {
+        last.synchronize();
+        CHECK(first.backward(slot, dinput) == nullptr);
+        first.synchronize();
+      }
     };
     forward(0);
     forward(1);
@@ -233,6 +268,18 @@ TEST_CASE("GPU chunks with activation checkpointing and two slots change no bit"
     CHECK(recomputed.losses == plain.losses);
     CHECK(recomputed.grads == plain.grads);
     CHECK(recomputed.params == plain.params);
+  }
+}
+
+TEST_CASE("GPU chunks joined by activation links, ordered by events alone, change no bit",
+          "[gpu][stage]") {
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16}) {
+    INFO("dtype " << compute_dtype_name(dtype));
+    const auto synchronized = run_pipeline({dtype, false}, 2, crossing::host_synchronized);
+    const auto linked = run_pipeline({dtype, true}, 2, crossing::links);
+    CHECK(linked.losses == synchronized.losses);
+    CHECK(linked.grads == synchronized.grads);
+    CHECK(linked.params == synchronized.params);
   }
 }
 
