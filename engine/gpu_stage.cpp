@@ -302,7 +302,13 @@ struct model_impl final : gpu_stage::impl {
 
     if (!targets) throw std::invalid_argument("gpu_stage: the head chunk needs targets");
     std::int64_t count = 0;
-    for (int i = 0; i < N; ++i) count += targets[i] != ignore_index;
+    for (int i = 0; i < N; ++i) {
+      if (targets[i] == ignore_index) continue;
+      if (targets[i] < 0 || targets[i] >= V)  // the kernel would read outside the logits row
+        throw std::invalid_argument("gpu_stage: target " + std::to_string(targets[i]) +
+                                    " outside the vocabulary of " + std::to_string(V));
+      ++count;
+    }
     check(cudaMemcpyAsync(d_targets, targets, static_cast<std::size_t>(N) * sizeof(std::int32_t),
                           cudaMemcpyHostToDevice, ctx.stream()),
           "cudaMemcpyAsync(targets)");
@@ -435,9 +441,11 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   s.grads = s.arena.alloc<float>(s.P);
   s.m = s.arena.alloc<float>(s.P);
   s.v = s.arena.alloc<float>(s.P);
-  check(cudaMemcpy(s.master, weights.params(), static_cast<std::size_t>(s.P) * sizeof(float),
-                   cudaMemcpyHostToDevice),
-        "cudaMemcpy(parameters)");
+  // On the chunk's stream: a plain cudaMemcpy from pageable memory may return before its DMA
+  // lands, and the non-blocking stream would not wait for it (the bf16 convert reads master).
+  check(cudaMemcpyAsync(s.master, weights.params(), static_cast<std::size_t>(s.P) * sizeof(float),
+                        cudaMemcpyHostToDevice, s.ctx.stream()),
+        "cudaMemcpyAsync(parameters)");
   zero(s.ctx, s.grads, s.P);
   zero(s.ctx, s.m, s.P);
   zero(s.ctx, s.v, s.P);

@@ -151,13 +151,17 @@ void column_sums(const context& ctx, float* dw, float* db, const T* dout, const 
 constexpr float kBeta = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kKappa = 0.044715f;
 
+// exp(-2u) with its argument clamped to [-87, 88], as the CPU's fast_expf: never inf, so the
+// backward's e * s never turns into inf * 0 = NaN (x below about -10.1 did).
+__device__ inline float gelu_exp(float u) { return expf(fminf(fmaxf(-2.0f * u, -87.0f), 88.0f)); }
+
 template <class T>
 __global__ void gelu_forward_kernel(T* out, const T* inp, std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float x = to_f(inp[i]);
   const float u = kBeta * (x + kKappa * x * x * x);
-  out[i] = from_f<T>(x / (1.0f + expf(-2.0f * u)));
+  out[i] = from_f<T>(x / (1.0f + gelu_exp(u)));
 }
 
 template <class T>
@@ -166,7 +170,7 @@ __global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, std::
   if (i >= n) return;
   const float x = to_f(inp[i]);
   const float u = kBeta * (x + kKappa * x * x * x);
-  const float e = expf(-2.0f * u);
+  const float e = gelu_exp(u);
   const float s = 1.0f / (1.0f + e);
   const float du = kBeta * (1.0f + 3.0f * kKappa * x * x);
   dinp[i] = from_f<T>(to_f(dinp[i]) + to_f(dout[i]) * (s + 2.0f * x * s * (e * s) * du));
@@ -438,6 +442,7 @@ void context::synchronize() const {
 template <class T>
 void layernorm_forward(const context& ctx, T* out, float* mean, float* rstd, const T* inp,
                        const float* weight, const float* bias, int N, int C) {
+  if (N <= 0) return;  // a grid of 0 blocks is an invalid launch
   layernorm_forward_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
       out, mean, rstd, inp, weight, bias, N, C);
   check_launch("layernorm_forward_kernel");
@@ -447,6 +452,7 @@ template <class T>
 void layernorm_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
                         const T* inp, const float* weight, const float* mean, const float* rstd,
                         int N, int C) {
+  if (N <= 0) return;
   if (dinp) {
     layernorm_dinp_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
         dinp, dout, inp, weight, mean, rstd, N, C);
@@ -479,18 +485,21 @@ void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, 
 
 template <class T>
 void gelu_forward(const context& ctx, T* out, const T* inp, std::int64_t n) {
+  if (n <= 0) return;
   gelu_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, inp, n);
   check_launch("gelu_forward_kernel");
 }
 
 template <class T>
 void gelu_backward(const context& ctx, T* dinp, const T* inp, const T* dout, std::int64_t n) {
+  if (n <= 0) return;
   gelu_backward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(dinp, inp, dout, n);
   check_launch("gelu_backward_kernel");
 }
 
 template <class T>
 void residual_forward(const context& ctx, T* out, const T* a, const T* b, std::int64_t n) {
+  if (n <= 0) return;
   residual_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, a, b, n);
   check_launch("residual_forward_kernel");
 }
@@ -535,6 +544,7 @@ void adamw_launch(const context& ctx, float* param, const float* grad, float* m,
                ? static_cast<float>(1.0 - double(hp.lr) * double(hp.weight_decay))
                : 1.0f;
   c.grad_scale = grad_scale;
+  if (n <= 0) return;
   adamw_kernel<W>
       <<<blocks_for(n), kThreads, 0, ctx.stream()>>>(param, grad, m, v, n, c, param_copy);
   check_launch("adamw_kernel");

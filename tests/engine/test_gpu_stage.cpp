@@ -175,6 +175,7 @@ pipeline_result run_pipeline(const gpu_trainer_options& options, int steps,
     cuda_ok(cudaMemcpy(last.device_gradients() + wte1.offset, g0.data() + wte0.offset,
                        static_cast<std::size_t>(wte1.numel) * sizeof(float),
                        cudaMemcpyHostToDevice));
+    cuda_ok(cudaDeviceSynchronize());  // the uploads landed before the chunks' streams read them
     r.grad_norm = std::sqrt(first.grad_square_sum() + last.grad_square_sum(false));
     const double lr = learning_rate(oc, step, steps);
     const auto multiplier = static_cast<float>(clip_coefficient(r.grad_norm, oc.grad_clip));

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/gpt_model.hpp"
@@ -99,7 +101,24 @@ void compare(compute_dtype dtype, double loss_tol, double grad_tol, double param
     CHECK(std::abs(norm - want.norms[static_cast<std::size_t>(s)]) <=
           10 * loss_tol * want.norms[static_cast<std::size_t>(s)]);
   }
-  CHECK(relative_difference(gpu.parameters(), want.params) <= param_tol);
+  // The key third of every c_attn.bias has a true gradient of exactly 0 (softmax ignores a
+  // shift shared by every key), so both engines hold rounding noise there, which AdamW turns
+  // into steps of up to lr each way (g / (|g| + eps)). Those entries are checked against that
+  // bound; every other parameter against param_tol.
+  auto got = gpu.parameters(), expected = want.params;
+  std::vector<float> got_k, expected_k;
+  for (const auto& p : gpu.layout()) {
+    if (p.name.find("attn.c_attn.bias") == std::string::npos) continue;
+    const auto from = static_cast<std::size_t>(p.offset + kConfig.width);
+    for (std::size_t i = from; i < from + static_cast<std::size_t>(kConfig.width); ++i) {
+      got_k.push_back(std::exchange(got[i], 0.0f));
+      expected_k.push_back(std::exchange(expected[i], 0.0f));
+    }
+  }
+  REQUIRE(got_k.size() == static_cast<std::size_t>(kConfig.layers * kConfig.width));
+  CHECK(relative_difference(got, expected) <= param_tol);
+  for (std::size_t i = 0; i < got_k.size(); ++i)
+    CHECK(std::abs(got_k[i] - expected_k[i]) <= 2.0 * steps * oc.lr);
 }
 
 }  // namespace
@@ -203,4 +222,9 @@ TEST_CASE("the GPU trainer refuses a token outside the vocabulary", "[gpu][train
   b.inputs[3] = 97;
   CHECK_THROWS_WITH(gpu.forward_backward(b.inputs.data(), b.targets.data()),
                     Catch::Contains("token 97 outside the vocabulary of 97"));
+  // A target too (the kernel would read outside the logits row): ignore_index alone is exempt.
+  b = make_batch(1);
+  b.targets[5] = 100;
+  CHECK_THROWS_WITH(gpu.forward_backward(b.inputs.data(), b.targets.data()),
+                    Catch::Contains("target 100 outside the vocabulary of 97"));
 }

@@ -64,6 +64,9 @@ class device_array {
     std::vector<T> t(host.size());
     for (std::size_t i = 0; i < host.size(); ++i) t[i] = to<T>(host[i]);
     REQUIRE(cudaMemcpy(p_, t.data(), n_ * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    // From pageable memory cudaMemcpy may return before the DMA lands, and the ops' streams are
+    // non-blocking: wait for it.
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   }
   ~device_array() { cudaFree(p_); }
   device_array(const device_array&) = delete;

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -76,7 +77,12 @@ TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[g
 TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu]", float, bf16,
                    fp16) {
   const std::int64_t n = 100003;
-  const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(n), 9, -4, 4));
+  auto x = random_values(static_cast<std::size_t>(n), 9, -4, 4);
+  // Far tails too: exp(-2u) overflowed to inf below x = -10.1 and the backward gave NaN.
+  for (float v : {-12.0f, -30.0f, -200.0f, 12.0f, 30.0f, 200.0f}) x.push_back(v);
+  x = rounded<TestType>(x);
+  x.resize(static_cast<std::size_t>(n));
+  std::copy(x.end() - 6, x.end(), x.begin());
   const auto y2 = rounded<TestType>(random_values(static_cast<std::size_t>(n), 10));
   const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(n), 11));
   std::vector<float> y(static_cast<std::size_t>(n)), dx(static_cast<std::size_t>(n), 0.5f),
@@ -95,6 +101,12 @@ TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu
   check_close<TestType>(gy.host(), y, "gelu");
   check_close<TestType>(gdx.host(), dx, "gelu backward (accumulated onto 0.5)");
   check_close<TestType>(gr.host(), r, "residual");
+  for (float v : gdx.host()) REQUIRE(std::isfinite(v));
+  // Empty inputs launch nothing (a grid of 0 blocks would be an invalid launch).
+  cu::gelu_forward(ctx, gy.get(), gx.get(), 0);
+  cu::gelu_backward(ctx, gdx.get(), gx.get(), gdy.get(), 0);
+  cu::residual_forward(ctx, gr.get(), gx.get(), g2.get(), 0);
+  ctx.synchronize();
 }
 
 TEMPLATE_TEST_CASE("fused softmax cross-entropy on the GPU matches the CPU reference", "[gpu]",
