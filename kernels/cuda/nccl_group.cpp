@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <thread>
+#include <utility>
 
 namespace troupe::kernels::cuda {
 namespace {
@@ -43,8 +44,11 @@ nccl_group::nccl_group(std::string name, const nccl_id& id, int ranks, int rank,
   check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
              "nccl group " + name_ + ": cudaStreamCreate");
-  check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming),
-             "nccl group " + name_ + ": cudaEventCreate");
+  if (const cudaError_t e = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+      e != cudaSuccess) {
+    cudaStreamDestroy(std::exchange(stream_, nullptr));
+    check_cuda(e, "nccl group " + name_ + ": cudaEventCreate");
+  }
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), id.size());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -56,6 +60,8 @@ nccl_group::nccl_group(std::string name, const nccl_id& id, int ranks, int rank,
     const std::string why = std::string("ncclCommInitRankConfig: ") + ncclGetErrorString(r);
     if (comm_) ncclCommAbort(comm);
     comm_ = nullptr;
+    cudaEventDestroy(std::exchange(done_, nullptr));  // the destructor will not run
+    cudaStreamDestroy(std::exchange(stream_, nullptr));
     throw nccl_error("nccl group " + name_ + " (rank " + std::to_string(rank) + " of " +
                      std::to_string(ranks) + "): " + why);
   }
@@ -125,9 +131,12 @@ void nccl_group::order_after(cudaEvent_t after) {
 namespace {
 constexpr auto kEnqueueDeadline = std::chrono::seconds(60);
 
+// A call NCCL refused at once breaks the group too: later calls must not go on with it.
 void enqueue_result(ncclResult_t r, const char* op, nccl_group& g) {
-  if (r != ncclSuccess && r != ncclInProgress)
-    throw nccl_error("nccl group " + g.name() + ": " + op + ": " + ncclGetErrorString(r));
+  if (r == ncclSuccess || r == ncclInProgress) return;
+  const std::string why = std::string(op) + ": " + ncclGetErrorString(r);
+  g.abort(why);
+  throw nccl_error("nccl group " + g.name() + ": " + why + "; communicator aborted");
 }
 }  // namespace
 
