@@ -6,6 +6,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -59,6 +61,17 @@ std::string error_message(const std::function<void()>& f) {
 }
 
 // All of a stage's parameters (flat buffer, including alignment gaps).
+// max |a - b| / max |b|: how far a is from b, relative to b's largest magnitude.
+inline double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0, mag = 1e-30;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
+    mag = std::max(mag, std::abs(double(b[i])));
+  }
+  return diff / mag;
+}
+
 inline std::vector<float> snapshot_params(const gpt_stage& s) {
   return std::vector<float>(s.params(), s.params() + s.parameter_count());
 }

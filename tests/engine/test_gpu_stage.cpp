@@ -18,8 +18,10 @@
 #include "engine/optimizer.hpp"
 #include "engine/random.hpp"
 #include "kernels/cuda/activation_link.hpp"
+#include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;
+using troupe::engine::test::relative_difference;
 
 namespace {
 
@@ -68,16 +70,6 @@ std::vector<float> slice_of(const std::vector<float>& whole_values,
   for (const auto& p : whole_layout)
     if (p.name == name) return slice(whole_values, p);
   throw std::logic_error("no " + name);
-}
-
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double diff = 0, mag = 1e-30;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
-    mag = std::max(mag, std::abs(double(b[i])));
-  }
-  return diff / mag;
 }
 
 struct pipeline_result {

@@ -15,8 +15,10 @@
 #include "engine/gpu_trainer.hpp"
 #include "engine/optimizer.hpp"
 #include "engine/random.hpp"
+#include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;
+using troupe::engine::test::relative_difference;
 
 namespace {
 
@@ -35,17 +37,6 @@ batch make_batch(std::uint64_t salt) {
                                     : static_cast<std::int32_t>(splitmix64(salt + 7919 + i) % 97));
   }
   return b;
-}
-
-// max |a - b| / max |b|
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double diff = 0, mag = 1e-30;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
-    mag = std::max(mag, std::abs(double(b[i])));
-  }
-  return diff / mag;
 }
 
 struct cpu_run {
