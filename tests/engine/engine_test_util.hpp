@@ -61,6 +61,22 @@ std::string error_message(const std::function<void()>& f) {
 }
 
 // All of a stage's parameters (flat buffer, including alignment gaps).
+// Tokens and targets for the GPU model tests: B*T ids below `vocab`, every 11th target (from
+// the 6th) ignored.
+struct token_batch {
+  std::vector<std::int32_t> inputs, targets;
+};
+inline token_batch gpu_test_batch(std::uint64_t salt, int B, int T, int vocab) {
+  token_batch b;
+  for (int i = 0; i < B * T; ++i) {
+    b.inputs.push_back(static_cast<std::int32_t>(splitmix64(salt + i) % vocab));
+    b.targets.push_back(i % 11 == 5
+                            ? ignore_index
+                            : static_cast<std::int32_t>(splitmix64(salt + 7919 + i) % vocab));
+  }
+  return b;
+}
+
 // max |a - b| / max |b|: how far a is from b, relative to b's largest magnitude.
 inline double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());

@@ -28,18 +28,10 @@ namespace {
 const gpt_config kConfig{97, 128, 64, 4, 4, 64};  // 4 layers, head size 16
 constexpr int kB = 2, kT = 40, kMicroBatches = 4;
 
-struct batch {
-  std::vector<std::int32_t> inputs, targets;
-};
+using batch = troupe::engine::test::token_batch;
 
 batch make_batch(std::uint64_t salt) {
-  batch b;
-  for (int i = 0; i < kB * kT; ++i) {
-    b.inputs.push_back(static_cast<std::int32_t>(splitmix64(salt + i) % 97));
-    b.targets.push_back(i % 13 == 4 ? ignore_index
-                                    : static_cast<std::int32_t>(splitmix64(salt + 4099 + i) % 97));
-  }
-  return b;
+  return troupe::engine::test::gpu_test_batch(salt, kB, kT, kConfig.vocab_size);
 }
 
 void cuda_ok(cudaError_t e) { REQUIRE(e == cudaSuccess); }

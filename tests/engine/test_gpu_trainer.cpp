@@ -25,18 +25,10 @@ namespace {
 const gpt_config kConfig{97, 128, 64, 2, 4, 64};  // vocab 97 (padded 128), head size 16
 constexpr int kB = 2, kT = 48;
 
-struct batch {
-  std::vector<std::int32_t> inputs, targets;
-};
+using batch = troupe::engine::test::token_batch;
 
 batch make_batch(std::uint64_t salt) {
-  batch b;
-  for (int i = 0; i < kB * kT; ++i) {
-    b.inputs.push_back(static_cast<std::int32_t>(splitmix64(salt + i) % 97));
-    b.targets.push_back(i % 11 == 5 ? ignore_index
-                                    : static_cast<std::int32_t>(splitmix64(salt + 7919 + i) % 97));
-  }
-  return b;
+  return troupe::engine::test::gpu_test_batch(salt, kB, kT, kConfig.vocab_size);
 }
 
 struct cpu_run {
