@@ -57,12 +57,26 @@ warmup_steps = 2
 dir = "$tmp/run"
 TOML
 
-port=$((21000 + RANDOM % 20000))
+# Rendezvous ports lie below Linux's ephemeral range (32768-60999), where no connection's local
+# end or port-0 listener of a concurrent test can take one; each is checked free before use.
+port=$((20000 + RANDOM % 12000))
+next_port() {  # sets port to the next port a listener can bind now
+  local tries
+  for tries in $(seq 1 200); do
+    port=$((port >= 32700 ? 20000 : port + 1))
+    "$py" -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))' "$port" 2>/dev/null && return 0
+  done
+  echo "FAIL: no free TCP port in $tries tries" >&2
+  exit 1
+}
 # run_job NAME WORLD ARGS...: WORLD processes of one job; fails unless all exit 0.
 run_job() {
   local name=$1 world=$2
   shift 2
-  port=$((port + 1))
+  next_port
   local r rc=0
   local job=()
   for ((r = world - 1; r >= 0; r--)); do
@@ -163,7 +177,7 @@ for c in "${zero_layouts[@]}"; do
 done
 
 # A killed rank: rank 0 names it within the heartbeat deadline; every process exits non-zero.
-port=$((port + 1))
+next_port
 job=()
 for r in 3 2 1 0; do
   RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
@@ -196,7 +210,7 @@ grep -q "job ended: .*rank 2" "$tmp/kill.1.log" || {
 grep "error" "$tmp/kill.0.log"
 
 # A process with the wrong job token is refused with the reason; the job is not disturbed.
-port=$((port + 1))
+next_port
 start_rank() {  # start_rank RANK TOKEN LOG
   RANK=$1 WORLD_SIZE=2 LOCAL_RANK=$1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
     TROUPE_JOB_TOKEN=$2 timeout 120 "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/tok" \

@@ -40,11 +40,12 @@ show_tail() {
   log "$(tail -n "${2:-25}" "$1")" >&2
 }
 
-# A random TCP port in [20000, 40000) nobody listens on now (a connection to it is refused).
+# A random TCP port in [20000, 32768) nobody listens on now (a connection to it is refused):
+# below Linux's ephemeral range, where no connection's local end can hold it.
 free_tcp_port() {
   local port tries
   for tries in $(seq 1 50); do
-    port=$((20000 + (RANDOM * 32768 + RANDOM) % 20000))
+    port=$((20000 + (RANDOM * 32768 + RANDOM) % 12768))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
       echo "$port"
       return 0
