@@ -8,11 +8,13 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <unistd.h>
 
 #include "actors/coordinator.hpp"
 #include "actors/data_loader.hpp"
+#include "actors/device_stage.hpp"
 #include "actors/dp_reducer.hpp"
 #include "actors/gateway.hpp"
 #include "actors/pipeline_stage.hpp"
@@ -20,6 +22,7 @@
 #include "actors/schedule_actor.hpp"
 #include "actors/tracer.hpp"
 #include "actors/zero_shard.hpp"
+#include "engine/device_chunk.hpp"
 #include "engine/gpt_weights.hpp"
 #include "topology/placement.hpp"
 #include "topology/rendezvous.hpp"
@@ -54,7 +57,8 @@ struct build_inputs {
   std::shared_ptr<const engine::data::batch_sampler> val{};
   topology::job_placement placement{1, 1, 1};
   int rank = 0;
-  remote_mesh* mesh = nullptr;  // set when the job spans processes
+  remote_mesh* mesh = nullptr;                            // set when the job spans processes
+  std::shared_ptr<const engine::chunk_factory> chunks{};  // device stages
 };
 
 trace::recorder add_track(run_actors& a, const build_inputs& in, std::string name, std::string role,
@@ -99,9 +103,48 @@ std::int64_t tokens_per_step(const build_inputs& in) {
   return t * r.parallel.dp;
 }
 
+// The links of a device pipeline, by (sending rank, receiving rank) within each replica: both
+// directions between the ranks of neighbouring virtual stages (a rank with itself when
+// neighbouring chunks share it).
+using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
+link_map make_links(const build_inputs& in) {
+  link_map links;
+  if (!in.chunks) return links;
+  const auto& L = in.layout;
+  for (int d = 0; d < in.r.parallel.dp; ++d) {
+    for (int s = 0; s + 1 < L.stage_count(); ++s) {
+      const int a = L.rank_of(s), b = L.rank_of(s + 1);
+      for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
+        auto& l = links[{d, from, to}];
+        if (!l) l = in.chunks->make_link(from, to, d);
+      }
+    }
+  }
+  return links;
+}
+
+device_stage_config device_config(const build_inputs& in, const link_map& links, stage_config c) {
+  device_stage_config dc;
+  dc.B = in.r.batch.micro_batch;
+  dc.T = in.seq_lens.front();
+  // Enough for any schedule: a round's micro-batches, plus the next round's activations that
+  // may arrive ahead under their credits.
+  dc.slots = in.r.parallel.micro_batches + c.link_credits;
+  dc.chunks = in.chunks;
+  for (const auto& [key, link] : links) {
+    const auto [d, from, to] = key;
+    if (d != c.replica) continue;
+    if (from == c.rank) dc.send_links[to] = link;
+    if (to == c.rank) dc.receive_links[from] = link;
+  }
+  dc.stage = std::move(c);
+  return dc;
+}
+
 void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
   const auto& r = in.r;
   const auto& pl = in.placement;
+  const link_map links = make_links(in);
   for (int d = 0; d < r.parallel.dp; ++d) {
     a.stages.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
@@ -124,9 +167,11 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.compute_threads = compute_threads(in);
       const std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
       c.trace = add_track(a, in, name, "stage", p, d);
-      a.stages.back().push_back(place(sys, a, in, pl.stage_id(d, p), pl.process_of_stage(d, p),
-                                      name,
-                                      [&] { return spawn_pipeline_stage(sys, std::move(c)); }));
+      a.stages.back().push_back(
+          place(sys, a, in, pl.stage_id(d, p), pl.process_of_stage(d, p), name, [&] {
+            return in.chunks ? spawn_device_stage(sys, device_config(in, links, std::move(c)))
+                             : spawn_pipeline_stage(sys, std::move(c));
+          }));
     }
   }
   if (r.parallel.zero > 0) {  // ZeRO: a shard actor per stage, in a ring over the replicas
@@ -338,6 +383,17 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
   return std::make_unique<remote_mesh>(std::move(transport), std::move(gc));
 }
 
+// What device pipeline stages do not do yet, refused before anything is written.
+void check_device_pipeline(const engine::recipe& r, const run_options& o,
+                           const std::vector<int>& seq_lens) {
+  const std::string why = " (device " + r.device + ": pipelines of device stages; not built yet)";
+  if (r.parallel.dp > 1) throw engine::recipe_error("key parallel.dp: data parallelism" + why);
+  if (r.parallel.zero > 0) throw engine::recipe_error("key parallel.zero: ZeRO" + why);
+  if (o.launch.world > 1)
+    throw engine::recipe_error("a job of " + std::to_string(o.launch.world) + " processes" + why);
+  if (seq_lens.size() > 1) throw engine::recipe_error("variable sequence lengths" + why);
+}
+
 }  // namespace
 
 run_result run_training(const engine::recipe& r, const engine::train_callbacks& cb,
@@ -348,12 +404,10 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     if (cb.on_message && my_rank == 0) cb.on_message(s);
   };
   // 1. Everything that can fail on bad input, before anything is written or spawned.
-  if (r.device != "cpu")
-    throw engine::recipe_error("key device: the actor engine runs on CPUs; device = \"" + r.device +
-                               "\" trains the whole model on one GPU with the serial loop "
-                               "(--engine serial)");
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
+  in.chunks = o.device_chunks;
+  if (r.device == "cuda" || in.chunks) check_device_pipeline(r, o, in.seq_lens);
   for (int T : in.seq_lens)
     if (T < 1 || T > r.model.context)
       throw engine::recipe_error("sequence length " + std::to_string(T) + " is outside [1, " +
@@ -372,6 +426,12 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   }
   in.rank = my_rank;
   make_samplers(in);
+  if (r.device == "cuda" && !in.chunks) {  // throws saying why without CUDA
+    engine::gpu_trainer_options go;
+    go.dtype = engine::parse_compute_dtype(r.precision.dtype);
+    go.recompute = r.activation_checkpoint.full();
+    in.chunks = std::make_shared<engine::chunk_factory>(engine::cuda_chunks(go, r.parallel.pp));
+  }
   // 2. Outputs (rank 0 only).
   std::optional<engine::jsonl_writer> metrics;
   if (my_rank == 0) {

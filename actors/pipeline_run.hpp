@@ -13,6 +13,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,10 @@ namespace caf {
 class actor;
 class actor_system;
 }  // namespace caf
+
+namespace troupe::engine {
+struct chunk_factory;
+}  // namespace troupe::engine
 
 namespace troupe::actors {
 
@@ -44,6 +49,9 @@ struct run_options {
   std::function<caf::actor(caf::actor_system&, const caf::actor& target)> link_relay;
   // Called in the driving thread after every step (1-based), e.g. to swap the schedule.
   std::function<void(caf::actor_system&, const run_handles&, int step)> after_step;
+  // Device pipeline stages (actors/device_stage.hpp) with these chunks and links instead of CPU
+  // stages; recipe device "cuda" sets CUDA ones. Tests pass engine::host_chunks.
+  std::shared_ptr<const engine::chunk_factory> device_chunks;
   // This process's place in a multi-process job; world 1 (the default): everything in-process.
   topology::launch_env launch;
   std::chrono::milliseconds rendezvous_timeout{120000};

@@ -480,6 +480,13 @@ const void* gpu_stage::backward(int slot, const void* doutput) {
   return impl_->backward(slot, doutput);
 }
 
+void* gpu_stage::output_gradient(int slot) { return const_cast<void*>(impl_->output(slot)); }
+void gpu_stage::copy(void* destination, const void* source, std::size_t bytes) {
+  device_guard g(impl_->device);
+  check(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(device to device)");
+}
+
 void gpu_stage::zero_grad() {
   device_guard g(impl_->device);
   zero(impl_->ctx, impl_->grads, impl_->P);
@@ -515,9 +522,33 @@ std::vector<float> to_host(const gpu_stage::impl& s, const float* p) {
         "cudaMemcpy(to host)");
   return out;
 }
+void check_span(const gpu_stage::impl& s, std::int64_t at, std::int64_t n) {
+  if (at < 0 || n < 0 || at + n > s.P)
+    throw std::out_of_range("gpu_stage: gradients [" + std::to_string(at) + ", " +
+                            std::to_string(at + n) + ") outside the " + std::to_string(s.P) +
+                            " parameters");
+}
 }  // namespace
 
 std::vector<float> gpu_stage::parameters() const { return to_host(*impl_, impl_->master); }
+std::vector<float> gpu_stage::read_gradients(std::int64_t at, std::int64_t n) const {
+  check_span(*impl_, at, n);
+  device_guard g(impl_->device);
+  std::vector<float> out(static_cast<std::size_t>(n));
+  impl_->ctx.synchronize();
+  check(
+      cudaMemcpy(out.data(), impl_->grads + at, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
+      "cudaMemcpy(gradients to host)");
+  return out;
+}
+void gpu_stage::write_gradients(std::int64_t at, const float* values, std::int64_t n) {
+  check_span(*impl_, at, n);
+  device_guard g(impl_->device);
+  check(cudaMemcpyAsync(impl_->grads + at, values, static_cast<std::size_t>(n) * sizeof(float),
+                        cudaMemcpyHostToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(gradients from host)");
+  impl_->ctx.synchronize();  // the host buffer may go away once this returns
+}
 std::vector<float> gpu_stage::gradients() const { return to_host(*impl_, impl_->grads); }
 
 void gpu_stage::copy_parameters_to(gpt_stage& host) const {

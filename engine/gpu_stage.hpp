@@ -99,6 +99,13 @@ class gpu_stage {
   // output(slot) (device; nullptr for a head chunk). Returns the gradient of input(slot)
   // (device, valid until the next backward) for a chunk without the embedding, else nullptr.
   const void* backward(int slot, const void* doutput);
+  // A chunk without the head: where a link may receive the gradient of output(slot), once
+  // output(slot) has been sent: output(slot) itself. backward(slot, ...) reads the gradient
+  // before anything writes that buffer again (a recomputed last block), and nothing else reads
+  // a non-head chunk's output in backward.
+  void* output_gradient(int slot);
+  // Copies `bytes` between device buffers of this chunk, on its stream.
+  void copy(void* destination, const void* source, std::size_t bytes);
 
   void zero_grad();
   // Sum of squared gradients as held (still carrying the loss scale), in fp64. Without
@@ -118,6 +125,10 @@ class gpu_stage {
   // Copies to the host (after synchronizing).
   std::vector<float> parameters() const;
   std::vector<float> gradients() const;
+  // Gradients [at, at + n) of the layout to the host (after synchronizing), and back from it
+  // (on the stream: the host buffer is read before the call returns).
+  std::vector<float> read_gradients(std::int64_t at, std::int64_t n) const;
+  void write_gradients(std::int64_t at, const float* values, std::int64_t n);
   // The master weights into a host stage of the same range (to save them).
   void copy_parameters_to(gpt_stage& host) const;
 

@@ -2,6 +2,7 @@
 // so; nothing else can be reached.
 #include <stdexcept>
 
+#include "engine/device_chunk.hpp"
 #include "engine/gpu_stage.hpp"
 
 namespace troupe::engine {
@@ -16,6 +17,12 @@ struct gpu_stage::impl {
   stage_range range;
   std::vector<parameter_info> layout;
 };
+
+chunk_factory cuda_chunks(const gpu_trainer_options&, int) {
+  std::string why;
+  cuda_training_available(&why);
+  throw std::runtime_error("--device cuda: " + why);
+}
 
 gpu_stage::gpu_stage(const gpt_stage&, int, int, const gpu_trainer_options&, int, int) {
   std::string why;
@@ -32,6 +39,10 @@ void* gpu_stage::input(int) { return nullptr; }
 double gpu_stage::forward(int, const std::int32_t*, const std::int32_t*, float, bool) { return 0; }
 const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*) { return nullptr; }
+void* gpu_stage::output_gradient(int) { return nullptr; }
+void gpu_stage::copy(void*, const void*, std::size_t) {}
+std::vector<float> gpu_stage::read_gradients(std::int64_t, std::int64_t) const { return {}; }
+void gpu_stage::write_gradients(std::int64_t, const float*, std::int64_t) {}
 void gpu_stage::zero_grad() {}
 double gpu_stage::grad_square_sum(bool) { return 0; }
 void gpu_stage::adamw(const kernels::adamw_hparams&, int, float) {}

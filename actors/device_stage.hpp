@@ -1,0 +1,31 @@
+// The device pipeline stage actor: one pipeline rank of one replica whose chunks live on a
+// device (engine::device_chunk: a GPU, or the host for tests). It follows the same plans, under
+// the same link credits, as the CPU stage (pipeline_stage.hpp) and speaks the same protocol to
+// the coordinator, loaders and its peers, except that an activation or gradient moves through
+// the pair's chunk_link (NCCL, or a device copy) while its link_message carries the typed header
+// only (no data). docs/gpu.md gives the message sequence.
+//
+// Not built yet on devices (pipeline_run refuses them with the reason): data parallelism,
+// ZeRO, split-backward (zero-bubble) schedules, variable sequence lengths, several processes.
+#pragma once
+
+#include <map>
+#include <memory>
+
+#include "actors/pipeline_stage.hpp"
+#include "engine/device_chunk.hpp"
+
+namespace troupe::actors {
+
+struct device_stage_config {
+  stage_config stage;  // rank, replica, model, layout, seed, init, optimizer, steps, credits, trace
+  int B = 0, T = 0;    // every micro-batch's shape
+  int slots = 1;       // micro-batches in flight per chunk (saved activations)
+  std::shared_ptr<const engine::chunk_factory> chunks;
+  // This rank's ends of its links, by peer rank (this rank itself for chunk-to-chunk hops).
+  std::map<int, std::shared_ptr<engine::chunk_link>> send_links, receive_links;
+};
+
+messages::stage_actor spawn_device_stage(caf::actor_system& system, device_stage_config config);
+
+}  // namespace troupe::actors

@@ -1,0 +1,109 @@
+// What a device pipeline stage actor (actors/device_stage.hpp) drives: one pipeline chunk on a
+// device, with the saved activations of a fixed number of micro-batches in flight (slots), and
+// the links that move activations and their gradients between chunks while the typed header
+// travels as a message (docs/gpu.md). engine::gpu_stage is the CUDA chunk and
+// kernels::cuda::activation_link (through make_cuda_links) the CUDA links; host_chunk and
+// make_host_link are the same contracts in host memory, so the actor's protocol is tested
+// without a GPU against the CPU pipeline, bitwise.
+//
+// Invariants (for both kinds):
+//  - Every buffer a call takes or returns is device memory of the chunk's device (host memory
+//    for host_chunk); an activation, or its gradient, is activation_bytes() bytes.
+//  - Work is enqueued in call order on the chunk's stream. An event (void*: a cudaEvent_t, or
+//    nullptr for host chunks, whose calls finish before they return) orders it against links:
+//    record_event() marks what was enqueued so far; wait_event(e) makes what follows wait for e.
+//  - A link moves bytes in send order: the receiver posts its receives in the order the
+//    sender's headers arrive, and the sender sends a payload right before its header.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/gpt_model.hpp"
+#include "engine/gpu_stage.hpp"
+#include "engine/optimizer.hpp"
+
+namespace troupe::engine {
+
+class device_chunk {
+ public:
+  virtual ~device_chunk() = default;
+
+  virtual const stage_range& range() const = 0;
+  virtual int slots() const = 0;
+  virtual std::size_t activation_bytes() const = 0;  // B * T * width values
+  // A chunk without the embedding: where slot's input activation is received before forward.
+  virtual void* input(int slot) = 0;
+  // Forward of one micro-batch into `slot` (tokens and targets on the host). A head chunk
+  // returns the mean loss over the counted targets (and, training, seeds backward with
+  // loss_scale); other chunks return NaN.
+  virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                         float loss_scale, bool train) = 0;
+  // A chunk without the head: slot's output activation, valid until slot's next forward.
+  virtual const void* output(int slot) const = 0;
+  // A chunk without the head: where the gradient of output(slot) is received, once output(slot)
+  // has been sent, before backward(slot).
+  virtual void* output_gradient(int slot) = 0;
+  // Backward of slot's micro-batch (weight gradients accumulate). A chunk without the embedding
+  // writes the gradient of input(slot) to `dinput` (activation_bytes; it may be input(slot)).
+  virtual void backward(int slot, void* dinput) = 0;
+
+  virtual void zero_grad() = 0;
+  virtual double grad_square_sum(bool count_tied_copy) = 0;
+  // The optimizer step of the actor engine's apply_update: gradients unscaled by `unscale` and
+  // clipped to the global grad_norm, then AdamW at 0-based `step`. Returns the learning rate.
+  virtual double update(const optimizer_config& config, int step, int total_steps, double grad_norm,
+                        double unscale) = 0;
+  // Gradients [at, at + n) of the flat layout (gpt_stage's) to and from the host.
+  virtual std::vector<float> read_gradients(std::int64_t at, std::int64_t n) = 0;
+  virtual void write_gradients(std::int64_t at, const float* values, std::int64_t n) = 0;
+  // fp32 gradients on the device, in the flat layout (parameter_count() floats), for
+  // collectives on the chunk's stream order.
+  virtual float* device_gradients() = 0;
+  virtual std::int64_t parameter_count() const = 0;
+  virtual const std::vector<parameter_info>& layout() const = 0;
+  virtual std::vector<float> parameters() const = 0;  // the master weights, on the host
+  virtual std::int64_t device_bytes() const = 0;      // what the chunk allocated
+
+  virtual void* record_event() = 0;
+  virtual void wait_event(void* event) = 0;
+};
+
+// One direction of a link between two chunks (both ends may share the object).
+class chunk_link {
+ public:
+  virtual ~chunk_link() = default;
+  // Reads `data` after `ready`; returns the event after which `data` may be overwritten.
+  virtual void* send(const void* data, std::size_t bytes, void* ready) = 0;
+  // Writes the oldest payload not yet received into `data` after `ready`; returns the event
+  // after which `data` holds it.
+  virtual void* receive(void* data, std::size_t bytes, void* ready) = 0;
+  virtual std::string describe() const = 0;
+};
+
+// How a device pipeline makes its chunks and links. The CUDA kind places pipeline rank r of
+// replica d on device (d * pp + r) % devices (make_cuda_chunks); the host kind is for tests.
+struct chunk_factory {
+  std::string name;  // "cuda", "host"
+  // The chunk of `weights` for micro-batches of B x T with `slots` in flight, for pipeline rank
+  // `rank` of replica `replica`.
+  std::function<std::unique_ptr<device_chunk>(const gpt_stage& weights, int B, int T, int slots,
+                                              int rank, int replica)>
+      make_chunk;
+  // The link carrying payloads from pipeline rank `from` to rank `to` of one replica (from may
+  // equal to: chunks of one rank). One object serves both ends.
+  std::function<std::shared_ptr<chunk_link>(int from, int to, int replica)> make_link;
+};
+
+// CUDA chunks (gpu_stage) for a pipeline of `pp` ranks, and links between them: a staged copy
+// when both ends share a device, otherwise an NCCL group of two for each direction. Throws
+// std::runtime_error saying why in a build or on a machine without CUDA.
+chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp);
+// Host chunks and links: the CPU engine's arithmetic (engine::stage_compute) behind the device
+// contracts, bitwise the CPU pipeline's numbers.
+chunk_factory host_chunks(bool recompute);
+
+}  // namespace troupe::engine

@@ -1,0 +1,192 @@
+// Host chunks and links (device_chunk.hpp): one chunk of an engine::stage_compute behind the
+// device contracts, so a device pipeline run on the host computes what the CPU pipeline does,
+// bitwise. Every call finishes before it returns: events are nullptr.
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+
+#include "engine/device_chunk.hpp"
+#include "engine/stage_compute.hpp"
+
+namespace troupe::engine {
+namespace {
+
+class host_chunk final : public device_chunk {
+ public:
+  host_chunk(const gpt_stage& weights, int B, int T, int slots, bool recompute)
+      : compute_(weights.config(), {weights.range()}, /*optimizer_state=*/true, recompute),
+        B_(B),
+        T_(T),
+        slots_(static_cast<std::size_t>(slots)) {
+    if (slots < 1) throw std::invalid_argument("host_chunk: at least one slot");
+    auto& st = compute_.chunk(0);
+    std::memcpy(st.params(), weights.params(),
+                static_cast<std::size_t>(st.parameter_count()) * sizeof(float));
+    st.zero_grad();
+    const std::size_t n = activation_bytes() / sizeof(float);
+    for (auto& s : slots_) {
+      if (!range().embedding) s.input.assign(n, 0.0f);
+      if (!range().head) s.doutput.assign(n, 0.0f);
+    }
+  }
+
+  const stage_range& range() const override { return compute_.chunk(0).range(); }
+  int slots() const override { return static_cast<int>(slots_.size()); }
+  std::size_t activation_bytes() const override {
+    return std::size_t(B_) * std::size_t(T_) * std::size_t(compute_.chunk(0).config().width) *
+           sizeof(float);
+  }
+  void* input(int slot) override {
+    if (range().embedding) throw std::logic_error("host_chunk: the embedding chunk takes tokens");
+    return at(slot).input.data();
+  }
+  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                 float loss_scale, bool train) override {
+    auto& s = at(slot);
+    if (s.live) compute_.release(0, id(slot));  // an evaluation's saved activations
+    stage_compute::forward_args args;
+    args.B = B_;
+    args.T = T_;
+    // The passes read tokens and targets until backward: the slot keeps copies (as gpu_stage).
+    const std::size_t n = std::size_t(B_) * std::size_t(T_);
+    if (range().embedding) s.tokens.assign(tokens, tokens + n);
+    if (range().head) s.targets.assign(targets, targets + n);
+    args.tokens = range().embedding ? s.tokens.data() : nullptr;
+    args.input = range().embedding ? nullptr : s.input.data();
+    args.targets = range().head ? s.targets.data() : nullptr;
+    args.loss_scale = loss_scale;
+    args.train = train;
+    compute_.forward(0, id(slot), std::move(args)).run();
+    s.live = true;
+    return range().head ? compute_.loss(0, id(slot)) : std::numeric_limits<double>::quiet_NaN();
+  }
+  const void* output(int slot) const override { return compute_.output(0, id(slot)); }
+  void* output_gradient(int slot) override {
+    if (range().head) throw std::logic_error("host_chunk: a head chunk has no output gradient");
+    return at(slot).doutput.data();
+  }
+  void backward(int slot, void* dinput) override {
+    auto& s = at(slot);
+    if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
+    const float* dout = range().head ? nullptr : s.doutput.data();
+    float* din = range().embedding ? nullptr : static_cast<float*>(dinput);
+    if (din && din == s.input.data()) din = scratch();  // input(slot) is read by this very pass
+    compute_.backward(0, id(slot), dout, din).run();
+    if (din && din != dinput) std::memcpy(dinput, din, activation_bytes());
+    compute_.release(0, id(slot));
+    s.live = false;
+  }
+  void zero_grad() override { compute_.zero_grad(); }
+  double grad_square_sum(bool count_tied_copy) override {
+    return engine::grad_square_sum(compute_.chunk(0), count_tied_copy);
+  }
+  double update(const optimizer_config& config, int step, int total_steps, double grad_norm,
+                double unscale) override {
+    return compute_.optimizer(0)
+        .step_with_norm(compute_.chunk(0), config, step, total_steps, grad_norm, unscale)
+        .lr;
+  }
+  std::vector<float> read_gradients(std::int64_t at, std::int64_t n) override {
+    const float* g = span(at, n);
+    return {g, g + n};
+  }
+  void write_gradients(std::int64_t at, const float* values, std::int64_t n) override {
+    std::memcpy(span(at, n), values, static_cast<std::size_t>(n) * sizeof(float));
+  }
+  float* device_gradients() override { return compute_.chunk(0).grads(); }
+  std::int64_t parameter_count() const override { return compute_.chunk(0).parameter_count(); }
+  const std::vector<parameter_info>& layout() const override {
+    return compute_.chunk(0).parameters();
+  }
+  std::vector<float> parameters() const override {
+    const auto& st = compute_.chunk(0);
+    return {st.params(), st.params() + st.parameter_count()};
+  }
+  std::int64_t device_bytes() const override {
+    return 4 * parameter_count() * static_cast<std::int64_t>(sizeof(float)) +
+           compute_.activation_bytes();
+  }
+  void* record_event() override { return nullptr; }
+  void wait_event(void*) override {}
+
+ private:
+  struct slot_state {
+    std::vector<float> input, doutput;
+    std::vector<std::int32_t> tokens, targets;
+    bool live = false;  // holds a forward's saved activations
+  };
+  static micro_batch_id id(int slot) { return {0, slot}; }
+  slot_state& at(int slot) {
+    if (slot < 0 || static_cast<std::size_t>(slot) >= slots_.size())
+      throw std::out_of_range("host_chunk: slot " + std::to_string(slot));
+    return slots_[static_cast<std::size_t>(slot)];
+  }
+  float* span(std::int64_t at, std::int64_t n) {
+    if (at < 0 || n < 0 || at + n > parameter_count())
+      throw std::out_of_range("host_chunk: gradients outside the layout");
+    return compute_.chunk(0).grads() + at;
+  }
+  float* scratch() {
+    scratch_.resize(activation_bytes() / sizeof(float));
+    return scratch_.data();
+  }
+
+  mutable stage_compute compute_;
+  int B_ = 0, T_ = 0;
+  std::vector<slot_state> slots_;
+  std::vector<float> scratch_;
+};
+
+// Payloads queued in host memory, in send order.
+class host_link final : public chunk_link {
+ public:
+  host_link(int from, int to) : from_(from), to_(to) {}
+  void* send(const void* data, std::size_t bytes, void*) override {
+    const auto* p = static_cast<const std::byte*>(data);
+    std::lock_guard lock(mutex_);
+    queue_.emplace_back(p, p + bytes);
+    return nullptr;
+  }
+  void* receive(void* data, std::size_t bytes, void*) override {
+    std::vector<std::byte> payload;
+    {
+      std::lock_guard lock(mutex_);
+      if (queue_.empty()) throw std::logic_error(describe() + ": a receive with nothing sent");
+      payload = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (payload.size() != bytes)
+      throw std::logic_error(describe() + ": received " + std::to_string(bytes) + " bytes where " +
+                             std::to_string(payload.size()) + " were sent");
+    std::memcpy(data, payload.data(), bytes);
+    return nullptr;
+  }
+  std::string describe() const override {
+    return "host link, rank " + std::to_string(from_) + " -> " + std::to_string(to_);
+  }
+
+ private:
+  int from_, to_;
+  std::mutex mutex_;
+  std::deque<std::vector<std::byte>> queue_;
+};
+
+}  // namespace
+
+chunk_factory host_chunks(bool recompute) {
+  chunk_factory f;
+  f.name = "host";
+  f.make_chunk = [recompute](const gpt_stage& weights, int B, int T, int slots, int,
+                             int) -> std::unique_ptr<device_chunk> {
+    return std::make_unique<host_chunk>(weights, B, T, slots, recompute);
+  };
+  f.make_link = [](int from, int to, int) -> std::shared_ptr<chunk_link> {
+    return std::make_shared<host_link>(from, to);
+  };
+  return f;
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,108 @@
+// Device pipeline stages (actors/device_stage.hpp) with host chunks (engine::host_chunks): the
+// protocol of GPU pipelines, where payloads move through links and link messages carry headers
+// only, run on the CPU engine's arithmetic. Every step's loss, the validation losses and the
+// final weights must equal the CPU stages' run bitwise, on every schedule device stages take;
+// what they do not take yet is refused naming the key.
+#include <cmath>
+
+#include "engine/device_chunk.hpp"
+#include "tests/actors/actor_test_util.hpp"
+
+namespace troupe::actors::test {
+namespace {
+
+struct device_case {
+  const char* name;
+  int pp, v, m;
+  const char* schedule;
+  int grad_accum;
+  bool recompute;
+};
+
+run_options host_device(bool recompute) {
+  run_options o;
+  o.device_chunks = std::make_shared<engine::chunk_factory>(engine::host_chunks(recompute));
+  return o;
+}
+
+TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors][device]") {
+  temp_dir dir;
+  engine::recipe base = tiny_recipe(dir);
+  base.steps = 8;
+  base.eval_interval = 4;
+  base.eval_batches = 3;
+  base.data.val_fraction = 0.1;
+  const std::vector<device_case> cases = {
+      {"one stage", 1, 1, 2, "1f1b", 1, false},
+      {"PP=2 1F1B", 2, 1, 4, "1f1b", 1, false},
+      {"PP=3 GPipe, grad_accum 2", 3, 1, 3, "gpipe", 2, false},
+      {"PP=2 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false},
+      {"PP=4 1F1B, checkpointing", 4, 1, 4, "1f1b", 1, true},
+  };
+  for (const auto& c : cases) {
+    DYNAMIC_SECTION(c.name) {
+      engine::recipe r = base;
+      r.parallel.pp = c.pp;
+      r.parallel.virtual_stages = c.v;
+      r.parallel.micro_batches = c.m;
+      r.parallel.schedule = c.schedule;
+      r.batch.grad_accum = c.grad_accum;
+      r.activation_checkpoint.mode = c.recompute ? "full" : "none";
+      run_options cpu;
+      cpu.check_replicas = false;
+      const auto want = run_actors(r, cpu);
+      const auto got = run_actors(r, host_device(c.recompute));
+      REQUIRE(got.steps.size() == want.steps.size());
+      int evaluated = 0;
+      for (std::size_t i = 0; i < got.steps.size(); ++i) {
+        INFO("step " << i + 1);
+        REQUIRE(std::isfinite(got.steps[i].loss));
+        CHECK(got.steps[i].loss == want.steps[i].loss);
+        CHECK(got.steps[i].grad_norm == want.steps[i].grad_norm);
+        REQUIRE(got.steps[i].val_loss.has_value() == want.steps[i].val_loss.has_value());
+        if (got.steps[i].val_loss) {
+          CHECK(*got.steps[i].val_loss == *want.steps[i].val_loss);
+          ++evaluated;
+        }
+      }
+      CHECK(evaluated == 2);
+      REQUIRE(got.parameters.size() == want.parameters.size());
+      for (const auto& [name, values] : want.parameters) {
+        INFO(name);
+        REQUIRE(got.parameters.count(name) == 1);
+        CHECK(got.parameters.at(name) == values);
+      }
+    }
+  }
+}
+
+TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][device]") {
+  temp_dir dir;
+  engine::recipe r = tiny_recipe(dir);
+  r.steps = 2;
+  SECTION("data parallelism") {
+    r.parallel.dp = 2;
+    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
+                        Catch::Contains("key parallel.dp") && Catch::Contains("not built yet"));
+  }
+  SECTION("ZeRO") {
+    r.parallel.dp = 1;
+    r.parallel.zero = 1;
+    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)), Catch::Contains("key parallel.zero"));
+  }
+  SECTION("a schedule that splits backward") {
+    r.parallel.pp = 2;
+    r.parallel.micro_batches = 4;
+    r.parallel.schedule = "zb_h1";
+    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
+                        Catch::Contains("zb_h1") && Catch::Contains("splits backward"));
+  }
+  SECTION("variable sequence lengths") {
+    run_options o = host_device(false);
+    o.seq_lens = {8, 16};
+    REQUIRE_THROWS_WITH(run_actors(r, o), Catch::Contains("variable sequence lengths"));
+  }
+}
+
+}  // namespace
+}  // namespace troupe::actors::test
