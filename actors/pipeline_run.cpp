@@ -457,6 +457,10 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
       (multi ? ", " + std::to_string(o.launch.world) + " processes (" + o.launch.describe() + ")"
              : ""));
 
+  if (in.chunks)
+    say("device stages: " + in.chunks->name + " chunks, " + r.precision.dtype + " compute" +
+        (r.activation_checkpoint.full() ? ", every block recomputed" : ""));
+
   // 3. The job's processes.
   std::unique_ptr<remote_mesh> mesh;
   if (multi) {

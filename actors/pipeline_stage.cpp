@@ -27,6 +27,7 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "actors/stage_links.hpp"
 #include "engine/gpt_weights.hpp"
 #include "engine/stage_compute.hpp"
 #include "kernels/cpu_threads.hpp"
@@ -40,21 +41,6 @@ namespace {
 using namespace messages;
 using engine::trace::event_kind;
 using topology::link_key;
-
-link_key key_of(const link_header& h) {
-  return {static_cast<int>(h.kind), h.eval, h.step, h.stage, h.round, h.micro_batch};
-}
-
-struct batch_key {
-  int part = 0;
-  bool eval = false;
-  int step = 0, round = 0, micro_batch = 0;
-  friend auto operator<=>(const batch_key&, const batch_key&) = default;
-};
-
-batch_key key_of(const batch_message& b) {
-  return {static_cast<int>(b.part), b.eval, b.step, b.round, b.micro_batch};
-}
 
 class stage_impl : public stage_actor::base {
  public:
@@ -273,39 +259,15 @@ class stage_impl : public stage_actor::base {
     std::vector<link_key> order;
     for (int round = 0; round < plan_.rounds; ++round) {
       for (const auto& a : *actions_) {
-        if (auto k = incoming_key(a, round)) order.push_back(*k);
+        if (auto k = incoming_key(cfg_.layout, my_rank(), plan_, a, round)) order.push_back(*k);
       }
     }
     for (const auto& k : incoming_.start(order, cfg_.link_credits)) grant(k);
   }
 
-  // The remote link message action `a` consumes, if any.
-  std::optional<link_key> incoming_key(const engine::pipeline_action& a, int round) const {
-    const bool eval = plan_.eval;
-    if (a.kind == engine::action_kind::forward && a.stage > 0 &&
-        cfg_.layout.rank_of(a.stage - 1) != my_rank())
-      return link_key{
-          static_cast<int>(link_kind::activation), eval, plan_.step, a.stage, round, a.micro_batch};
-    if (a.kind == engine::action_kind::backward && a.stage < last_stage() &&
-        cfg_.layout.rank_of(a.stage + 1) != my_rank())
-      return link_key{
-          static_cast<int>(link_kind::gradient), eval, plan_.step, a.stage, round, a.micro_batch};
-    return std::nullopt;
-  }
-
   void grant(const link_key& k) {
-    const int from = k.kind == static_cast<int>(link_kind::activation)
-                         ? cfg_.layout.rank_of(k.stage - 1)
-                         : cfg_.layout.rank_of(k.stage + 1);
-    link_credit c;
-    c.header.kind = static_cast<link_kind>(k.kind);
-    c.header.eval = k.eval;
-    c.header.step = k.step;
-    c.header.stage = k.stage;
-    c.header.round = k.round;
-    c.header.micro_batch = k.micro_batch;
-    c.header.replica = cfg_.replica;
-    caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(from)), c);
+    caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(sender_of(cfg_.layout, k))),
+                   credit_for(k, cfg_.replica));
   }
 
   // ---- the action loop (S1, S3, S6) ---------------------------------------------------

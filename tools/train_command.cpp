@@ -1,11 +1,12 @@
 // `troupe train RECIPE.toml [--set key=value ...] [--trace FILE] [--engine actors|serial]
 // [--device cpu|cuda]`: the actor engine (pipeline stages, schedule, data loaders, coordinator) by
 // default on the CPU, or the serial loop (the reference, and the whole model on one GPU with
-// --device cuda). A process started by `troupe launch`, srun, mpirun or a torchrun-style
-// environment joins its job from the environment (topology/launch_env.hpp); rank 0 prints.
-// With --report-peak-rss every process, whatever its rank, ends a successful run with one JSON
-// line on stderr: {"rank":R,"world":W,"peak_rss_bytes":N} (`troupe bench zero` reads it).
-// Exit 2 with one line naming the key or file on bad input (nothing written), 1 on a failed run.
+// --device cuda and parallel.pp = 1; a GPU pipeline, pp > 1, runs device stage actors). A process
+// started by `troupe launch`, srun, mpirun or a torchrun-style environment joins its job from the
+// environment (topology/launch_env.hpp); rank 0 prints. With --report-peak-rss every process,
+// whatever its rank, ends a successful run with one JSON line on stderr:
+// {"rank":R,"world":W,"peak_rss_bytes":N} (`troupe bench zero` reads it). Exit 2 with one line
+// naming the key or file on bad input (nothing written), 1 on a failed run.
 #include <sys/resource.h>
 
 #include <cmath>
@@ -36,7 +37,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     std::string recipe;
     std::vector<std::string> overrides;
     std::string trace;
-    std::string engine;  // empty: actors on the CPU, serial on a GPU
+    std::string engine;  // empty: serial for one GPU stage, else actors
     std::string device;  // empty: the recipe's `device`
     double peer_timeout = 10;
     double rendezvous_timeout = 120;
@@ -52,8 +53,8 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--trace", opts->trace,
                   "Write a Chrome trace-event file of every message and action (Perfetto)");
   cmd->add_option("--engine", opts->engine,
-                  "actors (the default on the CPU) or serial (the reference loop; the default "
-                  "with --device cuda)")
+                  "actors (the default, but for one GPU stage) or serial (the reference loop; "
+                  "the default with --device cuda and parallel.pp = 1)")
       ->check(CLI::IsMember({"actors", "serial"}));
   cmd->add_option("--device", opts->device,
                   "cpu, or cuda: the whole model on one GPU (the recipe key `device`)")
@@ -80,7 +81,7 @@ std::function<int()> add_train_command(CLI::App& app) {
       return exit_bad_input;
     }
     const bool gpu = r.device == "cuda";
-    if (opts->engine.empty()) opts->engine = gpu ? "serial" : "actors";
+    if (opts->engine.empty()) opts->engine = gpu && r.parallel.pp == 1 ? "serial" : "actors";
     if (opts->dry_run) {
       try {
         std::fputs((gpu ? engine::format_gpu_memory_plan(r)
