@@ -24,6 +24,7 @@
 #include "actors/zero_shard.hpp"
 #include "engine/device_chunk.hpp"
 #include "engine/gpt_weights.hpp"
+#include "engine/memory_plan.hpp"
 #include "topology/placement.hpp"
 #include "topology/rendezvous.hpp"
 #include "topology/ucx_transport.hpp"
@@ -127,9 +128,7 @@ device_stage_config device_config(const build_inputs& in, const link_map& links,
   device_stage_config dc;
   dc.B = in.r.batch.micro_batch;
   dc.T = in.seq_lens.front();
-  // Enough for any schedule: a round's micro-batches, plus the next round's activations that
-  // may arrive ahead under their credits.
-  dc.slots = in.r.parallel.micro_batches + c.link_credits;
+  dc.slots = engine::device_stage_slots(in.r);
   dc.chunks = in.chunks;
   for (const auto& [key, link] : links) {
     const auto [d, from, to] = key;

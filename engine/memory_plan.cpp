@@ -107,9 +107,66 @@ std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_pl
   return s;
 }
 
+int device_stage_slots(const recipe& r) {
+  const int credits =
+      r.parallel.link_credits > 0 ? r.parallel.link_credits : r.parallel.micro_batches;
+  return r.parallel.micro_batches + credits;
+}
+
+namespace {
+
+// pp > 1: every rank's chunks as device stage actors hold them (device_stage_slots each).
+std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options& o) {
+  const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
+                                           r.parallel.layer_split);
+  const int slots = device_stage_slots(r);
+  std::string s = "device memory plan, a pipeline of " + std::to_string(r.parallel.pp) +
+                  " device stages (" + r.precision.dtype +
+                  " compute, fp32 master weights, gradients and AdamW moments), micro-batch " +
+                  std::to_string(r.batch.micro_batch) + " x " + std::to_string(r.batch.seq_len) +
+                  " tokens, " + std::to_string(slots) + " micro-batches in flight per chunk:\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "%6s %12s %12s %14s %12s\n", "rank", "parameters", "model state",
+                "activations", "total");
+  s += line;
+  std::int64_t with = 0, without = 0;
+  for (int rank = 0; rank < r.parallel.pp; ++rank) {
+    gpu_memory_plan sum;
+    std::int64_t params = 0;
+    for (const auto& range : layout.rank_chunks(rank)) {
+      const auto p =
+          plan_gpu_stage_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len, o, slots);
+      sum.model_state += p.model_state;
+      sum.activations += p.activations;
+      sum.activations_without_recompute += p.activations_without_recompute;
+      const auto params_of = stage_parameter_layout(r.model, range);
+      if (!params_of.empty()) params += params_of.back().offset + params_of.back().numel;
+    }
+    with += sum.activations;
+    without += sum.activations_without_recompute;
+    std::snprintf(line, sizeof line, "%6d %12lld %12s %14s %12s\n", rank,
+                  static_cast<long long>(params), mib(static_cast<double>(sum.model_state)).c_str(),
+                  mib(static_cast<double>(sum.activations)).c_str(),
+                  mib(static_cast<double>(sum.total())).c_str());
+    s += line;
+  }
+  if (o.recompute) {
+    std::snprintf(line, sizeof line,
+                  "activation checkpointing (full): every rank's activations together %s instead "
+                  "of %s, saves %s.\n",
+                  mib(static_cast<double>(with)).c_str(), mib(static_cast<double>(without)).c_str(),
+                  mib(static_cast<double>(without - with)).c_str());
+    s += line;
+  }
+  return s;
+}
+
+}  // namespace
+
 std::string format_gpu_memory_plan(const recipe& r) {
   validate_recipe(r);
   gpu_trainer_options o{parse_compute_dtype(r.precision.dtype), r.activation_checkpoint.full()};
+  if (r.parallel.pp > 1) return format_gpu_pipeline_plan(r, o);
   const gpu_memory_plan p = plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, o);
   const std::int64_t P = r.model.parameter_count();
   std::string s =

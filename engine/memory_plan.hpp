@@ -36,7 +36,11 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r);
 std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_plan>& plan);
 
 // device = "cuda": the device memory of the whole model on one GPU (plan_gpu_memory in
-// engine/gpu_trainer.hpp), with and without activation checkpointing. Throws recipe_error.
+// engine/gpu_trainer.hpp), or with parallel.pp > 1 of every device stage's chunks
+// (plan_gpu_stage_memory), with and without activation checkpointing. Throws recipe_error.
 std::string format_gpu_memory_plan(const recipe& r);
+// The micro-batches a device stage chunk holds at once (their slots): a round's micro-batches plus
+// the next round's activations that may arrive ahead under their link credits.
+int device_stage_slots(const recipe& r);
 
 }  // namespace troupe::engine

@@ -9,6 +9,7 @@
 #include "engine/gpu_stage.hpp"
 #include "engine/gpu_trainer.hpp"
 #include "engine/memory_plan.hpp"
+#include "engine/pipeline_layout.hpp"
 #include "engine/recipe.hpp"
 
 using namespace troupe::engine;
@@ -100,4 +101,26 @@ TEST_CASE("--dry-run on the GPU prints the plan and what checkpointing saves", "
   char total[32];
   std::snprintf(total, sizeof total, "%.1f MiB", static_cast<double>(plan.total()) / (1 << 20));
   CHECK_THAT(text, Catch::Contains(total));
+}
+
+TEST_CASE("--dry-run of a GPU pipeline prints every device stage's chunks", "[gpu-plan]") {
+  recipe r = parse_recipe(
+      "device = \"cuda\"\n[model]\nvocab_size = 256\ncontext = 128\nlayers = 4\nheads = 4\n"
+      "width = 256\n[data]\ntrain = \"x\"\n[parallel]\npp = 2\nvirtual_stages = 2\n"
+      "micro_batches = 4\nlink_credits = 2\nschedule = \"interleaved_1f1b\"\n",
+      "test.toml", {});
+  CHECK(device_stage_slots(r) == 6);  // 4 micro-batches, 2 more arriving under credits
+  const std::string text = format_gpu_memory_plan(r);
+  CHECK_THAT(text, Catch::Contains("a pipeline of 2 device stages") &&
+                       Catch::Contains("6 micro-batches in flight per chunk"));
+  // Rank 1 holds chunks 1 and 3 (layer 1; layer 3 and the head with its wte copy).
+  const auto layout = make_pipeline_layout(r.model, 2, 2, {});
+  std::int64_t total = 0;
+  for (const auto& range : layout.rank_chunks(1))
+    total += plan_gpu_stage_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len,
+                                   {compute_dtype::fp32, false}, 6)
+                 .total();
+  char figure[32];
+  std::snprintf(figure, sizeof figure, "%.1f MiB\n", static_cast<double>(total) / (1 << 20));
+  CHECK_THAT(text, Catch::Contains(figure));
 }
