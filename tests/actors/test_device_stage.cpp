@@ -38,6 +38,8 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=3 GPipe, grad_accum 2", 3, 1, 3, "gpipe", 2, false},
       {"PP=2 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false},
       {"PP=4 1F1B, checkpointing", 4, 1, 4, "1f1b", 1, true},
+      {"one rank, two chunks (a hop through the rank's own link)", 1, 2, 2, "interleaved_1f1b", 1,
+       false},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
