@@ -316,28 +316,10 @@ class stage_impl : public stage_actor::base {
   }
 
   link_key make_key(link_kind kind, int stage, int round, int mb) const {
-    return {static_cast<int>(kind), plan_.eval, plan_.step, stage, round, mb};
+    return plan_link_key(plan_, kind, stage, round, mb);
   }
-  batch_key make_batch_key(batch_part part, int round, int mb) const {
-    return {static_cast<int>(part), plan_.eval, plan_.step, round, mb};
-  }
-
   bool ready(const engine::pipeline_action& a, int round) const {
-    using engine::action_kind;
-    if (a.kind == action_kind::forward) {
-      const bool input =
-          a.stage == 0
-              ? stash_batches_.count(make_batch_key(batch_part::inputs, round, a.micro_batch)) > 0
-              : stash_links_.count(make_key(link_kind::activation, a.stage, round, a.micro_batch)) >
-                    0;
-      const bool targets =
-          a.stage != last_stage() ||
-          stash_batches_.count(make_batch_key(batch_part::targets, round, a.micro_batch)) > 0;
-      return input && targets;
-    }
-    if (a.kind == action_kind::backward && a.stage != last_stage())
-      return stash_links_.count(make_key(link_kind::gradient, a.stage, round, a.micro_batch)) > 0;
-    return true;
+    return action_ready(plan_, last_stage(), a, round, stash_links_, stash_batches_);
   }
 
   // What an action in progress keeps: its pass (engine/block_pass.hpp) and the buffers the
@@ -507,7 +489,7 @@ class stage_impl : public stage_actor::base {
   }
 
   batch_message take_batch(batch_part part, int round, int mb) {
-    auto it = stash_batches_.find(make_batch_key(part, round, mb));
+    auto it = stash_batches_.find(plan_batch_key(plan_, part, round, mb));
     batch_message b = std::move(it->second);
     stash_batches_.erase(it);
     if (!b.eval) caf::anon_send(wiring_.loader, batch_credit{part, cfg_.replica});

@@ -27,6 +27,40 @@ inline batch_key key_of(const messages::batch_message& b) {
   return {static_cast<int>(b.part), b.eval, b.step, b.round, b.micro_batch};
 }
 
+// The keys of the current plan's link and batch messages.
+inline topology::link_key plan_link_key(const messages::step_plan& plan, messages::link_kind kind,
+                                        int stage, int round, int mb) {
+  return {static_cast<int>(kind), plan.eval, plan.step, stage, round, mb};
+}
+inline batch_key plan_batch_key(const messages::step_plan& plan, messages::batch_part part,
+                                int round, int mb) {
+  return {static_cast<int>(part), plan.eval, plan.step, round, mb};
+}
+
+// Whether action `a` of round `round` has its inputs: tokens or the activation, and the targets
+// (the last virtual stage) for a forward; the gradient for a backward of any stage but the last.
+// Stashes: maps keyed by link_key and batch_key of what arrived and was not consumed yet.
+template <class LinkStash, class BatchStash>
+bool action_ready(const messages::step_plan& plan, int last_stage, const engine::pipeline_action& a,
+                  int round, const LinkStash& links, const BatchStash& batches) {
+  using messages::batch_part;
+  using messages::link_kind;
+  if (a.kind == engine::action_kind::forward) {
+    const bool input =
+        a.stage == 0
+            ? batches.count(plan_batch_key(plan, batch_part::inputs, round, a.micro_batch)) > 0
+            : links.count(
+                  plan_link_key(plan, link_kind::activation, a.stage, round, a.micro_batch)) > 0;
+    const bool targets =
+        a.stage != last_stage ||
+        batches.count(plan_batch_key(plan, batch_part::targets, round, a.micro_batch)) > 0;
+    return input && targets;
+  }
+  if (a.kind == engine::action_kind::backward && a.stage != last_stage)
+    return links.count(plan_link_key(plan, link_kind::gradient, a.stage, round, a.micro_batch)) > 0;
+  return true;
+}
+
 // The remote link message that action `a` of round `round` consumes on pipeline rank `rank`,
 // if any (a neighbouring virtual stage on another rank sends it).
 inline std::optional<topology::link_key> incoming_key(const engine::pipeline_layout& layout,
