@@ -161,8 +161,11 @@ expect_bad bf16-on-cpu precision.dtype cuda -- "$tmp/ok.toml" --set precision.dt
 expect_bad fp16-without-scaling precision.loss_scale dynamic -- "$tmp/ok.toml" --device cuda \
   --set model.width=32 --set precision.dtype=fp16
 expect_bad gpu-head-size model.heads "head size 8" -- "$tmp/ok.toml" --device cuda
-expect_bad gpu-actor-engine device "--engine serial" -- "$tmp/ok.toml" --device cuda \
-  --set model.width=32 --engine actors
+# Device stage actors (a GPU pipeline) refuse what they do not do yet, before looking for a GPU.
+expect_bad gpu-pipeline-dp parallel.dp "not built yet" -- "$tmp/ok.toml" --device cuda \
+  --set model.width=32 --set model.layers=2 --set parallel.pp=2 --set parallel.dp=2
+expect_bad gpu-pipeline-zero parallel.zero "not built yet" -- "$tmp/ok.toml" --device cuda \
+  --set model.width=32 --engine actors --set parallel.zero=1
 
 # An existing output dir with a previous run's weights: a bad key leaves them untouched.
 before_failures=$failures
