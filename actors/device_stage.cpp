@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "actors/error_text.hpp"
 #include "actors/stage_links.hpp"
 #include "engine/gpt_weights.hpp"
 
@@ -68,6 +69,7 @@ class device_stage_impl : public stage_actor::base {
   device_stage_impl(caf::actor_config& cfg, device_stage_config config)
       : stage_actor::base(cfg), cfg_(std::move(config)), sc_(cfg_.stage) {}
 
+  // Handles to peers form cycles: drop them on exit so that every actor can be destroyed.
   void on_exit() override {
     wiring_ = {};
     held_.clear();
@@ -76,13 +78,8 @@ class device_stage_impl : public stage_actor::base {
   }
 
   behavior_type make_behavior() override {
-    set_exception_handler([this](std::exception_ptr& e) -> caf::error {
-      try {
-        std::rethrow_exception(e);
-      } catch (const std::exception& x) {
-        return caf::make_error(caf::sec::runtime_error, who() + ": " + x.what());
-      }
-    });
+    set_exception_handler(
+        [this](std::exception_ptr& e) -> caf::error { return exit_reason(who(), e); });
     init_chunks();
     auto unused = [this](const char* what) {
       throw std::logic_error(std::string("a device stage got ") + what + " (not built on devices)");

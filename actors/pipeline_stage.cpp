@@ -27,6 +27,7 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "actors/error_text.hpp"
 #include "actors/stage_links.hpp"
 #include "engine/gpt_weights.hpp"
 #include "engine/stage_compute.hpp"
@@ -57,13 +58,8 @@ class stage_impl : public stage_actor::base {
   }
 
   behavior_type make_behavior() override {
-    set_exception_handler([this](std::exception_ptr& e) -> caf::error {
-      try {
-        std::rethrow_exception(e);
-      } catch (const std::exception& x) {
-        return caf::make_error(caf::sec::runtime_error, who() + ": " + x.what());
-      }
-    });
+    set_exception_handler(
+        [this](std::exception_ptr& e) -> caf::error { return exit_reason(who(), e); });
     kernels::set_compute_threads(cfg_.compute_threads);
     init_chunks();
     return {
