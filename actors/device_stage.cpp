@@ -10,6 +10,11 @@
 //      the chunk writes the input's gradient there, as nothing reads the input afterwards.
 //  D3. Every link call is ordered on the chunk's stream both ways: the link starts after the
 //      chunk's work so far (record_event) and the chunk's later work waits for the link's.
+//  D4. Data parallelism: in a step's last backward of a chunk, each gradient bucket goes to the
+//      rank's reducer with an event recorded right after its last block was enqueued; the
+//      reducer enqueues the mean over the replicas after every replica's event, and the chunk's
+//      work after grad_bucket_reduced waits for the mean's event. The tied wte copies are summed,
+//      and grads_ready sent, only after every bucket is reduced.
 #include "actors/device_stage.hpp"
 
 #include <algorithm>
@@ -18,6 +23,7 @@
 #include "actors/error_text.hpp"
 #include "actors/stage_links.hpp"
 #include "engine/gpt_weights.hpp"
+#include "topology/grad_buckets.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -90,7 +96,7 @@ class device_stage_impl : public stage_actor::base {
         [this](link_message& m) { on_link(m); },
         [this](link_credit& c) { on_credit(c); },
         [this](batch_message& b) { on_batch(std::move(b)); },
-        [unused](grad_bucket_reduced&) { unused("a reduced gradient bucket"); },
+        [this](grad_bucket_reduced& r) { on_reduced(r); },
         [this](tied_grad& t) { on_tied(std::move(t)); },
         [this](apply_update& u) { on_update(u); },
         [unused](zero_update_done&) { unused("a ZeRO update"); },
@@ -108,6 +114,7 @@ class device_stage_impl : public stage_actor::base {
   int last_stage() const { return sc_.layout.stage_count() - 1; }
 
   void init_chunks() {
+    std::vector<std::vector<engine::grad_block>> blocks;
     for (const auto& range : sc_.layout.rank_chunks(sc_.rank)) {
       engine::gpt_stage host(sc_.model, range);
       if (sc_.init.empty()) {
@@ -119,9 +126,13 @@ class device_stage_impl : public stage_actor::base {
       chunks_.push_back(
           cfg_.chunks->make_chunk(host, cfg_.B, cfg_.T, cfg_.slots, sc_.rank, sc_.replica));
       slots_.emplace_back(cfg_.slots);
+      blocks.push_back(engine::stage_grad_blocks(host));
       if (range.embedding) embedding_chunk_ = c;
       if (range.head) head_chunk_ = c;
     }
+    std::vector<float*> grads;
+    for (auto& ch : chunks_) grads.push_back(ch->device_gradients());
+    buckets_.build(blocks, grads, sc_.bucket_layers);
     // The tied wte copies this rank syncs: none (one chunk holds both ends, or no end), one
     // (exchanged with the partner rank) or two (summed here), as the CPU stage does.
     if (embedding_chunk_ == head_chunk_) return;
@@ -161,7 +172,12 @@ class device_stage_impl : public stage_actor::base {
     if (!plan_.eval) {
       tied_partner_.reset();
       tied_own_.clear();
+      tied_started_ = false;
       tied_done_ = tied_.empty();
+      buckets_.start_step();
+      buckets_pending_ = sc_.replicas > 1 ? buckets_.size() : 0;
+      last_weight_ =
+          last_weight_actions(sc_.layout, *actions_, false, static_cast<int>(chunks_.size()));
     }
     std::vector<link_key> order;
     for (int round = 0; round < plan_.rounds; ++round) {
@@ -203,7 +219,7 @@ class device_stage_impl : public stage_actor::base {
     if (a.kind == engine::action_kind::forward) {
       flow = forward(a, round);
     } else {
-      flow = backward(a, round);
+      flow = backward(a, round, cursor_ % per_round);
     }
     sc_.trace.span(plan_.eval ? "eval" : "compute",
                    a.kind == engine::action_kind::forward ? "F" : "B", t0, sc_.trace.now_us(), ids);
@@ -262,7 +278,7 @@ class device_stage_impl : public stage_actor::base {
     return flow;
   }
 
-  std::uint64_t backward(const engine::pipeline_action& a, int round) {
+  std::uint64_t backward(const engine::pipeline_action& a, int round, int index) {
     const int c = sc_.layout.chunk_of(a.stage);
     auto& ch = chunk(c);
     auto& table = slots_[static_cast<std::size_t>(c)];
@@ -276,7 +292,11 @@ class device_stage_impl : public stage_actor::base {
       slot = table.find(make_micro(round, a.micro_batch), who());
     }
     void* dinput = a.stage > 0 ? ch.input(slot) : nullptr;  // D2
-    ch.backward(slot, dinput);
+    engine::grad_block_fn on_block;                         // D4
+    if (sc_.replicas > 1 && !plan_.eval && round == plan_.rounds - 1 &&
+        index == last_weight_[static_cast<std::size_t>(c)])
+      on_block = [this, c](int block) { on_block_final(c, block); };
+    ch.backward(slot, dinput, on_block);
     if (dinput) route(link_kind::gradient, a.stage - 1, round, a.micro_batch, c, slot, dinput);
     table.drop(slot);
     return flow;
@@ -415,7 +435,29 @@ class device_stage_impl : public stage_actor::base {
     if (active_ && waiting_since_ >= 0) advance();
   }
 
-  // ---- gradients: the tied wte, grads_ready (S4) -------------------------------------------
+  // ---- gradients: data-parallel buckets, the tied wte, grads_ready (S4, D4) -----------------
+  // A bucket's last block is enqueued: its mean over the replicas can start once the event
+  // recorded now has passed, while backward continues on earlier blocks.
+  void on_block_final(int c, int block) {
+    const auto b = buckets_.block_done(c, block);
+    if (!b) return;
+    const double t = sc_.trace.now_us();
+    const auto& info = buckets_.bucket(*b);
+    caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, sc_.rank, sc_.replica, *b, info.ranges,
+                                                chunk(info.chunk).record_event()});
+    sc_.trace.span("send", "bucket " + info.name, t, sc_.trace.now_us(), {plan_.step});
+  }
+
+  // The bucket holds the mean once `done` has passed: the chunk's later work waits for it.
+  void on_reduced(const grad_bucket_reduced& r) {
+    if (buckets_pending_ <= 0)
+      throw std::logic_error(who() + ": a reduced bucket nobody waits for");
+    chunk(buckets_.bucket(r.bucket).chunk).wait_event(r.done);
+    --buckets_pending_;
+    start_tied();
+    check_grads_ready();
+  }
+
   void finish_compute() {
     if (plan_.eval) {
       if (head_chunk_ >= 0)
@@ -425,6 +467,15 @@ class device_stage_impl : public stage_actor::base {
     }
     compute_done_ = true;
     dp_wait_since_ = sc_.trace.now_us();
+    start_tied();
+    check_grads_ready();
+  }
+
+  // The tied wte copies are summed once every bucket holds its mean over the replicas (as the
+  // CPU stage: the mean first, then own + partner).
+  void start_tied() {
+    if (!compute_done_ || buckets_pending_ > 0 || tied_started_) return;
+    tied_started_ = true;
     if (tied_.size() == 2) {  // both copies here: a[i] = h[i] = a[i] + h[i]
       auto a = chunk(tied_[0].chunk).read_gradients(tied_[0].offset, tied_numel_);
       const auto h = chunk(tied_[1].chunk).read_gradients(tied_[1].offset, tied_numel_);
@@ -439,7 +490,6 @@ class device_stage_impl : public stage_actor::base {
                                    tied_own_.data(), tied_own_.data() + tied_own_.size())});
       finish_tied();
     }
-    check_grads_ready();
   }
 
   void on_tied(tied_grad t) {
@@ -460,10 +510,11 @@ class device_stage_impl : public stage_actor::base {
   }
 
   void check_grads_ready() {
-    if (!compute_done_ || grads_sent_ || !tied_done_) return;
+    if (!compute_done_ || grads_sent_ || buckets_pending_ > 0 || !tied_done_) return;
     grads_sent_ = true;
-    if (tied_.size() == 1)
-      sc_.trace.span("wait", "tied", dp_wait_since_, sc_.trace.now_us(), {plan_.step});
+    if (sc_.replicas > 1 || tied_.size() == 1)
+      sc_.trace.span("wait", sc_.replicas > 1 ? "dp" : "tied", dp_wait_since_, sc_.trace.now_us(),
+                     {plan_.step});
     double sq = 0;
     for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) {
       const auto& r = chunk(c).range();
@@ -547,7 +598,10 @@ class device_stage_impl : public stage_actor::base {
   std::int64_t tied_numel_ = 0;
   std::vector<float> tied_own_;  // this rank's copy, sent, until the partner's arrives
   float_buffer tied_partner_;
-  bool tied_done_ = true;
+  bool tied_started_ = false, tied_done_ = true;
+  topology::grad_buckets buckets_;  // D4: data-parallel buckets over the chunks' gradients
+  int buckets_pending_ = 0;         // not yet reduced this step
+  std::vector<int> last_weight_;    // by chunk: its last backward in the plan's actions
 };
 
 }  // namespace

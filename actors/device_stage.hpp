@@ -3,10 +3,12 @@
 // the same link credits, as the CPU stage (pipeline_stage.hpp) and speaks the same protocol to
 // the coordinator, loaders and its peers, except that an activation or gradient moves through
 // the pair's chunk_link (NCCL, or a device copy) while its link_message carries the typed header
-// only (no data). docs/gpu.md gives the message sequence.
+// only (no data). Data-parallel replicas send their gradient buckets, on the device, to the
+// rank's reducer with an event, as the CPU stage sends them in host memory (D4 in the .cpp).
+// docs/gpu.md gives the message sequence.
 //
-// Not built yet on devices (pipeline_run refuses them with the reason): data parallelism,
-// ZeRO, split-backward (zero-bubble) schedules, variable sequence lengths, several processes.
+// Not built yet on devices (pipeline_run refuses them with the reason): ZeRO, split-backward
+// (zero-bubble) schedules, variable sequence lengths, several processes.
 #pragma once
 
 #include <map>

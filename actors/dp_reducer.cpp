@@ -3,6 +3,7 @@
 
 #include <map>
 
+#include "engine/device_chunk.hpp"
 #include "topology/collectives.hpp"
 
 namespace troupe::actors {
@@ -39,16 +40,25 @@ class reducer_impl : public reducer_actor::base {
     if (static_cast<int>(p.parts.size()) < cfg_.replicas) return;
     const double t0 = cfg_.trace.now_us();
     std::vector<std::vector<std::pair<float*, std::int64_t>>> by_replica(p.parts.size());
+    std::vector<void*> ready(p.parts.size(), nullptr);
     std::int64_t bytes = 0;
     for (auto& part : p.parts) {
       by_replica.at(static_cast<std::size_t>(part.replica)) = part.ranges;
+      ready.at(static_cast<std::size_t>(part.replica)) = part.ready;
       if (part.replica == 0)
         for (const auto& r : part.ranges) bytes += r.second * 4;
     }
-    topology::ring_order_mean(by_replica);
+    std::vector<void*> done(p.parts.size(), nullptr);
+    if (cfg_.group) {
+      done = cfg_.group->mean(by_replica, ready);  // enqueued on the devices
+    } else {
+      topology::ring_order_mean(by_replica);
+    }
     const int step = p.parts[0].step, bucket = p.parts[0].bucket;
-    for (const auto& s : stages_) caf::anon_send(s, grad_bucket_reduced{step, bucket});
-    cfg_.trace.span("collective", "all-reduce", t0, cfg_.trace.now_us(), {step, -1, -1, bytes});
+    for (std::size_t d = 0; d < stages_.size(); ++d)
+      caf::anon_send(stages_[d], grad_bucket_reduced{step, bucket, 0.0, done.at(d)});
+    cfg_.trace.span("collective", cfg_.group ? "all-reduce (enqueued)" : "all-reduce", t0,
+                    cfg_.trace.now_us(), {step, -1, -1, bytes});
     pending_.erase({step, bucket});
     if (pending_.empty() && cfg_.trace.enabled() && !cfg_.trace.empty())
       caf::anon_send(tracer_, trace_batch{cfg_.trace.take()});

@@ -2,11 +2,19 @@
 // from all d replicas and replaces each with the mean (topology::ring_order_mean, the order of a
 // ring all-reduce), then tells every replica. It runs on its own thread, so reductions overlap the
 // stages' backward. The stages see only the grad_bucket / grad_bucket_reduced protocol: a UCX or
-// NCCL reducer serves the same messages.
+// NCCL reducer serves the same messages. Device stages' buckets live on devices: a replica group
+// (engine::replica_group: NCCL, or a mean kernel) enqueues their mean after each bucket's ready
+// event, and each replica gets the event after which its copy holds the mean.
 #pragma once
+
+#include <memory>
 
 #include "engine/trace_recorder.hpp"
 #include "messages/protocols.hpp"
+
+namespace troupe::engine {
+class replica_group;
+}
 
 namespace troupe::actors {
 
@@ -14,6 +22,8 @@ struct reducer_config {
   int rank = 0;
   int replicas = 1;
   engine::trace::recorder trace;
+  // Device stages' buckets; unset: host memory, reduced here in ring order.
+  std::shared_ptr<engine::replica_group> group{};
 };
 
 // stages: the stage actors of this rank, by replica (they receive grad_bucket_reduced).

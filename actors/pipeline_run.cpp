@@ -198,7 +198,8 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
     a.reducers.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
       const std::string name = "dp reducer " + std::to_string(p);
-      reducer_config c{p, r.parallel.dp, add_track(a, in, name, "collective", p, -1)};
+      reducer_config c{p, r.parallel.dp, add_track(a, in, name, "collective", p, -1), nullptr};
+      if (in.chunks && in.chunks->make_group) c.group = in.chunks->make_group(p, r.parallel.dp);
       std::vector<caf::actor> replicas;
       for (const auto& row : a.stages) replicas.push_back(row[static_cast<std::size_t>(p)]);
       a.reducers[0].push_back(place(sys, a, in, 0, 0, name, [&] {
@@ -386,7 +387,6 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
 void check_device_pipeline(const engine::recipe& r, const run_options& o,
                            const std::vector<int>& seq_lens) {
   const std::string why = " (device " + r.device + ": pipelines of device stages; not built yet)";
-  if (r.parallel.dp > 1) throw engine::recipe_error("key parallel.dp: data parallelism" + why);
   if (r.parallel.zero > 0) throw engine::recipe_error("key parallel.zero: ZeRO" + why);
   if (o.launch.world > 1)
     throw engine::recipe_error("a job of " + std::to_string(o.launch.world) + " processes" + why);

@@ -242,13 +242,8 @@ class stage_impl : public stage_actor::base {
   }
 
   void find_last_weight_actions() {
-    last_weight_.assign(static_cast<std::size_t>(compute_->chunk_count()), -1);
-    const auto kind =
-        plan_.plan->split_backward ? engine::action_kind::weight : engine::action_kind::backward;
-    for (int i = 0; i < static_cast<int>(actions_->size()); ++i) {
-      const auto& a = (*actions_)[static_cast<std::size_t>(i)];
-      if (a.kind == kind) last_weight_[static_cast<std::size_t>(cfg_.layout.chunk_of(a.stage))] = i;
-    }
+    last_weight_ = last_weight_actions(cfg_.layout, *actions_, plan_.plan->split_backward,
+                                       compute_->chunk_count());
   }
 
   void grant_initial_credits() {
@@ -592,8 +587,8 @@ class stage_impl : public stage_actor::base {
 
   void send_bucket(int b) {
     const double t = cfg_.trace.now_us();
-    caf::anon_send(wiring_.reducer,
-                   grad_bucket{plan_.step, my_rank(), cfg_.replica, b, buckets_.bucket(b).ranges});
+    caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b,
+                                                buckets_.bucket(b).ranges, nullptr});
     cfg_.trace.span("send", "bucket " + buckets_.bucket(b).name, t, cfg_.trace.now_us(),
                     {plan_.step});
   }

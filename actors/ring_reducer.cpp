@@ -50,7 +50,7 @@ class ring_reducer_impl : public ring_reducer_actor::base {
 
   void finish_if_done(int step, int bucket, collective& c) {
     if (!c.feed.done()) return;
-    caf::anon_send(wiring_.stage, grad_bucket_reduced{step, bucket});
+    caf::anon_send(wiring_.stage, grad_bucket_reduced{step, bucket, 0.0, nullptr});
     cfg_.trace.span("collective", "all-reduce", c.t0, cfg_.trace.now_us(), {step, -1, -1, c.bytes});
     running_.erase({step, bucket});
     if (running_.empty() && cfg_.trace.enabled() && !cfg_.trace.empty())

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "engine/pipeline_layout.hpp"
 #include "engine/schedule.hpp"
@@ -99,6 +100,21 @@ inline messages::link_credit credit_for(const topology::link_key& k, int replica
   c.header.micro_batch = k.micro_batch;
   c.header.replica = replica;
   return c;
+}
+
+// By chunk of the rank: the index in `actions` of the last action that accumulates its weight
+// gradients (backward, or weight when the plan splits backward); -1 for none. In a step's last
+// round that action leaves the chunk's gradients final, block by block.
+inline std::vector<int> last_weight_actions(const engine::pipeline_layout& layout,
+                                            const std::vector<engine::pipeline_action>& actions,
+                                            bool split_backward, int chunks) {
+  std::vector<int> last(static_cast<std::size_t>(chunks), -1);
+  const auto kind = split_backward ? engine::action_kind::weight : engine::action_kind::backward;
+  for (int i = 0; i < static_cast<int>(actions.size()); ++i) {
+    const auto& a = actions[static_cast<std::size_t>(i)];
+    if (a.kind == kind) last.at(static_cast<std::size_t>(layout.chunk_of(a.stage))) = i;
+  }
+  return last;
 }
 
 }  // namespace troupe::actors

@@ -167,7 +167,7 @@ class zero_shard_impl : public zero_shard_actor::base {
                     static_cast<std::size_t>(s.numel) * sizeof(float));
     }
     const double sq = engine::shard_square_sum(b, layout_.views);
-    caf::anon_send(wiring_.stage, grad_bucket_reduced{step, bucket, sq});
+    caf::anon_send(wiring_.stage, grad_bucket_reduced{step, bucket, sq, nullptr});
   }
 
   void update_finished() {

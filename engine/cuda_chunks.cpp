@@ -1,8 +1,12 @@
 // The CUDA kind of device_chunk (a gpu_stage) and of chunk_link (kernels::cuda::activation_link):
 // see device_chunk.hpp. Built only with CUDA; gpu_stage_stub.cpp says why not otherwise.
+#include <algorithm>
 #include <chrono>
+#include <exception>
 #include <stdexcept>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "engine/device_chunk.hpp"
 #include "engine/gpu_stage.hpp"
@@ -31,8 +35,9 @@ class cuda_chunk final : public device_chunk {
   }
   const void* output(int slot) const override { return s_.output(slot); }
   void* output_gradient(int slot) override { return s_.output_gradient(slot); }
-  void backward(int slot, void* dinput) override {
-    const void* d = s_.backward(slot, range().head ? nullptr : s_.output_gradient(slot));
+  void backward(int slot, void* dinput, const grad_block_fn& on_block_done) override {
+    const void* d =
+        s_.backward(slot, range().head ? nullptr : s_.output_gradient(slot), on_block_done);
     if (d && dinput && dinput != d) s_.copy(dinput, d, activation_bytes());
   }
   void zero_grad() override { s_.zero_grad(); }
@@ -81,30 +86,41 @@ class local_link final : public chunk_link {
   std::shared_ptr<cu::activation_link> link_;
 };
 
+// A new communicator `name` of devices.size() ranks, rank i on devices[i], all in this
+// process. A join waits for the other ranks, so each rank joins on its own thread.
+std::vector<std::unique_ptr<cu::nccl_group>> join_groups(const std::string& name,
+                                                         const std::vector<int>& devices) {
+  const cu::nccl_id id = cu::nccl_new_id();
+  constexpr auto join = std::chrono::seconds(120);
+  const int n = static_cast<int>(devices.size());
+  std::vector<std::unique_ptr<cu::nccl_group>> groups(devices.size());
+  std::vector<std::exception_ptr> failed(devices.size());
+  std::vector<std::thread> threads;
+  threads.reserve(devices.size());
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      const auto at = static_cast<std::size_t>(i);
+      try {
+        groups[at] = std::make_unique<cu::nccl_group>(name, id, n, i, devices[at], join);
+      } catch (...) {
+        failed[at] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& f : failed)
+    if (f) std::rethrow_exception(f);
+  return groups;
+}
+
 // A link between two devices by NCCL: a two-rank group (sender rank 0, receiver rank 1) for
 // this direction alone, so a link's transfers never queue behind the other direction's.
 class nccl_pair_link final : public chunk_link {
  public:
   nccl_pair_link(const std::string& name, int from_device, int to_device) {
-    const cu::nccl_id id = cu::nccl_new_id();
-    constexpr auto join = std::chrono::seconds(120);
-    // Each end joins on its own thread: a join waits for the other.
-    std::exception_ptr failed;
-    std::thread receiver([&] {
-      try {
-        receiver_group_ = std::make_unique<cu::nccl_group>(name, id, 2, 1, to_device, join);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    });
-    try {
-      sender_group_ = std::make_unique<cu::nccl_group>(name, id, 2, 0, from_device, join);
-    } catch (...) {
-      receiver.join();
-      throw;
-    }
-    receiver.join();
-    if (failed) std::rethrow_exception(failed);
+    auto groups = join_groups(name, {from_device, to_device});
+    sender_group_ = std::move(groups[0]);
+    receiver_group_ = std::move(groups[1]);
     sender_ = cu::make_nccl_link(*sender_group_, 1);
     receiver_ = cu::make_nccl_link(*receiver_group_, 0);
   }
@@ -125,6 +141,101 @@ class nccl_pair_link final : public chunk_link {
   std::shared_ptr<cu::activation_link> sender_, receiver_;
 };
 
+void set_device(int device) {
+  if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+    throw cu::cuda_error("cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(e));
+}
+
+// The replicas of a pipeline rank on distinct devices: a communicator rank per replica, driven
+// by the one thread that calls mean() (the rank's reducer).
+class nccl_replica_group final : public replica_group {
+ public:
+  nccl_replica_group(const std::string& name, std::vector<int> devices)
+      : devices_(std::move(devices)), groups_(join_groups(name, devices_)) {}
+  std::vector<void*> mean(const std::vector<float_ranges>& ranges,
+                          const std::vector<void*>& ready) override {
+    std::vector<cu::nccl_group*> groups;
+    std::vector<cudaEvent_t> after;
+    for (std::size_t d = 0; d < groups_.size(); ++d) {
+      groups.push_back(groups_[d].get());
+      after.push_back(static_cast<cudaEvent_t>(ready.at(d)));
+    }
+    cu::nccl_group::all_reduce_mean(groups, ranges, after);
+    std::vector<void*> done;
+    for (std::size_t d = 0; d < groups_.size(); ++d) {
+      set_device(devices_[d]);
+      done.push_back(groups_[d]->done());  // re-recorded by the next mean(): a later point
+    }
+    return done;
+  }
+  std::string describe() const override {
+    return "NCCL group " + groups_.front()->name() + " of " + std::to_string(groups_.size()) +
+           " devices";
+  }
+
+ private:
+  std::vector<int> devices_;
+  std::vector<std::unique_ptr<cu::nccl_group>> groups_;
+};
+
+// The replicas of a pipeline rank on one device (NCCL refuses two ranks of a communicator on
+// one device): a mean kernel over their copies on the group's own stream.
+class local_replica_group final : public replica_group {
+ public:
+  local_replica_group(int device, int replicas) : device_(device), replicas_(replicas) {
+    if (replicas > cu::kMaxLocalReplicas)
+      throw std::runtime_error("parallel.dp: " + std::to_string(replicas) +
+                               " replicas on one device (at most " +
+                               std::to_string(cu::kMaxLocalReplicas) + ")");
+    set_device(device);
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    if (const cudaError_t e = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+        e != cudaSuccess) {
+      cudaStreamDestroy(stream_);
+      check(e, "cudaEventCreate");
+    }
+  }
+  ~local_replica_group() override {
+    cudaEventDestroy(done_);
+    cudaStreamDestroy(stream_);
+  }
+  local_replica_group(const local_replica_group&) = delete;
+  local_replica_group& operator=(const local_replica_group&) = delete;
+
+  std::vector<void*> mean(const std::vector<float_ranges>& ranges,
+                          const std::vector<void*>& ready) override {
+    if (static_cast<int>(ranges.size()) != replicas_ || ready.size() != ranges.size())
+      throw std::logic_error(describe() + ": ranges or events of another replica count");
+    set_device(device_);
+    for (void* e : ready)
+      if (e)
+        check(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(e), 0), "cudaStreamWaitEvent");
+    for (std::size_t i = 0; i < ranges[0].size(); ++i) {
+      std::vector<float*> copies;
+      for (const auto& r : ranges) {
+        if (r.size() != ranges[0].size() || r[i].second != ranges[0][i].second)
+          throw std::logic_error(describe() + ": replicas disagree on a bucket's ranges");
+        copies.push_back(r[i].first);
+      }
+      cu::replica_mean(stream_, copies.data(), replicas_, ranges[0][i].second);
+    }
+    check(cudaEventRecord(done_, stream_), "cudaEventRecord");  // a later point next time
+    return std::vector<void*>(ranges.size(), done_);
+  }
+  std::string describe() const override {
+    return "mean kernel of " + std::to_string(replicas_) + " replicas on device " +
+           std::to_string(device_);
+  }
+
+ private:
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw cu::cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
+  }
+  int device_ = 0, replicas_ = 1;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+};
+
 }  // namespace
 
 chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp) {
@@ -143,6 +254,25 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp) {
     return std::make_shared<nccl_pair_link>(
         "pp-" + std::to_string(replica) + "-" + std::to_string(from) + "-" + std::to_string(to), a,
         b);
+  };
+  f.make_group = [device_of, devices](int rank, int replicas) -> std::shared_ptr<replica_group> {
+    std::vector<int> on;
+    for (int d = 0; d < replicas; ++d) on.push_back(device_of(rank, d));
+    if (std::all_of(on.begin(), on.end(), [&on](int x) { return x == on[0]; }))
+      return std::make_shared<local_replica_group>(on[0], replicas);
+    auto sorted = on;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end())
+      return std::make_shared<nccl_replica_group>("dp-" + std::to_string(rank), on);
+    std::string list;
+    for (int x : on) {
+      if (!list.empty()) list += ',';
+      list += std::to_string(x);
+    }
+    throw std::runtime_error(
+        "parallel.dp: the replicas of pipeline rank " + std::to_string(rank) + " fall on devices " +
+        list + " of " + std::to_string(devices) +
+        ": give each replica its own device (pp x dp devices) or put them all on one");
   };
   return f;
 }

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/gpt_model.hpp"
@@ -49,7 +50,10 @@ class device_chunk {
   virtual void* output_gradient(int slot) = 0;
   // Backward of slot's micro-batch (weight gradients accumulate). A chunk without the embedding
   // writes the gradient of input(slot) to `dinput` (activation_bytes; it may be input(slot)).
-  virtual void backward(int slot, void* dinput) = 0;
+  // on_block_done(i) (if set) runs once block i (an index into stage_grad_blocks) has this
+  // micro-batch's gradient enqueued: an event recorded then marks it final on the stream, so a
+  // data-parallel reduction can start on it while backward continues on earlier blocks.
+  virtual void backward(int slot, void* dinput, const grad_block_fn& on_block_done) = 0;
 
   virtual void zero_grad() = 0;
   virtual double grad_square_sum(bool count_tied_copy) = 0;
@@ -84,6 +88,21 @@ class chunk_link {
   virtual std::string describe() const = 0;
 };
 
+// The data-parallel replicas of one pipeline rank's chunks, all in this process: replaces
+// gradient ranges with their mean over the replicas.
+class replica_group {
+ public:
+  using float_ranges = std::vector<std::pair<float*, std::int64_t>>;
+  virtual ~replica_group() = default;
+  // ranges[d]: replica d's copy of the same ranges (the same sizes, in the same order), final
+  // after its event ready[d]. Enqueues the mean and returns, by replica, the event after which
+  // its ranges hold it (nullptr: they already do). Returns at once; never waits for the
+  // replicas' devices.
+  virtual std::vector<void*> mean(const std::vector<float_ranges>& ranges,
+                                  const std::vector<void*>& ready) = 0;
+  virtual std::string describe() const = 0;
+};
+
 // How a device pipeline makes its chunks and links. The CUDA kind places pipeline rank r of
 // replica d on device (d * pp + r) % devices (make_cuda_chunks); the host kind is for tests.
 struct chunk_factory {
@@ -96,10 +115,16 @@ struct chunk_factory {
   // The link carrying payloads from pipeline rank `from` to rank `to` of one replica (from may
   // equal to: chunks of one rank). One object serves both ends.
   std::function<std::shared_ptr<chunk_link>(int from, int to, int replica)> make_link;
+  // The data-parallel group of pipeline rank `rank` over `replicas` replicas. Unset: the chunks'
+  // gradients are host memory, and the host's ring-order mean (topology::ring_order_mean)
+  // serves them.
+  std::function<std::shared_ptr<replica_group>(int rank, int replicas)> make_group;
 };
 
 // CUDA chunks (gpu_stage) for a pipeline of `pp` ranks, and links between them: a staged copy
-// when both ends share a device, otherwise an NCCL group of two for each direction. Throws
+// when both ends share a device, otherwise an NCCL group of two for each direction. A replica
+// group is one NCCL communicator per replica (ncclAvg, one group call) when the replicas of a
+// rank sit on distinct devices, a mean kernel when they share one device. Throws
 // std::runtime_error saying why in a build or on a machine without CUDA.
 chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp);
 // Host chunks and links: the CPU engine's arithmetic (engine::stage_compute) behind the device

@@ -5,11 +5,13 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 
 #include "kernels/cuda/cuda_ops.hpp"
 #include "kernels/cuda/device_info.hpp"
@@ -76,16 +78,27 @@ bool cuda_training_available(std::string* why_not) {
 // current before the context is created (its stream and cuBLASLt handle belong to it).
 struct gpu_stage::impl {
   explicit impl(int device_) : device(device_), guard(device_) {
-    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    for (auto& e : events) {
+      if (const cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+          r != cudaSuccess) {
+        destroy_events();  // the destructor will not run
+        check(r, "cudaEventCreate");
+      }
+    }
   }
-  virtual ~impl() { cudaEventDestroy(event); }
+  virtual ~impl() { destroy_events(); }
+  void destroy_events() noexcept {
+    for (auto& e : events)
+      if (e) cudaEventDestroy(std::exchange(e, nullptr));
+  }
   // The 16-bit working copy of the weights (bf16 / fp16 runs) and every activation buffer.
   virtual void allocate() = 0;
   virtual void* input(int slot) = 0;
   virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                          float loss_scale, bool train) = 0;
   virtual const void* output(int slot) const = 0;
-  virtual const void* backward(int slot, const void* doutput) = 0;
+  virtual const void* backward(int slot, const void* doutput,
+                               const grad_block_fn& on_block_done) = 0;
   // AdamW on every parameter; the working copy, if any, receives the new weights.
   virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
 
@@ -110,7 +123,11 @@ struct gpu_stage::impl {
   std::unordered_map<std::string, const parameter_info*> by_name;  // into layout
   std::int64_t P = 0;
   cu::context ctx;
-  cudaEvent_t event = nullptr;  // record_event()'s
+  // record_event()'s, used in turn: an event handed out marks its point of the stream until
+  // the ring comes round, and a later point after that (waiting on it then orders more work,
+  // never less), so a bucket's event may wait in a reducer while backward goes on.
+  std::array<cudaEvent_t, 32> events{};
+  std::size_t next_event = 0;
   device_arena arena;
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
   bool recompute = false;
@@ -327,7 +344,13 @@ struct model_impl final : gpu_stage::impl {
     return loss.mean();
   }
 
-  const void* backward(int slot, const void* doutput) override {
+  const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done) override {
+    // stage_grad_blocks' order: the head, the layers from last to first, the embedding.
+    int block = 0;
+    auto done = [&] {
+      if (on_block_done) on_block_done(block);
+      ++block;
+    };
     check_slot(slot);
     const int C = config.width, NH = config.heads;
     const int N = B * T;
@@ -340,6 +363,7 @@ struct model_impl final : gpu_stage::impl {
       const D* x = layers() > 0 ? s.out.back() : s.input;
       cu::layernorm_backward(ctx, dres, G("transformer.ln_f.weight"), G("transformer.ln_f.bias"),
                              s.dlnf, x, F("transformer.ln_f.weight"), s.lnf_mean, s.lnf_rstd, N, C);
+      done();  // the head's wte copy was accumulated by forward
     } else {
       if (!doutput) throw std::invalid_argument("gpu_stage: backward needs the output's gradient");
       copy(ctx, dres, static_cast<const D*>(doutput), NC);
@@ -373,11 +397,13 @@ struct model_impl final : gpu_stage::impl {
       copy(ctx, dres, dmid, NC);
       cu::layernorm_backward(ctx, dres, G(p + "ln_1.weight"), G(p + "ln_1.bias"), dln, in,
                              F(p + "ln_1.weight"), L.ln1_mean, L.ln1_rstd, N, C);
+      done();
     }
     if (!range.embedding) return dres;
     groups.build(ctx, s.tokens.data(), N);
     cu::embedding_backward(ctx, G("transformer.wte.weight"), G("transformer.wpe.weight"), dres,
                            groups, B, T, C);
+    done();
     return nullptr;
   }
 
@@ -475,9 +501,9 @@ double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32
   return impl_->forward(slot, tokens, targets, loss_scale, train);
 }
 const void* gpu_stage::output(int slot) const { return impl_->output(slot); }
-const void* gpu_stage::backward(int slot, const void* doutput) {
+const void* gpu_stage::backward(int slot, const void* doutput, const grad_block_fn& on_block_done) {
   device_guard g(impl_->device);
-  return impl_->backward(slot, doutput);
+  return impl_->backward(slot, doutput, on_block_done);
 }
 
 void* gpu_stage::output_gradient(int slot) { return const_cast<void*>(impl_->output(slot)); }
@@ -569,8 +595,10 @@ std::string gpu_stage::device_name() const { return kernels::cuda_device_name(im
 void* gpu_stage::stream() const { return impl_->ctx.stream(); }
 void* gpu_stage::record_event() {
   device_guard g(impl_->device);
-  check(cudaEventRecord(impl_->event, impl_->ctx.stream()), "cudaEventRecord");
-  return impl_->event;
+  auto& s = *impl_;
+  cudaEvent_t e = s.events[s.next_event++ % s.events.size()];
+  check(cudaEventRecord(e, s.ctx.stream()), "cudaEventRecord");
+  return e;
 }
 void gpu_stage::wait_event(void* event) {
   device_guard g(impl_->device);

@@ -98,7 +98,8 @@ class gpu_stage {
   // Backward of slot's micro-batch; its weight gradients accumulate. doutput: the gradient of
   // output(slot) (device; nullptr for a head chunk). Returns the gradient of input(slot)
   // (device, valid until the next backward) for a chunk without the embedding, else nullptr.
-  const void* backward(int slot, const void* doutput);
+  // on_block_done(i) runs once block i of stage_grad_blocks has its gradient enqueued.
+  const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done = {});
   // A chunk without the head: where a link may receive the gradient of output(slot), once
   // output(slot) has been sent: output(slot) itself. backward(slot, ...) reads the gradient
   // before anything writes that buffer again (a recomputed last block), and nothing else reads
@@ -136,7 +137,7 @@ class gpu_stage {
   std::string device_name() const;
   void* stream() const;  // the cudaStream_t everything is enqueued on
   // A cudaEvent_t recorded now on the stream, after everything enqueued so far (for a link's
-  // `ready`); the chunk re-records the same event at the next call.
+  // or a reducer's `ready`). It marks that point until 32 more calls, then a later one.
   void* record_event();
   // The stream waits for a cudaEvent_t (a link's) before what is enqueued next.
   void wait_event(void* event);

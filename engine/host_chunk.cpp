@@ -68,13 +68,13 @@ class host_chunk final : public device_chunk {
     if (range().head) throw std::logic_error("host_chunk: a head chunk has no output gradient");
     return at(slot).doutput.data();
   }
-  void backward(int slot, void* dinput) override {
+  void backward(int slot, void* dinput, const grad_block_fn& on_block_done) override {
     auto& s = at(slot);
     if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
     const float* dout = range().head ? nullptr : s.doutput.data();
     float* din = range().embedding ? nullptr : static_cast<float*>(dinput);
     if (din && din == s.input.data()) din = scratch();  // input(slot) is read by this very pass
-    compute_.backward(0, id(slot), dout, din).run();
+    compute_.backward(0, id(slot), dout, din, on_block_done).run();
     if (din && din != dinput) std::memcpy(dinput, din, activation_bytes());
     compute_.release(0, id(slot));
     s.live = false;

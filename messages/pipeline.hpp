@@ -120,17 +120,22 @@ struct eval_done {
   int losses = 0;
 };
 
-// Data-parallel gradient bucket: the sender's gradient ranges, final for this step.
+// Data-parallel gradient bucket: the sender's gradient ranges, final for this step (device
+// stages: on the device, final once the event `ready` of the chunk's stream has passed; nullptr
+// for host memory).
 struct grad_bucket {
   int step = 0, rank = 0, replica = 0, bucket = 0;
   std::vector<std::pair<float*, std::int64_t>> ranges;
+  void* ready = nullptr;
 };
 
 // The bucket's ranges now hold the mean over all replicas (DDP), or (ZeRO) the replica's owned
-// chunk does and square_sum is the squared norm of its counted parameters.
+// chunk does and square_sum is the squared norm of its counted parameters. Device stages: they
+// hold it once the event `done` has passed (nullptr: now).
 struct grad_bucket_reduced {
   int step = 0, bucket = 0;
   double square_sum = 0;
+  void* done = nullptr;
 };
 
 // ZeRO, between a stage and its shard actor (always in the same process; raw pointers):

@@ -6,12 +6,26 @@
 namespace troupe::topology {
 
 void grad_buckets::build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket) {
+  std::vector<std::vector<engine::grad_block>> blocks;
+  std::vector<float*> grads;
+  for (auto* st : chunks) {
+    blocks.push_back(engine::stage_grad_blocks(*st));
+    grads.push_back(st->grads());
+  }
+  build(blocks, grads, layers_per_bucket);
   chunks_.assign(chunks.begin(), chunks.end());
+}
+
+void grad_buckets::build(const std::vector<std::vector<engine::grad_block>>& chunk_blocks,
+                         const std::vector<float*>& grads, int layers_per_bucket) {
+  if (chunk_blocks.size() != grads.size())
+    throw std::invalid_argument("grad_buckets: blocks and gradient buffers of other chunk counts");
+  chunks_.clear();
   buckets_.clear();
   bucket_of_block_.clear();
-  for (int c = 0; c < static_cast<int>(chunks.size()); ++c) {
-    const auto& stage = *chunks[static_cast<std::size_t>(c)];
-    const auto blocks = engine::stage_grad_blocks(stage);
+  for (int c = 0; c < static_cast<int>(chunk_blocks.size()); ++c) {
+    const auto& blocks = chunk_blocks[static_cast<std::size_t>(c)];
+    float* const base = grads[static_cast<std::size_t>(c)];
     std::vector<int> owner(blocks.size(), -1);
     int layers_in_open = 0;
     int open = -1;
@@ -26,7 +40,7 @@ void grad_buckets::build(const std::vector<engine::gpt_stage*>& chunks, int laye
         buckets_.back().name += "," + blk.name;
       }
       auto& bk = buckets_.back();
-      for (const auto& [offset, n] : blk.ranges) bk.ranges.emplace_back(stage.grads() + offset, n);
+      for (const auto& [offset, n] : blk.ranges) bk.ranges.emplace_back(base + offset, n);
       bk.blocks.push_back(b);
       owner[static_cast<std::size_t>(b)] = static_cast<int>(buckets_.size()) - 1;
       if (layer) ++layers_in_open;

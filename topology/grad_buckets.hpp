@@ -27,6 +27,10 @@ class grad_buckets {
   // layers_per_bucket: "h.N" blocks per bucket; head and embedding blocks are buckets of
   // their own.
   void build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket);
+  // The same buckets over gradients held elsewhere (a device): chunk c's blocks (its
+  // stage_grad_blocks) at offsets of grads[c]. param_ranges, shards and views need build().
+  void build(const std::vector<std::vector<engine::grad_block>>& blocks,
+             const std::vector<float*>& grads, int layers_per_bucket);
   // Resets the per-step counters.
   void start_step();
   // Block `block` of `chunk` is final; returns the bucket it completed, if any.

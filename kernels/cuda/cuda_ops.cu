@@ -601,4 +601,30 @@ TROUPE_INSTANTIATE(bf16)
 TROUPE_INSTANTIATE(fp16)
 #undef TROUPE_INSTANTIATE
 
+namespace {
+struct replica_pointers {
+  float* p[kMaxLocalReplicas];
+};
+__global__ void replica_mean_kernel(replica_pointers copies, int k, float scale, std::int64_t n) {
+  const std::int64_t i = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float sum = copies.p[0][i];
+  for (int d = 1; d < k; ++d) sum = sum + copies.p[d][i];
+  const float mean = sum * scale;
+  for (int d = 0; d < k; ++d) copies.p[d][i] = mean;
+}
+}  // namespace
+
+void replica_mean(cudaStream_t stream, float* const* copies, int k, std::int64_t n) {
+  if (k < 1 || k > kMaxLocalReplicas)
+    throw std::invalid_argument("replica_mean: " + std::to_string(k) + " replicas (1 to " +
+                                std::to_string(kMaxLocalReplicas) + ")");
+  if (n <= 0 || k == 1) return;
+  replica_pointers r{};
+  for (int d = 0; d < k; ++d) r.p[d] = copies[d];
+  replica_mean_kernel<<<blocks_for(n), kThreads, 0, stream>>>(r, k, 1.0f / static_cast<float>(k),
+                                                               n);
+  check_launch("replica_mean_kernel");
+}
+
 }  // namespace troupe::kernels::cuda

@@ -162,4 +162,11 @@ void adamw_update(const context& ctx, float* param, const float* grad, float* m,
 // Sum of squares of n values, in fp64, in a fixed order.
 double square_sum(const context& ctx, const float* x, std::int64_t n);
 
+// ---- data parallelism on one device -----------------------------------------------------------
+// The replicas' copies of n floats, all on the current device, each become their mean:
+// (x_0 + x_1 + ... + x_{k-1}) * (1/k), summed in replica order (ring_order_mean's order for
+// k <= 2). At most kMaxLocalReplicas copies; enqueued on `stream`.
+constexpr int kMaxLocalReplicas = 16;
+void replica_mean(cudaStream_t stream, float* const* copies, int k, std::int64_t n);
+
 }  // namespace troupe::kernels::cuda

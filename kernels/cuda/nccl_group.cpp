@@ -184,6 +184,45 @@ void nccl_group::recv(void* data, std::size_t bytes, int peer, cudaEvent_t after
   settle("recv", std::chrono::steady_clock::now() + kEnqueueDeadline);
 }
 
+void nccl_group::all_reduce_mean(const std::vector<nccl_group*>& groups,
+                                 const std::vector<float_ranges>& ranges,
+                                 const std::vector<cudaEvent_t>& after) {
+  if (ranges.size() != groups.size() || after.size() != groups.size())
+    throw std::invalid_argument("nccl all_reduce_mean: " + std::to_string(groups.size()) +
+                                " groups, " + std::to_string(ranges.size()) + " range lists, " +
+                                std::to_string(after.size()) + " events");
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    nccl_group& g = *groups[i];
+    g.usable("all_reduce_mean");
+    check_cuda(cudaSetDevice(g.device_), "cudaSetDevice(" + std::to_string(g.device_) + ")");
+    g.order_after(after[i]);
+  }
+  // Every call inside the group only queues; ncclGroupEnd launches them all.
+  auto fail_all = [&groups](const std::string& why) {
+    for (auto* g : groups) g->abort(why);
+    throw nccl_error("nccl groups " + groups.front()->name() + ": " + why +
+                     "; communicators aborted");
+  };
+  if (const ncclResult_t r = ncclGroupStart(); r != ncclSuccess)
+    fail_all(std::string("ncclGroupStart: ") + ncclGetErrorString(r));
+  ncclResult_t first_error = ncclSuccess;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    nccl_group& g = *groups[i];
+    for (const auto& [p, n] : ranges[i]) {
+      const ncclResult_t r = ncclAllReduce(p, p, static_cast<std::size_t>(n), ncclFloat32, ncclAvg,
+                                           as_comm(g.comm_), g.stream_);
+      if (r != ncclSuccess && r != ncclInProgress && first_error == ncclSuccess) first_error = r;
+    }
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (first_error != ncclSuccess)
+    fail_all(std::string("ncclAllReduce: ") + ncclGetErrorString(first_error));
+  if (end != ncclSuccess && end != ncclInProgress)
+    fail_all(std::string("ncclGroupEnd: ") + ncclGetErrorString(end));
+  const auto deadline = std::chrono::steady_clock::now() + kEnqueueDeadline;
+  for (auto* g : groups) g->settle("all_reduce_mean", deadline);
+}
+
 cudaEvent_t nccl_group::done() {
   check_cuda(cudaEventRecord(done_, stream_), "cudaEventRecord");
   return done_;

@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/cuda/cuda_ops.hpp"
 
@@ -57,6 +59,15 @@ class nccl_group {
   void all_gather(const float* in, float* out, std::int64_t per_rank, cudaEvent_t after);
   void send(const void* data, std::size_t bytes, int peer, cudaEvent_t after);
   void recv(void* data, std::size_t bytes, int peer, cudaEvent_t after);
+
+  // One thread driving several ranks of one communicator (one process, a device per rank):
+  // groups[i] all-reduces the mean (ncclAvg) of ranges[i] after after[i] (nullptr: no
+  // ordering), all in one ncclGroupStart/End so that no rank's call waits for another's. Returns
+  // at once; each group's done() then marks the end of its part.
+  using float_ranges = std::vector<std::pair<float*, std::int64_t>>;
+  static void all_reduce_mean(const std::vector<nccl_group*>& groups,
+                              const std::vector<float_ranges>& ranges,
+                              const std::vector<cudaEvent_t>& after);
 
   // An event recorded after everything enqueued so far (valid until the next done()).
   cudaEvent_t done();

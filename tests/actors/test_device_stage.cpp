@@ -1,8 +1,9 @@
 // Device pipeline stages (actors/device_stage.hpp) with host chunks (engine::host_chunks): the
 // protocol of GPU pipelines, where payloads move through links and link messages carry headers
 // only, run on the CPU engine's arithmetic. Every step's loss, the validation losses and the
-// final weights must equal the CPU stages' run bitwise, on every schedule device stages take;
-// what they do not take yet is refused naming the key.
+// final weights must equal the CPU stages' run bitwise, on every schedule device stages take and
+// with data-parallel replicas (whose final weights must also agree bitwise); what they do not
+// take yet is refused naming the key.
 #include <cmath>
 
 #include "engine/device_chunk.hpp"
@@ -17,11 +18,14 @@ struct device_case {
   const char* schedule;
   int grad_accum;
   bool recompute;
+  int dp = 1;
+  int bucket_layers = 1;
 };
 
 run_options host_device(bool recompute) {
   run_options o;
   o.device_chunks = std::make_shared<engine::chunk_factory>(engine::host_chunks(recompute));
+  o.check_replicas = true;  // data-parallel replicas end bitwise equal
   return o;
 }
 
@@ -40,6 +44,11 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=4 1F1B, checkpointing", 4, 1, 4, "1f1b", 1, true},
       {"one rank, two chunks (a hop through the rank's own link)", 1, 2, 2, "interleaved_1f1b", 1,
        false},
+      // Data parallelism: buckets reduced while backward goes on, then the tied wte summed.
+      {"DP=2, one stage", 1, 1, 2, "1f1b", 1, false, 2},
+      {"PP=2 x DP=2 1F1B, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 2, 2},
+      {"PP=2 x DP=3 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 3},
+      {"PP=3 x DP=2 GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 2},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -50,6 +59,8 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       r.parallel.schedule = c.schedule;
       r.batch.grad_accum = c.grad_accum;
       r.activation_checkpoint.mode = c.recompute ? "full" : "none";
+      r.parallel.dp = c.dp;
+      r.parallel.bucket_layers = c.bucket_layers;
       run_options cpu;
       cpu.check_replicas = false;
       const auto want = run_actors(r, cpu);
@@ -82,13 +93,8 @@ TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][d
   temp_dir dir;
   engine::recipe r = tiny_recipe(dir);
   r.steps = 2;
-  SECTION("data parallelism") {
-    r.parallel.dp = 2;
-    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
-                        Catch::Contains("key parallel.dp") && Catch::Contains("not built yet"));
-  }
   SECTION("ZeRO") {
-    r.parallel.dp = 1;
+    r.parallel.dp = 2;
     r.parallel.zero = 1;
     REQUIRE_THROWS_WITH(run_actors(r, host_device(false)), Catch::Contains("key parallel.zero"));
   }
