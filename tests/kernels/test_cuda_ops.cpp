@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -177,4 +178,32 @@ TEST_CASE("the GPU sum of squares matches the CPU gradient norm and repeats bitw
   const double got = cu::square_sum(ctx, gx.get(), n);
   CHECK(std::abs(std::sqrt(got) - want) <= 1e-12 * want);
   CHECK(cu::square_sum(ctx, gx.get(), n) == got);
+}
+
+TEST_CASE("the replicas' mean on one device sums in replica order, into every copy", "[gpu]") {
+  const std::int64_t n = 100'003;
+  cu::context ctx;
+  for (int k : {1, 2, 3, 5}) {
+    INFO(k << " replicas");
+    std::vector<std::vector<float>> x;
+    std::vector<std::unique_ptr<device_array<float>>> copies;
+    std::vector<float*> pointers;
+    for (int d = 0; d < k; ++d) {
+      x.push_back(random_values(static_cast<std::size_t>(n), 40 + static_cast<std::uint32_t>(d)));
+      copies.push_back(std::make_unique<device_array<float>>(x.back()));
+      pointers.push_back(copies.back()->get());
+    }
+    cu::replica_mean(ctx.stream(), pointers.data(), k, n);
+    std::vector<float> want(static_cast<std::size_t>(n));
+    const float scale = 1.0f / static_cast<float>(k);
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      float sum = x[0][i];
+      for (int d = 1; d < k; ++d) sum = sum + x[static_cast<std::size_t>(d)][i];
+      want[i] = k == 1 ? x[0][i] : sum * scale;
+    }
+    for (const auto& c : copies) CHECK(c->host() == want);
+  }
+  float* none[1] = {nullptr};
+  CHECK_THROWS_WITH(cu::replica_mean(ctx.stream(), none, cu::kMaxLocalReplicas + 1, 1),
+                    Catch::Contains("replicas"));
 }

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -96,6 +97,52 @@ TEST_CASE("two ranks on two GPUs all-reduce and exchange activations", "[nccl][m
   CHECK(sums[0] == std::vector<float>(4096, 3.0f));
   CHECK(sums[1] == std::vector<float>(4096, 3.0f));
   CHECK(received[1] == std::vector<float>(4096, 1.0f));
+}
+
+TEST_CASE("one thread drives a rank per GPU: the mean of several ranges in one group call",
+          "[nccl][multi-gpu]") {
+  const auto id = cu::nccl_new_id();
+  const int ranks = 2;
+  std::vector<std::unique_ptr<cu::nccl_group>> groups(ranks);
+  {  // each join waits for the other rank
+    std::vector<std::thread> joins;
+    for (int r = 0; r < ranks; ++r)
+      joins.emplace_back([&, r] {
+        groups[static_cast<std::size_t>(r)] =
+            std::make_unique<cu::nccl_group>("dp-0", id, ranks, r, r, 60s);
+      });
+    for (auto& t : joins) t.join();
+  }
+  const std::size_t n = 3000;
+  std::vector<float*> data(ranks);
+  std::vector<cu::nccl_group::float_ranges> ranges(ranks);
+  std::vector<cudaEvent_t> after(ranks, nullptr);
+  std::vector<cu::nccl_group*> all;
+  for (int r = 0; r < ranks; ++r) {
+    REQUIRE(cudaSetDevice(r) == cudaSuccess);
+    float*& p = data[static_cast<std::size_t>(r)];
+    REQUIRE(cudaMalloc(reinterpret_cast<void**>(&p), n * sizeof(float)) == cudaSuccess);
+    std::vector<float> host(n);
+    for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<float>((r + 1) * (i % 7));
+    REQUIRE(cudaMemcpy(p, host.data(), n * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    // Two ranges of one bucket, the second not right after the first.
+    ranges[static_cast<std::size_t>(r)] = {{p, 1000}, {p + 2000, 1000}};
+    all.push_back(groups[static_cast<std::size_t>(r)].get());
+  }
+  cu::nccl_group::all_reduce_mean(all, ranges, after);
+  for (int r = 0; r < ranks; ++r) {
+    REQUIRE(cudaSetDevice(r) == cudaSuccess);
+    all[static_cast<std::size_t>(r)]->wait(60s, "all_reduce_mean");
+    const auto got = download(data[static_cast<std::size_t>(r)], n);
+    for (std::size_t i = 0; i < n; ++i) {
+      INFO("rank " << r << " value " << i);
+      const float own = static_cast<float>((r + 1) * (i % 7));
+      const float mean = static_cast<float>(1.5 * (i % 7));  // (1 + 2) / 2 times i % 7
+      REQUIRE(got[i] == (i >= 1000 && i < 2000 ? own : mean));
+    }
+    cudaFree(data[static_cast<std::size_t>(r)]);
+  }
 }
 
 int main(int argc, char** argv) {
