@@ -15,6 +15,11 @@
 //      reducer enqueues the mean over the replicas after every replica's event, and the chunk's
 //      work after grad_bucket_reduced waits for the mean's event. The tied wte copies are summed,
 //      and grads_ready sent, only after every bucket is reduced.
+//  D5. The tied wte: a rank with one copy sends it through its tied link to the partner rank
+//      right before the tied_grad header (no data) leaves; the partner receives it into its
+//      chunk's gradient scratch when the header arrives and adds it to its own copy once its own
+//      copy has left. The scratch is free again by then: the next step's copy comes after this
+//      step's update.
 #include "actors/device_stage.hpp"
 
 #include <algorithm>
@@ -97,7 +102,7 @@ class device_stage_impl : public stage_actor::base {
         [this](link_credit& c) { on_credit(c); },
         [this](batch_message& b) { on_batch(std::move(b)); },
         [this](grad_bucket_reduced& r) { on_reduced(r); },
-        [this](tied_grad& t) { on_tied(std::move(t)); },
+        [this](tied_grad& t) { on_tied(t); },
         [this](apply_update& u) { on_update(u); },
         [unused](zero_update_done&) { unused("a ZeRO update"); },
         [unused](zero_gathered&) { unused("a ZeRO gather"); },
@@ -170,8 +175,6 @@ class device_stage_impl : public stage_actor::base {
     losses_ = 0;
     waiting_since_ = -1;
     if (!plan_.eval) {
-      tied_partner_.reset();
-      tied_own_.clear();
       tied_started_ = false;
       tied_done_ = tied_.empty();
       buckets_.start_step();
@@ -471,42 +474,58 @@ class device_stage_impl : public stage_actor::base {
     check_grads_ready();
   }
 
-  // The tied wte copies are summed once every bucket holds its mean over the replicas (as the
-  // CPU stage: the mean first, then own + partner).
+  // The tied wte copies are summed on the devices once every bucket holds its mean over the
+  // replicas (as the CPU stage: the mean first, then own + other; the same float sums on both
+  // sides, as addition commutes).
   void start_tied() {
     if (!compute_done_ || buckets_pending_ > 0 || tied_started_) return;
     tied_started_ = true;
-    if (tied_.size() == 2) {  // both copies here: a[i] = h[i] = a[i] + h[i]
-      auto a = chunk(tied_[0].chunk).read_gradients(tied_[0].offset, tied_numel_);
-      const auto h = chunk(tied_[1].chunk).read_gradients(tied_[1].offset, tied_numel_);
-      for (std::size_t i = 0; i < a.size(); ++i) a[i] = a[i] + h[i];
-      for (const auto& t : tied_) chunk(t.chunk).write_gradients(t.offset, a.data(), tied_numel_);
+    if (tied_.size() == 2) {  // both copies here: a = a + h, then h = a
+      auto& a = chunk(tied_[0].chunk);
+      auto& h = chunk(tied_[1].chunk);
+      a.wait_event(h.record_event());
+      a.add_gradients(tied_[0].offset, h.device_gradients() + tied_[1].offset, tied_numel_);
+      h.wait_event(a.record_event());
+      h.copy_gradients(tied_[1].offset, a.device_gradients() + tied_[0].offset, tied_numel_);
       tied_done_ = true;
-    } else if (tied_.size() == 1) {
-      tied_own_ = chunk(tied_[0].chunk).read_gradients(tied_[0].offset, tied_numel_);
-      caf::anon_send(wiring_.tied_partner,
-                     tied_grad{plan_.step, sc_.replica,
-                               std::make_shared<payload<float>>(
-                                   tied_own_.data(), tied_own_.data() + tied_own_.size())});
+    } else if (tied_.size() == 1) {  // D5: the own copy through the tied link, then the header
+      auto& ch = chunk(tied_[0].chunk);
+      void* sent =
+          tied_link(cfg_.tied_send, "send")
+              .send(ch.device_gradients() + tied_[0].offset, tied_bytes(), ch.record_event());
+      ch.wait_event(sent);  // the own copy changes only after the send has read it
+      caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, sc_.replica, nullptr});
       finish_tied();
     }
   }
 
-  void on_tied(tied_grad t) {
-    tied_partner_ = std::move(t.data);
+  // The other copy's header: receive it into the chunk's scratch, in header order (D5).
+  void on_tied(const tied_grad& t) {
+    if (t.data || tied_.size() != 1)
+      throw std::logic_error(who() + ": a tied wte gradient " +
+                             (t.data ? "with host data" : "for a rank without one copy"));
+    auto& ch = chunk(tied_[0].chunk);
+    void* received =
+        tied_link(cfg_.tied_receive, "receive")
+            .receive(ch.gradient_scratch(tied_numel_), tied_bytes(), ch.record_event());
+    ch.wait_event(received);
+    tied_received_ = true;
     finish_tied();
     check_grads_ready();
   }
 
   void finish_tied() {
-    if (tied_done_ || !tied_partner_ || tied_own_.empty()) return;
-    // Each side computes own + other: the same float sums on both ranks.
-    for (std::size_t i = 0; i < tied_own_.size(); ++i)
-      tied_own_[i] = tied_own_[i] + (*tied_partner_)[i];
-    chunk(tied_[0].chunk).write_gradients(tied_[0].offset, tied_own_.data(), tied_numel_);
-    tied_partner_.reset();
-    tied_own_.clear();
+    if (tied_done_ || !tied_received_ || !tied_started_) return;
+    auto& ch = chunk(tied_[0].chunk);
+    ch.add_gradients(tied_[0].offset, ch.gradient_scratch(tied_numel_), tied_numel_);
+    tied_received_ = false;
     tied_done_ = true;
+  }
+
+  std::size_t tied_bytes() const { return static_cast<std::size_t>(tied_numel_) * sizeof(float); }
+  engine::chunk_link& tied_link(const std::shared_ptr<engine::chunk_link>& l, const char* what) {
+    if (!l) throw std::logic_error(who() + ": no tied wte " + what + " link");
+    return *l;
   }
 
   void check_grads_ready() {
@@ -596,9 +615,9 @@ class device_stage_impl : public stage_actor::base {
   };
   std::vector<tied_copy> tied_;  // the wte gradient copies on this rank (0, 1 or 2)
   std::int64_t tied_numel_ = 0;
-  std::vector<float> tied_own_;  // this rank's copy, sent, until the partner's arrives
-  float_buffer tied_partner_;
-  bool tied_started_ = false, tied_done_ = true;
+  // tied_received_: the other copy is in the chunk's gradient_scratch (it may come before this
+  // rank's own backward is over; it is added after).
+  bool tied_started_ = false, tied_received_ = false, tied_done_ = true;
   topology::grad_buckets buckets_;  // D4: data-parallel buckets over the chunks' gradients
   int buckets_pending_ = 0;         // not yet reduced this step
   std::vector<int> last_weight_;    // by chunk: its last backward in the plan's actions

@@ -26,6 +26,9 @@ struct device_stage_config {
   std::shared_ptr<const engine::chunk_factory> chunks;
   // This rank's ends of its links, by peer rank (this rank itself for chunk-to-chunk hops).
   std::map<int, std::shared_ptr<engine::chunk_link>> send_links, receive_links;
+  // A rank with one copy of the tied wte (the embedding's or the head's, the other on another
+  // rank): the links that carry its gradient to the other copy's rank and back.
+  std::shared_ptr<engine::chunk_link> tied_send, tied_receive;
 };
 
 messages::stage_actor spawn_device_stage(caf::actor_system& system, device_stage_config config);

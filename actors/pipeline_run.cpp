@@ -104,37 +104,51 @@ std::int64_t tokens_per_step(const build_inputs& in) {
   return t * r.parallel.dp;
 }
 
-// The links of a device pipeline, by (sending rank, receiving rank) within each replica: both
-// directions between the ranks of neighbouring virtual stages (a rank with itself when
-// neighbouring chunks share it).
+// The links of a device pipeline, by (replica, sending rank, receiving rank): both directions
+// between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
+// share it), and, apart, between the embedding's rank and the head's for the tied wte.
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
-link_map make_links(const build_inputs& in) {
-  link_map links;
+struct device_links {
+  link_map pipeline, tied;
+};
+device_links make_links(const build_inputs& in) {
+  device_links links;
   if (!in.chunks) return links;
   const auto& L = in.layout;
+  const int embedding = L.rank_of(0), head = L.rank_of(L.stage_count() - 1);
   for (int d = 0; d < in.r.parallel.dp; ++d) {
     for (int s = 0; s + 1 < L.stage_count(); ++s) {
       const int a = L.rank_of(s), b = L.rank_of(s + 1);
       for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
-        auto& l = links[{d, from, to}];
+        auto& l = links.pipeline[{d, from, to}];
         if (!l) l = in.chunks->make_link(from, to, d);
       }
     }
+    if (embedding == head) continue;
+    for (auto [from, to] : {std::pair{embedding, head}, std::pair{head, embedding}})
+      links.tied[{d, from, to}] = in.chunks->make_link(from, to, d);
   }
   return links;
 }
 
-device_stage_config device_config(const build_inputs& in, const link_map& links, stage_config c) {
+device_stage_config device_config(const build_inputs& in, const device_links& links,
+                                  stage_config c) {
   device_stage_config dc;
   dc.B = in.r.batch.micro_batch;
   dc.T = in.seq_lens.front();
   dc.slots = engine::device_stage_slots(in.r);
   dc.chunks = in.chunks;
-  for (const auto& [key, link] : links) {
+  for (const auto& [key, link] : links.pipeline) {
     const auto [d, from, to] = key;
     if (d != c.replica) continue;
     if (from == c.rank) dc.send_links[to] = link;
     if (to == c.rank) dc.receive_links[from] = link;
+  }
+  for (const auto& [key, link] : links.tied) {
+    const auto [d, from, to] = key;
+    if (d != c.replica) continue;
+    if (from == c.rank) dc.tied_send = link;
+    if (to == c.rank) dc.tied_receive = link;
   }
   dc.stage = std::move(c);
   return dc;
@@ -143,7 +157,7 @@ device_stage_config device_config(const build_inputs& in, const link_map& links,
 void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
   const auto& r = in.r;
   const auto& pl = in.placement;
-  const link_map links = make_links(in);
+  const device_links links = make_links(in);
   for (int d = 0; d < r.parallel.dp; ++d) {
     a.stages.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {

@@ -52,12 +52,13 @@ class cuda_chunk final : public device_chunk {
     s_.adamw(adamw_hparams_at(config, lr), step + 1, static_cast<float>(multiplier));
     return lr;
   }
-  std::vector<float> read_gradients(std::int64_t at, std::int64_t n) override {
-    return s_.read_gradients(at, n);
+  void add_gradients(std::int64_t at, const float* values, std::int64_t n) override {
+    s_.add_gradients(at, values, n);
   }
-  void write_gradients(std::int64_t at, const float* values, std::int64_t n) override {
-    s_.write_gradients(at, values, n);
+  void copy_gradients(std::int64_t at, const float* values, std::int64_t n) override {
+    s_.copy_gradients(at, values, n);
   }
+  float* gradient_scratch(std::int64_t n) override { return s_.gradient_scratch(n); }
   float* device_gradients() override { return s_.device_gradients(); }
   std::int64_t parameter_count() const override { return s_.parameter_count(); }
   const std::vector<parameter_info>& layout() const override { return s_.layout(); }

@@ -61,9 +61,14 @@ class device_chunk {
   // clipped to the global grad_norm, then AdamW at 0-based `step`. Returns the learning rate.
   virtual double update(const optimizer_config& config, int step, int total_steps, double grad_norm,
                         double unscale) = 0;
-  // Gradients [at, at + n) of the flat layout (gpt_stage's) to and from the host.
-  virtual std::vector<float> read_gradients(std::int64_t at, std::int64_t n) = 0;
-  virtual void write_gradients(std::int64_t at, const float* values, std::int64_t n) = 0;
+  // Gradients [at, at + n) of the flat layout (gpt_stage's), on the chunk's stream: each
+  // becomes own + values[i] (in that order), or values[i]. values: n floats of device memory of
+  // the chunk's device (of this chunk, another chunk of the rank, or gradient_scratch).
+  virtual void add_gradients(std::int64_t at, const float* values, std::int64_t n) = 0;
+  virtual void copy_gradients(std::int64_t at, const float* values, std::int64_t n) = 0;
+  // n floats of device memory the chunk keeps to receive a peer's gradients into (the tied
+  // wte's other copy): allocated at the first call, the same buffer after.
+  virtual float* gradient_scratch(std::int64_t n) = 0;
   // fp32 gradients on the device, in the flat layout (parameter_count() floats), for
   // collectives on the chunk's stream order.
   virtual float* device_gradients() = 0;

@@ -130,6 +130,8 @@ struct gpu_stage::impl {
   std::size_t next_event = 0;
   device_arena arena;
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
+  float* scratch = nullptr;  // gradient_scratch()
+  std::int64_t scratch_floats = 0;
   bool recompute = false;
 };
 
@@ -557,23 +559,27 @@ void check_span(const gpu_stage::impl& s, std::int64_t at, std::int64_t n) {
 }  // namespace
 
 std::vector<float> gpu_stage::parameters() const { return to_host(*impl_, impl_->master); }
-std::vector<float> gpu_stage::read_gradients(std::int64_t at, std::int64_t n) const {
+void gpu_stage::add_gradients(std::int64_t at, const float* values, std::int64_t n) {
   check_span(*impl_, at, n);
   device_guard g(impl_->device);
-  std::vector<float> out(static_cast<std::size_t>(n));
-  impl_->ctx.synchronize();
-  check(
-      cudaMemcpy(out.data(), impl_->grads + at, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
-      "cudaMemcpy(gradients to host)");
-  return out;
+  float* own = impl_->grads + at;
+  cu::residual_forward(impl_->ctx, own, static_cast<const float*>(own), values, n);
 }
-void gpu_stage::write_gradients(std::int64_t at, const float* values, std::int64_t n) {
+void gpu_stage::copy_gradients(std::int64_t at, const float* values, std::int64_t n) {
   check_span(*impl_, at, n);
-  device_guard g(impl_->device);
-  check(cudaMemcpyAsync(impl_->grads + at, values, static_cast<std::size_t>(n) * sizeof(float),
-                        cudaMemcpyHostToDevice, impl_->ctx.stream()),
-        "cudaMemcpyAsync(gradients from host)");
-  impl_->ctx.synchronize();  // the host buffer may go away once this returns
+  copy(impl_->grads + at, values, static_cast<std::size_t>(n) * sizeof(float));
+}
+float* gpu_stage::gradient_scratch(std::int64_t n) {
+  auto& s = *impl_;
+  if (!s.scratch) {
+    device_guard g(s.device);
+    s.scratch = s.arena.alloc<float>(n);
+    s.scratch_floats = n;
+  }
+  if (n != s.scratch_floats)
+    throw std::logic_error("gpu_stage: gradient scratch of " + std::to_string(n) + " floats, not " +
+                           std::to_string(s.scratch_floats));
+  return s.scratch;
 }
 std::vector<float> gpu_stage::gradients() const { return to_host(*impl_, impl_->grads); }
 

@@ -126,10 +126,13 @@ class gpu_stage {
   // Copies to the host (after synchronizing).
   std::vector<float> parameters() const;
   std::vector<float> gradients() const;
-  // Gradients [at, at + n) of the layout to the host (after synchronizing), and back from it
-  // (on the stream: the host buffer is read before the call returns).
-  std::vector<float> read_gradients(std::int64_t at, std::int64_t n) const;
-  void write_gradients(std::int64_t at, const float* values, std::int64_t n);
+  // Gradients [at, at + n) of the layout, on the stream: own + values[i], or values[i]
+  // (values: n floats on this chunk's device).
+  void add_gradients(std::int64_t at, const float* values, std::int64_t n);
+  void copy_gradients(std::int64_t at, const float* values, std::int64_t n);
+  // n floats on the device kept to receive a peer's gradients into (the tied wte's other copy):
+  // allocated at the first call (counted in device_bytes()), the same buffer after.
+  float* gradient_scratch(std::int64_t n);
   // The master weights into a host stage of the same range (to save them).
   void copy_parameters_to(gpt_stage& host) const;
 

@@ -41,8 +41,9 @@ const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*, const grad_block_fn&) { return nullptr; }
 void* gpu_stage::output_gradient(int) { return nullptr; }
 void gpu_stage::copy(void*, const void*, std::size_t) {}
-std::vector<float> gpu_stage::read_gradients(std::int64_t, std::int64_t) const { return {}; }
-void gpu_stage::write_gradients(std::int64_t, const float*, std::int64_t) {}
+void gpu_stage::add_gradients(std::int64_t, const float*, std::int64_t) {}
+void gpu_stage::copy_gradients(std::int64_t, const float*, std::int64_t) {}
+float* gpu_stage::gradient_scratch(std::int64_t) { return nullptr; }
 void gpu_stage::zero_grad() {}
 double gpu_stage::grad_square_sum(bool) { return 0; }
 void gpu_stage::adamw(const kernels::adamw_hparams&, int, float) {}

@@ -89,12 +89,18 @@ class host_chunk final : public device_chunk {
         .step_with_norm(compute_.chunk(0), config, step, total_steps, grad_norm, unscale)
         .lr;
   }
-  std::vector<float> read_gradients(std::int64_t at, std::int64_t n) override {
-    const float* g = span(at, n);
-    return {g, g + n};
+  void add_gradients(std::int64_t at, const float* values, std::int64_t n) override {
+    float* g = span(at, n);
+    for (std::int64_t i = 0; i < n; ++i) g[i] = g[i] + values[i];
   }
-  void write_gradients(std::int64_t at, const float* values, std::int64_t n) override {
-    std::memcpy(span(at, n), values, static_cast<std::size_t>(n) * sizeof(float));
+  void copy_gradients(std::int64_t at, const float* values, std::int64_t n) override {
+    std::memmove(span(at, n), values, static_cast<std::size_t>(n) * sizeof(float));
+  }
+  float* gradient_scratch(std::int64_t n) override {
+    if (received_.empty()) received_.resize(static_cast<std::size_t>(n));
+    if (static_cast<std::int64_t>(received_.size()) != n)
+      throw std::logic_error("host_chunk: gradient scratch of another size");
+    return received_.data();
   }
   float* device_gradients() override { return compute_.chunk(0).grads(); }
   std::int64_t parameter_count() const override { return compute_.chunk(0).parameter_count(); }
@@ -107,7 +113,8 @@ class host_chunk final : public device_chunk {
   }
   std::int64_t device_bytes() const override {
     return 4 * parameter_count() * static_cast<std::int64_t>(sizeof(float)) +
-           compute_.activation_bytes();
+           compute_.activation_bytes() +
+           static_cast<std::int64_t>(received_.size() * sizeof(float));
   }
   void* record_event() override { return nullptr; }
   void wait_event(void*) override {}
@@ -138,6 +145,7 @@ class host_chunk final : public device_chunk {
   int B_ = 0, T_ = 0;
   std::vector<slot_state> slots_;
   std::vector<float> scratch_;
+  std::vector<float> received_;  // gradient_scratch
 };
 
 // Payloads queued in host memory, in send order.

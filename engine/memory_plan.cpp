@@ -130,8 +130,15 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                 "activations", "total");
   s += line;
   std::int64_t with = 0, without = 0;
+  // A rank with one copy of the tied wte keeps a buffer to receive the other copy's gradient.
+  const int embedding = layout.rank_of(0), head = layout.rank_of(layout.stage_count() - 1);
+  const std::int64_t tied_receive = embedding == head
+                                        ? 0
+                                        : std::int64_t{r.model.padded_vocab_size} * r.model.width *
+                                              static_cast<std::int64_t>(sizeof(float));
   for (int rank = 0; rank < r.parallel.pp; ++rank) {
     gpu_memory_plan sum;
+    if (rank == embedding || rank == head) sum.model_state += tied_receive;
     std::int64_t params = 0;
     for (const auto& range : layout.rank_chunks(rank)) {
       const auto p =
@@ -148,6 +155,13 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                   static_cast<long long>(params), mib(static_cast<double>(sum.model_state)).c_str(),
                   mib(static_cast<double>(sum.activations)).c_str(),
                   mib(static_cast<double>(sum.total())).c_str());
+    s += line;
+  }
+  if (tied_receive > 0) {
+    std::snprintf(line, sizeof line,
+                  "model state of ranks %d and %d includes %s to receive the other copy of the "
+                  "tied wte's gradient.\n",
+                  embedding, head, mib(static_cast<double>(tied_receive)).c_str());
     s += line;
   }
   if (o.recompute) {

@@ -113,9 +113,15 @@ TEST_CASE("--dry-run of a GPU pipeline prints every device stage's chunks", "[gp
   const std::string text = format_gpu_memory_plan(r);
   CHECK_THAT(text, Catch::Contains("a pipeline of 2 device stages") &&
                        Catch::Contains("6 micro-batches in flight per chunk"));
-  // Rank 1 holds chunks 1 and 3 (layer 1; layer 3 and the head with its wte copy).
+  // Rank 1 holds chunks 1 and 3 (layer 1; layer 3 and the head with its wte copy), and a buffer
+  // to receive the embedding's copy of the wte gradient.
   const auto layout = make_pipeline_layout(r.model, 2, 2, {});
-  std::int64_t total = 0;
+  const std::int64_t tied = std::int64_t{r.model.padded_vocab_size} * r.model.width * 4;
+  char tied_line[96];
+  std::snprintf(tied_line, sizeof tied_line, "ranks 0 and 1 includes %.1f MiB to receive",
+                static_cast<double>(tied) / (1 << 20));
+  CHECK_THAT(text, Catch::Contains(tied_line));
+  std::int64_t total = tied;
   for (const auto& range : layout.rank_chunks(1))
     total += plan_gpu_stage_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len,
                                    {compute_dtype::fp32, false}, 6)
