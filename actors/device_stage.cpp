@@ -23,6 +23,7 @@
 #include "actors/device_stage.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 
 #include "actors/error_text.hpp"
@@ -45,15 +46,21 @@ struct micro_key {
 
 micro_key micro_of(const link_header& h) { return {h.eval, h.step, h.round, h.micro_batch}; }
 
-// The slots of one chunk (D2): a slot is free when nothing holds it.
+// The slots of one chunk (D2): a slot is free when nothing holds it. When none is free the
+// chunk adds one (`grow`), so a chunk holds what the schedule and its early arrivals need.
 class slot_table {
  public:
   explicit slot_table(int slots) : holds_(static_cast<std::size_t>(slots), 0) {}
-  int take(const micro_key& k, const std::string& who) {
-    const auto it = std::find(holds_.begin(), holds_.end(), 0);
-    if (it == holds_.end())
-      throw std::runtime_error(who + ": all " + std::to_string(holds_.size()) +
-                               " slots hold micro-batches in flight");
+  int take(const micro_key& k, const std::string& who, const std::function<int()>& grow) {
+    auto it = std::find(holds_.begin(), holds_.end(), 0);
+    if (it == holds_.end()) {
+      const int now = grow();
+      if (now != static_cast<int>(holds_.size()) + 1)
+        throw std::logic_error(who + ": a chunk grew to " + std::to_string(now) + " slots from " +
+                               std::to_string(holds_.size()));
+      holds_.push_back(0);
+      it = holds_.end() - 1;
+    }
     *it = 1;
     const int s = static_cast<int>(it - holds_.begin());
     if (!of_.emplace(k, s).second) throw std::logic_error(who + ": a micro-batch started twice");
@@ -248,7 +255,7 @@ class device_stage_impl : public stage_actor::base {
     if (a.stage == 0) {
       inputs = take_batch(batch_part::inputs, round, a.micro_batch);
       check_shape(inputs);
-      slot = slots_[static_cast<std::size_t>(c)].take(make_micro(round, a.micro_batch), who());
+      slot = take_slot(c, make_micro(round, a.micro_batch));
       flow = inputs.flow_id;
     } else {
       const auto s = take_link(link_kind::activation, a.stage, round, a.micro_batch);
@@ -303,6 +310,16 @@ class device_stage_impl : public stage_actor::base {
     if (dinput) route(link_kind::gradient, a.stage - 1, round, a.micro_batch, c, slot, dinput);
     table.drop(slot);
     return flow;
+  }
+
+  int take_slot(int c, const micro_key& k) {
+    return slots_[static_cast<std::size_t>(c)].take(k, who(), [this, c] {
+      const double t0 = sc_.trace.now_us();
+      const int n = chunk(c).add_slot();
+      sc_.trace.span("alloc", "slot " + std::to_string(n) + " of chunk " + std::to_string(c), t0,
+                     sc_.trace.now_us(), {plan_.step});
+      return n;
+    });
   }
 
   void check_shape(const batch_message& b) const {
@@ -415,7 +432,7 @@ class device_stage_impl : public stage_actor::base {
     auto& ch = chunk(c);
     auto& table = slots_[static_cast<std::size_t>(c)];
     const bool activation = h.kind == link_kind::activation;
-    const int slot = activation ? table.take(micro_of(h), who()) : table.find(micro_of(h), who());
+    const int slot = activation ? take_slot(c, micro_of(h)) : table.find(micro_of(h), who());
     void* into = activation ? ch.input(slot) : ch.output_gradient(slot);
     void* received = link(cfg_.receive_links, from, "receive")
                          .receive(into, ch.activation_bytes(), ch.record_event());

@@ -136,7 +136,7 @@ device_stage_config device_config(const build_inputs& in, const device_links& li
   device_stage_config dc;
   dc.B = in.r.batch.micro_batch;
   dc.T = in.seq_lens.front();
-  dc.slots = engine::device_stage_slots(in.r);
+  dc.slots = engine::device_stage_slots(in.r, c.rank);
   dc.chunks = in.chunks;
   for (const auto& [key, link] : links.pipeline) {
     const auto [d, from, to] = key;

@@ -27,6 +27,7 @@ class cuda_chunk final : public device_chunk {
 
   const stage_range& range() const override { return s_.range(); }
   int slots() const override { return s_.slots(); }
+  int add_slot() override { return s_.add_slot(); }
   std::size_t activation_bytes() const override { return s_.activation_bytes(); }
   void* input(int slot) override { return s_.input(slot); }
   double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,

@@ -35,6 +35,9 @@ class device_chunk {
 
   virtual const stage_range& range() const = 0;
   virtual int slots() const = 0;
+  // One more slot (its buffers allocated now); returns the new count. Slots already handed out
+  // keep their buffers.
+  virtual int add_slot() = 0;
   virtual std::size_t activation_bytes() const = 0;  // B * T * width values
   // A chunk without the embedding: where slot's input activation is received before forward.
   virtual void* input(int slot) = 0;

@@ -93,6 +93,7 @@ struct gpu_stage::impl {
   }
   // The 16-bit working copy of the weights (bf16 / fp16 runs) and every activation buffer.
   virtual void allocate() = 0;
+  virtual void add_slot() = 0;  // one more slot's buffers
   virtual void* input(int slot) = 0;
   virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                          float loss_scale, bool train) = 0;
@@ -214,18 +215,7 @@ struct model_impl final : gpu_stage::impl {
     }
     if (recompute && layers() > 0) shared = alloc_block(N, NC);
     slot_state.resize(static_cast<std::size_t>(slots));
-    for (auto& s : slot_state) {
-      s.input = arena.alloc<D>(NC);
-      for (int l = 0; l < layers(); ++l) {
-        if (!recompute) s.blocks.push_back(alloc_block(N, NC));
-        s.out.push_back(arena.alloc<D>(NC));
-      }
-      if (range.head) {
-        s.lnf_mean = arena.alloc<float>(N);
-        s.lnf_rstd = arena.alloc<float>(N);
-        s.dlnf = arena.alloc<D>(NC);
-      }
-    }
+    for (auto& s : slot_state) alloc_slot(s);
     if (range.embedding) d_tokens = arena.alloc<std::int32_t>(N);
     if (range.head) {
       d_targets = arena.alloc<std::int32_t>(N);
@@ -241,6 +231,26 @@ struct model_impl final : gpu_stage::impl {
     dln = arena.alloc<D>(NC);
     datty = arena.alloc<D>(NC);
     dqkv = arena.alloc<D>(3 * NC);
+  }
+
+  void alloc_slot(slot_buffers& s) {
+    const std::int64_t N = std::int64_t{B} * T, NC = N * config.width;
+    s.input = arena.alloc<D>(NC);
+    for (int l = 0; l < layers(); ++l) {
+      if (!recompute) s.blocks.push_back(alloc_block(N, NC));
+      s.out.push_back(arena.alloc<D>(NC));
+    }
+    if (range.head) {
+      s.lnf_mean = arena.alloc<float>(N);
+      s.lnf_rstd = arena.alloc<float>(N);
+      s.dlnf = arena.alloc<D>(NC);
+    }
+  }
+  void add_slot() override {
+    slot_buffers s;
+    alloc_slot(s);
+    slot_state.push_back(std::move(s));
+    ++slots;
   }
 
   const block_buffers& internals(int slot, int l) const {
@@ -488,6 +498,11 @@ gpu_stage::~gpu_stage() {
 const gpt_config& gpu_stage::config() const { return impl_->config; }
 const stage_range& gpu_stage::range() const { return impl_->range; }
 int gpu_stage::slots() const { return impl_->slots; }
+int gpu_stage::add_slot() {
+  device_guard g(impl_->device);
+  impl_->add_slot();
+  return impl_->slots;
+}
 std::size_t gpu_stage::activation_bytes() const {
   return static_cast<std::size_t>(impl_->B) * static_cast<std::size_t>(impl_->T) *
          static_cast<std::size_t>(impl_->config.width) * impl_->element_bytes;

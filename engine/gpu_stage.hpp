@@ -81,6 +81,8 @@ class gpu_stage {
   const gpt_config& config() const;
   const stage_range& range() const;
   int slots() const;
+  // One more slot, its buffers allocated now (cudaMalloc); returns the new count.
+  int add_slot();
   // Bytes of one activation (or activation gradient) between chunks: B * T * width values.
   std::size_t activation_bytes() const;
 

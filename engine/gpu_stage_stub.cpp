@@ -33,6 +33,7 @@ gpu_stage::~gpu_stage() = default;
 // Unreachable: no gpu_stage exists in this build.
 const gpt_config& gpu_stage::config() const { return impl_->config; }
 const stage_range& gpu_stage::range() const { return impl_->range; }
+int gpu_stage::add_slot() { return 0; }
 int gpu_stage::slots() const { return 0; }
 std::size_t gpu_stage::activation_bytes() const { return 0; }
 void* gpu_stage::input(int) { return nullptr; }

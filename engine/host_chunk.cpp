@@ -19,22 +19,24 @@ class host_chunk final : public device_chunk {
   host_chunk(const gpt_stage& weights, int B, int T, int slots, bool recompute)
       : compute_(weights.config(), {weights.range()}, /*optimizer_state=*/true, recompute),
         B_(B),
-        T_(T),
-        slots_(static_cast<std::size_t>(slots)) {
+        T_(T) {
     if (slots < 1) throw std::invalid_argument("host_chunk: at least one slot");
     auto& st = compute_.chunk(0);
     std::memcpy(st.params(), weights.params(),
                 static_cast<std::size_t>(st.parameter_count()) * sizeof(float));
     st.zero_grad();
-    const std::size_t n = activation_bytes() / sizeof(float);
-    for (auto& s : slots_) {
-      if (!range().embedding) s.input.assign(n, 0.0f);
-      if (!range().head) s.doutput.assign(n, 0.0f);
-    }
+    for (int s = 0; s < slots; ++s) add_slot();
   }
 
   const stage_range& range() const override { return compute_.chunk(0).range(); }
   int slots() const override { return static_cast<int>(slots_.size()); }
+  int add_slot() final {
+    auto& s = slots_.emplace_back();
+    const std::size_t n = activation_bytes() / sizeof(float);
+    if (!range().embedding) s.input.assign(n, 0.0f);
+    if (!range().head) s.doutput.assign(n, 0.0f);
+    return slots();
+  }
   std::size_t activation_bytes() const override {
     return std::size_t(B_) * std::size_t(T_) * std::size_t(compute_.chunk(0).config().width) *
            sizeof(float);

@@ -107,10 +107,21 @@ std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_pl
   return s;
 }
 
-int device_stage_slots(const recipe& r) {
-  const int credits =
-      r.parallel.link_credits > 0 ? r.parallel.link_credits : r.parallel.micro_batches;
-  return r.parallel.micro_batches + credits;
+int device_stage_slots(const recipe& r, int rank) {
+  const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
+                                           r.parallel.layer_split);
+  const auto plan = make_plan(r.parallel.schedule,
+                              {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages});
+  const auto release = plan.split_backward ? action_kind::weight : action_kind::backward;
+  std::map<int, int> live;  // by chunk
+  int peak = 1;
+  for (const auto& a : plan.ranks.at(static_cast<std::size_t>(rank))) {
+    int& n = live[layout.chunk_of(a.stage)];
+    if (a.kind == action_kind::forward) ++n;
+    if (a.kind == release) --n;
+    peak = std::max(peak, n);
+  }
+  return peak;
 }
 
 namespace {
@@ -119,15 +130,15 @@ namespace {
 std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options& o) {
   const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
                                            r.parallel.layer_split);
-  const int slots = device_stage_slots(r);
   std::string s = "device memory plan, a pipeline of " + std::to_string(r.parallel.pp) +
                   " device stages (" + r.precision.dtype +
                   " compute, fp32 master weights, gradients and AdamW moments), micro-batch " +
                   std::to_string(r.batch.micro_batch) + " x " + std::to_string(r.batch.seq_len) +
-                  " tokens, " + std::to_string(slots) + " micro-batches in flight per chunk:\n";
+                  " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
+                  "adds one when an activation arrives ahead under its link credit):\n";
   char line[256];
-  std::snprintf(line, sizeof line, "%6s %12s %12s %14s %12s\n", "rank", "parameters", "model state",
-                "activations", "total");
+  std::snprintf(line, sizeof line, "%6s %6s %12s %12s %14s %12s\n", "rank", "slots", "parameters",
+                "model state", "activations", "total");
   s += line;
   std::int64_t with = 0, without = 0;
   // A rank with one copy of the tied wte keeps a buffer to receive the other copy's gradient.
@@ -137,6 +148,7 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                                         : std::int64_t{r.model.padded_vocab_size} * r.model.width *
                                               static_cast<std::int64_t>(sizeof(float));
   for (int rank = 0; rank < r.parallel.pp; ++rank) {
+    const int slots = device_stage_slots(r, rank);
     gpu_memory_plan sum;
     if (rank == embedding || rank == head) sum.model_state += tied_receive;
     std::int64_t params = 0;
@@ -151,7 +163,7 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
     }
     with += sum.activations;
     without += sum.activations_without_recompute;
-    std::snprintf(line, sizeof line, "%6d %12lld %12s %14s %12s\n", rank,
+    std::snprintf(line, sizeof line, "%6d %6d %12lld %12s %14s %12s\n", rank, slots,
                   static_cast<long long>(params), mib(static_cast<double>(sum.model_state)).c_str(),
                   mib(static_cast<double>(sum.activations)).c_str(),
                   mib(static_cast<double>(sum.total())).c_str());

@@ -39,8 +39,9 @@ std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_pl
 // engine/gpu_trainer.hpp), or with parallel.pp > 1 of every device stage's chunks
 // (plan_gpu_stage_memory), with and without activation checkpointing. Throws recipe_error.
 std::string format_gpu_memory_plan(const recipe& r);
-// The micro-batches a device stage chunk holds at once (their slots): a round's micro-batches plus
-// the next round's activations that may arrive ahead under their link credits.
-int device_stage_slots(const recipe& r);
+// The slots a device stage's chunks start with on pipeline rank `rank`: the most micro-batches
+// one of its chunks holds at once in the schedule's plan (forward done, backward not). A chunk
+// adds a slot at run time when an activation arrives ahead of its forward under a link credit.
+int device_stage_slots(const recipe& r, int rank);
 
 }  // namespace troupe::engine
