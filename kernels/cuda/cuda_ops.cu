@@ -623,7 +623,7 @@ void replica_mean(cudaStream_t stream, float* const* copies, int k, std::int64_t
   replica_pointers r{};
   for (int d = 0; d < k; ++d) r.p[d] = copies[d];
   replica_mean_kernel<<<blocks_for(n), kThreads, 0, stream>>>(r, k, 1.0f / static_cast<float>(k),
-                                                               n);
+                                                              n);
   check_launch("replica_mean_kernel");
 }
 
