@@ -70,10 +70,12 @@ struct backward_pass {
     float *mlp_proj, *fc, *ln2, *attn_proj, *qkv, *ln1;
   };
 
+  // On a tensor shard, Cl, NH and Vl are the shard's channels, heads and vocabulary rows
+  // (the whole model's without tensor parallelism); NCl = N * Cl.
   const gpt_stage& stage;
   gpt_activations& a;
-  const int B, T, C, NH, Vp, N;
-  const std::int64_t NC;
+  const int B, T, C, Cl, NH, Vl, N;
+  const std::int64_t NC, NCl;
   const std::size_t layers;
 
   backward_pass(const gpt_stage& s, gpt_activations& acts)
@@ -82,11 +84,18 @@ struct backward_pass {
         B(acts.B_),
         T(acts.T_),
         C(s.config().width),
-        NH(s.config().heads),
-        Vp(s.config().padded_vocab_size),
+        Cl(s.config().width / s.shard().size),
+        NH(s.config().heads / s.shard().size),
+        Vl(s.config().padded_vocab_size / s.shard().size),
         N(acts.B_ * acts.T_),
         NC(std::int64_t{acts.B_} * acts.T_ * s.config().width),
+        NCl(std::int64_t{acts.B_} * acts.T_ * Cl),
         layers(acts.layers_.size()) {}
+
+  // The gradient of a replicated input of a column-parallel piece is the sum of the shards'.
+  void all_reduce(float* d, std::int64_t n) const {
+    if (stage.shard().split()) stage.group().all_reduce_sum({d, static_cast<std::size_t>(n)});
+  }
 
   const float* param(const std::string& name) const {
     return stage.params() + stage.parameter(name).offset;
@@ -131,10 +140,10 @@ struct backward_pass {
     s.layers.resize(layers);
     for (auto& g : s.layers) {
       g.mlp_proj = kernels::tensor::empty({N, C});
-      g.fc = kernels::tensor::empty({N, 4 * C});
+      g.fc = kernels::tensor::empty({N, 4 * Cl});
       g.ln2 = kernels::tensor::empty({N, C});
       g.attn_proj = kernels::tensor::empty({N, C});
-      g.qkv = kernels::tensor::empty({N, 3 * C});
+      g.qkv = kernels::tensor::empty({N, 3 * Cl});
       g.ln1 = kernels::tensor::empty({N, C});
     }
     if (stage.range().head) s.lnf = kernels::tensor::empty({N, C});
@@ -147,7 +156,8 @@ struct backward_pass {
   void head_input(float* dlnf, float* dx) const {
     zero(dlnf, NC);
     kernels::linear_backward(dlnf, nullptr, nullptr, a.logits_.f32(), a.lnf_.f32(),
-                             param("transformer.wte.weight"), N, C, Vp);
+                             param("transformer.wte.weight"), N, C, Vl);
+    all_reduce(dlnf, NC);
     zero(dx, NC);
     kernels::layernorm_backward(dx, nullptr, nullptr, dlnf, layer_input(layers),
                                 param("transformer.ln_f.weight"), a.lnf_mean_.f32(),
@@ -155,7 +165,7 @@ struct backward_pass {
   }
   void head_weight(const float* dlnf) const {
     kernels::linear_backward(nullptr, grad("transformer.wte.weight"), nullptr, a.logits_.f32(),
-                             a.lnf_.f32(), param("transformer.wte.weight"), N, C, Vp);
+                             a.lnf_.f32(), param("transformer.wte.weight"), N, C, Vl);
     kernels::layernorm_backward(nullptr, grad("transformer.ln_f.weight"),
                                 grad("transformer.ln_f.bias"), dlnf, layer_input(layers),
                                 param("transformer.ln_f.weight"), a.lnf_mean_.f32(),
@@ -171,27 +181,29 @@ struct backward_pass {
     auto P = [&](const char* n) { return param(p + n); };
     // MLP branch: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))).
     float* dfch_gelu = a.dfch_gelu_.f32();
-    zero(dfch_gelu, 4 * NC);
+    zero(dfch_gelu, 4 * NCl);
     kernels::linear_backward(dfch_gelu, nullptr, nullptr, g.mlp_proj, L.fch_gelu.f32(),
-                             P("mlp.c_proj.weight"), N, 4 * C, C);
-    zero(g.fc, 4 * NC);
-    kernels::gelu_backward(g.fc, L.fch.f32(), dfch_gelu, 4 * NC);
+                             P("mlp.c_proj.weight"), N, 4 * Cl, C);
+    zero(g.fc, 4 * NCl);
+    kernels::gelu_backward(g.fc, L.fch.f32(), dfch_gelu, 4 * NCl);
     zero(g.ln2, NC);
     kernels::linear_backward(g.ln2, nullptr, nullptr, g.fc, L.ln2.f32(), P("mlp.c_fc.weight"), N, C,
-                             4 * C);
+                             4 * Cl);
+    all_reduce(g.ln2, NC);
     std::memcpy(g.attn_proj, g.mlp_proj, static_cast<std::size_t>(NC) * sizeof(float));
     kernels::layernorm_backward(g.attn_proj, nullptr, nullptr, g.ln2, L.res2.f32(),
                                 P("ln_2.weight"), L.ln2_mean.f32(), L.ln2_rstd.f32(), N, C);
     // Attention branch: res2 = x + c_proj(attn(c_attn(ln_1(x)))).
     float* datty = a.datty_.f32();
-    zero(datty, NC);
+    zero(datty, NCl);
     kernels::linear_backward(datty, nullptr, nullptr, g.attn_proj, L.atty.f32(),
-                             P("attn.c_proj.weight"), N, C, C);
-    zero(g.qkv, 3 * NC);
-    kernels::attention_backward(g.qkv, datty, L.qkv.f32(), L.att.f32(), B, T, C, NH);
+                             P("attn.c_proj.weight"), N, Cl, C);
+    zero(g.qkv, 3 * NCl);
+    kernels::attention_backward(g.qkv, datty, L.qkv.f32(), L.att.f32(), B, T, Cl, NH);
     zero(g.ln1, NC);
     kernels::linear_backward(g.ln1, nullptr, nullptr, g.qkv, L.ln1.f32(), P("attn.c_attn.weight"),
-                             N, C, 3 * C);
+                             N, C, 3 * Cl);
+    all_reduce(g.ln1, NC);
     std::memcpy(dx, g.attn_proj, static_cast<std::size_t>(NC) * sizeof(float));
     kernels::layernorm_backward(dx, nullptr, nullptr, g.ln1, layer_input(i), P("ln_1.weight"),
                                 L.ln1_mean.f32(), L.ln1_rstd.f32(), N, C);
@@ -202,21 +214,28 @@ struct backward_pass {
     auto P = [&](const char* n) { return param(p + n); };
     auto G = [&](const char* n) { return grad(p + n); };
     kernels::linear_backward(nullptr, G("mlp.c_proj.weight"), G("mlp.c_proj.bias"), g.mlp_proj,
-                             L.fch_gelu.f32(), P("mlp.c_proj.weight"), N, 4 * C, C);
+                             L.fch_gelu.f32(), P("mlp.c_proj.weight"), N, 4 * Cl, C);
     kernels::linear_backward(nullptr, G("mlp.c_fc.weight"), G("mlp.c_fc.bias"), g.fc, L.ln2.f32(),
-                             P("mlp.c_fc.weight"), N, C, 4 * C);
+                             P("mlp.c_fc.weight"), N, C, 4 * Cl);
     kernels::layernorm_backward(nullptr, G("ln_2.weight"), G("ln_2.bias"), g.ln2, L.res2.f32(),
                                 P("ln_2.weight"), L.ln2_mean.f32(), L.ln2_rstd.f32(), N, C);
     kernels::linear_backward(nullptr, G("attn.c_proj.weight"), G("attn.c_proj.bias"), g.attn_proj,
-                             L.atty.f32(), P("attn.c_proj.weight"), N, C, C);
+                             L.atty.f32(), P("attn.c_proj.weight"), N, Cl, C);
     kernels::linear_backward(nullptr, G("attn.c_attn.weight"), G("attn.c_attn.bias"), g.qkv,
-                             L.ln1.f32(), P("attn.c_attn.weight"), N, C, 3 * C);
+                             L.ln1.f32(), P("attn.c_attn.weight"), N, C, 3 * Cl);
     kernels::layernorm_backward(nullptr, G("ln_1.weight"), G("ln_1.bias"), g.ln1, layer_input(i),
                                 P("ln_1.weight"), L.ln1_mean.f32(), L.ln1_rstd.f32(), N, C);
   }
 
   // ---- embedding: out = wte[tokens] + wpe ---------------------------------------------------
   void embedding_weight(const float* dencoded) const {
+    if (stage.shard().split()) {  // vocabulary-parallel: the shard's rows only
+      kernels::embedding_rows_backward(grad("transformer.wte.weight"), dencoded, a.tokens_,
+                                       stage.shard().rank * Vl, Vl, N, C);
+      kernels::embedding_backward(nullptr, grad("transformer.wpe.weight"), dencoded, a.tokens_, B,
+                                  T, C);
+      return;
+    }
     kernels::embedding_backward(grad("transformer.wte.weight"), grad("transformer.wpe.weight"),
                                 dencoded, a.tokens_, B, T, C);
   }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 #include "engine/random.hpp"
 
@@ -49,6 +50,68 @@ double gpt_config::train_flops_per_token(int T) const {
   return 6.0 * matmul_params + 12.0 * layers * double(T) * C;
 }
 
+void check_tensor_parallel(const gpt_config& c, int t) {
+  if (t < 1) throw std::invalid_argument("parallel.tp: must be positive, got " + std::to_string(t));
+  if (c.heads % t != 0)
+    throw std::invalid_argument("parallel.tp: " + std::to_string(c.heads) +
+                                " heads (model.heads) do not split into " + std::to_string(t) +
+                                " tensor shards");
+  if (c.padded_vocab_size % t != 0)
+    throw std::invalid_argument("parallel.tp: the padded vocabulary of " +
+                                std::to_string(c.padded_vocab_size) +
+                                " rows (model.padded_vocab_size) does not split into " +
+                                std::to_string(t) + " tensor shards");
+}
+
+namespace {
+
+// Rows of the whole tensor, and floats per row (1 for a vector).
+std::pair<std::int64_t, std::int64_t> rows_and_width(const kernels::shape_t& full) {
+  std::int64_t width = 1;
+  for (std::size_t i = 1; i < full.size(); ++i) width *= full[i];
+  return {full.at(0), width};
+}
+
+// Calls copy(whole offset, slice offset, floats) for every contiguous run of the shard.
+template <class Copy>
+void for_each_shard_run(const parameter_info& p, tensor_shard sh, Copy copy) {
+  const auto [rows, width] = rows_and_width(p.full_shape);
+  const std::int64_t t = sh.size, r = sh.rank;
+  switch (p.split) {
+    case tensor_split::replicated:
+      copy(0, 0, rows * width);
+      break;
+    case tensor_split::rows:
+      copy(r * (rows / t) * width, 0, rows / t * width);
+      break;
+    case tensor_split::qkv_rows: {
+      const std::int64_t part = rows / 3, n = part / t;
+      for (std::int64_t q = 0; q < 3; ++q)
+        copy((q * part + r * n) * width, q * n * width, n * width);
+      break;
+    }
+    case tensor_split::columns: {
+      const std::int64_t n = width / t;
+      for (std::int64_t i = 0; i < rows; ++i) copy(i * width + r * n, i * n, n);
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+void take_shard(const parameter_info& p, tensor_shard sh, const float* whole, float* slice) {
+  for_each_shard_run(p, sh, [&](std::int64_t w, std::int64_t s, std::int64_t n) {
+    std::copy(whole + w, whole + w + n, slice + s);
+  });
+}
+
+void put_shard(const parameter_info& p, tensor_shard sh, const float* slice, float* whole) {
+  for_each_shard_run(p, sh, [&](std::int64_t w, std::int64_t s, std::int64_t n) {
+    std::copy(slice + s, slice + s + n, whole + w);
+  });
+}
+
 std::vector<stage_range> partition_layers(const gpt_config& c, int stages) {
   if (stages < 1 || stages > c.layers) {
     throw std::invalid_argument("cannot split " + std::to_string(c.layers) + " layers into " +
@@ -65,17 +128,26 @@ std::vector<stage_range> partition_layers(const gpt_config& c, int stages) {
 }
 
 std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
-                                                   const stage_range& range) {
+                                                   const stage_range& range, tensor_shard shard) {
   config.validate();
+  check_tensor_parallel(config, shard.size);
   if (range.first_layer < 0 || range.last_layer > config.layers ||
       range.first_layer > range.last_layer) {
     throw std::invalid_argument("stage layer range [" + std::to_string(range.first_layer) + ", " +
                                 std::to_string(range.last_layer) + ") is outside the model");
   }
   std::vector<parameter_info> params;
-  auto add = [&params](const std::string& name, kernels::shape_t shape, bool conv1d) {
+  using enum tensor_split;
+  auto add = [&params, shard](const std::string& name, kernels::shape_t shape, bool conv1d,
+                              tensor_split split = replicated) {
     parameter_info p;
     p.name = name;
+    p.full_shape = shape;
+    p.split = shard.split() ? split : replicated;
+    if (p.split == columns)
+      shape[1] /= shard.size;
+    else if (p.split != replicated)
+      shape[0] /= shard.size;
     p.numel = kernels::shape_numel(shape);
     p.decay = shape.size() >= 2;
     p.shape = std::move(shape);
@@ -86,21 +158,21 @@ std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
     params.push_back(std::move(p));
   };
   const std::int64_t C = config.width, Vp = config.padded_vocab_size;
-  if (range.embedding || range.head) add("transformer.wte.weight", {Vp, C}, false);
+  if (range.embedding || range.head) add("transformer.wte.weight", {Vp, C}, false, rows);
   if (range.embedding) add("transformer.wpe.weight", {config.context, C}, false);
   for (int l = range.first_layer; l < range.last_layer; ++l) {
     const std::string p = "transformer.h." + std::to_string(l) + ".";
     add(p + "ln_1.weight", {C}, false);
     add(p + "ln_1.bias", {C}, false);
-    add(p + "attn.c_attn.weight", {3 * C, C}, true);
-    add(p + "attn.c_attn.bias", {3 * C}, false);
-    add(p + "attn.c_proj.weight", {C, C}, true);
+    add(p + "attn.c_attn.weight", {3 * C, C}, true, qkv_rows);
+    add(p + "attn.c_attn.bias", {3 * C}, false, qkv_rows);
+    add(p + "attn.c_proj.weight", {C, C}, true, columns);
     add(p + "attn.c_proj.bias", {C}, false);
     add(p + "ln_2.weight", {C}, false);
     add(p + "ln_2.bias", {C}, false);
-    add(p + "mlp.c_fc.weight", {4 * C, C}, true);
-    add(p + "mlp.c_fc.bias", {4 * C}, false);
-    add(p + "mlp.c_proj.weight", {C, 4 * C}, true);
+    add(p + "mlp.c_fc.weight", {4 * C, C}, true, rows);
+    add(p + "mlp.c_fc.bias", {4 * C}, false, rows);
+    add(p + "mlp.c_proj.weight", {C, 4 * C}, true, columns);
     add(p + "mlp.c_proj.bias", {C}, false);
   }
   if (range.head) {
@@ -110,12 +182,30 @@ std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
   return params;
 }
 
-gpt_stage::gpt_stage(const gpt_config& config, const stage_range& range)
-    : config_(config), range_(range), params_(stage_parameter_layout(config, range)) {
+gpt_stage::gpt_stage(const gpt_config& config, const stage_range& range, tensor_shard shard)
+    : config_(config),
+      range_(range),
+      shard_(shard),
+      params_(stage_parameter_layout(config, range, shard)) {
   const std::int64_t total = params_.empty() ? 0 : params_.back().offset + params_.back().numel;
   // Mappings of their own: ZeRO releases and moves their pages (engine/zero.hpp).
   param_buf_ = tensor::mapped_zeros({total});
   grad_buf_ = tensor::mapped_zeros({total});
+}
+
+void gpt_stage::set_tensor_group(std::shared_ptr<tensor_group> group) {
+  if (group && (group->size() != shard_.size || group->rank() != shard_.rank))
+    throw std::invalid_argument("tensor group member " + std::to_string(group->rank()) + " of " +
+                                std::to_string(group->size()) + " for tensor shard " +
+                                std::to_string(shard_.rank) + " of " + std::to_string(shard_.size));
+  group_ = std::move(group);
+}
+
+tensor_group& gpt_stage::group() const {
+  if (!group_)
+    throw std::logic_error("tensor shard " + std::to_string(shard_.rank) + " of " +
+                           std::to_string(shard_.size) + " has no tensor-parallel group");
+  return *group_;
 }
 
 const parameter_info& gpt_stage::parameter(const std::string& name) const {
@@ -146,11 +236,16 @@ void gpt_stage::init_gpt2(std::uint64_t seed) {
     } else if (is_bias) {
       std::fill(w, w + p.numel, 0.0f);
     } else {
+      // The whole tensor's values (a function of seed and name), then this shard's slice.
       const float stddev = p.name.ends_with("c_proj.weight") ? residual_std : 0.02f;
-      std::int64_t n = p.numel;
+      const std::int64_t whole = kernels::shape_numel(p.full_shape);
+      std::vector<float> buffer(p.split == tensor_split::replicated ? 0 : whole);
+      float* out = buffer.empty() ? w : buffer.data();
+      std::int64_t n = whole;
       if (p.name == "transformer.wte.weight") n = std::int64_t{config_.vocab_size} * config_.width;
-      fill_normal(w, n, 0.0f, stddev, seed, p.name);
-      std::fill(w + n, w + p.numel, 0.0f);  // padded vocabulary rows
+      fill_normal(out, n, 0.0f, stddev, seed, p.name);
+      std::fill(out + n, out + whole, 0.0f);  // padded vocabulary rows
+      if (!buffer.empty()) take_shard(p, shard_, buffer.data(), w);
     }
   }
 }
@@ -159,21 +254,24 @@ void gpt_stage::init_gpt2(std::uint64_t seed) {
 
 namespace {
 
-block_activations allocate_block(const gpt_config& c, int B, int T, bool with_output) {
-  const std::int64_t N = std::int64_t{B} * T, C = c.width, NH = c.heads;
+// One tensor shard's block (tp = 1: the whole block): the column-parallel outputs (qkv, att,
+// atty, fch, fch_gelu) hold the shard's heads and hidden units only.
+block_activations allocate_block(const gpt_config& c, int B, int T, bool with_output, int tp) {
+  const std::int64_t N = std::int64_t{B} * T, C = c.width;
+  const std::int64_t Cl = C / tp, NH = c.heads / tp;
   block_activations a;
   a.ln1 = tensor::empty({N, C});
   a.ln1_mean = tensor::empty({N});
   a.ln1_rstd = tensor::empty({N});
-  a.qkv = tensor::empty({N, 3 * C});
+  a.qkv = tensor::empty({N, 3 * Cl});
   a.att = tensor::empty({B, NH, T, T});
-  a.atty = tensor::empty({N, C});
+  a.atty = tensor::empty({N, Cl});
   a.res2 = tensor::empty({N, C});
   a.ln2 = tensor::empty({N, C});
   a.ln2_mean = tensor::empty({N});
   a.ln2_rstd = tensor::empty({N});
-  a.fch = tensor::empty({N, 4 * C});
-  a.fch_gelu = tensor::empty({N, 4 * C});
+  a.fch = tensor::empty({N, 4 * Cl});
+  a.fch_gelu = tensor::empty({N, 4 * Cl});
   if (with_output) a.res3 = tensor::empty({N, C});
   return a;
 }
@@ -197,30 +295,31 @@ void check_micro_batch(const gpt_config& c, int B, int T) {
 
 }  // namespace
 
-block_scratch::block_scratch(const gpt_config& config, int B, int T) : B_(B), T_(T) {
+block_scratch::block_scratch(const gpt_config& config, int B, int T, int tp) : B_(B), T_(T) {
   check_micro_batch(config, B, T);
-  acts_ = allocate_block(config, B, T, false);
+  acts_ = allocate_block(config, B, T, false, tp);
 }
 
 std::int64_t block_scratch::bytes() const { return block_bytes(acts_, true, false); }
 
-std::int64_t block_scratch_bytes(const gpt_config& c, int B, int T) {
-  const std::int64_t N = std::int64_t{B} * T, C = c.width;
-  return 4 * (N * C * 15 + N * 4 + std::int64_t{B} * c.heads * T * T);
+std::int64_t block_scratch_bytes(const gpt_config& c, int B, int T, int tp) {
+  const std::int64_t N = std::int64_t{B} * T, C = c.width, Cl = C / tp;
+  // ln1, res2, ln2 whole; qkv (3), atty, fch (4), fch_gelu (4) of the shard
+  return 4 * (N * (3 * C + 12 * Cl) + N * 4 + std::int64_t{B} * (c.heads / tp) * T * T);
 }
 
 std::int64_t activation_bytes(const gpt_config& c, const stage_range& s, int B, int T,
-                              bool recompute, bool split_backward) {
-  const std::int64_t N = std::int64_t{B} * T, C = c.width, NC = N * C;
+                              bool recompute, bool split_backward, int tp) {
+  const std::int64_t N = std::int64_t{B} * T, C = c.width, NC = N * C, NCl = NC / tp;
   const std::int64_t layers = s.last_layer - s.first_layer;
-  std::int64_t f = 5 * NC;       // gradient scratch: dres x3, dln, datty
-  if (layers > 0) f += 12 * NC;  // dln1, dqkv (3C), dfch, dfch_gelu (4C)
-  f += layers * NC;              // every block's output (res3)
-  if (!recompute) f += layers * (block_scratch_bytes(c, B, T) / 4);
-  if (s.embedding) f += NC;                               // encoded
-  if (s.head) f += NC + 2 * N + N * c.padded_vocab_size;  // ln_f, its statistics, logits
-  if (split_backward) {                                   // stage_backward_input's saved gradients
-    f += layers * 11 * NC;
+  std::int64_t f = 4 * NC + NCl;       // gradient scratch: dres x3, dln, datty (shard)
+  if (layers > 0) f += NC + 11 * NCl;  // dln1; dqkv (3), dfch, dfch_gelu (4) of the shard
+  f += layers * NC;                    // every block's output (res3)
+  if (!recompute) f += layers * (block_scratch_bytes(c, B, T, tp) / 4);
+  if (s.embedding) f += NC;                                    // encoded
+  if (s.head) f += NC + 2 * N + N * c.padded_vocab_size / tp;  // ln_f, statistics, logits
+  if (split_backward) {  // stage_backward_input's saved gradients (fc and qkv of the shard)
+    f += layers * (4 * NC + 7 * NCl);
     if (s.head) f += NC;
     if (s.embedding) f += NC;
   }
@@ -237,7 +336,10 @@ gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T,
                                 std::to_string(scratch_->batch()) + "x" +
                                 std::to_string(scratch_->seq_len()) + ", not " + std::to_string(B) +
                                 "x" + std::to_string(T));
-  const std::int64_t N = std::int64_t{B} * T, C = c.width;
+  const int tp = stage.shard().size;
+  if (scratch_ && scratch_->acts_.qkv.shape()[1] != 3 * c.width / tp)
+    throw std::invalid_argument("gpt_activations: a block_scratch for another tensor shard size");
+  const std::int64_t N = std::int64_t{B} * T, C = c.width, Cl = C / tp;
   if (stage.range().embedding) encoded_ = tensor::empty({N, C});
   for (int l = stage.range().first_layer; l < stage.range().last_layer; ++l) {
     if (scratch_) {
@@ -245,25 +347,25 @@ gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T,
       a.res3 = tensor::empty({N, C});
       layers_.push_back(std::move(a));
     } else {
-      layers_.push_back(allocate_block(c, B, T, true));
+      layers_.push_back(allocate_block(c, B, T, true, tp));
     }
   }
   if (stage.range().head) {
     lnf_ = tensor::empty({N, C});
     lnf_mean_ = tensor::empty({N});
     lnf_rstd_ = tensor::empty({N});
-    logits_ = tensor::empty({N, std::int64_t{c.padded_vocab_size}});
+    logits_ = tensor::empty({N, std::int64_t{c.padded_vocab_size} / tp});
   }
   dres_ = tensor::empty({N, C});
   dres_next_ = tensor::empty({N, C});
   dres_mid_ = tensor::empty({N, C});
   dln_ = tensor::empty({N, C});
-  datty_ = tensor::empty({N, C});
+  datty_ = tensor::empty({N, Cl});
   if (!layers_.empty()) {
     dln1_ = tensor::empty({N, C});
-    dqkv_ = tensor::empty({N, 3 * C});
-    dfch_ = tensor::empty({N, 4 * C});
-    dfch_gelu_ = tensor::empty({N, 4 * C});
+    dqkv_ = tensor::empty({N, 3 * Cl});
+    dfch_ = tensor::empty({N, 4 * Cl});
+    dfch_gelu_ = tensor::empty({N, 4 * Cl});
   }
 }
 
@@ -287,6 +389,56 @@ namespace {
 void add_into(float* out, const float* a, std::int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (std::int64_t i = 0; i < n; ++i) out[i] += a[i];
+}
+
+// out[N,OC] = inp[N,K] * w[OC,K]^T + bias + residual. On a tensor shard the linear is
+// row-parallel (K is the shard's slice): its partial products are all-reduced, then the
+// (replicated) bias and the residual are added.
+void row_parallel_forward(const gpt_stage& st, float* out, const float* inp, const float* w,
+                          const float* bias, const float* residual, int N, int K, int OC) {
+  const std::int64_t n = std::int64_t{N} * OC;
+  if (!st.shard().split()) {
+    kernels::linear_forward(out, inp, w, bias, N, K, OC);
+    add_into(out, residual, n);
+    return;
+  }
+  kernels::linear_forward(out, inp, w, nullptr, N, K, OC);
+  st.group().all_reduce_sum({out, static_cast<std::size_t>(n)});
+#pragma omp parallel for schedule(static)
+  for (std::int64_t row = 0; row < N; ++row) {
+    float* o = out + row * OC;
+    const float* r = residual + row * OC;
+#pragma omp simd
+    for (int c = 0; c < OC; ++c) o[c] = (o[c] + bias[c]) + r[c];
+  }
+}
+
+// The tensor shard's slice of the vocabulary, for the vocabulary-parallel head.
+kernels::vocab_shard vocab_of(const gpt_stage& st) {
+  const auto& c = st.config();
+  const int cols = c.padded_vocab_size / st.shard().size;
+  return {st.shard().rank * cols, cols, c.vocab_size, c.padded_vocab_size};
+}
+
+// Vocabulary-parallel cross-entropy over the shard's logits; with dlogits, also its gradient
+// (dlogits may alias logits).
+kernels::cross_entropy_result vocab_parallel_cross_entropy(const gpt_stage& st, const float* logits,
+                                                           float* dlogits,
+                                                           const std::int32_t* targets, int N,
+                                                           float grad_scale) {
+  const auto v = vocab_of(st);
+  std::vector<float> row_max(static_cast<std::size_t>(N));
+  std::vector<double> stats(2 * static_cast<std::size_t>(N));
+  kernels::vocab_shard_max(row_max.data(), logits, N, v);
+  st.group().all_reduce_max(row_max);
+  kernels::vocab_shard_stats(stats.data(), logits, targets, row_max.data(), N, v, ignore_index);
+  st.group().all_reduce_sum(stats);
+  const auto r = kernels::vocab_parallel_loss(targets, row_max.data(), stats.data(), N, v.V, v.Vp,
+                                              ignore_index);
+  if (dlogits)
+    kernels::vocab_shard_backward(dlogits, logits, targets, row_max.data(), stats.data(), N, v,
+                                  ignore_index, grad_scale, r.count);
+  return r;
 }
 
 }  // namespace
@@ -324,26 +476,26 @@ void stage_forward(const gpt_stage& stage, gpt_activations& acts, const std::int
 
 void block_forward(const gpt_stage& stage, int i, const block_activations& L, const float* x, int B,
                    int T, bool output) {
-  const int C = stage.config().width, NH = stage.config().heads, N = B * T;
+  // Cl, NH: the tensor shard's channels and heads (the whole block's without tensor parallelism).
+  const int t = stage.shard().size;
+  const int C = stage.config().width, Cl = C / t, NH = stage.config().heads / t, N = B * T;
   const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + i) + ".";
   auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
   kernels::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, P("ln_1.weight"),
                              P("ln_1.bias"), N, C);
   kernels::linear_forward(L.qkv.f32(), L.ln1.f32(), P("attn.c_attn.weight"), P("attn.c_attn.bias"),
-                          N, C, 3 * C);
-  kernels::attention_forward(L.atty.f32(), L.att.f32(), L.qkv.f32(), B, T, C, NH);
-  kernels::linear_forward(L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"),
-                          P("attn.c_proj.bias"), N, C, C);
-  add_into(L.res2.f32(), x, std::int64_t{N} * C);
+                          N, C, 3 * Cl);
+  kernels::attention_forward(L.atty.f32(), L.att.f32(), L.qkv.f32(), B, T, Cl, NH);
+  row_parallel_forward(stage, L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"),
+                       P("attn.c_proj.bias"), x, N, Cl, C);
   kernels::layernorm_forward(L.ln2.f32(), L.ln2_mean.f32(), L.ln2_rstd.f32(), L.res2.f32(),
                              P("ln_2.weight"), P("ln_2.bias"), N, C);
   kernels::linear_forward(L.fch.f32(), L.ln2.f32(), P("mlp.c_fc.weight"), P("mlp.c_fc.bias"), N, C,
-                          4 * C);
-  kernels::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), std::int64_t{N} * 4 * C);
+                          4 * Cl);
+  kernels::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), std::int64_t{N} * 4 * Cl);
   if (!output) return;
-  kernels::linear_forward(L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
-                          P("mlp.c_proj.bias"), N, 4 * C, C);
-  add_into(L.res3.f32(), L.res2.f32(), std::int64_t{N} * C);
+  row_parallel_forward(stage, L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
+                       P("mlp.c_proj.bias"), L.res2.f32(), N, 4 * Cl, C);
 }
 
 block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
@@ -352,7 +504,7 @@ block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
   std::size_t stop = 0;
   auto next_stop = [&] { return stops.at(stop++); };
   const auto& c = stage.config();
-  const int B = a.B_, T = a.T_, C = c.width, Vp = c.padded_vocab_size;
+  const int B = a.B_, T = a.T_, C = c.width, Vl = c.padded_vocab_size / stage.shard().size;
   const int N = B * T;
   if (a.weight_grads_pending_) {
     throw std::logic_error(
@@ -362,9 +514,16 @@ block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
   if (stage.range().embedding) {
     co_yield next_stop();
     a.tokens_ = tokens;
-    kernels::embedding_forward(a.encoded_.f32(), tokens,
-                               stage.param("transformer.wte.weight").f32(),
-                               stage.param("transformer.wpe.weight").f32(), B, T, C);
+    const float* wte = stage.param("transformer.wte.weight").f32();
+    const float* wpe = stage.param("transformer.wpe.weight").f32();
+    if (stage.shard().split()) {  // vocabulary-parallel: each token's row lives on one shard
+      kernels::embedding_rows_forward(a.encoded_.f32(), tokens, wte, stage.shard().rank * Vl, Vl, N,
+                                      C);
+      stage.group().all_reduce_sum({a.encoded_.f32(), static_cast<std::size_t>(N) * C});
+      kernels::add_positions(a.encoded_.f32(), wpe, B, T, C);
+    } else {
+      kernels::embedding_forward(a.encoded_.f32(), tokens, wte, wpe, B, T, C);
+    }
     x = a.encoded_.f32();
   } else {
     a.input_ = input;
@@ -382,7 +541,7 @@ block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
                                stage.param("transformer.ln_f.weight").f32(),
                                stage.param("transformer.ln_f.bias").f32(), N, C);
     kernels::linear_forward(a.logits_.f32(), a.lnf_.f32(),
-                            stage.param("transformer.wte.weight").f32(), nullptr, N, C, Vp);
+                            stage.param("transformer.wte.weight").f32(), nullptr, N, C, Vl);
     a.logits_are_grads_ = false;
   }
 }
@@ -392,6 +551,8 @@ kernels::cross_entropy_result stage_loss(const gpt_stage& stage, gpt_activations
   if (!stage.range().head || a.logits_are_grads_)
     throw std::logic_error("stage_loss needs fresh logits");
   const auto& c = stage.config();
+  if (stage.shard().split())
+    return vocab_parallel_cross_entropy(stage, a.logits_.f32(), nullptr, targets, a.B_ * a.T_, 1);
   return kernels::cross_entropy_forward(nullptr, a.logits_.f32(), targets, a.B_ * a.T_,
                                         c.vocab_size, c.padded_vocab_size, ignore_index);
 }
@@ -403,9 +564,12 @@ kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage, 
     throw std::logic_error("stage_loss_backward_start needs fresh logits");
   }
   const auto& c = stage.config();
-  auto r = kernels::softmax_cross_entropy_backward(a.logits_.f32(), a.logits_.f32(), targets,
-                                                   a.B_ * a.T_, c.vocab_size, c.padded_vocab_size,
-                                                   ignore_index, grad_scale);
+  auto r = stage.shard().split()
+               ? vocab_parallel_cross_entropy(stage, a.logits_.f32(), a.logits_.f32(), targets,
+                                              a.B_ * a.T_, grad_scale)
+               : kernels::softmax_cross_entropy_backward(
+                     a.logits_.f32(), a.logits_.f32(), targets, a.B_ * a.T_, c.vocab_size,
+                     c.padded_vocab_size, ignore_index, grad_scale);
   a.logits_are_grads_ = true;
   return r;
 }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "engine/block_pass.hpp"
+#include "engine/tensor_group.hpp"
 #include "kernels/cpu_ops.hpp"
 #include "kernels/tensor.hpp"
 
@@ -60,25 +61,50 @@ struct stage_range {
 // take the remainder). Throws if stages < 1 or stages > layers.
 std::vector<stage_range> partition_layers(const gpt_config& c, int stages);
 
+// How a tensor shard holds a slice of a whole parameter (engine/tensor_group.hpp).
+enum class tensor_split {
+  replicated,  // the whole tensor on every shard (layernorms, wpe, row-parallel biases)
+  rows,        // rows [r*n/t, (r+1)*n/t) of dimension 0 (wte, mlp.c_fc)
+  columns,     // columns [r*n/t, (r+1)*n/t) of dimension 1 (attn.c_proj, mlp.c_proj weights)
+  qkv_rows,    // of each of q, k and v (thirds of dimension 0), rows [r*n/t, (r+1)*n/t)
+};
+
 struct parameter_info {
   std::string name;         // Hugging Face name, e.g. "transformer.h.0.attn.c_attn.weight"
-  kernels::shape_t shape;   // Troupe layout ([out, in] for linear weights)
+  kernels::shape_t shape;   // Troupe layout ([out, in] for linear weights); this shard's slice
   std::int64_t offset = 0;  // into the flat buffers
   std::int64_t numel = 0;
   bool conv1d = false;  // Hugging Face stores it transposed ([in, out])
   bool decay = false;   // receives weight decay (2-D tensors)
+  tensor_split split = tensor_split::replicated;
+  kernels::shape_t full_shape;  // the whole tensor's shape (== shape without tensor parallelism)
 };
+
+// Copies this shard's slice of the whole tensor `whole` (full_shape, Troupe layout) into
+// `slice` (shape), or writes `slice` back into its place in `whole`.
+void take_shard(const parameter_info& p, tensor_shard shard, const float* whole, float* slice);
+void put_shard(const parameter_info& p, tensor_shard shard, const float* slice, float* whole);
+
+// Throws std::invalid_argument naming parallel.tp when the model cannot be split t ways
+// (heads and the padded vocabulary must be divisible by t).
+void check_tensor_parallel(const gpt_config& config, int t);
 
 // The parameters of a stage, in order, with their offsets into the flat buffers.
 std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
-                                                   const stage_range& range);
+                                                   const stage_range& range,
+                                                   tensor_shard shard = {});
 
 class gpt_stage {
  public:
-  gpt_stage(const gpt_config& config, const stage_range& range);
+  // With a split shard, set_tensor_group must name the shard's group before a pass runs.
+  gpt_stage(const gpt_config& config, const stage_range& range, tensor_shard shard = {});
 
   const gpt_config& config() const { return config_; }
   const stage_range& range() const { return range_; }
+  const tensor_shard& shard() const { return shard_; }
+  void set_tensor_group(std::shared_ptr<tensor_group> group);
+  // The shard's group; throws std::logic_error for a split shard without one.
+  tensor_group& group() const;
   const std::vector<parameter_info>& parameters() const { return params_; }
   const parameter_info& parameter(const std::string& name) const;  // throws naming it
   std::int64_t parameter_count() const { return param_buf_.numel(); }
@@ -96,6 +122,8 @@ class gpt_stage {
  private:
   gpt_config config_;
   stage_range range_;
+  tensor_shard shard_;
+  std::shared_ptr<tensor_group> group_;
   std::vector<parameter_info> params_;
   kernels::tensor param_buf_;
   kernels::tensor grad_buf_;
@@ -118,7 +146,7 @@ struct block_activations {
 // its backward run between the same two pass stops.
 class block_scratch {
  public:
-  block_scratch(const gpt_config& config, int B, int T);
+  block_scratch(const gpt_config& config, int B, int T, int tp = 1);
   int batch() const { return B_; }
   int seq_len() const { return T_; }
   std::int64_t bytes() const;
@@ -134,9 +162,10 @@ class block_scratch {
 // without checkpointing; and the bytes of the block_scratch checkpointing adds per rank and
 // shape. gpt_activations::bytes() is exactly the first (tested); `troupe train --dry-run`
 // plans with both.
+// tp: the tensor-parallel degree (one shard's bytes).
 std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
-                              bool recompute, bool split_backward);
-std::int64_t block_scratch_bytes(const gpt_config& config, int B, int T);
+                              bool recompute, bool split_backward, int tp = 1);
+std::int64_t block_scratch_bytes(const gpt_config& config, int B, int T, int tp = 1);
 
 // The saved state of one micro-batch's forward pass through a stage, and its gradient scratch.
 // With a block_scratch, blocks are checkpointed (recomputed in backward).

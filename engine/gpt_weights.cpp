@@ -91,15 +91,20 @@ void load_hf_weights(gpt_stage& stage, const std::filesystem::path& path) {
   // Read everything first, then copy: a failure leaves the stage untouched.
   std::vector<std::pair<const parameter_info*, kernels::tensor>> loaded;
   for (const auto& p : stage.parameters()) loaded.emplace_back(&p, file.read_f32(names.at(p.name)));
+  std::vector<float> whole;  // a tensor shard's whole tensor, before its slice is taken
   for (auto& [p, t] : loaded) {
-    float* dst = stage.params() + p->offset;
+    const bool sliced = p->split != tensor_split::replicated;
+    if (sliced) whole.assign(static_cast<std::size_t>(kernels::shape_numel(p->full_shape)), 0.0f);
+    float* dst = sliced ? whole.data() : stage.params() + p->offset;
     const float* src = t.f32();
+    const std::int64_t numel = kernels::shape_numel(p->full_shape);
     if (p->conv1d) {  // [in, out] -> [out, in]
-      kernels::transpose_2d(dst, src, p->shape[1], p->shape[0]);
+      kernels::transpose_2d(dst, src, p->full_shape[1], p->full_shape[0]);
     } else {
       std::memcpy(dst, src, t.nbytes());
-      std::fill(dst + t.numel(), dst + p->numel, 0.0f);  // padded vocabulary rows
+      std::fill(dst + t.numel(), dst + numel, 0.0f);  // padded vocabulary rows
     }
+    if (sliced) take_shard(*p, stage.shard(), whole.data(), stage.params() + p->offset);
   }
 }
 

@@ -17,11 +17,13 @@ std::string describe(int c, micro_batch_id id) {
 }  // namespace
 
 stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
-                             bool optimizer_state, bool recompute)
-    : recompute_(recompute) {
+                             bool optimizer_state, bool recompute, tensor_shard shard,
+                             std::shared_ptr<tensor_group> group)
+    : recompute_(recompute), tp_(shard.size) {
   for (const auto& r : chunks) {
     chunk_state s;
-    s.stage = std::make_unique<gpt_stage>(model, r);
+    s.stage = std::make_unique<gpt_stage>(model, r, shard);
+    if (group) s.stage->set_tensor_group(group);
     if (optimizer_state) s.opt = std::make_unique<adamw_optimizer>(*s.stage);
     chunks_.push_back(std::move(s));
   }
@@ -83,7 +85,8 @@ block_pass stage_compute::forward(int c, micro_batch_id id, forward_args args) {
     std::shared_ptr<block_scratch> scratch;
     if (recompute_) {
       auto& shared = scratch_[{args.B, args.T}];
-      if (!shared) shared = std::make_shared<block_scratch>(ch.stage->config(), args.B, args.T);
+      if (!shared)
+        shared = std::make_shared<block_scratch>(ch.stage->config(), args.B, args.T, tp_);
       scratch = shared;
     }
     fresh.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T, std::move(scratch));

@@ -35,8 +35,11 @@ class stage_compute {
  public:
   // optimizer_state false: no AdamW moments here (ZeRO: a shard actor holds them).
   // recompute: activation checkpointing of every transformer block (block_scratch).
+  // shard, group: the rank's tensor shard and its group (engine/tensor_group.hpp); every chunk
+  // uses the one group, one pass at a time.
   stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
-                bool optimizer_state = true, bool recompute = false);
+                bool optimizer_state = true, bool recompute = false, tensor_shard shard = {},
+                std::shared_ptr<tensor_group> group = nullptr);
 
   int chunk_count() const { return static_cast<int>(chunks_.size()); }
   gpt_stage& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
@@ -89,6 +92,7 @@ class stage_compute {
   const slot& live_slot(int c, micro_batch_id id) const;
   std::vector<chunk_state> chunks_;
   bool recompute_ = false;
+  int tp_ = 1;
   std::map<std::pair<int, int>, std::shared_ptr<block_scratch>> scratch_;  // (B, T)
 };
 

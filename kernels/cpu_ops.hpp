@@ -27,6 +27,15 @@ void embedding_forward(float* out, const std::int32_t* tokens, const float* wte,
 // dwte[tokens[b,t],:] += dout[b,t,:]; dwpe[t,:] += dout[b,t,:] (each may be nullptr)
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const std::int32_t* tokens,
                         int B, int T, int C);
+// Vocabulary-parallel pieces (a tensor shard holds wte rows [first_row, first_row + rows)):
+// out[n,:] = wte[tokens[n] - first_row,:] for a token in the shard's rows, 0 otherwise;
+// dwte[tokens[n] - first_row,:] += dout[n,:] for those tokens; out[b,t,:] += wpe[t,:].
+// embedding_rows_forward summed over the shards, then add_positions, is embedding_forward bitwise.
+void embedding_rows_forward(float* out, const std::int32_t* tokens, const float* wte, int first_row,
+                            int rows, std::int64_t N, int C);
+void embedding_rows_backward(float* dwte, const float* dout, const std::int32_t* tokens,
+                             int first_row, int rows, std::int64_t N, int C);
+void add_positions(float* out, const float* wpe, int B, int T, int C);
 
 // ---- layer normalisation (eps = 1e-5, biased variance, as torch.nn.LayerNorm) -------------
 // mean[N], rstd[N] are saved for backward. In backward dinp, dweight, dbias may each be nullptr.
@@ -78,6 +87,26 @@ cross_entropy_result cross_entropy_forward(float* losses, const float* logits,
 cross_entropy_result softmax_cross_entropy_backward(float* dlogits, const float* logits,
                                                     const std::int32_t* targets, int N, int V,
                                                     int Vp, int ignore_index, float grad_scale);
+
+// Vocabulary-parallel cross-entropy (Megatron-LM's): a tensor shard holds the logits columns
+// [first, first + cols) of the whole Vp (V of them real vocabulary). Between the steps the
+// caller's group reduces: (1) vocab_shard_max -> all-reduce max of row_max[N]; (2)
+// vocab_shard_stats -> all-reduce sum of stats[2N] (per row: sum of exp(x - max) over the shard's
+// real columns, and the target's logit where the shard holds it, else 0); then the loss
+// (vocab_parallel_loss, the same on every shard) and the shard's dlogits (vocab_shard_backward,
+// may alias logits): softmax_cross_entropy_backward's formula on the shard's columns.
+struct vocab_shard {
+  int first = 0, cols = 0, V = 0, Vp = 0;
+};
+void vocab_shard_max(float* row_max, const float* logits, int N, const vocab_shard& s);
+void vocab_shard_stats(double* stats, const float* logits, const std::int32_t* targets,
+                       const float* row_max, int N, const vocab_shard& s, int ignore_index);
+cross_entropy_result vocab_parallel_loss(const std::int32_t* targets, const float* row_max,
+                                         const double* stats, int N, int V, int Vp,
+                                         int ignore_index);
+void vocab_shard_backward(float* dlogits, const float* logits, const std::int32_t* targets,
+                          const float* row_max, const double* stats, int N, const vocab_shard& s,
+                          int ignore_index, float grad_scale, std::int64_t count);
 
 // ---- optimizer -------------------------------------------------------------------------------
 struct adamw_hparams {
