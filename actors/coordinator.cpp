@@ -4,7 +4,9 @@
 //  C1. Step s+1 begins only after every stage reported update_done for step s.
 //  C2. The global gradient norm is the square root of the sum of the ranks' squared norms of
 //      replica 0 (all replicas hold the same reduced gradients), or with ZeRO of every replica
-//      (each holds one shard of them).
+//      (each holds one shard of them). With tensor parallelism, every tensor shard of replica 0
+//      (lanes 0..tp-1) counts its own slices, and shard 0 the replicated parameters.
+//  C5. Tensor shards compute the same loss: only shard 0 of each replica's losses count.
 //  C3. Every actor of the run is monitored; a stop before run_finished is a failure naming it.
 //  C4. The update guard (engine::update_guard) sees every step once, in step order, with the
 //      step's mean loss and the global norm of the unscaled gradients (the stages' gradients
@@ -73,7 +75,8 @@ class coordinator_impl : public coordinator_actor::base {
     reported_.at(static_cast<std::size_t>(g.replica * cfg_.ranks + g.rank)) = g;
     if (++grads_ < stage_count()) return;
     for (const auto& r : reported_) {
-      if (r.replica == 0 || cfg_.sharded_grads) square_sum_ += r.grad_square_sum;
+      if (r.replica < cfg_.tp || cfg_.sharded_grads) square_sum_ += r.grad_square_sum;
+      if (r.replica % cfg_.tp != 0) continue;  // C5
       loss_sum_ += r.loss_sum;
       losses_ += r.losses;
     }
@@ -108,6 +111,7 @@ class coordinator_impl : public coordinator_actor::base {
     eval_reported_.at(static_cast<std::size_t>(e.replica)) = e;
     if (++evals_ < evals_expected_) return;
     for (const auto& r : eval_reported_) {
+      if (r.replica % cfg_.tp != 0) continue;  // C5
       eval_sum_ += r.loss_sum;
       eval_losses_ += r.losses;
     }

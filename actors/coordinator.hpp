@@ -16,7 +16,10 @@
 namespace troupe::actors {
 
 struct coordinator_config {
+  // replicas: stage actors per rank ("lanes": data-parallel replicas x tensor shards; lane
+  // d * tp + j is shard j of replica d).
   int steps = 1, rounds = 1, ranks = 1, replicas = 1;
+  int tp = 1;
   int eval_interval = 0, eval_batches = 0;  // eval_interval 0 or no validation data: none
   bool sharded_grads = false;  // ZeRO: each replica reports the squared norm of its own shard
   std::int64_t tokens_per_step = 0;

@@ -35,11 +35,16 @@ namespace {
 using namespace messages;
 namespace trace = engine::trace;
 
+// A lane is one tensor shard of one data-parallel replica: lane d * tp + j is shard j of
+// replica d (without tensor parallelism, lanes are replicas). Each lane is a pipeline of its own
+// towards its neighbours and its data loader; the tp lanes of a replica meet in their ranks'
+// tensor groups, the dp lanes of a shard in their ranks' reducers.
 struct run_actors {
   caf::actor tracer, schedule, coordinator;       // local, or proxies on ranks other than 0
-  std::vector<std::vector<caf::actor>> stages;    // [replica][rank]
-  std::vector<std::vector<caf::actor>> reducers;  // [replica][rank] ring reducers, or [0][rank]
-  std::vector<caf::actor> loaders;                // by replica
+  std::vector<std::vector<caf::actor>> stages;    // [lane][rank]
+  std::vector<std::vector<caf::actor>> reducers;  // [replica][rank] ring reducers or zero
+                                                  // shards, or [0][rank * tp + shard]
+  std::vector<caf::actor> loaders;                // by lane
   std::vector<caf::actor> all;    // every actor and proxy of this process (the coordinator watches)
   std::vector<caf::actor> local;  // this process's own actors, stopped at the end
   std::vector<caf::actor> relays;  // test hooks' relays, stopped with the run
@@ -90,7 +95,7 @@ int compute_threads(const build_inputs& in) {
   if (in.o.compute_threads > 0) return in.o.compute_threads;
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   const int here = in.mesh ? in.placement.stages_per_process() * in.o.launch.local_world
-                           : in.r.parallel.pp * in.r.parallel.dp;
+                           : in.r.parallel.pp * in.r.parallel.dp * in.r.parallel.tp;
   return std::max(1, cores / here);
 }
 
@@ -158,13 +163,26 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
   const auto& r = in.r;
   const auto& pl = in.placement;
   const device_links links = make_links(in);
-  for (int d = 0; d < r.parallel.dp; ++d) {
+  const int tp = r.parallel.tp;
+  // The tensor group of each (replica, rank): its tp shards, one member each.
+  std::map<std::pair<int, int>, std::vector<std::shared_ptr<engine::tensor_group>>> groups;
+  for (int lane = 0; lane < r.parallel.dp * tp; ++lane) {
+    const int d = lane / tp, j = lane % tp;
     a.stages.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
       stage_config c;
       c.rank = p;
       c.replica = d;
       c.replicas = r.parallel.dp;
+      c.tp_rank = j;
+      c.tp = tp;
+      if (tp > 1) {
+        auto& members = groups[{d, p}];
+        if (members.empty())
+          members = engine::make_local_tensor_group(
+              tp, "tp group of stage " + std::to_string(p) + " · dp " + std::to_string(d));
+        c.tp_group = members[static_cast<std::size_t>(j)];
+      }
       c.model = r.model;
       c.layout = in.layout;
       c.seed = static_cast<std::uint64_t>(r.seed);
@@ -178,8 +196,9 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.recompute = r.activation_checkpoint.full();
       c.zero = static_cast<engine::zero_stage>(r.parallel.zero);
       c.compute_threads = compute_threads(in);
-      const std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
-      c.trace = add_track(a, in, name, "stage", p, d);
+      std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
+      if (tp > 1) name += " · tp " + std::to_string(j);
+      c.trace = add_track(a, in, name, "stage", p, lane);
       a.stages.back().push_back(
           place(sys, a, in, pl.stage_id(d, p), pl.process_of_stage(d, p), name, [&] {
             return in.chunks ? spawn_device_stage(sys, device_config(in, links, std::move(c)))
@@ -208,17 +227,22 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
     return;
   }
   if (r.parallel.dp == 1) return;
-  if (!in.mesh) {  // in-process: one reducer per rank sees every replica's bucket
+  if (!in.mesh) {  // in-process: one reducer per rank and tensor shard sees every replica's
     a.reducers.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
-      const std::string name = "dp reducer " + std::to_string(p);
-      reducer_config c{p, r.parallel.dp, add_track(a, in, name, "collective", p, -1), nullptr};
-      if (in.chunks && in.chunks->make_group) c.group = in.chunks->make_group(p, r.parallel.dp);
-      std::vector<caf::actor> replicas;
-      for (const auto& row : a.stages) replicas.push_back(row[static_cast<std::size_t>(p)]);
-      a.reducers[0].push_back(place(sys, a, in, 0, 0, name, [&] {
-        return spawn_dp_reducer(sys, std::move(c), a.tracer, replicas);
-      }));
+      for (int j = 0; j < tp; ++j) {
+        std::string name = "dp reducer " + std::to_string(p);
+        if (tp > 1) name += " · tp " + std::to_string(j);
+        reducer_config c{p, r.parallel.dp, add_track(a, in, name, "collective", p, -1), nullptr};
+        if (in.chunks && in.chunks->make_group) c.group = in.chunks->make_group(p, r.parallel.dp);
+        std::vector<caf::actor> replicas;
+        for (int d = 0; d < r.parallel.dp; ++d)
+          replicas.push_back(
+              a.stages[static_cast<std::size_t>(d * tp + j)][static_cast<std::size_t>(p)]);
+        a.reducers[0].push_back(place(sys, a, in, 0, 0, name, [&] {
+          return spawn_dp_reducer(sys, std::move(c), a.tracer, replicas);
+        }));
+      }
     }
     return;
   }
@@ -249,7 +273,9 @@ void make_samplers(build_inputs& in) {
 
 void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
   const auto& r = in.r;
-  for (int d = 0; d < r.parallel.dp; ++d) {
+  const int tp = r.parallel.tp;
+  for (int lane = 0; lane < r.parallel.dp * tp; ++lane) {  // tensor shards read the same data
+    const int d = lane / tp;
     loader_config c;
     c.replica = d;
     c.replicas = r.parallel.dp;
@@ -261,8 +287,9 @@ void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in
     c.seq_lens = in.seq_lens;
     c.train = in.train;
     c.val = in.val;
-    const std::string name = "data loader · dp " + std::to_string(d);
-    c.trace = add_track(a, in, name, "loader", -1, d);
+    std::string name = "data loader · dp " + std::to_string(d);
+    if (tp > 1) name += " · tp " + std::to_string(lane % tp);
+    c.trace = add_track(a, in, name, "loader", -1, lane);
     a.loaders.push_back(place(sys, a, in, in.placement.loader_id(d),
                               in.placement.process_of_loader(d), name,
                               [&] { return spawn_data_loader(sys, std::move(c)); }));
@@ -276,9 +303,10 @@ bool is_local(const run_actors& a, const caf::actor& h) {
 // Sends every local actor its peers (local actors or proxies).
 void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, caf::actor client) {
   const auto& r = in.r;
-  const int p = r.parallel.pp;
-  for (int d = 0; d < r.parallel.dp; ++d) {
-    auto& row = a.stages[static_cast<std::size_t>(d)];
+  const int p = r.parallel.pp, tp = r.parallel.tp;
+  for (int lane = 0; lane < r.parallel.dp * tp; ++lane) {
+    const int d = lane / tp, j = lane % tp;
+    auto& row = a.stages[static_cast<std::size_t>(lane)];
     for (int k = 0; k < p; ++k) {
       if (!is_local(a, row[static_cast<std::size_t>(k)])) continue;
       stage_wiring w;
@@ -290,13 +318,13 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
         }
         w.ranks.push_back(std::move(target));
       }
-      w.loader = a.loaders[static_cast<std::size_t>(d)];
+      w.loader = a.loaders[static_cast<std::size_t>(lane)];
       w.coordinator = a.coordinator;
       const bool per_replica = in.mesh || r.parallel.zero > 0;  // ring reducers or zero shards
       if (!a.reducers.empty())
         w.reducer = per_replica
                         ? a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)]
-                        : a.reducers[0][static_cast<std::size_t>(k)];
+                        : a.reducers[0][static_cast<std::size_t>(k * tp + j)];
       w.tracer = a.tracer;
       const int partner =
           k == in.layout.embedding_rank() ? in.layout.head_rank() : in.layout.embedding_rank();
@@ -310,9 +338,9 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
                                    a.reducers[next][static_cast<std::size_t>(k)], a.tracer});
       }
     }
-    if (is_local(a, a.loaders[static_cast<std::size_t>(d)]))
+    if (is_local(a, a.loaders[static_cast<std::size_t>(lane)]))
       caf::anon_send(
-          a.loaders[static_cast<std::size_t>(d)],
+          a.loaders[static_cast<std::size_t>(lane)],
           loader_wiring{row[0], row[static_cast<std::size_t>(in.layout.head_rank())], a.tracer});
   }
   if (in.rank != topology::job_placement::control_process) return;
@@ -405,6 +433,7 @@ void check_device_pipeline(const engine::recipe& r, const run_options& o,
   if (o.launch.world > 1)
     throw engine::recipe_error("a job of " + std::to_string(o.launch.world) + " processes" + why);
   if (seq_lens.size() > 1) throw engine::recipe_error("variable sequence lengths" + why);
+  if (r.parallel.tp > 1) throw engine::recipe_error("key parallel.tp: tensor parallelism" + why);
 }
 
 }  // namespace
@@ -421,6 +450,10 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   in.chunks = o.device_chunks;
   if (r.device == "cuda" || in.chunks) check_device_pipeline(r, o, in.seq_lens);
+  if (r.parallel.tp > 1 && multi)
+    throw engine::recipe_error("key parallel.tp: tensor shards of a job of " +
+                               std::to_string(o.launch.world) +
+                               " processes (not built yet: the shards of a stage share a process)");
   for (int T : in.seq_lens)
     if (T < 1 || T > r.model.context)
       throw engine::recipe_error("sequence length " + std::to_string(T) + " is outside [1, " +
@@ -465,8 +498,9 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
       std::to_string(in.data.val.size()) + " tokens; unigram entropy " +
       std::to_string(res.summary.unigram_entropy) + " nats/token");
   say("actors: pp " + std::to_string(r.parallel.pp) + " x dp " + std::to_string(r.parallel.dp) +
-      ", schedule " + r.parallel.schedule + ", " + std::to_string(r.parallel.micro_batches) +
-      " micro-batches x " + std::to_string(r.batch.grad_accum) + " rounds per step" +
+      (r.parallel.tp > 1 ? " x tp " + std::to_string(r.parallel.tp) : "") + ", schedule " +
+      r.parallel.schedule + ", " + std::to_string(r.parallel.micro_batches) + " micro-batches x " +
+      std::to_string(r.batch.grad_accum) + " rounds per step" +
       (multi ? ", " + std::to_string(o.launch.world) + " processes (" + o.launch.describe() + ")"
              : ""));
 
@@ -509,7 +543,8 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     cc.steps = r.steps;
     cc.rounds = r.batch.grad_accum;
     cc.ranks = r.parallel.pp;
-    cc.replicas = r.parallel.dp;
+    cc.replicas = r.parallel.dp * r.parallel.tp;  // lanes
+    cc.tp = r.parallel.tp;
     cc.sharded_grads = r.parallel.zero > 0;
     const bool has_val = !in.data.val.empty() && r.eval_interval > 0;
     cc.eval_interval = has_val ? r.eval_interval : 0;
@@ -550,22 +585,40 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     if (failure.empty() && my_rank == control && collect) {
       // ZeRO-3 stages answer after gathering their parameters from every replica (a
       // collective): ask every replica at once, before waiting for any answer.
+      // Tensor shards answer with their slices: a replica's parameters are its lanes' slices
+      // put back together.
       const int asked = o.check_replicas || r.parallel.zero == 3 ? r.parallel.dp : 1;
+      const int tp = r.parallel.tp;
       std::vector<
           std::vector<decltype(client->request(a.stages[0][0], caf::infinite, snapshot_request{}))>>
-          answers(static_cast<std::size_t>(asked));
-      for (int d = 0; d < asked; ++d)
-        for (const auto& st : a.stages[static_cast<std::size_t>(d)])
-          answers[static_cast<std::size_t>(d)].push_back(
+          answers(static_cast<std::size_t>(asked * tp));
+      for (int lane = 0; lane < asked * tp; ++lane)
+        for (const auto& st : a.stages[static_cast<std::size_t>(lane)])
+          answers[static_cast<std::size_t>(lane)].push_back(
               client->request(st, std::chrono::seconds(120), snapshot_request{}));
       for (int d = 0; d < asked; ++d) {
         std::map<std::string, std::vector<float>> params;
-        for (auto& answer : answers[static_cast<std::size_t>(d)]) {
-          answer.receive(
-              [&](stage_snapshot& s) {
-                for (auto& [name, v] : s.parameters) params.emplace(name, std::move(v));
-              },
-              [&](caf::error& e) { failure = "snapshot failed: " + to_string(e); });
+        for (int j = 0; j < tp; ++j) {
+          std::map<std::string, const engine::parameter_info*> info;
+          const auto layout =
+              engine::stage_parameter_layout(r.model, engine::stage_range::whole(r.model), {j, tp});
+          for (const auto& p : layout) info[p.name] = &p;
+          for (auto& answer : answers[static_cast<std::size_t>(d * tp + j)]) {
+            answer.receive(
+                [&](stage_snapshot& s) {
+                  for (auto& [name, v] : s.parameters) {
+                    if (tp == 1) {
+                      params.emplace(name, std::move(v));
+                      continue;
+                    }
+                    const auto& p = *info.at(name);
+                    auto& whole = params[name];
+                    whole.resize(static_cast<std::size_t>(kernels::shape_numel(p.full_shape)));
+                    engine::put_shard(p, {j, tp}, v.data(), whole.data());
+                  }
+                },
+                [&](caf::error& e) { failure = "snapshot failed: " + to_string(e); });
+          }
         }
         if (!o.check_replicas && d > 0) continue;
         if (d == 0) {

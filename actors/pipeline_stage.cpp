@@ -51,6 +51,9 @@ class stage_impl : public stage_actor::base {
   // Handles to peers form cycles (a stage may even be its own tied partner): drop them on
   // exit so that every actor can be destroyed.
   void on_exit() override {
+    // A shard that stops (failed, or the run is torn down) must not leave its peers waiting in
+    // a collective: they throw, naming this stage, and stop too.
+    if (cfg_.tp_group) cfg_.tp_group->abort(who() + " stopped");
     wiring_ = {};
     held_.clear();
     stash_links_.clear();
@@ -83,8 +86,11 @@ class stage_impl : public stage_actor::base {
 
  private:
   std::string who() const {
-    return "stage rank " + std::to_string(cfg_.rank) + " replica " + std::to_string(cfg_.replica);
+    return "stage rank " + std::to_string(cfg_.rank) + " replica " + std::to_string(cfg_.replica) +
+           (cfg_.tp > 1 ? " tp " + std::to_string(cfg_.tp_rank) : "");
   }
+  // This shard's place among all stage actors of a rank, as the coordinator counts them.
+  int lane() const { return cfg_.replica * cfg_.tp + cfg_.tp_rank; }
   int last_stage() const { return cfg_.layout.stage_count() - 1; }
   bool zero() const { return cfg_.zero != engine::zero_stage::none; }
   bool release_grads() const { return cfg_.zero >= engine::zero_stage::gradients; }
@@ -118,9 +124,10 @@ class stage_impl : public stage_actor::base {
   int my_rank() const { return cfg_.rank; }
 
   void init_chunks() {
-    compute_ =
-        std::make_unique<engine::stage_compute>(cfg_.model, cfg_.layout.rank_chunks(cfg_.rank),
-                                                /*optimizer_state=*/!zero(), cfg_.recompute);
+    compute_ = std::make_unique<engine::stage_compute>(
+        cfg_.model, cfg_.layout.rank_chunks(cfg_.rank),
+        /*optimizer_state=*/!zero(), cfg_.recompute, engine::tensor_shard{cfg_.tp_rank, cfg_.tp},
+        cfg_.tp_group);
     std::vector<engine::gpt_stage*> chunks;
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       auto& st = compute_->chunk(c);
@@ -673,8 +680,7 @@ class stage_impl : public stage_actor::base {
   void finish_compute() {
     if (plan_.eval) {
       if (head_chunk_ >= 0)
-        caf::anon_send(wiring_.coordinator,
-                       eval_done{plan_.step, cfg_.replica, loss_sum_, losses_});
+        caf::anon_send(wiring_.coordinator, eval_done{plan_.step, lane(), loss_sum_, losses_});
       flush_trace();
       return;
     }
@@ -699,7 +705,7 @@ class stage_impl : public stage_actor::base {
       }
     }
     caf::anon_send(wiring_.coordinator,
-                   grads_ready{plan_.step, my_rank(), cfg_.replica, sq, loss_sum_, losses_});
+                   grads_ready{plan_.step, my_rank(), lane(), sq, loss_sum_, losses_});
   }
 
   // A skipped update (the coordinator's guard) drops the step's gradients and leaves the
@@ -721,7 +727,7 @@ class stage_impl : public stage_actor::base {
       st.zero_grad();
     }
     if (!u.skip) cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
-    caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), cfg_.replica, lr, memory()});
+    caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), lane(), lr, memory()});
     flush_trace();
   }
 
@@ -733,7 +739,7 @@ class stage_impl : public stage_actor::base {
     mem.optimizer += d.memory.optimizer;
     mem.gradients += d.memory.gradients;
     mem.buffers += d.memory.buffers;
-    caf::anon_send(wiring_.coordinator, update_done{d.step, my_rank(), cfg_.replica, d.lr, mem});
+    caf::anon_send(wiring_.coordinator, update_done{d.step, my_rank(), lane(), d.lr, mem});
     flush_trace();
   }
 
@@ -743,7 +749,7 @@ class stage_impl : public stage_actor::base {
   // Released pages kept for reuse (the page pools) count as pooled.
   engine::memory_report memory() const {
     engine::memory_report m;
-    m.replica = cfg_.replica;
+    m.replica = lane();
     m.rank = my_rank();
     for (int c = 0; c < compute_->chunk_count(); ++c) {
       const auto& st = compute_->chunk(c);

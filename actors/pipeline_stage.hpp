@@ -3,13 +3,19 @@
 // (stashing messages that arrive early: the plan, not arrival order, decides what runs),
 // sends activations and gradients under link credits, hands final gradient buckets to the
 // data-parallel reducer while backward continues, and applies the coordinator's update.
+// With tensor parallelism (tp > 1) it is one of the tp tensor-shard actors of its rank: it
+// holds its shard of every chunk and calls its group's collectives inside the passes; its
+// pipeline neighbours are the same shard of the neighbouring ranks (a "lane" of shards), so the
+// tp shards act as one stage towards the pipeline (docs/parallel.md).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "engine/optimizer.hpp"
 #include "engine/pipeline_layout.hpp"
+#include "engine/tensor_group.hpp"
 #include "engine/trace_recorder.hpp"
 #include "engine/zero.hpp"
 #include "messages/protocols.hpp"
@@ -20,6 +26,11 @@ struct stage_config {
   int rank = 0;
   int replica = 0;
   int replicas = 1;
+  // Tensor parallelism: this actor's shard and its group's member (null when tp == 1). Its
+  // reports to the coordinator name lane replica * tp + tp_rank.
+  int tp_rank = 0;
+  int tp = 1;
+  std::shared_ptr<engine::tensor_group> tp_group;
   engine::gpt_config model;
   engine::pipeline_layout layout;
   std::uint64_t seed = 0;

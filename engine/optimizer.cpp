@@ -24,6 +24,7 @@ double grad_square_sum(const gpt_stage& stage, bool count_tied_copy) {
   const bool tied_copy = stage.range().head && !stage.range().embedding;
   for (const auto& p : stage.parameters()) {
     if (tied_copy && !count_tied_copy && p.name == "transformer.wte.weight") continue;
+    if (stage.shard().rank > 0 && p.split == tensor_split::replicated) continue;  // shard 0's
     const kernels::gradient_span g{stage.grads() + p.offset, p.numel};
     const double n = kernels::global_grad_norm({&g, 1});
     sum += n * n;

@@ -96,6 +96,7 @@ const std::map<std::string, field>& schema() {
       {"output.weights", nested(&recipe::output, &output_config::weights)},
       {"parallel.pp", nested(&recipe::parallel, &parallel_config::pp)},
       {"parallel.dp", nested(&recipe::parallel, &parallel_config::dp)},
+      {"parallel.tp", nested(&recipe::parallel, &parallel_config::tp)},
       {"parallel.schedule", nested(&recipe::parallel, &parallel_config::schedule)},
       {"parallel.virtual_stages", nested(&recipe::parallel, &parallel_config::virtual_stages)},
       {"parallel.micro_batches", nested(&recipe::parallel, &parallel_config::micro_batches)},
@@ -235,6 +236,14 @@ void validate_parallel(const recipe& r) {
   const auto& p = r.parallel;
   require(p.pp >= 1, "parallel.pp", "must be >= 1");
   require(p.dp >= 1, "parallel.dp", "must be >= 1");
+  require(p.tp >= 1, "parallel.tp", "must be >= 1");
+  try {
+    check_tensor_parallel(r.model, p.tp);
+  } catch (const std::invalid_argument& e) {
+    throw recipe_error(std::string("key ") + e.what());
+  }
+  require(p.tp == 1 || p.zero == 0, "parallel.zero",
+          "ZeRO over tensor shards (parallel.tp > 1) is not built yet; use parallel.zero = 0");
   require(p.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1");
   require(p.micro_batches >= 1, "parallel.micro_batches", "must be >= 1");
   require(p.link_credits >= 0, "parallel.link_credits", "must be >= 0 (0: micro_batches)");

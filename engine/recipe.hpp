@@ -44,6 +44,7 @@ struct output_config {
 struct parallel_config {
   int pp = 1;                     // pipeline ranks (stage actors per replica)
   int dp = 1;                     // data-parallel replicas
+  int tp = 1;                     // tensor shards per stage (Megatron-style tensor parallelism)
   std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zb_h1 | registered name
   int virtual_stages = 1;         // model chunks per pipeline rank (interleaved: >= 2)
   int micro_batches = 1;          // per pipeline pass and replica
