@@ -32,19 +32,19 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r) {
     rank_memory_plan p;
     p.rank = rank;
     const bool recompute = r.activation_checkpoint.full();
-    const int B = r.batch.micro_batch, T = r.batch.seq_len;
+    const int B = r.batch.micro_batch, T = r.batch.seq_len, tp = r.parallel.tp;
     std::int64_t act = 0, act_plain = 0;
-    for (const auto& range : layout.rank_chunks(rank)) {
-      const auto params = stage_parameter_layout(r.model, range);
+    for (const auto& range : layout.rank_chunks(rank)) {  // one tensor shard's (all the same)
+      const auto params = stage_parameter_layout(r.model, range, {0, tp});
       if (!params.empty()) p.parameters += params.back().offset + params.back().numel;
-      act += activation_bytes(r.model, range, B, T, recompute, plan.split_backward);
-      act_plain += activation_bytes(r.model, range, B, T, false, plan.split_backward);
+      act += activation_bytes(r.model, range, B, T, recompute, plan.split_backward, tp);
+      act_plain += activation_bytes(r.model, range, B, T, false, plan.split_backward, tp);
     }
     // Chunks of a rank hold their micro-batches separately: the walk below counts live
     // (chunk, micro-batch) pairs, each charged the rank's mean chunk size.
     const auto chunks = static_cast<std::int64_t>(layout.rank_chunks(rank).size());
     p.activation_bytes_per_micro_batch = act / chunks;
-    if (recompute) p.recompute_scratch = block_scratch_bytes(r.model, B, T);
+    if (recompute) p.recompute_scratch = block_scratch_bytes(r.model, B, T, tp);
     const auto release = plan.split_backward ? action_kind::weight : action_kind::backward;
     int live = 0;
     for (const auto& a : plan.ranks.at(static_cast<std::size_t>(rank))) {
@@ -63,9 +63,12 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r) {
 std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_plan>& plan) {
   static const char* formulas[] = {"16 psi (DDP)", "8 psi + 8 psi/N (ZeRO-1)",
                                    "4 psi + 12 psi/N (ZeRO-2)", "16 psi/N (ZeRO-3)"};
-  std::string s = "memory plan per rank (every replica the same), fp32 AdamW, N = parallel.dp = " +
-                  std::to_string(r.parallel.dp) + ", model state " +
-                  formulas[std::clamp(r.parallel.zero, 0, 3)] + ":\n";
+  std::string s =
+      std::string("memory plan per rank (every replica ") +
+      (r.parallel.tp > 1 ? "and each of its " + std::to_string(r.parallel.tp) + " tensor shards "
+                         : "") +
+      "the same), fp32 AdamW, N = parallel.dp = " + std::to_string(r.parallel.dp) +
+      ", model state " + formulas[std::clamp(r.parallel.zero, 0, 3)] + ":\n";
   char line[256];
   std::snprintf(line, sizeof line, "%-5s %12s %12s %12s %12s %12s %14s %12s\n", "rank", "psi",
                 "parameters", "gradients", "optimizer", "model state", "activations", "total");

@@ -4,6 +4,7 @@
 // back together are the parameters of a run without tensor parallelism, a shard that dies ends
 // the run naming it (its peers, waiting in a collective, do not hang), and a model that cannot
 // be split is refused naming parallel.tp.
+#include "engine/memory_plan.hpp"
 #include "tests/actors/actor_test_util.hpp"
 
 namespace troupe::actors::test {
@@ -103,6 +104,31 @@ TEST_CASE("the shards' slices put together are the parameters of an unsharded ru
       mag = std::max(mag, std::abs(double(w[i])));
     }
     CHECK(diff <= 1e-4 * mag);
+  }
+}
+
+TEST_CASE("each shard holds what the dry-run plans for a shard", "[actors][tensor_parallel]") {
+  temp_dir dir;
+  for (const bool full : {false, true}) {
+    INFO((full ? "checkpointed" : "not checkpointed"));
+    engine::recipe r = with(tp_recipe(dir), configs()[1]);  // PP=2 x TP=2
+    r.activation_checkpoint.mode = full ? "full" : "none";
+    r.steps = 2;
+    const auto plan = engine::plan_memory(r);
+    r.parallel.tp = 1;
+    const auto unsharded = engine::plan_memory(r);
+    r.parallel.tp = 2;
+    const auto steps = run_actors(r).steps;
+    REQUIRE(steps.back().memory.size() == 4);  // 2 ranks x 2 shards
+    for (const auto& m : steps.back().memory) {
+      const auto& p = plan.at(static_cast<std::size_t>(m.rank));
+      INFO("lane " << m.replica << " rank " << m.rank);
+      CHECK(m.activations == p.activation_bytes());
+      CHECK(m.parameters == p.parameters * 4);
+      CHECK(p.parameters < unsharded.at(static_cast<std::size_t>(m.rank)).parameters);
+      CHECK(p.activation_bytes() <
+            unsharded.at(static_cast<std::size_t>(m.rank)).activation_bytes());
+    }
   }
 }
 
