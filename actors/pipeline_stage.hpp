@@ -6,7 +6,7 @@
 // With tensor parallelism (tp > 1) it is one of the tp tensor-shard actors of its rank: it
 // holds its shard of every chunk and calls its group's collectives inside the passes; its
 // pipeline neighbours are the same shard of the neighbouring ranks (a "lane" of shards), so the
-// tp shards act as one stage towards the pipeline (docs/parallel.md).
+// tp shards act as one stage towards the pipeline (docs/tensor_parallel.md).
 #pragma once
 
 #include <cstdint>

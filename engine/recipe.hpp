@@ -40,7 +40,7 @@ struct output_config {
   std::string weights = "final.safetensors";
 };
 
-// How the model is spread over actors (docs/parallel.md).
+// How the model is spread over actors (docs/pipeline.md, docs/zero.md, docs/tensor_parallel.md).
 struct parallel_config {
   int pp = 1;                     // pipeline ranks (stage actors per replica)
   int dp = 1;                     // data-parallel replicas
