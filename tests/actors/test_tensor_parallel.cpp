@@ -1,7 +1,7 @@
-// Tensor parallelism on the actor engine (docs/tensor_parallel.md): t tensor-shard actors per stage.
-// Every configuration's losses and gradient norms equal the serial run's within 1e-5 relative
-// over 20 steps (also with gradient accumulation and with evaluation), the shards' slices put
-// back together are the parameters of a run without tensor parallelism, a shard that dies ends
+// Tensor parallelism on the actor engine (docs/tensor_parallel.md): t tensor-shard actors per
+// stage. Every configuration's losses and gradient norms equal the serial run's within 1e-5
+// relative over 20 steps (also with gradient accumulation and with evaluation), the shards' slices
+// put back together are the parameters of a run without tensor parallelism, a shard that dies ends
 // the run naming it (its peers, waiting in a collective, do not hang), and a model that cannot
 // be split is refused naming parallel.tp.
 #include "engine/memory_plan.hpp"
