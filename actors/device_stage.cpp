@@ -89,6 +89,8 @@ class device_stage_impl : public stage_actor::base {
 
   // Handles to peers form cycles: drop them on exit so that every actor can be destroyed.
   void on_exit() override {
+    // A tensor shard that stops must not leave its peers waiting in a collective.
+    if (cfg_.tp_member) cfg_.tp_member->abort(who() + " stopped");
     wiring_ = {};
     held_.clear();
     stash_links_.clear();
@@ -121,14 +123,16 @@ class device_stage_impl : public stage_actor::base {
  private:
   std::string who() const {
     return "device stage rank " + std::to_string(sc_.rank) + " replica " +
-           std::to_string(sc_.replica);
+           std::to_string(sc_.replica) + (sc_.tp > 1 ? " tp " + std::to_string(sc_.tp_rank) : "");
   }
+  // This shard's place among all stage actors of a rank, as the coordinator counts them.
+  int lane() const { return sc_.replica * sc_.tp + sc_.tp_rank; }
   int last_stage() const { return sc_.layout.stage_count() - 1; }
 
   void init_chunks() {
     std::vector<std::vector<engine::grad_block>> blocks;
     for (const auto& range : sc_.layout.rank_chunks(sc_.rank)) {
-      engine::gpt_stage host(sc_.model, range);
+      engine::gpt_stage host(sc_.model, range, {sc_.tp_rank, sc_.tp});
       if (sc_.init.empty()) {
         host.init_gpt2(sc_.seed);
       } else {
@@ -136,7 +140,7 @@ class device_stage_impl : public stage_actor::base {
       }
       const int c = static_cast<int>(chunks_.size());
       chunks_.push_back(
-          cfg_.chunks->make_chunk(host, cfg_.B, cfg_.T, cfg_.slots, sc_.rank, sc_.replica));
+          cfg_.chunks->make_chunk(host, cfg_.B, cfg_.T, cfg_.slots, sc_.rank, lane(), cfg_.tp_member));
       slots_.emplace_back(cfg_.slots);
       blocks.push_back(engine::stage_grad_blocks(host));
       if (range.embedding) embedding_chunk_ = c;
@@ -481,7 +485,7 @@ class device_stage_impl : public stage_actor::base {
   void finish_compute() {
     if (plan_.eval) {
       if (head_chunk_ >= 0)
-        caf::anon_send(wiring_.coordinator, eval_done{plan_.step, sc_.replica, loss_sum_, losses_});
+        caf::anon_send(wiring_.coordinator, eval_done{plan_.step, lane(), loss_sum_, losses_});
       flush_trace();
       return;
     }
@@ -557,7 +561,7 @@ class device_stage_impl : public stage_actor::base {
       sq += chunk(c).grad_square_sum(!(r.head && !r.embedding));
     }
     caf::anon_send(wiring_.coordinator,
-                   grads_ready{plan_.step, sc_.rank, sc_.replica, sq, loss_sum_, losses_});
+                   grads_ready{plan_.step, sc_.rank, lane(), sq, loss_sum_, losses_});
   }
 
   // A skipped update (the coordinator's guard) drops the step's gradients.
@@ -569,7 +573,7 @@ class device_stage_impl : public stage_actor::base {
       ch->zero_grad();
     }
     if (!u.skip) sc_.trace.span("optimizer", "AdamW", t0, sc_.trace.now_us(), {u.step});
-    caf::anon_send(wiring_.coordinator, update_done{u.step, sc_.rank, sc_.replica, lr, memory()});
+    caf::anon_send(wiring_.coordinator, update_done{u.step, sc_.rank, lane(), lr, memory()});
     flush_trace();
   }
 
@@ -577,7 +581,7 @@ class device_stage_impl : public stage_actor::base {
   // allocated (16-bit weights, activations, scratch) counts as activations.
   engine::memory_report memory() const {
     engine::memory_report m;
-    m.replica = sc_.replica;
+    m.replica = lane();
     m.rank = sc_.rank;
     for (const auto& ch : chunks_) {
       const std::int64_t bytes = ch->parameter_count() * static_cast<std::int64_t>(sizeof(float));

@@ -7,6 +7,9 @@
 // rank's reducer with an event, as the CPU stage sends them in host memory (D4 in the .cpp).
 // docs/gpu.md gives the message sequence.
 //
+// With tensor parallelism it is one shard's actor, as the CPU stage is (pipeline_stage.hpp): its
+// chunks hold the shard's slices and meet the other shards' in collectives on their devices.
+//
 // Not built yet on devices (pipeline_run refuses them with the reason): ZeRO, split-backward
 // (zero-bubble) schedules, variable sequence lengths, several processes.
 #pragma once
@@ -29,6 +32,9 @@ struct device_stage_config {
   // A rank with one copy of the tied wte (the embedding's or the head's, the other on another
   // rank): the links that carry its gradient to the other copy's rank and back.
   std::shared_ptr<engine::chunk_link> tied_send, tied_receive;
+  // Tensor parallelism (stage.tp > 1): this shard's member of its (replica, rank) tensor group
+  // (chunk_factory::make_tensor_group's), handed to its chunks and aborted when the actor stops.
+  std::shared_ptr<engine::group_member> tp_member;
 };
 
 messages::stage_actor spawn_device_stage(caf::actor_system& system, device_stage_config config);

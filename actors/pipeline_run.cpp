@@ -109,7 +109,7 @@ std::int64_t tokens_per_step(const build_inputs& in) {
   return t * r.parallel.dp;
 }
 
-// The links of a device pipeline, by (replica, sending rank, receiving rank): both directions
+// The links of a device pipeline, by (lane, sending rank, receiving rank): both directions
 // between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
 // share it), and, apart, between the embedding's rank and the head's for the tied wte.
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
@@ -121,7 +121,7 @@ device_links make_links(const build_inputs& in) {
   if (!in.chunks) return links;
   const auto& L = in.layout;
   const int embedding = L.rank_of(0), head = L.rank_of(L.stage_count() - 1);
-  for (int d = 0; d < in.r.parallel.dp; ++d) {
+  for (int d = 0; d < in.r.parallel.dp * in.r.parallel.tp; ++d) {
     for (int s = 0; s + 1 < L.stage_count(); ++s) {
       const int a = L.rank_of(s), b = L.rank_of(s + 1);
       for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
@@ -143,15 +143,16 @@ device_stage_config device_config(const build_inputs& in, const device_links& li
   dc.T = in.seq_lens.front();
   dc.slots = engine::device_stage_slots(in.r, c.rank);
   dc.chunks = in.chunks;
+  const int lane = c.replica * c.tp + c.tp_rank;
   for (const auto& [key, link] : links.pipeline) {
     const auto [d, from, to] = key;
-    if (d != c.replica) continue;
+    if (d != lane) continue;
     if (from == c.rank) dc.send_links[to] = link;
     if (to == c.rank) dc.receive_links[from] = link;
   }
   for (const auto& [key, link] : links.tied) {
     const auto [d, from, to] = key;
-    if (d != c.replica) continue;
+    if (d != lane) continue;
     if (from == c.rank) dc.tied_send = link;
     if (to == c.rank) dc.tied_receive = link;
   }
@@ -164,8 +165,9 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
   const auto& pl = in.placement;
   const device_links links = make_links(in);
   const int tp = r.parallel.tp;
-  // The tensor group of each (replica, rank): its tp shards, one member each.
-  std::map<std::pair<int, int>, std::vector<std::shared_ptr<engine::tensor_group>>> groups;
+  // The tensor group of each (replica, rank): its tp shards, one member each (on the host, or
+  // the device chunks' kind).
+  std::map<std::pair<int, int>, std::vector<std::shared_ptr<engine::group_member>>> groups;
   for (int lane = 0; lane < r.parallel.dp * tp; ++lane) {
     const int d = lane / tp, j = lane % tp;
     a.stages.emplace_back();
@@ -176,12 +178,20 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.replicas = r.parallel.dp;
       c.tp_rank = j;
       c.tp = tp;
+      std::shared_ptr<engine::group_member> member;
       if (tp > 1) {
         auto& members = groups[{d, p}];
-        if (members.empty())
-          members = engine::make_local_tensor_group(
-              tp, "tp group of stage " + std::to_string(p) + " · dp " + std::to_string(d));
-        c.tp_group = members[static_cast<std::size_t>(j)];
+        if (members.empty()) {
+          if (in.chunks) {
+            members = in.chunks->make_tensor_group(p, d, tp);
+          } else {
+            auto host = engine::make_local_tensor_group(
+                tp, "tp group of stage " + std::to_string(p) + " · dp " + std::to_string(d));
+            members.assign(host.begin(), host.end());
+          }
+        }
+        member = members.at(static_cast<std::size_t>(j));
+        if (!in.chunks) c.tp_group = std::dynamic_pointer_cast<engine::tensor_group>(member);
       }
       c.model = r.model;
       c.layout = in.layout;
@@ -201,8 +211,10 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.trace = add_track(a, in, name, "stage", p, lane);
       a.stages.back().push_back(
           place(sys, a, in, pl.stage_id(d, p), pl.process_of_stage(d, p), name, [&] {
-            return in.chunks ? spawn_device_stage(sys, device_config(in, links, std::move(c)))
-                             : spawn_pipeline_stage(sys, std::move(c));
+            if (!in.chunks) return spawn_pipeline_stage(sys, std::move(c));
+            auto dc = device_config(in, links, std::move(c));
+            dc.tp_member = member;
+            return spawn_device_stage(sys, std::move(dc));
           }));
     }
   }
@@ -234,7 +246,8 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
         std::string name = "dp reducer " + std::to_string(p);
         if (tp > 1) name += " · tp " + std::to_string(j);
         reducer_config c{p, r.parallel.dp, add_track(a, in, name, "collective", p, -1), nullptr};
-        if (in.chunks && in.chunks->make_group) c.group = in.chunks->make_group(p, r.parallel.dp);
+        if (in.chunks && in.chunks->make_group)
+          c.group = in.chunks->make_group(p, j, r.parallel.dp);
         std::vector<caf::actor> replicas;
         for (int d = 0; d < r.parallel.dp; ++d)
           replicas.push_back(
@@ -427,13 +440,16 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
 
 // What device pipeline stages do not do yet, refused before anything is written.
 void check_device_pipeline(const engine::recipe& r, const run_options& o,
-                           const std::vector<int>& seq_lens) {
+                           const std::vector<int>& seq_lens,
+                           const std::shared_ptr<const engine::chunk_factory>& chunks) {
   const std::string why = " (device " + r.device + ": pipelines of device stages; not built yet)";
   if (r.parallel.zero > 0) throw engine::recipe_error("key parallel.zero: ZeRO" + why);
   if (o.launch.world > 1)
     throw engine::recipe_error("a job of " + std::to_string(o.launch.world) + " processes" + why);
   if (seq_lens.size() > 1) throw engine::recipe_error("variable sequence lengths" + why);
-  if (r.parallel.tp > 1) throw engine::recipe_error("key parallel.tp: tensor parallelism" + why);
+  if (r.parallel.tp > 1 && chunks && !chunks->make_tensor_group)
+    throw engine::recipe_error("key parallel.tp: tensor parallelism on " + chunks->name +
+                               " chunks" + why);
 }
 
 }  // namespace
@@ -449,7 +465,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   in.chunks = o.device_chunks;
-  if (r.device == "cuda" || in.chunks) check_device_pipeline(r, o, in.seq_lens);
+  if (r.device == "cuda" || in.chunks) check_device_pipeline(r, o, in.seq_lens, in.chunks);
   if (r.parallel.tp > 1 && multi)
     throw engine::recipe_error("key parallel.tp: tensor shards of a job of " +
                                std::to_string(o.launch.world) +
@@ -476,7 +492,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     engine::gpu_trainer_options go;
     go.dtype = engine::parse_compute_dtype(r.precision.dtype);
     go.recompute = r.activation_checkpoint.full();
-    in.chunks = std::make_shared<engine::chunk_factory>(engine::cuda_chunks(go, r.parallel.pp));
+    in.chunks = std::make_shared<engine::chunk_factory>(engine::cuda_chunks(go, r.parallel.pp, r.parallel.tp));
   }
   // 2. Outputs (rank 0 only).
   std::optional<engine::jsonl_writer> metrics;

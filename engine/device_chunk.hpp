@@ -111,32 +111,44 @@ class replica_group {
   virtual std::string describe() const = 0;
 };
 
-// How a device pipeline makes its chunks and links. The CUDA kind places pipeline rank r of
-// replica d on device (d * pp + r) % devices (make_cuda_chunks); the host kind is for tests.
+// How a device pipeline makes its chunks and links. A lane is one tensor shard of one
+// data-parallel replica: lane d * tp + j is shard j of replica d (lanes are replicas without
+// tensor parallelism). The CUDA kind places pipeline rank r of lane d * tp + j on device
+// ((d * pp + r) * tp + j) % devices, the shards of a rank on neighbouring devices
+// (cuda_chunks); the host kind is for tests.
 struct chunk_factory {
   std::string name;  // "cuda", "host"
-  // The chunk of `weights` for micro-batches of B x T with `slots` in flight, for pipeline rank
-  // `rank` of replica `replica`.
+  // The chunk of `weights` (a tensor shard's slice when weights.shard() is split) for
+  // micro-batches of B x T with `slots` in flight, for pipeline rank `rank` of lane `lane`.
+  // tp_member: the shard's member of its (replica, rank) tensor group (make_tensor_group's),
+  // null without tensor parallelism.
   std::function<std::unique_ptr<device_chunk>(const gpt_stage& weights, int B, int T, int slots,
-                                              int rank, int replica)>
+                                              int rank, int lane,
+                                              std::shared_ptr<group_member> tp_member)>
       make_chunk;
-  // The link carrying payloads from pipeline rank `from` to rank `to` of one replica (from may
+  // The link carrying payloads from pipeline rank `from` to rank `to` of one lane (from may
   // equal to: chunks of one rank). One object serves both ends.
-  std::function<std::shared_ptr<chunk_link>(int from, int to, int replica)> make_link;
-  // The data-parallel group of pipeline rank `rank` over `replicas` replicas. Unset: the chunks'
-  // gradients are host memory, and the host's ring-order mean (topology::ring_order_mean)
-  // serves them.
-  std::function<std::shared_ptr<replica_group>(int rank, int replicas)> make_group;
+  std::function<std::shared_ptr<chunk_link>(int from, int to, int lane)> make_link;
+  // The data-parallel group of tensor shard `shard` of pipeline rank `rank` over `replicas`
+  // replicas. Unset: the chunks' gradients are host memory, and the host's ring-order mean
+  // (topology::ring_order_mean) serves them.
+  std::function<std::shared_ptr<replica_group>(int rank, int shard, int replicas)> make_group;
+  // The tensor-parallel group of pipeline rank `rank` of replica `replica`: member j for shard
+  // j's chunks (every chunk of the rank's shard uses it, one pass at a time). Unset: this kind
+  // has no tensor parallelism.
+  std::function<std::vector<std::shared_ptr<group_member>>(int rank, int replica, int tp)>
+      make_tensor_group;
 };
 
-// CUDA chunks (gpu_stage) for a pipeline of `pp` ranks, and links between them: a staged copy
-// when both ends share a device, otherwise an NCCL group of two for each direction. A replica
-// group is one NCCL communicator per replica (ncclAvg, one group call) when the replicas of a
-// rank sit on distinct devices, a mean kernel when they share one device. Throws
+// CUDA chunks (gpu_stage) for a pipeline of `pp` ranks of `tp` tensor shards each, and links
+// between them: a staged copy when both ends share a device, otherwise an NCCL group of two for
+// each direction. A replica group is one NCCL communicator per replica (ncclAvg, one group call)
+// when the replicas of a rank sit on distinct devices, a mean kernel when they share one device;
+// a tensor group likewise (make_device_tensor_group). Throws
 // std::runtime_error saying why in a build or on a machine without CUDA.
-chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp);
+chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp = 1);
 // Host chunks and links: the CPU engine's arithmetic (engine::stage_compute) behind the device
-// contracts, bitwise the CPU pipeline's numbers.
+// contracts, bitwise the CPU pipeline's numbers; tensor groups are make_local_tensor_group's.
 chunk_factory host_chunks(bool recompute);
 
 }  // namespace troupe::engine

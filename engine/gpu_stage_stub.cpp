@@ -18,7 +18,7 @@ struct gpu_stage::impl {
   std::vector<parameter_info> layout;
 };
 
-chunk_factory cuda_chunks(const gpu_trainer_options&, int) {
+chunk_factory cuda_chunks(const gpu_trainer_options&, int, int) {
   std::string why;
   cuda_training_available(&why);
   throw std::runtime_error("--device cuda: " + why);

@@ -16,8 +16,10 @@ namespace {
 
 class host_chunk final : public device_chunk {
  public:
-  host_chunk(const gpt_stage& weights, int B, int T, int slots, bool recompute)
-      : compute_(weights.config(), {weights.range()}, /*optimizer_state=*/true, recompute),
+  host_chunk(const gpt_stage& weights, int B, int T, int slots, bool recompute,
+             std::shared_ptr<tensor_group> group)
+      : compute_(weights.config(), {weights.range()}, /*optimizer_state=*/true, recompute,
+                 weights.shard(), std::move(group)),
         B_(B),
         T_(T) {
     if (slots < 1) throw std::invalid_argument("host_chunk: at least one slot");
@@ -189,12 +191,20 @@ class host_link final : public chunk_link {
 chunk_factory host_chunks(bool recompute) {
   chunk_factory f;
   f.name = "host";
-  f.make_chunk = [recompute](const gpt_stage& weights, int B, int T, int slots, int,
-                             int) -> std::unique_ptr<device_chunk> {
-    return std::make_unique<host_chunk>(weights, B, T, slots, recompute);
+  f.make_chunk = [recompute](const gpt_stage& weights, int B, int T, int slots, int, int,
+                             std::shared_ptr<group_member> member) -> std::unique_ptr<device_chunk> {
+    auto group = std::dynamic_pointer_cast<tensor_group>(member);
+    if (member && !group) throw std::logic_error("host_chunks: a tensor group member of another kind");
+    return std::make_unique<host_chunk>(weights, B, T, slots, recompute, std::move(group));
   };
   f.make_link = [](int from, int to, int) -> std::shared_ptr<chunk_link> {
     return std::make_shared<host_link>(from, to);
+  };
+  f.make_tensor_group = [](int rank, int replica,
+                           int tp) -> std::vector<std::shared_ptr<group_member>> {
+    auto members = make_local_tensor_group(
+        tp, "tp group of stage " + std::to_string(rank) + " · dp " + std::to_string(replica));
+    return {members.begin(), members.end()};
   };
   return f;
 }

@@ -41,18 +41,25 @@ class tensor_group_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// One member's handle on a tensor-parallel group.
-class tensor_group {
+// What every kind of group member has (host groups here, device groups in gpu_stage.hpp): its
+// place, and a way to stop the others waiting in a collective.
+class group_member {
  public:
-  virtual ~tensor_group() = default;
+  virtual ~group_member() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // Makes every member's current and later collectives throw with `why` (tensor_group_error
+  // for host groups).
+  virtual void abort(const std::string& why) = 0;
+};
+
+// One member's handle on a tensor-parallel group of host buffers.
+class tensor_group : public group_member {
+ public:
   // In place: data becomes the element-wise sum (max) over the members' data, in member order.
   virtual void all_reduce_sum(std::span<float> data) = 0;
   virtual void all_reduce_sum(std::span<double> data) = 0;
   virtual void all_reduce_max(std::span<float> data) = 0;
-  // Makes every member's current and later collectives throw tensor_group_error with `why`.
-  virtual void abort(const std::string& why) = 0;
 };
 
 // The members of one in-process group (threads of one process: the stage actors of a TP group),

@@ -1,9 +1,9 @@
 // Device pipeline stages (actors/device_stage.hpp) with host chunks (engine::host_chunks): the
 // protocol of GPU pipelines, where payloads move through links and link messages carry headers
 // only, run on the CPU engine's arithmetic. Every step's loss, the validation losses and the
-// final weights must equal the CPU stages' run bitwise, on every schedule device stages take and
-// with data-parallel replicas (whose final weights must also agree bitwise); what they do not
-// take yet is refused naming the key.
+// final weights must equal the CPU stages' run bitwise, on every schedule device stages take, with
+// data-parallel replicas (whose final weights must also agree bitwise) and with tensor shards;
+// what they do not take yet is refused naming the key.
 #include <cmath>
 
 #include "engine/device_chunk.hpp"
@@ -20,6 +20,7 @@ struct device_case {
   bool recompute;
   int dp = 1;
   int bucket_layers = 1;
+  int tp = 1;
 };
 
 run_options host_device(bool recompute) {
@@ -49,6 +50,12 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=2 x DP=2 1F1B, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 2, 2},
       {"PP=2 x DP=3 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 3},
       {"PP=3 x DP=2 GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 2},
+      // Tensor parallelism: each shard's chunks meet the other shards' in their tensor group;
+      // the lanes' links, buckets and tied copies are the shard's slices.
+      {"TP=2, one stage", 1, 1, 2, "1f1b", 1, false, 1, 1, 2},
+      {"PP=2 x TP=2 1F1B, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 1, 1, 2},
+      {"PP=2 x DP=2 x TP=2 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 2, 1, 2},
+      {"PP=3 x TP=2 GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 1, 1, 2},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -61,6 +68,7 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       r.activation_checkpoint.mode = c.recompute ? "full" : "none";
       r.parallel.dp = c.dp;
       r.parallel.bucket_layers = c.bucket_layers;
+      r.parallel.tp = c.tp;
       run_options cpu;
       cpu.check_replicas = false;
       const auto want = run_actors(r, cpu);

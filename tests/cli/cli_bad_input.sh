@@ -171,8 +171,6 @@ expect_bad gpu-pipeline-dp-zero parallel.zero "not built yet" -- "$tmp/ok.toml" 
   --set parallel.zero=2
 expect_bad gpu-pipeline-zero parallel.zero "not built yet" -- "$tmp/ok.toml" --device cuda \
   --set model.width=32 --engine actors --set parallel.zero=1
-expect_bad gpu-pipeline-tp parallel.tp "not built yet" -- "$tmp/ok.toml" --device cuda \
-  --set model.width=32 --engine actors --set parallel.tp=2
 
 # An existing output dir with a previous run's weights: a bad key leaves them untouched.
 before_failures=$failures
