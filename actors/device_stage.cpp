@@ -139,8 +139,8 @@ class device_stage_impl : public stage_actor::base {
         engine::load_hf_weights(host, sc_.init);
       }
       const int c = static_cast<int>(chunks_.size());
-      chunks_.push_back(
-          cfg_.chunks->make_chunk(host, cfg_.B, cfg_.T, cfg_.slots, sc_.rank, lane(), cfg_.tp_member));
+      chunks_.push_back(cfg_.chunks->make_chunk(host, cfg_.B, cfg_.T, cfg_.slots, sc_.rank, lane(),
+                                                cfg_.tp_member));
       slots_.emplace_back(cfg_.slots);
       blocks.push_back(engine::stage_grad_blocks(host));
       if (range.embedding) embedding_chunk_ = c;

@@ -492,7 +492,8 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     engine::gpu_trainer_options go;
     go.dtype = engine::parse_compute_dtype(r.precision.dtype);
     go.recompute = r.activation_checkpoint.full();
-    in.chunks = std::make_shared<engine::chunk_factory>(engine::cuda_chunks(go, r.parallel.pp, r.parallel.tp));
+    in.chunks = std::make_shared<engine::chunk_factory>(
+        engine::cuda_chunks(go, r.parallel.pp, r.parallel.tp));
   }
   // 2. Outputs (rank 0 only).
   std::optional<engine::jsonl_writer> metrics;

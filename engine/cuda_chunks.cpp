@@ -22,8 +22,8 @@ namespace cu = kernels::cuda;
 class cuda_chunk final : public device_chunk {
  public:
   cuda_chunk(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options, int slots,
-             int device)
-      : s_(weights, B, T, options, slots, device) {}
+             int device, std::shared_ptr<device_tensor_group> group)
+      : s_(weights, B, T, options, slots, device, std::move(group)) {}
 
   const stage_range& range() const override { return s_.range(); }
   int slots() const override { return s_.slots(); }
@@ -88,39 +88,12 @@ class local_link final : public chunk_link {
   std::shared_ptr<cu::activation_link> link_;
 };
 
-// A new communicator `name` of devices.size() ranks, rank i on devices[i], all in this
-// process. A join waits for the other ranks, so each rank joins on its own thread.
-std::vector<std::unique_ptr<cu::nccl_group>> join_groups(const std::string& name,
-                                                         const std::vector<int>& devices) {
-  const cu::nccl_id id = cu::nccl_new_id();
-  constexpr auto join = std::chrono::seconds(120);
-  const int n = static_cast<int>(devices.size());
-  std::vector<std::unique_ptr<cu::nccl_group>> groups(devices.size());
-  std::vector<std::exception_ptr> failed(devices.size());
-  std::vector<std::thread> threads;
-  threads.reserve(devices.size());
-  for (int i = 0; i < n; ++i) {
-    threads.emplace_back([&, i] {
-      const auto at = static_cast<std::size_t>(i);
-      try {
-        groups[at] = std::make_unique<cu::nccl_group>(name, id, n, i, devices[at], join);
-      } catch (...) {
-        failed[at] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& f : failed)
-    if (f) std::rethrow_exception(f);
-  return groups;
-}
-
 // A link between two devices by NCCL: a two-rank group (sender rank 0, receiver rank 1) for
 // this direction alone, so a link's transfers never queue behind the other direction's.
 class nccl_pair_link final : public chunk_link {
  public:
   nccl_pair_link(const std::string& name, int from_device, int to_device) {
-    auto groups = join_groups(name, {from_device, to_device});
+    auto groups = cu::nccl_group::join_all(name, {from_device, to_device});
     sender_group_ = std::move(groups[0]);
     receiver_group_ = std::move(groups[1]);
     sender_ = cu::make_nccl_link(*sender_group_, 1);
@@ -153,7 +126,7 @@ void set_device(int device) {
 class nccl_replica_group final : public replica_group {
  public:
   nccl_replica_group(const std::string& name, std::vector<int> devices)
-      : devices_(std::move(devices)), groups_(join_groups(name, devices_)) {}
+      : devices_(std::move(devices)), groups_(cu::nccl_group::join_all(name, devices_)) {}
   std::vector<void*> mean(const std::vector<float_ranges>& ranges,
                           const std::vector<void*>& ready) override {
     std::vector<cu::nccl_group*> groups;
@@ -240,32 +213,52 @@ class local_replica_group final : public replica_group {
 
 }  // namespace
 
-chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp) {
+chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp) {
   const int devices = kernels::cuda_device_count();
   if (devices < 1) throw std::runtime_error("--device cuda: no usable CUDA device");
-  auto device_of = [devices, pp](int rank, int replica) { return (replica * pp + rank) % devices; };
+  // Lane d * tp + j (shard j of replica d): a rank's shards on neighbouring devices.
+  auto device_of = [devices, pp, tp](int rank, int lane) {
+    return ((lane / tp * pp + rank) * tp + lane % tp) % devices;
+  };
   chunk_factory f;
   f.name = "cuda";
-  f.make_chunk = [options, device_of](const gpt_stage& weights, int B, int T, int slots, int rank,
-                                      int replica) -> std::unique_ptr<device_chunk> {
-    return std::make_unique<cuda_chunk>(weights, B, T, options, slots, device_of(rank, replica));
+  f.make_chunk = [options, device_of](
+                     const gpt_stage& weights, int B, int T, int slots, int rank, int lane,
+                     std::shared_ptr<group_member> member) -> std::unique_ptr<device_chunk> {
+    auto group = std::dynamic_pointer_cast<device_tensor_group>(member);
+    if (member && !group)
+      throw std::logic_error("cuda_chunks: a tensor group member of another kind");
+    return std::make_unique<cuda_chunk>(weights, B, T, options, slots, device_of(rank, lane),
+                                        std::move(group));
   };
-  f.make_link = [device_of](int from, int to, int replica) -> std::shared_ptr<chunk_link> {
-    const int a = device_of(from, replica), b = device_of(to, replica);
+  f.make_link = [device_of](int from, int to, int lane) -> std::shared_ptr<chunk_link> {
+    const int a = device_of(from, lane), b = device_of(to, lane);
     if (a == b) return std::make_shared<local_link>(a, b);
     return std::make_shared<nccl_pair_link>(
-        "pp-" + std::to_string(replica) + "-" + std::to_string(from) + "-" + std::to_string(to), a,
-        b);
+        "pp-" + std::to_string(lane) + "-" + std::to_string(from) + "-" + std::to_string(to), a, b);
   };
-  f.make_group = [device_of, devices](int rank, int replicas) -> std::shared_ptr<replica_group> {
+  f.make_tensor_group = [device_of, tp](int rank, int replica,
+                                        int shards) -> std::vector<std::shared_ptr<group_member>> {
+    if (shards != tp)
+      throw std::logic_error("cuda_chunks: a tensor group of " + std::to_string(shards) +
+                             " shards in a factory for " + std::to_string(tp));
     std::vector<int> on;
-    for (int d = 0; d < replicas; ++d) on.push_back(device_of(rank, d));
+    for (int j = 0; j < tp; ++j) on.push_back(device_of(rank, replica * tp + j));
+    auto members =
+        make_device_tensor_group("tp-" + std::to_string(replica) + "-" + std::to_string(rank), on);
+    return {members.begin(), members.end()};
+  };
+  f.make_group = [device_of, devices, tp](int rank, int shard,
+                                          int replicas) -> std::shared_ptr<replica_group> {
+    std::vector<int> on;
+    for (int d = 0; d < replicas; ++d) on.push_back(device_of(rank, d * tp + shard));
     if (std::all_of(on.begin(), on.end(), [&on](int x) { return x == on[0]; }))
       return std::make_shared<local_replica_group>(on[0], replicas);
     auto sorted = on;
     std::sort(sorted.begin(), sorted.end());
     if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end())
-      return std::make_shared<nccl_replica_group>("dp-" + std::to_string(rank), on);
+      return std::make_shared<nccl_replica_group>(
+          "dp-" + std::to_string(rank) + "-" + std::to_string(shard), on);
     std::string list;
     for (int x : on) {
       if (!list.empty()) list += ',';

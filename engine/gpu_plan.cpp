@@ -27,42 +27,46 @@ const char* compute_dtype_name(compute_dtype dtype) {
 
 namespace {
 // gpu_stage.cpp's arena allocation by allocation (model_impl::allocate and the constructor);
-// the GPU suite checks gpu_stage::device_bytes() against it.
+// the GPU suite checks gpu_stage::device_bytes() against it. On a tensor shard (tp > 1) the
+// column-parallel pieces (qkv, atty, fch, fch_gelu and their gradients), the attention's
+// heads and the logits are the shard's; the head adds the cross-entropy's row maxima and
+// statistics.
 std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
-                              std::int64_t d, bool recompute, int slots) {
-  const std::int64_t N = std::int64_t{B} * T, NC = N * config.width;
+                              std::int64_t d, bool recompute, int slots, int tp) {
+  const std::int64_t N = std::int64_t{B} * T, NC = N * config.width, NCl = NC / tp;
   const std::int64_t layers = range.last_layer - range.first_layer;
-  const std::int64_t lse = 4 * std::int64_t{B} * config.heads * T;
-  // A block's internals: ln1, qkv, atty, res2, ln2, fch, fch_gelu (15 NC), two layernorms'
-  // statistics and the attention's log-sum-exp.
-  const std::int64_t internals = 15 * NC * d + 4 * N * 4 + lse;
+  const std::int64_t lse = 4 * std::int64_t{B} * (config.heads / tp) * T;
+  // A block's internals: ln1, res2, ln2 (3 NC), the shard's qkv, atty, fch, fch_gelu (12 NC
+  // / tp), two layernorms' statistics and the attention's log-sum-exp.
+  const std::int64_t internals = (3 * NC + 12 * NCl) * d + 4 * N * 4 + lse;
   // What each micro-batch in flight keeps: its input (the embedding's output or the received
   // activation), every block's output, the blocks' internals unless recomputed, and on a head
   // chunk ln_f's statistics and the gradient of its output.
   const std::int64_t per_slot = NC * d + layers * NC * d + (recompute ? 0 : layers * internals) +
                                 (range.head ? 2 * N * 4 + NC * d : 0);
+  const std::int64_t head = N * 4                                        // targets
+                            + NC * d                                     // ln_f's output
+                            + N * (config.padded_vocab_size / tp) * d    // logits
+                            + N * 4                                      // per-row losses
+                            + (tp > 1 ? 3 * N * 4 : 0);                  // row maxima, statistics
   const std::int64_t shared = (recompute && layers > 0 ? internals : 0)  // the shared internals
                               + (range.embedding ? N * 4 : 0)            // tokens
-                              + (range.head ? N * 4                      // targets
-                                                  + NC * d               // ln_f's output
-                                                  + N * config.padded_vocab_size * d  // logits
-                                                  + N * 4  // per-row losses
-                                            : 0) +
-                              lse             // attention backward's scratch
-                              + 15 * NC * d;  // backward's gradient buffers
+                              + (range.head ? head : 0) + lse  // attention backward's scratch
+                              + (3 * NC + 12 * NCl) * d;       // backward's gradient buffers
   return slots * per_slot + shared;
 }
 }  // namespace
 
 gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_range& range, int B,
-                                      int T, const gpu_trainer_options& options, int slots) {
+                                      int T, const gpu_trainer_options& options, int slots,
+                                      int tp) {
   const std::int64_t d = options.dtype == compute_dtype::fp32 ? 4 : 2;  // activation bytes
-  const auto layout = stage_parameter_layout(config, range);
+  const auto layout = stage_parameter_layout(config, range, {0, tp});
   const std::int64_t P = layout.empty() ? 0 : layout.back().offset + layout.back().numel;
   gpu_memory_plan plan;
   plan.model_state = 4 * P * 4 + (d == 2 ? 2 * P : 0);
-  plan.activations_without_recompute = activation_bytes(config, range, B, T, d, false, slots);
-  plan.activations = activation_bytes(config, range, B, T, d, options.recompute, slots);
+  plan.activations_without_recompute = activation_bytes(config, range, B, T, d, false, slots, tp);
+  plan.activations = activation_bytes(config, range, B, T, d, options.recompute, slots, tp);
   return plan;
 }
 

@@ -114,10 +114,20 @@ struct gpu_stage::impl {
                               std::to_string(slots) + ")");
   }
 
+  // Tensor parallelism: the shard's collectives, on this chunk's stream (a no-op for a whole
+  // chunk). Every shard of a group calls them in the same order: they run the same passes.
+  bool split() const { return shard.split(); }
+  void all_reduce(void* data, std::int64_t n) {
+    if (split()) group->all_reduce_sum(data, n, dtype, ctx.stream());
+  }
+
   int device = 0;
   device_guard guard;
   gpt_config config;
   stage_range range;
+  tensor_shard shard;
+  std::shared_ptr<device_tensor_group> group;  // a split shard's
+  compute_dtype dtype = compute_dtype::fp32;
   int B = 0, T = 0, slots = 1;
   std::size_t element_bytes = 4;  // of an activation in the compute dtype
   std::vector<parameter_info> layout;
@@ -160,6 +170,14 @@ struct model_impl final : gpu_stage::impl {
     std::vector<std::int32_t> tokens;                // embedding: the tokens, for dwte
   };
   int layers() const { return range.last_layer - range.first_layer; }
+  // The shard's channels of the column-parallel pieces, heads and vocabulary rows (the whole
+  // model's without tensor parallelism).
+  int Cl() const { return config.width / shard.size; }
+  int NHl() const { return config.heads / shard.size; }
+  int Vl() const { return config.padded_vocab_size / shard.size; }
+  kernels::vocab_shard vocab() const {
+    return {shard.rank * Vl(), Vl(), config.vocab_size, config.padded_vocab_size};
+  }
 
   std::vector<slot_buffers> slot_state;
   block_buffers shared;                 // recompute: every block's internals
@@ -169,6 +187,7 @@ struct model_impl final : gpu_stage::impl {
   cu::token_groups groups;
   D *lnf = nullptr, *logits = nullptr;
   float *losses = nullptr, *att_scratch = nullptr;
+  float *row_max = nullptr, *stats = nullptr;  // a split head: the cross-entropy's statistics
   D *da = nullptr, *db = nullptr, *dfch_gelu = nullptr, *dfc = nullptr, *dln = nullptr,
     *datty = nullptr, *dqkv = nullptr;
 
@@ -188,27 +207,28 @@ struct model_impl final : gpu_stage::impl {
   }
 
   block_buffers alloc_block(std::int64_t N, std::int64_t NC) {
+    const std::int64_t NCl = NC / shard.size;  // the shard's column-parallel pieces
     block_buffers b;
     b.ln1 = arena.alloc<D>(NC);
-    b.qkv = arena.alloc<D>(3 * NC);
-    b.atty = arena.alloc<D>(NC);
+    b.qkv = arena.alloc<D>(3 * NCl);
+    b.atty = arena.alloc<D>(NCl);
     b.res2 = arena.alloc<D>(NC);
     b.ln2 = arena.alloc<D>(NC);
-    b.fch = arena.alloc<D>(4 * NC);
-    b.fch_gelu = arena.alloc<D>(4 * NC);
+    b.fch = arena.alloc<D>(4 * NCl);
+    b.fch_gelu = arena.alloc<D>(4 * NCl);
     b.ln1_mean = arena.alloc<float>(N);
     b.ln1_rstd = arena.alloc<float>(N);
     b.ln2_mean = arena.alloc<float>(N);
     b.ln2_rstd = arena.alloc<float>(N);
-    b.lse = arena.alloc<float>(std::int64_t{B} * config.heads * T);
+    b.lse = arena.alloc<float>(std::int64_t{B} * NHl() * T);
     return b;
   }
 
   // Keep in step with plan_gpu_stage_memory (gpu_plan.cpp): the GPU suite checks
   // device_bytes() against it.
   void allocate() override {
-    const int C = config.width, Vp = config.padded_vocab_size, NH = config.heads;
-    const std::int64_t N = std::int64_t{B} * T, NC = N * C;
+    const int C = config.width;
+    const std::int64_t N = std::int64_t{B} * T, NC = N * C, NCl = NC / shard.size;
     if constexpr (!std::is_same_v<D, float>) {
       working = arena.alloc<D>(P);
       cu::convert(ctx, working, master, P);
@@ -220,17 +240,21 @@ struct model_impl final : gpu_stage::impl {
     if (range.head) {
       d_targets = arena.alloc<std::int32_t>(N);
       lnf = arena.alloc<D>(NC);
-      logits = arena.alloc<D>(N * Vp);
+      logits = arena.alloc<D>(N * Vl());
       losses = arena.alloc<float>(N);
+      if (split()) {
+        row_max = arena.alloc<float>(N);
+        stats = arena.alloc<float>(2 * N);
+      }
     }
-    att_scratch = arena.alloc<float>(cu::attention_scratch_floats(B, T, NH));
+    att_scratch = arena.alloc<float>(cu::attention_scratch_floats(B, T, NHl()));
     da = arena.alloc<D>(NC);
     db = arena.alloc<D>(NC);
-    dfch_gelu = arena.alloc<D>(4 * NC);
-    dfc = arena.alloc<D>(4 * NC);
+    dfch_gelu = arena.alloc<D>(4 * NCl);
+    dfc = arena.alloc<D>(4 * NCl);
     dln = arena.alloc<D>(NC);
-    datty = arena.alloc<D>(NC);
-    dqkv = arena.alloc<D>(3 * NC);
+    datty = arena.alloc<D>(NCl);
+    dqkv = arena.alloc<D>(3 * NCl);
   }
 
   void alloc_slot(slot_buffers& s) {
@@ -266,7 +290,7 @@ struct model_impl final : gpu_stage::impl {
   // Local block l of `slot` (layer first_layer + l): from its input into its internals and its
   // output.
   void block_forward(int slot, int l) {
-    const int C = config.width, NH = config.heads, N = B * T;
+    const int C = config.width, Cl = this->Cl(), N = B * T;
     const std::int64_t NC = std::int64_t{N} * C;
     const auto& L = internals(slot, l);
     const D* x = block_input(slot, l);
@@ -275,21 +299,28 @@ struct model_impl final : gpu_stage::impl {
     cu::layernorm_forward(ctx, L.ln1, L.ln1_mean, L.ln1_rstd, x, F(p + "ln_1.weight"),
                           F(p + "ln_1.bias"), N, C);
     cu::linear_forward(ctx, L.qkv, L.ln1, W(p + "attn.c_attn.weight"), W(p + "attn.c_attn.bias"), N,
-                       C, 3 * C);
-    cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, C, NH);
-    cu::linear_forward(ctx, L.res2, L.atty, W(p + "attn.c_proj.weight"), W(p + "attn.c_proj.bias"),
-                       N, C, C);
+                       C, 3 * Cl);
+    cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, Cl, NHl());
+    row_parallel(L.res2, L.atty, p + "attn.c_proj.", N, Cl, C);
     cu::residual_forward(ctx, L.res2, L.res2, x, NC);
     cu::layernorm_forward(ctx, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, F(p + "ln_2.weight"),
                           F(p + "ln_2.bias"), N, C);
     cu::linear_forward(ctx, L.fch, L.ln2, W(p + "mlp.c_fc.weight"), W(p + "mlp.c_fc.bias"), N, C,
-                       4 * C);
-    cu::gelu_forward(ctx, L.fch_gelu, L.fch, 4 * NC);
-    cu::linear_forward(ctx, out, L.fch_gelu, W(p + "mlp.c_proj.weight"), W(p + "mlp.c_proj.bias"),
-                       N, 4 * C, C);
+                       4 * Cl);
+    cu::gelu_forward(ctx, L.fch_gelu, L.fch, std::int64_t{N} * 4 * Cl);
+    row_parallel(out, L.fch_gelu, p + "mlp.c_proj.", N, 4 * Cl, C);
     cu::residual_forward(ctx, out, out, L.res2, NC);
     held_slot = slot;
     held_layer = l;
+  }
+
+  // out[N, OC] = inp[N, K] weight^T + bias. On a tensor shard the linear is row-parallel (K is
+  // the shard's slice): the partial products are summed over the shards, the replicated bias
+  // added by shard 0 alone before the sum.
+  void row_parallel(D* out, const D* inp, const std::string& prefix, int N, int K, int OC) {
+    const D* bias = !split() || shard.rank == 0 ? W(prefix + "bias") : nullptr;
+    cu::linear_forward(ctx, out, inp, W(prefix + "weight"), bias, N, K, OC);
+    all_reduce(out, std::int64_t{N} * OC);
   }
 
   void* input(int slot) override {
@@ -323,8 +354,15 @@ struct model_impl final : gpu_stage::impl {
       check(cudaMemcpyAsync(d_tokens, tokens, static_cast<std::size_t>(N) * sizeof(std::int32_t),
                             cudaMemcpyHostToDevice, ctx.stream()),
             "cudaMemcpyAsync(tokens)");
-      cu::embedding_forward(ctx, s.input, d_tokens, W("transformer.wte.weight"),
-                            W("transformer.wpe.weight"), B, T, C);
+      if (split()) {  // vocabulary-parallel: each token's row lives on one shard
+        cu::embedding_rows_forward(ctx, s.input, d_tokens, W("transformer.wte.weight"),
+                                   shard.rank * Vl(), Vl(), N, C);
+        all_reduce(s.input, std::int64_t{N} * C);
+        cu::add_positions(ctx, s.input, W("transformer.wpe.weight"), B, T, C);
+      } else {
+        cu::embedding_forward(ctx, s.input, d_tokens, W("transformer.wte.weight"),
+                              W("transformer.wpe.weight"), B, T, C);
+      }
     }
     for (int l = 0; l < layers(); ++l) block_forward(slot, l);
     if (!range.head) return std::numeric_limits<double>::quiet_NaN();
@@ -344,16 +382,31 @@ struct model_impl final : gpu_stage::impl {
     const D* x = layers() > 0 ? s.out.back() : s.input;
     cu::layernorm_forward(ctx, lnf, s.lnf_mean, s.lnf_rstd, x, F("transformer.ln_f.weight"),
                           F("transformer.ln_f.bias"), N, C);
-    cu::linear_forward<D>(ctx, logits, lnf, W("transformer.wte.weight"), nullptr, N, C, Vp);
+    cu::linear_forward<D>(ctx, logits, lnf, W("transformer.wte.weight"), nullptr, N, C, Vl());
     // Leaves dlogits (seeded with loss_scale) in `logits`.
-    const auto loss = cu::softmax_cross_entropy_backward(ctx, logits, logits, d_targets, losses, N,
-                                                         V, Vp, ignore_index, count, loss_scale);
+    const auto loss =
+        split() ? vocab_parallel_loss(N, count, loss_scale)
+                : cu::softmax_cross_entropy_backward(ctx, logits, logits, d_targets, losses, N, V,
+                                                     Vp, ignore_index, count, loss_scale);
     if (train) {  // the head's backward up to ln_f's output: the logits are not kept
       zero(ctx, s.dlnf, std::int64_t{N} * C);
       cu::linear_backward(ctx, s.dlnf, G("transformer.wte.weight"), nullptr, logits, lnf,
-                          W("transformer.wte.weight"), N, C, Vp);
+                          W("transformer.wte.weight"), N, C, Vl());
+      all_reduce(s.dlnf, std::int64_t{N} * C);  // ln_f's output feeds every vocabulary shard
     }
     return loss.mean();
+  }
+
+  // The vocabulary-parallel cross-entropy over the shard's logits (the CPU's steps and
+  // collectives, engine/gpt_model.cpp): leaves the shard's dlogits in `logits`.
+  kernels::cross_entropy_result vocab_parallel_loss(int N, std::int64_t count, float loss_scale) {
+    const auto v = vocab();
+    cu::vocab_shard_max(ctx, row_max, logits, N, v);
+    group->all_reduce_max(row_max, N, ctx.stream());
+    cu::vocab_shard_stats(ctx, stats, logits, d_targets, row_max, N, v, ignore_index);
+    group->all_reduce_sum(stats, 2 * std::int64_t{N}, ctx.stream());
+    return cu::vocab_parallel_cross_entropy_backward(ctx, logits, logits, d_targets, row_max, stats,
+                                                     losses, N, v, ignore_index, count, loss_scale);
   }
 
   const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done) override {
@@ -364,9 +417,9 @@ struct model_impl final : gpu_stage::impl {
       ++block;
     };
     check_slot(slot);
-    const int C = config.width, NH = config.heads;
+    const int C = config.width, Cl = this->Cl();
     const int N = B * T;
-    const std::int64_t NC = std::int64_t{N} * C;
+    const std::int64_t NC = std::int64_t{N} * C, NCl = std::int64_t{N} * Cl;
     auto& s = slot_state[static_cast<std::size_t>(slot)];
     D* dres = da;  // the gradient of the current block's output, then of its input
     D* dmid = db;  // the gradient of res2
@@ -387,32 +440,38 @@ struct model_impl final : gpu_stage::impl {
       const auto& L = internals(slot, l);
       const D* in = block_input(slot, l);
       const std::string p = block_prefix(range.first_layer + l);
-      zero(ctx, dfch_gelu, 4 * NC);
+      zero(ctx, dfch_gelu, 4 * NCl);
       cu::linear_backward(ctx, dfch_gelu, G(p + "mlp.c_proj.weight"), G(p + "mlp.c_proj.bias"),
-                          dres, L.fch_gelu, W(p + "mlp.c_proj.weight"), N, 4 * C, C);
-      zero(ctx, dfc, 4 * NC);
-      cu::gelu_backward(ctx, dfc, L.fch, dfch_gelu, 4 * NC);
+                          dres, L.fch_gelu, W(p + "mlp.c_proj.weight"), N, 4 * Cl, C);
+      zero(ctx, dfc, 4 * NCl);
+      cu::gelu_backward(ctx, dfc, L.fch, dfch_gelu, 4 * NCl);
       zero(ctx, dln, NC);
       cu::linear_backward(ctx, dln, G(p + "mlp.c_fc.weight"), G(p + "mlp.c_fc.bias"), dfc, L.ln2,
-                          W(p + "mlp.c_fc.weight"), N, C, 4 * C);
+                          W(p + "mlp.c_fc.weight"), N, C, 4 * Cl);
+      all_reduce(dln, NC);  // ln_2's output feeds every shard's c_fc
       copy(ctx, dmid, dres, NC);
       cu::layernorm_backward(ctx, dmid, G(p + "ln_2.weight"), G(p + "ln_2.bias"), dln, L.res2,
                              F(p + "ln_2.weight"), L.ln2_mean, L.ln2_rstd, N, C);
-      zero(ctx, datty, NC);
+      zero(ctx, datty, NCl);
       cu::linear_backward(ctx, datty, G(p + "attn.c_proj.weight"), G(p + "attn.c_proj.bias"), dmid,
-                          L.atty, W(p + "attn.c_proj.weight"), N, C, C);
-      zero(ctx, dqkv, 3 * NC);
-      cu::attention_backward(ctx, dqkv, datty, L.qkv, L.atty, L.lse, att_scratch, B, T, C, NH);
+                          L.atty, W(p + "attn.c_proj.weight"), N, Cl, C);
+      zero(ctx, dqkv, 3 * NCl);
+      cu::attention_backward(ctx, dqkv, datty, L.qkv, L.atty, L.lse, att_scratch, B, T, Cl, NHl());
       zero(ctx, dln, NC);
       cu::linear_backward(ctx, dln, G(p + "attn.c_attn.weight"), G(p + "attn.c_attn.bias"), dqkv,
-                          L.ln1, W(p + "attn.c_attn.weight"), N, C, 3 * C);
+                          L.ln1, W(p + "attn.c_attn.weight"), N, C, 3 * Cl);
+      all_reduce(dln, NC);  // ln_1's output feeds every shard's c_attn
       copy(ctx, dres, dmid, NC);
       cu::layernorm_backward(ctx, dres, G(p + "ln_1.weight"), G(p + "ln_1.bias"), dln, in,
                              F(p + "ln_1.weight"), L.ln1_mean, L.ln1_rstd, N, C);
       done();
     }
     if (!range.embedding) return dres;
-    groups.build(ctx, s.tokens.data(), N);
+    if (split()) {  // the shard's rows of wte only
+      groups.build(ctx, s.tokens.data(), N, shard.rank * Vl(), Vl());
+    } else {
+      groups.build(ctx, s.tokens.data(), N);
+    }
     cu::embedding_backward(ctx, G("transformer.wte.weight"), G("transformer.wpe.weight"), dres,
                            groups, B, T, C);
     done();
@@ -448,7 +507,7 @@ std::unique_ptr<gpu_stage::impl> make_impl(compute_dtype dtype, int device) {
 }  // namespace
 
 gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options,
-                     int slots, int device) {
+                     int slots, int device, std::shared_ptr<device_tensor_group> group) {
   const gpt_config& config = weights.config();
   config.validate();
   if (B < 1 || T < 1 || T > config.context)
@@ -463,10 +522,18 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
     throw std::invalid_argument("gpu_stage: CUDA device " + std::to_string(device) +
                                 " does not exist (" + std::to_string(kernels::cuda_device_count()) +
                                 " here)");
+  const tensor_shard shard = weights.shard();
+  if (shard.split() && (!group || group->size() != shard.size || group->rank() != shard.rank))
+    throw std::invalid_argument("gpu_stage: tensor shard " + std::to_string(shard.rank) + " of " +
+                                std::to_string(shard.size) + " needs its member of a group of " +
+                                std::to_string(shard.size));
   impl_ = make_impl(options.dtype, device);
   auto& s = *impl_;
   s.config = config;
   s.range = weights.range();
+  s.shard = shard;
+  if (shard.split()) s.group = std::move(group);
+  s.dtype = options.dtype;
   s.B = B;
   s.T = T;
   s.slots = slots;
@@ -539,11 +606,30 @@ double gpu_stage::grad_square_sum(bool count_tied_copy) {
   device_guard g(impl_->device);
   auto& s = *impl_;
   const bool tied_copy = s.range.head && !s.range.embedding;
-  if (!tied_copy || count_tied_copy) return cu::square_sum(s.ctx, s.grads, s.P);
-  // Every parameter but the head's wte copy, in layout order (one contiguous run each side).
-  const auto& wte = s.param("transformer.wte.weight");
-  return cu::square_sum(s.ctx, s.grads, wte.offset) +
-         cu::square_sum(s.ctx, s.grads + wte.offset + wte.numel, s.P - wte.offset - wte.numel);
+  // Left out: a head chunk's copy of the tied wte (unless asked), and on tensor shards other
+  // than 0 the replicated parameters (shard 0 counts them). The rest in contiguous runs, in
+  // layout order: one run for a whole chunk.
+  auto counted = [&](const parameter_info& p) {
+    if (tied_copy && !count_tied_copy && p.name == "transformer.wte.weight") return false;
+    return !(s.shard.rank > 0 && p.split == tensor_split::replicated);
+  };
+  double sum = 0;
+  std::int64_t at = 0, n = 0;
+  auto flush = [&] {
+    if (n > 0) sum += cu::square_sum(s.ctx, s.grads + at, n);
+    n = 0;
+  };
+  for (const auto& p : s.layout) {
+    if (!counted(p)) {
+      flush();
+      continue;
+    }
+    if (n > 0 && at + n != p.offset) flush();
+    if (n == 0) at = p.offset;
+    n += p.numel;
+  }
+  flush();
+  return sum;
 }
 
 void gpu_stage::adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) {

@@ -30,6 +30,7 @@
 // why; cuda_training_available() tells beforehand.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -58,8 +59,10 @@ struct gpu_memory_plan {
   std::int64_t activations_without_recompute = 0;  // the same without checkpointing
   std::int64_t total() const { return model_state + activations; }
 };
+// tp: the tensor-parallel degree (one shard's chunk).
 gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_range& range, int B,
-                                      int T, const gpu_trainer_options& options, int slots);
+                                      int T, const gpu_trainer_options& options, int slots,
+                                      int tp = 1);
 // The whole model as one chunk with one slot (gpu_trainer).
 gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
                                 const gpu_trainer_options& options);
@@ -67,13 +70,40 @@ gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
 // Whether a CUDA device can train here; otherwise, when why_not is given, the reason.
 bool cuda_training_available(std::string* why_not = nullptr);
 
+// One tensor shard's handle on its group, for device chunks (docs/tensor_parallel.md):
+// collectives on buffers of the member's device, ordered on the calling chunk's stream (a
+// cudaStream_t): each starts after what the stream has enqueued so far, and what the stream
+// enqueues next waits for its result. Every member calls the same collectives in the same order,
+// and gets the same bits. A call returns once its work is enqueued; it may wait (on the host, up
+// to the group's deadline) for the other members to call it too. After abort(), by any member,
+// waiting and later calls throw std::runtime_error with the reason.
+class device_tensor_group : public group_member {
+ public:
+  // n values of the compute dtype (activations and their gradients).
+  virtual void all_reduce_sum(void* data, std::int64_t n, compute_dtype dtype, void* stream) = 0;
+  // n fp32 values (the cross-entropy's statistics).
+  virtual void all_reduce_sum(float* data, std::int64_t n, void* stream) = 0;
+  virtual void all_reduce_max(float* data, std::int64_t n, void* stream) = 0;
+  virtual std::string describe() const = 0;
+};
+
+// The members of the group `name` whose member i drives CUDA device devices[i]: an NCCL
+// communicator rank each (non-blocking, on its own stream) when the devices are distinct; a
+// kernel summing the members' buffers in place, in member order, after the members have met on
+// the host, when they are all one device (NCCL refuses two ranks on one device). Throws
+// std::runtime_error naming parallel.tp for a mix, or saying why without CUDA.
+std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
+    const std::string& name, const std::vector<int>& devices,
+    std::chrono::milliseconds deadline = std::chrono::seconds(120));
+
 class gpu_stage {
  public:
   // The chunk of `weights` (its range and parameters) for micro-batches of B sequences of T
   // tokens (T <= config.context), on CUDA device `device`, with `slots` micro-batches in flight
-  // at most. Every call makes that device current for the calling thread.
+  // at most. Every call makes that device current for the calling thread. A tensor shard's
+  // weights (weights.shard() split) need the shard's member of its group on this device.
   gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options,
-            int slots = 1, int device = 0);
+            int slots = 1, int device = 0, std::shared_ptr<device_tensor_group> group = nullptr);
   ~gpu_stage();
   gpu_stage(const gpu_stage&) = delete;
   gpu_stage& operator=(const gpu_stage&) = delete;

@@ -24,7 +24,15 @@ chunk_factory cuda_chunks(const gpu_trainer_options&, int, int) {
   throw std::runtime_error("--device cuda: " + why);
 }
 
-gpu_stage::gpu_stage(const gpt_stage&, int, int, const gpu_trainer_options&, int, int) {
+std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
+    const std::string&, const std::vector<int>&, std::chrono::milliseconds) {
+  std::string why;
+  cuda_training_available(&why);
+  throw std::runtime_error("--device cuda: " + why);
+}
+
+gpu_stage::gpu_stage(const gpt_stage&, int, int, const gpu_trainer_options&, int, int,
+                     std::shared_ptr<device_tensor_group>) {
   std::string why;
   cuda_training_available(&why);
   throw std::runtime_error("--device cuda: " + why);

@@ -191,10 +191,12 @@ class host_link final : public chunk_link {
 chunk_factory host_chunks(bool recompute) {
   chunk_factory f;
   f.name = "host";
-  f.make_chunk = [recompute](const gpt_stage& weights, int B, int T, int slots, int, int,
-                             std::shared_ptr<group_member> member) -> std::unique_ptr<device_chunk> {
+  f.make_chunk = [recompute](
+                     const gpt_stage& weights, int B, int T, int slots, int, int,
+                     std::shared_ptr<group_member> member) -> std::unique_ptr<device_chunk> {
     auto group = std::dynamic_pointer_cast<tensor_group>(member);
-    if (member && !group) throw std::logic_error("host_chunks: a tensor group member of another kind");
+    if (member && !group)
+      throw std::logic_error("host_chunks: a tensor group member of another kind");
     return std::make_unique<host_chunk>(weights, B, T, slots, recompute, std::move(group));
   };
   f.make_link = [](int from, int to, int) -> std::shared_ptr<chunk_link> {

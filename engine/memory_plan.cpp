@@ -129,12 +129,17 @@ int device_stage_slots(const recipe& r, int rank) {
 
 namespace {
 
-// pp > 1: every rank's chunks as device stage actors hold them (device_stage_slots each).
+// pp > 1 or tp > 1: every rank's chunks as device stage actors hold them (device_stage_slots
+// each); with tensor parallelism, one shard's.
 std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options& o) {
+  const int tp = r.parallel.tp;
   const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
                                            r.parallel.layer_split);
   std::string s = "device memory plan, a pipeline of " + std::to_string(r.parallel.pp) +
-                  " device stages (" + r.precision.dtype +
+                  " device stages" +
+                  (tp > 1 ? " of " + std::to_string(tp) + " tensor shards (one shard's figures)"
+                          : std::string()) +
+                  " (" + r.precision.dtype +
                   " compute, fp32 master weights, gradients and AdamW moments), micro-batch " +
                   std::to_string(r.batch.micro_batch) + " x " + std::to_string(r.batch.seq_len) +
                   " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
@@ -146,10 +151,10 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
   std::int64_t with = 0, without = 0;
   // A rank with one copy of the tied wte keeps a buffer to receive the other copy's gradient.
   const int embedding = layout.rank_of(0), head = layout.rank_of(layout.stage_count() - 1);
-  const std::int64_t tied_receive = embedding == head
-                                        ? 0
-                                        : std::int64_t{r.model.padded_vocab_size} * r.model.width *
-                                              static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t tied_receive =
+      embedding == head ? 0
+                        : std::int64_t{r.model.padded_vocab_size / tp} * r.model.width *
+                              static_cast<std::int64_t>(sizeof(float));
   for (int rank = 0; rank < r.parallel.pp; ++rank) {
     const int slots = device_stage_slots(r, rank);
     gpu_memory_plan sum;
@@ -157,11 +162,11 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
     std::int64_t params = 0;
     for (const auto& range : layout.rank_chunks(rank)) {
       const auto p =
-          plan_gpu_stage_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len, o, slots);
+          plan_gpu_stage_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len, o, slots, tp);
       sum.model_state += p.model_state;
       sum.activations += p.activations;
       sum.activations_without_recompute += p.activations_without_recompute;
-      const auto params_of = stage_parameter_layout(r.model, range);
+      const auto params_of = stage_parameter_layout(r.model, range, {0, tp});
       if (!params_of.empty()) params += params_of.back().offset + params_of.back().numel;
     }
     with += sum.activations;
@@ -195,7 +200,7 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
 std::string format_gpu_memory_plan(const recipe& r) {
   validate_recipe(r);
   gpu_trainer_options o{parse_compute_dtype(r.precision.dtype), r.activation_checkpoint.full()};
-  if (r.parallel.pp > 1) return format_gpu_pipeline_plan(r, o);
+  if (r.parallel.pp > 1 || r.parallel.tp > 1) return format_gpu_pipeline_plan(r, o);
   const gpu_memory_plan p = plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, o);
   const std::int64_t P = r.model.parameter_count();
   std::string s =

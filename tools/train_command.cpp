@@ -81,7 +81,9 @@ std::function<int()> add_train_command(CLI::App& app) {
       return exit_bad_input;
     }
     const bool gpu = r.device == "cuda";
-    if (opts->engine.empty()) opts->engine = gpu && r.parallel.pp == 1 ? "serial" : "actors";
+    // One GPU without pipeline or tensor shards: the serial trainer (gpu_trainer), else actors.
+    if (opts->engine.empty())
+      opts->engine = gpu && r.parallel.pp == 1 && r.parallel.tp == 1 ? "serial" : "actors";
     if (opts->dry_run) {
       try {
         std::fputs((gpu ? engine::format_gpu_memory_plan(r)

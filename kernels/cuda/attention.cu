@@ -356,20 +356,26 @@ token_groups::~token_groups() {
   if (device_) cudaFree(device_);
 }
 
-void token_groups::build(const context& ctx, const std::int32_t* host_tokens, int N) {
-  std::vector<std::int32_t> order(static_cast<std::size_t>(N));
-  std::iota(order.begin(), order.end(), 0);
+void token_groups::build(const context& ctx, const std::int32_t* host_tokens, int N, int first_row,
+                         int rows) {
+  auto held = [&](std::int32_t t) { return rows < 0 || (t >= first_row && t - first_row < rows); };
+  std::vector<std::int32_t> order;
+  order.reserve(static_cast<std::size_t>(N));
+  for (int n = 0; n < N; ++n)
+    if (held(host_tokens[n])) order.push_back(n);
   std::stable_sort(order.begin(), order.end(),
                    [&](std::int32_t a, std::int32_t b) { return host_tokens[a] < host_tokens[b]; });
   std::vector<std::int32_t> tokens, offsets;
-  for (int k = 0; k < N; ++k) {
-    const std::int32_t t = host_tokens[order[static_cast<std::size_t>(k)]];
+  const int kept = static_cast<int>(order.size());
+  for (int k = 0; k < kept; ++k) {
+    const std::int32_t t =
+        host_tokens[order[static_cast<std::size_t>(k)]] - (rows < 0 ? 0 : first_row);
     if (tokens.empty() || tokens.back() != t) {
       tokens.push_back(t);
       offsets.push_back(k);
     }
   }
-  offsets.push_back(N);
+  offsets.push_back(kept);
   host_ = tokens;
   host_.insert(host_.end(), offsets.begin(), offsets.end());
   host_.insert(host_.end(), order.begin(), order.end());

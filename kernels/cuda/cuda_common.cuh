@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -41,6 +42,19 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// The sum (or max) of v over the block, on every thread; blockDim.x a multiple of 32, shared
+// at least 32 floats.
+__device__ inline float block_reduce(float v, bool is_max, float* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = is_max ? warp_max(v) : warp_sum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float r = lane < warps ? shared[lane] : (is_max ? -INFINITY : 0.0f);
+  r = is_max ? warp_max(r) : warp_sum(r);
+  __syncthreads();
+  return r;
 }
 
 constexpr int kThreads = 256;

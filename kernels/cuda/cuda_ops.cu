@@ -183,17 +183,6 @@ __global__ void residual_forward_kernel(T* out, const T* a, const T* b, std::int
 }
 
 // ---- softmax + cross-entropy: one block per row ----------------------------------------------
-__device__ float block_reduce(float v, bool is_max, float* shared) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  v = is_max ? warp_max(v) : warp_sum(v);
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  float r = lane < warps ? shared[lane] : (is_max ? -INFINITY : 0.0f);
-  r = is_max ? warp_max(r) : warp_sum(r);
-  __syncthreads();
-  return r;
-}
-
 template <class T>
 __global__ void softmax_ce_kernel(T* dlogits, const T* logits, const std::int32_t* targets,
                                   float* losses, int V, int Vp, int ignore_index, float scale) {

@@ -110,8 +110,11 @@ class token_groups {
   ~token_groups();
   token_groups(const token_groups&) = delete;
   token_groups& operator=(const token_groups&) = delete;
-  // Groups host_tokens[0, N) and uploads the groups on ctx's stream.
-  void build(const context& ctx, const std::int32_t* host_tokens, int N);
+  // Groups host_tokens[0, N) and uploads the groups on ctx's stream. With rows >= 0 (a tensor
+  // shard's rows [first_row, first_row + rows) of wte) only the tokens in that range are
+  // grouped, each as token - first_row; the others have no group.
+  void build(const context& ctx, const std::int32_t* host_tokens, int N, int first_row = 0,
+             int rows = -1);
   int groups() const { return groups_; }
   const std::int32_t* device() const { return device_; }  // [tokens G][offsets G+1][positions N]
   int rows() const { return rows_; }
@@ -127,6 +130,46 @@ class token_groups {
 template <class T>
 void embedding_backward(const context& ctx, float* dwte, float* dwpe, const T* dout,
                         const token_groups& groups, int B, int T_, int C);
+
+// ---- tensor parallelism: the vocabulary-parallel embedding and cross-entropy ------------------
+// A shard holds rows [first_row, first_row + rows) of wte. out[n,:] = wte[tokens[n] - first_row,:]
+// where the shard holds tokens[n]'s row, else 0: summed over the shards (an all-reduce), then
+// add_positions (out[b,t,:] += wpe[t,:]), it is embedding_forward's result, bitwise.
+template <class T>
+void embedding_rows_forward(const context& ctx, T* out, const std::int32_t* tokens, const T* wte,
+                            int first_row, int rows, std::int64_t N, int C);
+template <class T>
+void add_positions(const context& ctx, T* out, const T* wpe, int B, int T_, int C);
+
+// The vocabulary-parallel cross-entropy over a shard's logits [N, v.cols] (columns v.first + j of
+// the whole padded vocabulary; those >= v.V are padding), in three steps around the group's
+// all-reduces, as the CPU's (kernels/cpu_ops.hpp):
+//  1. vocab_shard_max: row_max[N] = the max of each row's real columns (-inf without any);
+//     then all-reduce max;
+//  2. vocab_shard_stats: stats[2n] = the sum of exp(x - row_max) over the row's real columns,
+//     stats[2n+1] = the target's logit where the shard holds it, else 0; then all-reduce sum;
+//  3. vocab_parallel_cross_entropy_backward: losses[N] and, when dlogits is not null, the
+//     shard's dlogits (may alias logits): (softmax - onehot) * grad_scale / count, 0 for ignored
+//     rows and padded columns. Returns the losses' sum (the host's, in row order) and count.
+template <class T>
+void vocab_shard_max(const context& ctx, float* row_max, const T* logits, int N,
+                     const vocab_shard& v);
+template <class T>
+void vocab_shard_stats(const context& ctx, float* stats, const T* logits,
+                       const std::int32_t* targets, const float* row_max, int N,
+                       const vocab_shard& v, int ignore_index);
+template <class T>
+cross_entropy_result vocab_parallel_cross_entropy_backward(
+    const context& ctx, T* dlogits, const T* logits, const std::int32_t* targets,
+    const float* row_max, const float* stats, float* losses, int N, const vocab_shard& v,
+    int ignore_index, std::int64_t count, float grad_scale);
+
+// ---- one device's members of a group: sums and maxima in place --------------------------------
+// copies[0..k) (all on the current device), each n values, all become their sum (max), taken
+// in member order in fp32 and rounded once to T. At most kMaxLocalReplicas copies; on `stream`.
+template <class T>
+void local_sum(cudaStream_t stream, T* const* copies, int k, std::int64_t n);
+void local_max(cudaStream_t stream, float* const* copies, int k, std::int64_t n);
 
 // ---- causal multi-head self-attention, fused (flash-attention style) ---------------------------
 // qkv[B,T,3C] as on the CPU; out[B,T,C]; lse[B,NH,T] (fp32) receives each query row's

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <exception>
 #include <thread>
 #include <utility>
 
@@ -149,6 +150,19 @@ void nccl_group::all_reduce_sum(float* data, std::int64_t n, cudaEvent_t after) 
   settle("all_reduce", std::chrono::steady_clock::now() + kEnqueueDeadline);
 }
 
+void nccl_group::all_reduce(void* data, std::int64_t n, element type, reduction op,
+                            cudaEvent_t after) {
+  usable("all_reduce");
+  order_after(after);
+  const ncclDataType_t t = type == element::bf16  ? ncclBfloat16
+                           : type == element::f16 ? ncclFloat16
+                                                  : ncclFloat32;
+  enqueue_result(ncclAllReduce(data, data, static_cast<std::size_t>(n), t,
+                               op == reduction::max ? ncclMax : ncclSum, as_comm(comm_), stream_),
+                 "ncclAllReduce", *this);
+  settle("all_reduce", std::chrono::steady_clock::now() + kEnqueueDeadline);
+}
+
 void nccl_group::reduce_scatter_sum(const float* in, float* out, std::int64_t per_rank,
                                     cudaEvent_t after) {
   usable("reduce_scatter");
@@ -221,6 +235,31 @@ void nccl_group::all_reduce_mean(const std::vector<nccl_group*>& groups,
     fail_all(std::string("ncclGroupEnd: ") + ncclGetErrorString(end));
   const auto deadline = std::chrono::steady_clock::now() + kEnqueueDeadline;
   for (auto* g : groups) g->settle("all_reduce_mean", deadline);
+}
+
+std::vector<std::unique_ptr<nccl_group>> nccl_group::join_all(
+    const std::string& name, const std::vector<int>& devices,
+    std::chrono::milliseconds join_timeout) {
+  const nccl_id id = nccl_new_id();
+  const int n = static_cast<int>(devices.size());
+  std::vector<std::unique_ptr<nccl_group>> groups(devices.size());
+  std::vector<std::exception_ptr> failed(devices.size());
+  std::vector<std::thread> threads;
+  threads.reserve(devices.size());
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      const auto at = static_cast<std::size_t>(i);
+      try {
+        groups[at] = std::make_unique<nccl_group>(name, id, n, i, devices[at], join_timeout);
+      } catch (...) {
+        failed[at] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& f : failed)
+    if (f) std::rethrow_exception(f);
+  return groups;
 }
 
 cudaEvent_t nccl_group::done() {

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,10 +56,21 @@ class nccl_group {
   // Enqueued on the group's stream after `after` (an event of the producing stream; nullptr:
   // no ordering). They return at once.
   void all_reduce_sum(float* data, std::int64_t n, cudaEvent_t after);
+  // In place, of n elements of `type` (the tensor-parallel collectives: activations in the
+  // compute dtype, fp32 statistics).
+  enum class element { f32, bf16, f16 };
+  enum class reduction { sum, max };
+  void all_reduce(void* data, std::int64_t n, element type, reduction op, cudaEvent_t after);
   void reduce_scatter_sum(const float* in, float* out, std::int64_t per_rank, cudaEvent_t after);
   void all_gather(const float* in, float* out, std::int64_t per_rank, cudaEvent_t after);
   void send(const void* data, std::size_t bytes, int peer, cudaEvent_t after);
   void recv(void* data, std::size_t bytes, int peer, cudaEvent_t after);
+
+  // A new communicator `name` of devices.size() ranks, rank i on devices[i], all in this
+  // process (a join waits for the other ranks, so each rank joins on its own thread).
+  static std::vector<std::unique_ptr<nccl_group>> join_all(
+      const std::string& name, const std::vector<int>& devices,
+      std::chrono::milliseconds join_timeout = std::chrono::seconds(120));
 
   // One thread driving several ranks of one communicator (one process, a device per rank):
   // groups[i] all-reduces the mean (ncclAvg) of ranges[i] after after[i] (nullptr: no

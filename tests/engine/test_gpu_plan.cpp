@@ -143,3 +143,35 @@ TEST_CASE("--dry-run of a GPU pipeline prints every device stage's chunks", "[gp
   std::snprintf(figure, sizeof figure, "%.1f MiB\n", static_cast<double>(total) / (1 << 20));
   CHECK_THAT(text, Catch::Contains(figure));
 }
+
+TEST_CASE("a tensor shard's GPU plan holds its slices; --dry-run plans one shard", "[gpu-plan]") {
+  const gpt_config c{256, 256, 128, 2, 4, 256};
+  const int B = 2, T = 64;
+  const gpu_trainer_options bf16{compute_dtype::bf16, false};
+  const auto range = stage_range::whole(c);
+  const auto whole = plan_gpu_stage_memory(c, range, B, T, bf16, 1);
+  const auto shard = plan_gpu_stage_memory(c, range, B, T, bf16, 1, 2);
+  // Model state: the shard's parameters (its slices plus the replicated ones), 18 bytes each.
+  const auto layout = stage_parameter_layout(c, range, {1, 2});
+  const std::int64_t P = layout.back().offset + layout.back().numel;
+  CHECK(shard.model_state == 18 * P);
+  CHECK(P < c.parameter_count());
+  CHECK(2 * P > c.parameter_count());  // layernorms, wpe and row-parallel biases are whole
+  // Activations: the column-parallel pieces, the heads' log-sum-exp and the logits halve; the
+  // replicated activations do not, and the head adds its statistics (3 floats a row).
+  const std::int64_t N = std::int64_t{B} * T, NC = N * c.width;
+  const std::int64_t per_layer_halved = 12 * NC * 2 / 2 + 4 * std::int64_t{B} * c.heads * T / 2;
+  const std::int64_t shared_halved =
+      4 * std::int64_t{B} * c.heads * T / 2 + 12 * NC * 2 / 2 + N * c.padded_vocab_size * 2 / 2;
+  CHECK(whole.activations - shard.activations ==
+        c.layers * per_layer_halved + shared_halved - 3 * N * 4);
+  recipe r = parse_recipe(
+      "device = \"cuda\"\n[model]\nvocab_size = 256\ncontext = 128\nlayers = 2\nheads = 4\n"
+      "width = 256\n[data]\ntrain = \"x\"\n[parallel]\ntp = 2\n",
+      "test.toml", {});
+  const std::string text = format_gpu_memory_plan(r);
+  CHECK_THAT(text, Catch::Contains("of 2 tensor shards (one shard's figures)"));
+  char params[32];
+  std::snprintf(params, sizeof params, " %lld ", static_cast<long long>(P));
+  CHECK_THAT(text, Catch::Contains(params));
+}
