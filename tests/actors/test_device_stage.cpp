@@ -97,6 +97,24 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
   }
 }
 
+TEST_CASE("a device tensor shard that dies ends the run naming it; its peers do not hang",
+          "[actors][device]") {
+  temp_dir dir;
+  engine::recipe r = tiny_recipe(dir);
+  r.steps = 50;
+  r.parallel.pp = 2;
+  r.parallel.micro_batches = 4;
+  r.parallel.tp = 2;
+  run_options o = host_device(false);
+  o.after_step = [](caf::actor_system&, const run_handles& h, int step) {
+    // Lane 1 is shard 1 of replica 0.
+    if (step == 2) caf::anon_send_exit(h.stages.at(1).at(0), caf::exit_reason::kill);
+  };
+  // Its own stop, or its peer's failure in the group the dead shard aborted on its way out.
+  REQUIRE_THROWS_WITH(run_actors(r, o),
+                      Catch::Matches(".*stage (0 · dp 0 · |rank 0 replica 0 )tp 1 stopped.*"));
+}
+
 TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][device]") {
   temp_dir dir;
   engine::recipe r = tiny_recipe(dir);
