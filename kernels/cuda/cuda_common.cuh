@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/cuda_ops.hpp"
 
@@ -42,6 +43,19 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// The sum of n per-row values of the device (a cross-entropy's losses), in fp64 on the host in
+// row order, after everything enqueued on ctx's stream.
+inline double host_row_sum(const context& ctx, const float* values, int n) {
+  std::vector<float> host(static_cast<std::size_t>(n));
+  check(cudaMemcpyAsync(host.data(), values, host.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                        ctx.stream()),
+        "cudaMemcpyAsync(losses)");
+  ctx.synchronize();
+  double sum = 0;
+  for (float v : host) sum += v;
+  return sum;
 }
 
 // The sum (or max) of v over the block, on every thread; blockDim.x a multiple of 32, shared

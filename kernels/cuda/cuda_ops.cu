@@ -505,12 +505,7 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
   softmax_ce_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
       dlogits, logits, targets, losses, V, Vp, ignore_index, scale);
   check_launch("softmax_ce_kernel");
-  std::vector<float> host(static_cast<std::size_t>(N));
-  check(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                        ctx.stream()),
-        "cudaMemcpyAsync(losses)");
-  ctx.synchronize();
-  for (float l : host) r.loss_sum += l;
+  r.loss_sum = host_row_sum(ctx, losses, N);
   return r;
 }
 

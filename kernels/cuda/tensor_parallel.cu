@@ -168,12 +168,7 @@ cross_entropy_result vocab_parallel_cross_entropy_backward(
   vocab_loss_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
       dlogits, logits, targets, row_max, stats, losses, v, ignore_index, scale);
   check_launch("vocab_loss_kernel");
-  std::vector<float> host(static_cast<std::size_t>(N));
-  check(cudaMemcpyAsync(host.data(), losses, host.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                        ctx.stream()),
-        "cudaMemcpyAsync(losses)");
-  ctx.synchronize();
-  for (float l : host) r.loss_sum += l;
+  r.loss_sum = host_row_sum(ctx, losses, N);
   return r;
 }
 
