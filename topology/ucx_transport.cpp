@@ -32,6 +32,7 @@
 #include <poll.h>
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
@@ -228,6 +229,7 @@ struct ucx_transport::impl {
   receive_callback receive_fn;
   peer_error_callback peer_error_fn;
   bool dispatching = false, closing = false;
+  std::atomic<bool> woken{false};  // wake() was called (other threads)
 
   static void send_done(void*, ucs_status_t status, void* user_data) {
     auto* op = static_cast<send_op*>(user_data);
@@ -724,13 +726,27 @@ unsigned ucx_transport::progress() {
 }
 
 void ucx_transport::wait(std::chrono::microseconds timeout) {
-  if (!impl_->completed_sends.empty() || !impl_->completed_receives.empty() ||
-      !impl_->peer_errors.empty())
-    return;
+  auto ready = [this] {
+    return !impl_->completed_sends.empty() || !impl_->completed_receives.empty() ||
+           !impl_->peer_errors.empty();
+  };
+  if (ready()) return;
+  if (timeout.count() < 0) timeout = std::chrono::microseconds(0);
+  // Spin first: ucp_worker_progress only records completions here (the callbacks that run are
+  // UCX's, not the user's); the caller's next progress() dispatches them.
+  const auto spin = std::min(impl_->options.poll_before_sleep, timeout);
+  if (spin.count() > 0) {
+    const auto until = std::chrono::steady_clock::now() + spin;
+    do {
+      if (ucp_worker_progress(impl_->worker) > 0 || ready() ||
+          impl_->woken.exchange(false, std::memory_order_acquire))
+        return;
+    } while (std::chrono::steady_clock::now() < until);
+    timeout -= spin;
+  }
   const ucs_status_t s = ucp_worker_arm(impl_->worker);
   if (s == UCS_ERR_BUSY) return;
   if (s != UCS_OK) fail("ucp_worker_arm", s);
-  if (timeout.count() < 0) timeout = std::chrono::microseconds(0);
   pollfd fd{impl_->event_fd, POLLIN, 0};
   const timespec ts{static_cast<time_t>(timeout.count() / 1000000),
                     static_cast<long>(timeout.count() % 1000000) * 1000};
@@ -739,7 +755,10 @@ void ucx_transport::wait(std::chrono::microseconds timeout) {
                     std::strerror(errno));
 }
 
-void ucx_transport::wake() { ucp_worker_signal(impl_->worker); }
+void ucx_transport::wake() {
+  impl_->woken.store(true, std::memory_order_release);  // seen by a wait() that is still polling
+  ucp_worker_signal(impl_->worker);
+}
 
 std::string ucx_transport::transport_info(int peer) const {
   auto& p = impl_->connected(peer, "transport_info for");

@@ -44,6 +44,11 @@ struct ucx_options {
   // over tcp UCX 1.13 can abort this process when a peer dies (docs/transport.md).
   bool peer_error_handling = false;
   std::string net_devices;  // UCX_NET_DEVICES ("" = all)
+  // wait() keeps polling the worker this long before it arms it and sleeps: an event that comes
+  // sooner is handled without a wake-up (about 20 us on the development machine, against a 0.3 us
+  // round trip over shared memory). Spin then block: polling as long as one wake-up costs never
+  // loses more than twice the better choice. 0 = sleep at once.
+  std::chrono::microseconds poll_before_sleep{20};
 };
 
 using iov_list = std::vector<std::pair<const void*, std::size_t>>;
@@ -88,8 +93,8 @@ class ucx_transport {
 
   // Handles ready events; 0 = nothing happened. Not re-entrant: callbacks must not call it.
   unsigned progress();
-  // Sleeps until UCX has work (ucp_worker_arm + poll on ucp_worker_get_efd) or timeout; returns
-  // early on wake().
+  // Returns when UCX has work or on wake(), at the latest after `timeout`: polls the worker for
+  // up to options.poll_before_sleep, then sleeps (ucp_worker_arm + poll on ucp_worker_get_efd).
   void wait(std::chrono::microseconds timeout);
   // Thread-safe: interrupts wait() (ucp_worker_signal).
   void wake();

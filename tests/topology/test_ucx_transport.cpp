@@ -512,8 +512,12 @@ TEST_CASE("ucx_transport sets peer error handling per endpoint", "[unit]") {
 }
 
 TEST_CASE("ucx_transport wake() interrupts wait() from another thread", "[unit]") {
-  const auto results = run_sides({[](int, const report& out) {
-    ucx_transport t(0);
+  // Whether wait() is still polling (an hour of poll_before_sleep) or already asleep.
+  ucx_options options;
+  options.poll_before_sleep = GENERATE(0us, std::chrono::microseconds(std::chrono::hours(1)));
+  INFO("poll_before_sleep " << options.poll_before_sleep.count() << " us");
+  const auto results = run_sides({[&](int, const report& out) {
+    ucx_transport t(0, options);
     std::atomic<bool> returned{false};
     std::thread waker([&] {
       while (!returned) {  // repeated: a wake before wait() armed is fine either way
@@ -529,6 +533,49 @@ TEST_CASE("ucx_transport wake() interrupts wait() from another thread", "[unit]"
   }});
   CHECK(results[0].exited_ok());
   CHECK(results[0].values.at("woke") == "yes");
+}
+
+TEST_CASE("ucx_transport wait() returns when a frame arrives, polling or asleep", "[unit]") {
+  ucx_options options;
+  options.transports = GENERATE("posix,cma,self", "tcp");
+  options.poll_before_sleep = GENERATE(0us, std::chrono::microseconds(std::chrono::hours(1)));
+  INFO("UCX_TLS=" << options.transports << ", poll_before_sleep "
+                  << options.poll_before_sleep.count() << " us");
+  const auto results = run_sides({
+      [&](int sock, const report& out) {
+        ucx_transport t(0, options);
+        exchange_addresses(t, sock, 1);
+        int received = 0;
+        t.on_receive([&](int, std::shared_ptr<troupe::messages::aligned_buffer>, std::size_t) {
+          ++received;
+        });
+        SIDE_CHECK(signal_other(sock));
+        // Only a frame ends these waits (the parent's deadline bounds them): each wait() must
+        // return when the frame arrives, not at its timeout.
+        while (received == 0)
+          if (t.progress() == 0) t.wait(std::chrono::microseconds(std::chrono::hours(1)));
+        out.line("received", std::to_string(received));
+        SIDE_CHECK(signal_other(sock));
+        SIDE_CHECK(await_other(t, sock));
+        return 0;
+      },
+      [&](int sock, const report& out) {
+        ucx_transport t(1, options);
+        exchange_addresses(t, sock, 0);
+        SIDE_CHECK(await_other(t, sock));
+        std::this_thread::sleep_for(50ms);  // the other side is waiting by now
+        std::uint64_t word = 42;
+        bool sent = false;
+        t.send(0, {{&word, sizeof word}}, [&](bool ok, const std::string&) { sent = ok; });
+        SIDE_CHECK(pump(t, [&] { return sent; }));
+        SIDE_CHECK(await_other(t, sock));
+        SIDE_CHECK(signal_other(sock));
+        return 0;
+      },
+  });
+  CHECK(results[0].exited_ok());
+  CHECK(results[1].exited_ok());
+  CHECK(results[0].values.at("received") == "1");
 }
 
 TEST_CASE("ucx_transport names the peer or setting at fault", "[unit]") {
