@@ -461,8 +461,8 @@ class stage_impl : public stage_actor::base {
       }
     } else {
       const std::size_t n = std::size_t(r.B) * std::size_t(r.T) * std::size_t(cfg_.model.width);
-      auto out = std::make_shared<payload<float>>(n);
-      std::memcpy(out->data(), compute_->output(r.chunk, r.id), n * sizeof(float));
+      const float* output = compute_->output(r.chunk, r.id);
+      auto out = std::make_shared<payload<float>>(output, output + n);  // one copy, no zero-fill
       route(link_kind::activation, a.stage + 1, r.round, a.micro_batch, r.B, r.T, std::move(out));
     }
     if (plan_.eval) compute_->release(r.chunk, r.id);
