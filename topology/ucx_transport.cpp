@@ -245,8 +245,8 @@ struct ucx_transport::impl {
   }
   static void endpoint_failed(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* p = static_cast<peer_state*>(arg);
-    p->owner->peer_errors.emplace_back(
-        p->peer, std::string("UCX endpoint error: ") + ucs_status_string(status));
+    p->owner->peer_errors.emplace_back(p->peer,
+                                       std::string("endpoint error: ") + ucs_status_string(status));
   }
 
   peer_state& connected(int peer, const char* what) {
@@ -612,11 +612,12 @@ void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address,
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
   ep.err_mode = peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-  if (peer_error_handling) {
-    ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.err_handler.cb = &impl::endpoint_failed;
-    ep.err_handler.arg = &p;
-  }
+  // The callback goes on every endpoint, even one without peer error handling: a transport
+  // error UCX does detect there (a cma read from a peer that has died mid-fetch) is fatal to
+  // this process in UCX 1.13 unless the endpoint has an error callback (ucp_ep_set_failed).
+  ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.err_handler.cb = &impl::endpoint_failed;
+  ep.err_handler.arg = &p;
   if (auto s = ucp_ep_create(impl_->worker, &ep, &p.ep); s != UCS_OK) {
     impl_->peers.erase(peer);
     fail("ucp_ep_create to peer " + std::to_string(peer), s);

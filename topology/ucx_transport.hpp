@@ -40,17 +40,16 @@ struct ucx_error : std::runtime_error {
 struct ucx_options {
   // UCX_TLS for this worker ("" = UCX's choice: shm locally, tcp across hosts).
   std::string transports;
-  // UCP_ERR_HANDLING_MODE_PEER. false keeps shared memory but leaves a lost peer undetected, and
-  // over tcp UCX 1.13 can abort this process when a peer dies (docs/transport.md).
+  // UCP_ERR_HANDLING_MODE_PEER. false keeps shared memory but leaves a lost peer mostly
+  // undetected (only a failed cma fetch from it is reported), and over tcp UCX 1.13 can abort
+  // this process when a peer dies while tcp lanes are being wired up (docs/transport.md).
   bool peer_error_handling = false;
   std::string net_devices;  // UCX_NET_DEVICES ("" = all)
   // wait() keeps polling the worker this long before it arms it and sleeps: an event that comes
   // sooner is handled without a wake-up (about 20 us on the development machine, against a 0.3 us
   // round trip over shared memory). Spin then block: polling as long as one wake-up costs never
-  // loses more than twice the better choice. 0 = sleep at once, the default for now: with 20 us
-  // the multi-process kill test (cli_multiprocess) saw a survivor abort in UCX (a cma read from
-  // the killed peer, fatal without peer error handling) in 2 of 6 runs, against 0 of 6 with 0.
-  std::chrono::microseconds poll_before_sleep{0};
+  // loses more than twice the better choice. 0 = sleep at once.
+  std::chrono::microseconds poll_before_sleep{20};
 };
 
 using iov_list = std::vector<std::pair<const void*, std::size_t>>;
@@ -89,8 +88,9 @@ class ucx_transport {
   // Every received frame, whole, in the first `bytes` bytes of an aligned_buffer no one else
   // holds, from progress().
   void on_receive(receive_callback fn);
-  // UCX reported an endpoint failure to this peer (only on an endpoint in peer_error_handling
-  // mode, or a failed send). Reported once per peer; later sends to it fail at once.
+  // UCX reported an endpoint failure to this peer: on an endpoint in peer_error_handling mode, a
+  // failed send or receive, or (without that mode) a failed cma fetch from a local peer that
+  // died. Reported once per peer; later sends to it fail at once.
   void on_peer_error(peer_error_callback fn);
 
   // Handles ready events; 0 = nothing happened. Not re-entrant: callbacks must not call it.

@@ -440,17 +440,18 @@ TEST_CASE("ucx_transport with peer error handling detects a SIGKILLed peer", "[u
 }
 
 // Without peer error handling (the default, which keeps shared memory), UCX does not report a
-// lost peer: over shared memory eager frames are written into the dead peer's queue and report
-// success, and rendezvous frames wait for a fetch that never comes. The gateway must therefore
-// rely on heartbeats (messages::heartbeat) to declare a peer lost, then stop sending to it; all
-// the transport promises is that nothing hangs: progress() and wait() return, and the destructor
-// returns within its deadline and completes every pending send with done(false, ...).
-// Only shared memory is tested here. Over tcp without peer error handling, a send to the dead
-// peer fails once the connection has settled ("Endpoint timeout"), but if the peer dies while UCX
-// is still wiring up its tcp lanes, UCX 1.13 itself aborts the surviving process (assertions in
-// ucp_request_send_state_ff "got REQ message", removed upstream by openucx/ucx#8175, and in
-// tcp_iface.c "conn_state != UCT_TCP_EP_CONN_STATE_CLOSED"; seen in about 1 run in 3 here). Links
-// that can go over tcp (other hosts) therefore need peer_error_handling = true, tested above.
+// lost peer (except for a frame it was fetching from it, tested below): over shared memory eager
+// frames are written into the dead peer's queue and report success, and rendezvous frames wait for
+// a fetch that never comes. The gateway must therefore rely on heartbeats (messages::heartbeat) to
+// declare a peer lost, then stop sending to it; all the transport promises is that nothing hangs:
+// progress() and wait() return, and the destructor returns within its deadline and completes every
+// pending send with done(false, ...). Only shared memory is tested here. Over tcp without peer
+// error handling, a send to the dead peer fails once the connection has settled ("Endpoint
+// timeout"), but if the peer dies while UCX is still wiring up its tcp lanes, UCX 1.13 itself
+// aborts the surviving process (assertions in ucp_request_send_state_ff "got REQ message", removed
+// upstream by openucx/ucx#8175, and in tcp_iface.c "conn_state != UCT_TCP_EP_CONN_STATE_CLOSED";
+// seen in about 1 run in 3 here). Links that can go over tcp (other hosts) therefore need
+// peer_error_handling = true, tested above.
 TEST_CASE(
     "ucx_transport over shared memory without peer error handling does not hang on a "
     "SIGKILLed peer",
@@ -468,6 +469,72 @@ TEST_CASE(
   CHECK_THAT(results[0].values.at("transport"), Catch::Contains("posix"));
   CHECK(results[0].values.count("detected") == 1);
   CHECK(results[0].values.at("closed") == "yes");
+}
+
+// A local peer that dies while the survivor is fetching its rendezvous frame: the survivor's
+// next cma read of the dead process's memory fails. UCX 1.13 treats that as fatal on an endpoint
+// without an error callback (ucp_ep_set_failed returns UCS_ERR_UNSUPPORTED, and
+// uct_cma_ep_tx_error then logs at FATAL and aborts); that is how a survivor of the multi-process
+// kill test used to die before it could name the lost rank. It must report the peer lost and
+// carry on instead. cma copies a rendezvous frame 512 KiB per progress call, so B starts the
+// 16 MiB fetch with two progress() calls, tells A to die, and progresses again only once the
+// socket's end-of-file says A's memory is gone (a process releases its memory before its files).
+TEST_CASE("ucx_transport over shared memory survives a peer that dies while its frame is fetched",
+          "[unit]") {
+  ucx_options options;
+  options.transports = "posix,cma,self";
+  options.poll_before_sleep = GENERATE(0us, 20us);
+  const auto results = run_sides({
+      [&](int sock, const report& out) {
+        ucx_transport t(0, options);
+        exchange_addresses(t, sock, 1);
+        std::size_t completed = 0;
+        // A first rendezvous frame, fetched while both sides progress, wires the endpoints up
+        // (a rendezvous sender needs its peer's endpoint id, which takes a round trip).
+        frame_source first(0, 1 << 20), big(1, 16 << 20);
+        t.send(1, first.iov, [&](bool ok, const std::string&) { completed += ok; });
+        SIDE_CHECK(pump(t, [&] { return completed == 1; }));
+        SIDE_CHECK(await_other(t, sock));
+        t.send(1, big.iov, [](bool, const std::string&) {});
+        const auto announced = clock_type::now() + 200ms;  // its messages reach B's queue
+        while (clock_type::now() < announced) t.progress();
+        out.line("transport", t.transport_info(1));
+        SIDE_CHECK(signal_other(sock));
+        char c;  // cma needs nothing from this side: B reads this process's memory itself
+        SIDE_CHECK(read_all(sock, &c, 1, clock_type::now() + child_deadline));
+        ::raise(SIGKILL);
+        return 1;
+      },
+      [&](int sock, const report& out) {
+        ucx_transport t(1, options);
+        exchange_addresses(t, sock, 0);
+        std::size_t received = 0, peer_errors = 0;
+        t.on_receive([&](int, std::shared_ptr<troupe::messages::aligned_buffer>, std::size_t) {
+          ++received;
+        });
+        t.on_peer_error([&](int peer, const std::string& reason) {
+          if (peer == 0) ++peer_errors;
+          out.line("peer_error", reason);
+        });
+        SIDE_CHECK(pump(t, [&] { return received == 1; }));
+        SIDE_CHECK(signal_other(sock));
+        char c;
+        SIDE_CHECK(read_all(sock, &c, 1, clock_type::now() + child_deadline));
+        t.progress();  // the announcement: the fetch starts
+        t.progress();  // its first 512 KiB
+        SIDE_CHECK(signal_other(sock));
+        SIDE_CHECK(read_all(sock, &c, 1, clock_type::now() + child_deadline) == false);
+        SIDE_CHECK(pump(
+            t, [&] { return peer_errors > 0; }, clock_type::now() + 10s));
+        out.line("received", std::to_string(received));
+        return 0;
+      },
+  });
+  CHECK(killed_by_sigkill(results[0]));
+  CHECK_THAT(results[0].values.at("transport"), Catch::Contains("cma"));
+  REQUIRE(results[1].exited_ok());
+  CHECK(results[1].values.at("received") == "1");  // the 16 MiB frame never became a frame
+  CHECK(results[1].values.count("peer_error") == 1);
 }
 
 TEST_CASE("ucx_transport sets peer error handling per endpoint", "[unit]") {
