@@ -397,6 +397,7 @@ class reader {
     field = "header.shape";
     const auto shape = r.getShape();
     list(shape.size());
+    h.shape.reserve(shape.size());
     for (const std::int64_t d : shape) h.shape.push_back(d);
     return h;
   }
@@ -650,6 +651,39 @@ body reader::message(s::Envelope::Body::Reader b) {
   fail("unknown message kind " + std::to_string(static_cast<unsigned>(b.which())));
 }
 
+// A frame's segments, read from its table (which check_segment_table has checked against the
+// frame's size). Like capnp::FlatArrayMessageReader, but without its heap array of the segments
+// after the first: a frame with a payload always has them, and the receive path decodes every
+// frame.
+class frame_message final : public capnp::MessageReader {
+ public:
+  frame_message(const std::byte* data, capnp::ReaderOptions options)
+      : capnp::MessageReader(options) {
+    std::uint32_t word = 0;
+    std::memcpy(&word, data, 4);
+    count_ = std::size_t{word} + 1;
+    if (count_ > inline_segments) more_.resize(count_ - inline_segments);
+    const auto* at = reinterpret_cast<const capnp::word*>(data) + (count_ + 2) / 2;
+    for (std::size_t i = 0; i < count_; ++i) {
+      std::memcpy(&word, data + 4 * (i + 1), 4);
+      slot(i) = kj::arrayPtr(at, word);
+      at += word;
+    }
+  }
+  kj::ArrayPtr<const capnp::word> getSegment(uint id) override {
+    return id < count_ ? slot(id) : nullptr;
+  }
+
+ private:
+  static constexpr std::size_t inline_segments = 8;
+  kj::ArrayPtr<const capnp::word>& slot(std::size_t i) {
+    return i < inline_segments ? inline_[i] : more_[i - inline_segments];
+  }
+  std::size_t count_ = 0;
+  std::array<kj::ArrayPtr<const capnp::word>, inline_segments> inline_{};
+  std::vector<kj::ArrayPtr<const capnp::word>> more_;
+};
+
 // The segment table against `bytes`, before Cap'n Proto sees the frame.
 void check_segment_table(const std::byte* data, std::size_t bytes) {
   const auto truncated = [bytes](std::uint64_t needed, const char* what) {
@@ -748,8 +782,7 @@ envelope detail::decode(std::shared_ptr<void> owner, std::byte* data, std::size_
   options.nestingLimit = static_cast<int>(std::min<std::uint32_t>(lim.max_nesting, 1 << 20));
   reader rd(std::move(owner), lim);
   try {
-    capnp::FlatArrayMessageReader message(
-        kj::arrayPtr(reinterpret_cast<const capnp::word*>(data), bytes / 8), options);
+    frame_message message(data, options);
     const auto root = message.getRoot<s::Envelope>();
     if (root.getSchema() != s::ENVELOPE_SCHEMA)
       rd.fail("schema id " + std::to_string(root.getSchema()) + " is not the wire schema " +

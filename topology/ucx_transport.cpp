@@ -83,9 +83,9 @@ class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
     {
       std::lock_guard lock(mutex_);
       // The buffer released last (warmest in cache) first.
-      if (auto it = idle_.upper_bound(size); it != idle_.begin() && (--it)->first == size) {
-        buffer = std::move(it->second);
-        idle_.erase(it);
+      if (auto it = idle_.find(size); it != idle_.end() && !it->second.empty()) {
+        buffer = std::move(it->second.back());
+        it->second.pop_back();
         idle_bytes_ -= size;
       }
     }
@@ -103,10 +103,12 @@ class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
     std::lock_guard lock(mutex_);
     if (idle_bytes_ + size > pool_idle_bytes) return;
     idle_bytes_ += size;
-    idle_.emplace(size, std::move(buffer));
+    idle_[size].push_back(std::move(buffer));
   }
   std::mutex mutex_;
-  std::multimap<std::size_t, std::shared_ptr<messages::aligned_buffer>> idle_;
+  // Idle buffers by size class, the last released at the back: once warm, taking and giving back
+  // a buffer allocates nothing.
+  std::map<std::size_t, std::vector<std::shared_ptr<messages::aligned_buffer>>> idle_;
   std::size_t idle_bytes_ = 0;
 };
 
