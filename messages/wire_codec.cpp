@@ -713,6 +713,11 @@ std::string_view kind_name(const body& b) {
   return b.valueless_by_exception() ? "valueless" : kind_names[b.index()];
 }
 
+namespace {
+constexpr std::size_t payload_alignment = 64;
+constexpr std::array<std::uint64_t, payload_alignment / 8> padding{};
+}  // namespace
+
 frame encode(const envelope& e) { return detail::encode(e, detail::max_piece_bytes); }
 
 frame detail::encode(const envelope& e, std::size_t piece_bytes) {
@@ -739,19 +744,33 @@ frame detail::encode(const envelope& e, std::size_t piece_bytes) {
   k->table[0] = static_cast<std::uint32_t>(segments.size() - 1);
   frame f;
   f.iov.emplace_back(k->table.data(), k->table.size() * 4);
+  std::size_t offset = k->table.size() * 4;  // of the next segment in the frame
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const auto seg = segments[i];
     k->table[i + 1] = static_cast<std::uint32_t>(seg.size());
     const auto piece = k->pieces.find(seg.begin());
     if (piece == k->pieces.end()) {
       f.iov.emplace_back(seg.begin(), seg.size() * 8);
+      offset += seg.size() * 8;
+      // Zero words after the segment before a payload, so that the payload starts at a multiple
+      // of 64 bytes in the frame (unread space at a segment's end is legal Cap'n Proto): in a
+      // 64-byte aligned receive buffer the tensor a receiver reads in place is then as aligned
+      // as the sender's (cache lines, vector loads), at a cost of at most 56 bytes a frame.
+      const bool before_payload =
+          i + 1 < segments.size() && k->pieces.count(segments[i + 1].begin()) > 0;
+      if (before_payload && offset % payload_alignment != 0) {
+        const std::size_t pad = payload_alignment - offset % payload_alignment;
+        f.iov.emplace_back(padding.data(), pad);
+        k->table[i + 1] += static_cast<std::uint32_t>(pad / 8);
+        offset += pad;
+      }
       continue;
     }
     // A referenced payload: its own bytes, then zeros up to the segment's word boundary (never
     // the bytes past the payload's end, which Cap'n Proto would send).
-    static constexpr std::uint64_t zeros = 0;
     f.iov.emplace_back(seg.begin(), piece->second);
-    if (piece->second % 8 != 0) f.iov.emplace_back(&zeros, 8 - piece->second % 8);
+    if (piece->second % 8 != 0) f.iov.emplace_back(padding.data(), 8 - piece->second % 8);
+    offset += (piece->second + 7) / 8 * 8;
   }
   for (const auto& [ptr, len] : f.iov) f.bytes += len;
   f.keep = std::move(k);

@@ -280,6 +280,24 @@ TEST_CASE("payloads of odd sizes and misaligned views are sent exactly", "[unit]
   }
 }
 
+TEST_CASE("a payload starts at a multiple of 64 bytes into its frame", "[unit]") {
+  // Headers of different sizes (shapes of 0 to 9 dimensions), so that the padding before the
+  // payload takes every value it can (0 to 56 bytes).
+  for (std::size_t dims = 0; dims < 10; ++dims) {
+    INFO("shape of " << dims << " dimensions");
+    link_message m;
+    m.header.shape.assign(dims, 1);
+    if (dims > 0) m.header.shape[0] = 40;
+    m.data = floats(dims == 0 ? 1 : 40, static_cast<std::uint32_t>(dims));
+    const frame f = encode({7, 1, 0, false, m});
+    auto buf = gather(f);
+    const auto got = std::get<link_message>(decode(buf, f.bytes, wide()).message);
+    const auto offset = reinterpret_cast<const std::byte*>(got.data->data()) - buf->data();
+    CHECK(offset % 64 == 0);
+    check_payload(m.data, got.data);
+  }
+}
+
 TEST_CASE("payloads larger than a piece travel as consecutive pieces, read as one view", "[unit]") {
   const std::size_t n = GENERATE(1000, 1001, 16);
   const auto data = floats(n, 14);
