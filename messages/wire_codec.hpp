@@ -89,6 +89,8 @@ envelope decode(std::shared_ptr<aligned_buffer> buf, std::size_t bytes, const li
 std::string_view kind_name(const body& b);
 
 namespace detail {
+// Name of the kind with this union discriminant (the variant's index); "" past the last kind.
+std::string_view kind_name_at(std::size_t index);
 // The largest Data piece encode writes: a multiple of 64 under Cap'n Proto's 2^29-byte blob limit.
 inline constexpr std::size_t max_piece_bytes = (std::size_t{1} << 29) - 64;
 // encode with another piece size (a positive multiple of 8, at most max_piece_bytes), so that
