@@ -15,8 +15,8 @@
 // (ucp_am_recv_data_nbx): nobody copies a payload again. UCX delivers one endpoint's messages in
 // order, which the sequence numbers check; frames complete out of order (a rendezvous part after a
 // later eager frame) and are delivered in order.
-// Buffers of frames of pool_min_bytes or more are reused once every holder dropped them
-// (buffer_pool): a fresh 16 MiB buffer per frame faulted in ~3,000 pages per frame here, which
+// Buffers of frames of 64 KiB or more are reused once every holder dropped them
+// (buffer_pool.hpp): a fresh 16 MiB buffer per frame faulted in ~3,000 pages per frame here, which
 // cost about as much as moving the frame.
 // At most max_receives_outstanding rendezvous receives (and max_receive_bytes_outstanding bytes,
 // but always min_receives_outstanding receives) run at once; further rendezvous descriptors are
@@ -28,6 +28,8 @@
 // (aligned_buffer::make_large): 16 MiB frames went from about 0.83x to 0.85-0.94x. UCX callbacks
 // only record completions; progress() runs the user's callbacks afterwards, outside UCX.
 #include "topology/ucx_transport.hpp"
+
+#include "topology/buffer_pool.hpp"
 
 #include <poll.h>
 #include <ucp/api/ucp.h>
@@ -48,8 +50,6 @@ namespace troupe::topology {
 namespace {
 
 constexpr std::size_t zero_copy_threshold = 16 << 10;
-constexpr std::size_t pool_min_bytes = 64 << 10;
-constexpr std::size_t pool_idle_bytes = std::size_t{512} << 20;
 constexpr std::size_t max_receives_outstanding = 64;
 constexpr std::size_t min_receives_outstanding = 2;
 constexpr std::size_t max_receive_bytes_outstanding = std::size_t{4} << 20;
@@ -69,48 +69,6 @@ static_assert(sizeof(am_header) == 16);
 [[noreturn]] void fail(const std::string& what, ucs_status_t status) {
   throw ucx_error("ucx_transport: " + what + ": " + ucs_status_string(status));
 }
-
-// Receive buffers by size class (a granule of 1/16 of the size's power of two, at least 4 KiB).
-// take() hands out a buffer that no one else holds; it returns to the pool when its last holder
-// drops it (on any thread), unless pool_idle_bytes are idle already.
-class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
- public:
-  std::shared_ptr<messages::aligned_buffer> take(std::size_t bytes) {
-    if (bytes < pool_min_bytes) return messages::aligned_buffer::make(bytes);
-    const std::size_t granule = std::max<std::size_t>(4096, std::bit_floor(bytes) / 16);
-    const std::size_t size = (bytes + granule - 1) / granule * granule;
-    std::shared_ptr<messages::aligned_buffer> buffer;
-    {
-      std::lock_guard lock(mutex_);
-      // The buffer released last (warmest in cache) first.
-      if (auto it = idle_.find(size); it != idle_.end() && !it->second.empty()) {
-        buffer = std::move(it->second.back());
-        it->second.pop_back();
-        idle_bytes_ -= size;
-      }
-    }
-    if (!buffer) buffer = messages::aligned_buffer::make_large(size);
-    messages::aligned_buffer* raw = buffer.get();
-    std::shared_ptr<void> lease(nullptr, [pool = shared_from_this(), size, buffer](void*) mutable {
-      pool->give_back(size, std::move(buffer));
-    });
-    return std::shared_ptr<messages::aligned_buffer>(std::move(lease), raw);
-  }
-
- private:
-  // size: the size class the buffer was taken for (make_large may have rounded it up).
-  void give_back(std::size_t size, std::shared_ptr<messages::aligned_buffer> buffer) {
-    std::lock_guard lock(mutex_);
-    if (idle_bytes_ + size > pool_idle_bytes) return;
-    idle_bytes_ += size;
-    idle_[size].push_back(std::move(buffer));
-  }
-  std::mutex mutex_;
-  // Idle buffers by size class, the last released at the back: once warm, taking and giving back
-  // a buffer allocates nothing.
-  std::map<std::size_t, std::vector<std::shared_ptr<messages::aligned_buffer>>> idle_;
-  std::size_t idle_bytes_ = 0;
-};
 
 // Operation records reused from one operation to the next (no allocation per frame once warm).
 template <class T>
