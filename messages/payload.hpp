@@ -2,10 +2,18 @@
 // into memory someone else owns (a transport's aligned receive buffer), kept alive by `owner`.
 // Messages hold it by std::shared_ptr, so an in-process send moves a pointer and a remote
 // receive hands the stage the bytes where the transport put them.
+// Storage the payload allocates itself (the sized and the copying constructors) is 64-byte
+// aligned, and page aligned from 16 KiB (the size UCX sends by zero-copy rendezvous): a page
+// aligned 64 KiB tensor spans 16 pages instead of 17, so a peer's shared-memory fetch (cma) pins
+// one page fewer, and it copies from a source aligned like its destination. Measured with
+// process_vm_readv of 64 KiB between two pinned processes: about 10.5 GB/s from a page-aligned
+// source against 9.7 from malloc's 16-byte alignment (docs/transport.md).
 #pragma once
 
 #include <cstddef>
 #include <memory>
+#include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -13,13 +21,26 @@ namespace troupe::messages {
 
 template <class T>
 class payload {
+  static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>,
+                "a payload holds plain numbers");
+
  public:
   using value_type = T;
-  explicit payload(std::size_t n) : storage_(n), data_(storage_.data()), size_(n) {}
+  static constexpr std::size_t page_aligned_from = 16 << 10;  // bytes
+  // n zero-initialized elements in aligned storage.
+  explicit payload(std::size_t n) : allocated_(allocate(n)), data_(allocated_.get()), size_(n) {
+    std::uninitialized_value_construct_n(data_, n);
+  }
+  // Takes the vector's storage as it is (malloc's alignment).
   explicit payload(std::vector<T>&& v)
       : storage_(std::move(v)), data_(storage_.data()), size_(storage_.size()) {}
+  // A copy of [first, last) in aligned storage.
   payload(const T* first, const T* last)
-      : storage_(first, last), data_(storage_.data()), size_(storage_.size()) {}
+      : allocated_(allocate(static_cast<std::size_t>(last - first))),
+        data_(allocated_.get()),
+        size_(static_cast<std::size_t>(last - first)) {
+    std::uninitialized_copy(first, last, data_);
+  }
   // A view of n elements at data, valid while owner lives.
   payload(std::shared_ptr<void> owner, T* data, std::size_t n)
       : owner_(std::move(owner)), data_(data), size_(n) {}
@@ -36,8 +57,23 @@ class payload {
   T& operator[](std::size_t i) { return data_[i]; }
   const T& operator[](std::size_t i) const { return data_[i]; }
   bool is_view() const { return owner_ != nullptr; }
+  // The alignment of storage the payload allocates for n elements.
+  static constexpr std::size_t alignment_for(std::size_t n) {
+    return n * sizeof(T) >= page_aligned_from ? 4096 : 64;
+  }
 
  private:
+  struct aligned_delete {
+    std::size_t alignment = 64;
+    void operator()(T* p) const { ::operator delete (p, std::align_val_t{alignment}); }
+  };
+  static std::unique_ptr<T[], aligned_delete> allocate(std::size_t n) {
+    const std::size_t alignment = alignment_for(n);
+    void* p = ::operator new (n == 0 ? alignment : n * sizeof(T), std::align_val_t{alignment});
+    return std::unique_ptr<T[], aligned_delete>(static_cast<T*>(p), aligned_delete{alignment});
+  }
+
+  std::unique_ptr<T[], aligned_delete> allocated_;
   std::vector<T> storage_;
   std::shared_ptr<void> owner_;
   T* data_;

@@ -24,7 +24,13 @@
 // rendezvous message moves no payload until its receive starts). The small byte budget keeps the
 // receive working set in cache: with 512 MiB, 32 frames of 1 MiB in flight each had their own
 // buffer and the receiver ran at half of ucx_perftest's bandwidth (which receives into one
-// buffer); with 4 MiB, at 0.91-0.99x. Pool buffers of 2 MiB or more use transparent huge pages
+// buffer); with 4 MiB, at 0.91-0.99x. From a peer whose rendezvous is a shared-memory copy
+// (cma, knem, xpmem: the receiving process copies), one receive runs at a time: it completes in
+// the next progress, the receiver drops the frame, and the next frame lands in the same cache-warm
+// pool buffer, as ucx_perftest's do. Started together, 32 frames of 64 KiB cycled through 32
+// buffers, and process_vm_readv into 32 buffers copied about 6-8% slower than into one
+// (docs/transport.md). Over the network, receives in flight overlap the peer's sending, so they
+// keep the bounds above. Pool buffers of 2 MiB or more use transparent huge pages
 // (aligned_buffer::make_large): 16 MiB frames went from about 0.83x to 0.85-0.94x. UCX callbacks
 // only record completions; progress() runs the user's callbacks afterwards, outside UCX.
 #include "topology/ucx_transport.hpp"
@@ -53,6 +59,7 @@ constexpr std::size_t zero_copy_threshold = 16 << 10;
 constexpr std::size_t max_receives_outstanding = 64;
 constexpr std::size_t min_receives_outstanding = 2;
 constexpr std::size_t max_receive_bytes_outstanding = std::size_t{4} << 20;
+constexpr std::size_t max_local_receives_outstanding = 1;  // from a shared-memory peer
 constexpr auto close_deadline = std::chrono::seconds(2);
 constexpr int rank_bits = 20;
 constexpr unsigned frame_am_id = 1;
@@ -128,6 +135,7 @@ struct ucx_transport::impl {
     std::size_t inline_bytes = 0;  // from its AM header
     std::size_t bytes = 0;         // AM data bytes
     bool rendezvous = false;
+    bool local = false;  // from a peer whose rendezvous is a shared-memory copy
     // Deferred: the inline bytes and the data UCX keeps (a rendezvous descriptor or persistent
     // eager data), or, for eager data UCX does not keep, a copy of it after the inline bytes.
     std::vector<std::byte> held;
@@ -140,7 +148,7 @@ struct ucx_transport::impl {
       in = nullptr;
       frame = nullptr;
       offset = inline_bytes = bytes = 0;
-      rendezvous = counted = false;
+      rendezvous = counted = local = false;
       held.clear();
       desc = nullptr;
       request = nullptr;
@@ -159,6 +167,7 @@ struct ucx_transport::impl {
     ucp_ep_h ep = nullptr;
     std::uint32_t next_send = 0;
     bool error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER on this endpoint
+    bool local = false;           // its rendezvous lane copies through shared memory
     std::string failure;          // non-empty once the peer failed
   };
   struct inbound {  // receiving side of one peer
@@ -186,6 +195,7 @@ struct ucx_transport::impl {
   std::deque<recv_op*> deferred;  // rendezvous messages waiting for room to start receiving
   std::deque<std::pair<int, std::string>> peer_errors;
   std::size_t receives_outstanding = 0, receive_bytes_outstanding = 0;
+  std::size_t local_receives_outstanding = 0;
   receive_callback receive_fn;
   peer_error_callback peer_error_fn;
   bool dispatching = false, closing = false;
@@ -207,6 +217,34 @@ struct ucx_transport::impl {
     auto* p = static_cast<peer_state*>(arg);
     p->owner->peer_errors.emplace_back(p->peer,
                                        std::string("endpoint error: ") + ucs_status_string(status));
+  }
+
+  // The transports/devices of an endpoint's lanes, e.g. "posix/memory cma/memory", from
+  // ucp_ep_print_info.
+  static std::string lanes(ucp_ep_h ep) {
+    char* text = nullptr;
+    std::size_t length = 0;
+    FILE* stream = ::open_memstream(&text, &length);
+    if (stream == nullptr) throw ucx_error("ucx_transport: open_memstream failed");
+    ucp_ep_print_info(ep, stream);
+    std::fclose(stream);
+    std::string info(text, length);
+    std::free(text);
+    // Lane lines read "#  lane[0]:  3:posix/memory.0 md[2] -> ...": keep "posix/memory".
+    std::set<std::string> seen;
+    std::string out;
+    std::istringstream lines(info);
+    for (std::string line; std::getline(lines, line);) {
+      const auto lane = line.find("lane[");
+      if (lane == std::string::npos) continue;
+      const auto colon = line.find(':', line.find("]:", lane) + 2);
+      if (colon == std::string::npos) continue;
+      std::string word = line.substr(colon + 1, line.find_first_of(" \t", colon) - colon - 1);
+      if (const auto dot = word.rfind('.'); dot != std::string::npos && word.find('/') < dot)
+        word.erase(dot);
+      if (seen.insert(word).second) out += (out.empty() ? "" : " ") + word;
+    }
+    return out;
   }
 
   peer_state& connected(int peer, const char* what) {
@@ -249,11 +287,12 @@ struct ucx_transport::impl {
     op->inline_bytes = inline_bytes;
     op->bytes = length;
     op->rendezvous = rendezvous;
+    if (auto p = peers.find(peer); p != peers.end()) op->local = p->second.local;
     frame->posted += inline_bytes + length;
     if (frame->posted == frame->bytes) in.assembling = nullptr;
     ++frame->pending;
     const auto* inline_at = static_cast<const std::byte*>(header) + sizeof h;
-    if (deferred.empty() && (!rendezvous || room_to_receive())) {
+    if (deferred.empty() && (!rendezvous || room_to_receive(*op))) {
       land(op, inline_at, data);
       return UCS_OK;  // UCX keeps the descriptor of a started rendezvous receive
     }
@@ -307,7 +346,8 @@ struct ucx_transport::impl {
     return in.assembling;
   }
 
-  bool room_to_receive() const {
+  bool room_to_receive(const recv_op& op) const {
+    if (op.local) return local_receives_outstanding < max_local_receives_outstanding;
     return receives_outstanding < max_receives_outstanding &&
            (receives_outstanding < min_receives_outstanding ||
             receive_bytes_outstanding < max_receive_bytes_outstanding);
@@ -315,8 +355,12 @@ struct ucx_transport::impl {
 
   void start_receive(recv_op* op, void* desc, std::byte* target) {
     op->counted = true;
-    ++receives_outstanding;
-    receive_bytes_outstanding += op->bytes;
+    if (op->local) {
+      ++local_receives_outstanding;
+    } else {
+      ++receives_outstanding;
+      receive_bytes_outstanding += op->bytes;
+    }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.recv_am = &recv_done;
@@ -333,7 +377,9 @@ struct ucx_transport::impl {
   // Lands deferred messages in arrival order while rendezvous ones fit under the bounds.
   unsigned land_deferred() {
     unsigned landed = 0;
-    for (; !deferred.empty() && (!deferred.front()->rendezvous || room_to_receive()); ++landed) {
+    for (;
+         !deferred.empty() && (!deferred.front()->rendezvous || room_to_receive(*deferred.front()));
+         ++landed) {
       recv_op* op = deferred.front();
       deferred.pop_front();
       void* desc = std::exchange(op->desc, nullptr);
@@ -355,7 +401,9 @@ struct ucx_transport::impl {
 
   void receive_completed(recv_op* op) {
     if (op->request) ucp_request_free(op->request);
-    if (op->counted) {
+    if (op->counted && op->local) {
+      --local_receives_outstanding;
+    } else if (op->counted) {
       --receives_outstanding;
       receive_bytes_outstanding -= op->bytes;
     }
@@ -582,6 +630,11 @@ void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address,
     impl_->peers.erase(peer);
     fail("ucp_ep_create to peer " + std::to_string(peer), s);
   }
+  std::istringstream lanes(impl::lanes(p.ep));
+  for (std::string lane; lanes >> lane;) {
+    const std::string tl = lane.substr(0, lane.find('/'));
+    p.local |= tl == "cma" || tl == "knem" || tl == "xpmem";
+  }
 }
 
 void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
@@ -722,30 +775,7 @@ void ucx_transport::wake() {
 }
 
 std::string ucx_transport::transport_info(int peer) const {
-  auto& p = impl_->connected(peer, "transport_info for");
-  char* text = nullptr;
-  std::size_t length = 0;
-  FILE* stream = ::open_memstream(&text, &length);
-  if (stream == nullptr) throw ucx_error("ucx_transport: open_memstream failed");
-  ucp_ep_print_info(p.ep, stream);
-  std::fclose(stream);
-  std::string info(text, length);
-  std::free(text);
-  // Lane lines read "#  lane[0]:  3:posix/memory.0 md[2] -> ...": keep "posix/memory".
-  std::set<std::string> seen;
-  std::string out;
-  std::istringstream lines(info);
-  for (std::string line; std::getline(lines, line);) {
-    const auto lane = line.find("lane[");
-    if (lane == std::string::npos) continue;
-    const auto colon = line.find(':', line.find("]:", lane) + 2);
-    if (colon == std::string::npos) continue;
-    std::string word = line.substr(colon + 1, line.find_first_of(" \t", colon) - colon - 1);
-    if (const auto dot = word.rfind('.'); dot != std::string::npos && word.find('/') < dot)
-      word.erase(dot);
-    if (seen.insert(word).second) out += (out.empty() ? "" : " ") + word;
-  }
-  return out;
+  return impl::lanes(impl_->connected(peer, "transport_info for").ep);
 }
 
 }  // namespace troupe::topology
