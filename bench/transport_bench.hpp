@@ -40,6 +40,8 @@ struct transport_bench_report {
   bool send_zero_copy_checked = false;  // every frame's iov held the tensor's own pointer
   bool receive_views_checked = false;   // the peer decoded every frame into views of its buffer
   std::map<std::string, std::string> transport_info;  // UCX_TLS -> what the endpoint used
+  // The untimed warm-up pair before the first bandwidth row (its figures, bytes/s; 0 = none ran).
+  double warmup_ours = 0, warmup_peer = 0;
   std::vector<transport_row> rows;
 };
 

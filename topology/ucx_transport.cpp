@@ -175,6 +175,7 @@ struct ucx_transport::impl {
     std::uint64_t next_frame = 0, next_delivery = 0;
     frame_state* assembling = nullptr;               // messages still to arrive
     std::map<std::uint64_t, frame_state*> complete;  // waiting for an earlier one
+    bool local = false;  // the peer's rendezvous is a shared-memory copy (peer_state::local)
   };
 
   int rank = 0;
@@ -287,7 +288,7 @@ struct ucx_transport::impl {
     op->inline_bytes = inline_bytes;
     op->bytes = length;
     op->rendezvous = rendezvous;
-    if (auto p = peers.find(peer); p != peers.end()) op->local = p->second.local;
+    op->local = in.local;
     frame->posted += inline_bytes + length;
     if (frame->posted == frame->bytes) in.assembling = nullptr;
     ++frame->pending;
@@ -635,6 +636,7 @@ void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address,
     const std::string tl = lane.substr(0, lane.find('/'));
     p.local |= tl == "cma" || tl == "knem" || tl == "xpmem";
   }
+  impl_->inbounds[peer].local = p.local;
 }
 
 void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
