@@ -9,7 +9,9 @@
 #    protocol_version.
 #  - A tensor payload is a Tensor: its element count and its bytes as Data pieces, each under
 #    Cap'n Proto's 2^29-byte blob limit, all but the last a multiple of 8 bytes, so that pieces
-#    written as consecutive segments lie back to back in a receive buffer and read as one view.
+#    lie back to back in a receive buffer and read as one view: after the header's words in the
+#    frame's one segment, or (a message the builder needed several segments for) as consecutive
+#    segments of their own. Either way a payload starts at a multiple of 64 bytes in the frame.
 #  - Tensors and StepPlan.plan are required: the codec refuses to encode a null payload or plan
 #    and to decode an absent one. An empty payload is a Tensor without pieces.
 #  - Field order mirrors the C++ structs; ints are Int32 where the C++ field is int.

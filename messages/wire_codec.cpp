@@ -1,7 +1,15 @@
 // The wire codec (wire_codec.hpp): envelope <-> one Cap'n Proto frame. This file: the kind names
-// and encode. Payloads are referenced on send (Orphanage::referenceExternalData, one segment per
-// piece), and the segment before the first one is padded so that a payload starts at a multiple
-// of 64 bytes into the frame. Decoding: wire_decode.cpp.
+// and encode. Payloads are referenced on send, never copied, and each starts at a multiple of 64
+// bytes into the frame. Two layouts:
+// - One segment (every message whose builder needs one segment, so every activation): the
+//   payload pieces follow segment 0's words inside the same segment, and their Data pointers are
+//   written by hand as near list pointers to them (Cap'n Proto's encoding spec: A = 1, B = offset
+//   in words from the pointer's end, C = 2 for bytes, D = byte count). The receiver's reader then
+//   needs no segment map: decoding a 64 KiB activation took about 0.73 us instead of 1.07 in a
+//   loop (wire_decode.cpp).
+// - Otherwise, one segment per piece (Orphanage::referenceExternalData), the segment before a
+//   payload padded with zero words.
+// Decoding: wire_decode.cpp.
 #include "messages/wire_codec.hpp"
 
 #include <algorithm>
@@ -41,11 +49,24 @@ capnp::Text::Reader text(const std::string& str) { return {str.c_str(), str.size
 
 // ---- encode ------------------------------------------------------------------------------------
 
+// A payload piece of a one-segment frame: its Data pointer is word `pointer_word` of segment 0
+// (left null by the builder), its bytes are at `data`.
+struct flat_piece {
+  std::size_t pointer_word = 0;
+  const std::byte* data = nullptr;
+  std::size_t bytes = 0;
+  bool first = false;  // the first piece of its tensor (which starts 64-byte aligned)
+};
+
 // What a frame's iov points into: the builder, the referenced payloads' owners, the table.
 struct frame_keeper {
+  explicit frame_keeper(bool one_segment) : flat(one_segment) {}
   capnp::MallocMessageBuilder builder{256};
   std::vector<std::shared_ptr<const void>> owners;
-  std::unordered_map<const void*, std::size_t> pieces;  // external segment start -> exact bytes
+  bool flat;                       // building a one-segment frame
+  bool flat_failed = false;        // a piece list did not land in segment 0: build again
+  std::vector<flat_piece> pieces;  // one-segment frames
+  std::unordered_map<const void*, std::size_t> external;  // segment start -> exact bytes
   std::vector<std::uint32_t> table;
 };
 
@@ -60,6 +81,24 @@ class writer {
     const std::size_t bytes = p->size() * sizeof(T);
     t.setElements(p->size());
     const auto* base = reinterpret_cast<const std::byte*>(p->data());
+    const std::size_t n = (bytes + piece_ - 1) / piece_;
+    if (k_.flat) {
+      // The piece list's n pointer words are allocated at the end of segment 0 (a list of
+      // pointers has no tag word); anything else and the frame is built again with segments.
+      const auto before = k_.builder.getSegmentsForOutput();
+      const std::size_t used = before.size() == 1 ? before[0].size() : 0;
+      t.initPieces(static_cast<unsigned>(n));
+      const auto after = k_.builder.getSegmentsForOutput();
+      if (before.size() != 1 || after.size() != 1 || after[0].size() != used + n) {
+        k_.flat_failed = true;
+        return;
+      }
+      k_.owners.push_back(p);  // any alignment: the frame places the bytes, not Cap'n Proto
+      for (std::size_t i = 0; i < n; ++i)
+        k_.pieces.push_back(
+            {used + i, base + i * piece_, std::min(piece_, bytes - i * piece_), i == 0});
+      return;
+    }
     if (bytes != 0 && reinterpret_cast<std::uintptr_t>(base) % 8 != 0) {
       // Cap'n Proto references only word-aligned memory: one copy for a misaligned view.
       auto copy = std::make_shared<std::vector<std::uint64_t>>((bytes + 7) / 8);
@@ -70,7 +109,6 @@ class writer {
       k_.owners.push_back(p);
     }
     // All orphans first, so that the pieces become consecutive segments.
-    const std::size_t n = (bytes + piece_ - 1) / piece_;
     auto list = t.initPieces(static_cast<unsigned>(n));
     auto orphanage = k_.builder.getOrphanage();
     std::vector<capnp::Orphan<capnp::Data>> orphans;
@@ -78,7 +116,7 @@ class writer {
       const std::size_t len = std::min(piece_, bytes - off);
       const auto* at = reinterpret_cast<const kj::byte*>(base + off);
       orphans.push_back(orphanage.referenceExternalData(capnp::Data::Reader(at, len)));
-      k_.pieces[at] = len;
+      k_.external[at] = len;
     }
     for (unsigned i = 0; i < n; ++i) list.adopt(i, kj::mv(orphans[i]));
   }
@@ -332,25 +370,81 @@ constexpr std::array<std::uint64_t, payload_alignment / 8> padding{};
 
 frame encode(const envelope& e) { return detail::encode(e, detail::max_piece_bytes); }
 
-frame detail::encode(const envelope& e, std::size_t piece_bytes) {
-  if (piece_bytes == 0 || piece_bytes % 8 != 0 || piece_bytes > max_piece_bytes)
-    throw wire_error("wire: piece size " + std::to_string(piece_bytes) +
-                     " is not a positive multiple of 8 up to " + std::to_string(max_piece_bytes));
-  auto k = std::make_shared<frame_keeper>();
+namespace {
+
+// Builds the envelope's message into k (one-segment or segmented, as k says).
+void build(frame_keeper& k, const envelope& e, std::size_t piece_bytes) {
   try {
-    auto root = k->builder.initRoot<s::Envelope>();
+    auto root = k.builder.initRoot<s::Envelope>();
     root.setSchema(s::ENVELOPE_SCHEMA);
     root.setVersion(protocol_version);
     root.setTarget(e.target);
     root.setSourceRank(e.source_rank);
     root.setCorrelation(e.correlation);
     root.setReply(e.reply);
-    writer(*k, piece_bytes, kind_name(e.message)).body(root.getBody(), e.message);
+    writer(k, piece_bytes, kind_name(e.message)).body(root.getBody(), e.message);
   } catch (const kj::Exception& x) {
     std::string what = x.getDescription().cStr();
     std::replace(what.begin(), what.end(), '\n', ' ');
     throw wire_error("wire: " + std::string(kind_name(e.message)) + ": cannot encode: " + what);
   }
+}
+
+// [table: 1 segment][segment 0's words][zeros to 64 bytes][piece][zeros to 8 bytes][piece]...,
+// all one segment; false (k unusable) if the message did not fit that layout.
+bool one_segment_frame(frame_keeper& k, frame& f) {
+  const auto segments = k.builder.getSegmentsForOutput();
+  if (k.flat_failed || segments.size() != 1) return false;
+  const auto seg0 = segments[0];
+  // The builder's own, writable memory.
+  auto* words = reinterpret_cast<std::byte*>(const_cast<capnp::word*>(seg0.begin()));
+  k.table.assign(2, 0);
+  f.iov.emplace_back(k.table.data(), 8);
+  f.iov.emplace_back(seg0.begin(), seg0.size() * 8);
+  std::size_t offset = 8 + seg0.size() * 8;                    // of the next byte in the frame
+  constexpr std::uint64_t max_words = std::uint64_t{1} << 29;  // B is a signed 30-bit field
+  for (const flat_piece& p : k.pieces) {
+    if (p.first && offset % payload_alignment != 0) {
+      const std::size_t pad = payload_alignment - offset % payload_alignment;
+      f.iov.emplace_back(padding.data(), pad);
+      offset += pad;
+    }
+    const std::uint64_t target = (offset - 8) / 8;  // word index in the segment
+    const std::uint64_t distance = target - (p.pointer_word + 1);
+    if (target <= p.pointer_word || distance >= max_words || p.bytes >= max_words) return false;
+    std::uint64_t pointer = 0;
+    std::memcpy(&pointer, words + 8 * p.pointer_word, 8);
+    if (pointer != 0) return false;  // not the null pointer initPieces left
+    // Near list pointer: A = 1 (list), B = distance, C = 2 (bytes), D = byte count.
+    pointer = 1 | (distance << 2) | (std::uint64_t{2} << 32) | (std::uint64_t{p.bytes} << 35);
+    std::memcpy(words + 8 * p.pointer_word, &pointer, 8);
+    f.iov.emplace_back(p.data, p.bytes);
+    if (p.bytes % 8 != 0) f.iov.emplace_back(padding.data(), 8 - p.bytes % 8);
+    offset += (p.bytes + 7) / 8 * 8;
+  }
+  if ((offset - 8) / 8 > 0xffffffffu) return false;
+  k.table[1] = static_cast<std::uint32_t>((offset - 8) / 8);
+  f.bytes = offset;
+  return true;
+}
+
+}  // namespace
+
+frame detail::encode(const envelope& e, std::size_t piece_bytes) {
+  if (piece_bytes == 0 || piece_bytes % 8 != 0 || piece_bytes > max_piece_bytes)
+    throw wire_error("wire: piece size " + std::to_string(piece_bytes) +
+                     " is not a positive multiple of 8 up to " + std::to_string(max_piece_bytes));
+  {
+    auto k = std::make_shared<frame_keeper>(true);
+    build(*k, e, piece_bytes);
+    frame f;
+    if (one_segment_frame(*k, f)) {
+      f.keep = std::move(k);
+      return f;
+    }
+  }
+  auto k = std::make_shared<frame_keeper>(false);
+  build(*k, e, piece_bytes);
   const auto segments = k->builder.getSegmentsForOutput();
   k->table.assign((segments.size() + 2) / 2 * 2, 0);
   k->table[0] = static_cast<std::uint32_t>(segments.size() - 1);
@@ -360,8 +454,8 @@ frame detail::encode(const envelope& e, std::size_t piece_bytes) {
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const auto seg = segments[i];
     k->table[i + 1] = static_cast<std::uint32_t>(seg.size());
-    const auto piece = k->pieces.find(seg.begin());
-    if (piece == k->pieces.end()) {
+    const auto piece = k->external.find(seg.begin());
+    if (piece == k->external.end()) {
       f.iov.emplace_back(seg.begin(), seg.size() * 8);
       offset += seg.size() * 8;
       // Zero words after the segment before a payload, so that the payload starts at a multiple
@@ -369,7 +463,7 @@ frame detail::encode(const envelope& e, std::size_t piece_bytes) {
       // 64-byte aligned receive buffer the tensor a receiver reads in place is then as aligned
       // as the sender's (cache lines, vector loads), at a cost of at most 56 bytes a frame.
       const bool before_payload =
-          i + 1 < segments.size() && k->pieces.count(segments[i + 1].begin()) > 0;
+          i + 1 < segments.size() && k->external.count(segments[i + 1].begin()) > 0;
       if (before_payload && offset % payload_alignment != 0) {
         const std::size_t pad = payload_alignment - offset % payload_alignment;
         f.iov.emplace_back(padding.data(), pad);

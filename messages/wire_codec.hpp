@@ -65,9 +65,12 @@ struct envelope {
   body message;
 };
 
-// A frame ready for one vectored send: iov = [segment table][segment 0][segment 1]... . Tensor
-// payloads are referenced, never copied: the iov entry of a payload points at the payload's own
-// bytes (a payload whose size is not a multiple of 8 is followed by an entry of zero padding).
+// A frame ready for one vectored send: iov = [segment table][segment 0's words][padding][payload
+// piece]... as one segment whose Data pointers point past the words the builder wrote, or, for a
+// message the builder needed several segments for, [segment table][segment 0][segment 1]... with
+// a segment per payload piece. Tensor payloads are referenced, never copied: the iov entry of a
+// payload points at the payload's own bytes (a payload whose size is not a multiple of 8 is
+// followed by an entry of zero padding; a misaligned view is copied once in the second layout).
 // `keep` owns the MessageBuilder and shares ownership of every payload referenced, so the frame
 // stays valid while `keep` lives, even if the caller drops the message.
 struct frame {

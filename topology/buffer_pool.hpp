@@ -1,6 +1,8 @@
 // Receive buffers for whole wire frames, reused once every holder dropped them (the UCX
 // transport's receive side): a fresh 16 MiB buffer per frame faulted in ~3,000 pages per frame on
-// the development machine, which cost about as much as moving the frame. No UCX, no CAF.
+// the development machine, which cost about as much as moving the frame; and a fresh buffer for an
+// 8-byte frame (three allocations) cost 142 ns a frame against 28 for taking and giving back a
+// pooled one, on a round trip of about 0.6 us. No UCX, no CAF.
 #pragma once
 
 #include <algorithm>
@@ -15,18 +17,23 @@
 
 namespace troupe::topology {
 
-// Receive buffers by size class (a granule of 1/16 of the size's power of two, at least 4 KiB).
-// take() hands out a buffer that no one else holds; it returns to the pool when its last holder
-// drops it (on any thread), unless pool_idle_bytes are idle already.
+// Receive buffers by size class: powers of two from 64 bytes up to 4 KiB, then a granule of 1/16
+// of the size's power of two, at least 4 KiB. take() hands out a buffer that no one else holds;
+// it returns to the pool when its last holder drops it (on any thread), unless pool_idle_bytes
+// are idle already.
 class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
  public:
-  static constexpr std::size_t pool_min_bytes = 64 << 10;  // smaller frames: a fresh buffer
   static constexpr std::size_t pool_idle_bytes = std::size_t{512} << 20;
 
-  std::shared_ptr<messages::aligned_buffer> take(std::size_t bytes) {
-    if (bytes < pool_min_bytes) return messages::aligned_buffer::make(bytes);
+  // The size of the buffer take(bytes) hands out.
+  static constexpr std::size_t size_class(std::size_t bytes) {
+    if (bytes <= 4096) return std::bit_ceil(std::max<std::size_t>(bytes, 64));
     const std::size_t granule = std::max<std::size_t>(4096, std::bit_floor(bytes) / 16);
-    const std::size_t size = (bytes + granule - 1) / granule * granule;
+    return (bytes + granule - 1) / granule * granule;
+  }
+
+  std::shared_ptr<messages::aligned_buffer> take(std::size_t bytes) {
+    const std::size_t size = size_class(bytes);
     std::shared_ptr<messages::aligned_buffer> buffer;
     {
       std::lock_guard lock(mutex_);
@@ -43,6 +50,11 @@ class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
       pool->give_back(size, std::move(buffer));
     });
     return std::shared_ptr<messages::aligned_buffer>(std::move(lease), raw);
+  }
+
+  std::size_t idle_bytes() {
+    std::lock_guard lock(mutex_);
+    return idle_bytes_;
   }
 
  private:

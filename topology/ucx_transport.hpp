@@ -7,9 +7,9 @@
 //   (UCX reads them by zero-copy rendezvous), shorter ones are copied into the active message's
 //   header (or one staging copy when too long for it). An activation frame is one message.
 //   The buffers must stay valid until the send's `done` runs.
-// - A frame arrives whole, at the start of a 64-byte aligned messages::aligned_buffer that UCX
-//   writes once and that no one else holds; the buffer may be larger than the frame (buffers of
-//   64 KiB or more are pooled by size class and reused once every holder has dropped them).
+// - A frame arrives whole, at the start of a 64-byte aligned messages::aligned_buffer that no
+//   one else holds; the buffer may be larger than the frame (buffers are pooled by size class and
+//   reused once every holder has dropped them).
 //   Frames from one peer are delivered in the order that peer sent them.
 // - Ranks are in [0, 2^20); a frame is at most 4 GiB - 1 (the message header's 32-bit size).
 // - Every callback (send `done`, on_receive, on_peer_error) runs from progress() or, for a send

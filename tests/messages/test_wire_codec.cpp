@@ -266,12 +266,26 @@ TEST_CASE("payloads of odd sizes and misaligned views are sent exactly", "[unit]
     CHECK(*static_cast<const std::uint32_t*>(std::next(it)->first) == 0);
     checker{decode(gather(f), f.bytes, wide()).message}(tied_grad{0, 0, data});
   }
-  SECTION("a view one float into a buffer is copied once into the frame") {
+  SECTION("a view one float into a buffer is sent from its own memory, landing aligned") {
     const auto base = floats(9, 13);
     const auto view = std::make_shared<payload<float>>(base, base->data() + 1, 8);
     const frame f = encode({0, 0, 0, false, tied_grad{0, 0, view}});
-    CHECK(std::none_of(f.iov.begin(), f.iov.end(),
-                       [&](const auto& e) { return e.first == view->data(); }));
+    CHECK(std::any_of(f.iov.begin(), f.iov.end(),
+                      [&](const auto& e) { return e.first == view->data() && e.second == 32; }));
+    checker{decode(gather(f), f.bytes, wide()).message}(tied_grad{0, 0, view});
+  }
+  SECTION("a misaligned view in a frame of several segments is copied once") {
+    // 8-byte pieces: 500 piece pointers do not fit the builder's first segment.
+    const auto base = floats(1001, 13);
+    const auto view = std::make_shared<payload<float>>(base, base->data() + 1, 1000);
+    const frame f = detail::encode({0, 0, 0, false, tied_grad{0, 0, view}}, 8);
+    std::uint32_t more_segments = 0;
+    std::memcpy(&more_segments, f.iov.at(0).first, 4);
+    CHECK(more_segments > 0);
+    CHECK(std::none_of(f.iov.begin(), f.iov.end(), [&](const auto& e) {
+      const auto* p = static_cast<const float*>(e.first);
+      return p >= view->data() && p < view->data() + view->size();
+    }));
     checker{decode(gather(f), f.bytes, wide()).message}(tied_grad{0, 0, view});
   }
   SECTION("an empty payload is an empty view") {
@@ -295,6 +309,53 @@ TEST_CASE("a payload starts at a multiple of 64 bytes into its frame", "[unit]")
     const auto offset = reinterpret_cast<const std::byte*>(got.data->data()) - buf->data();
     CHECK(offset % 64 == 0);
     check_payload(m.data, got.data);
+  }
+}
+
+namespace {
+std::uint32_t segments_of(const frame& f) {
+  std::uint32_t count_minus_one = 0;
+  std::memcpy(&count_minus_one, f.iov.at(0).first, 4);
+  return count_minus_one + 1;
+}
+}  // namespace
+
+TEST_CASE("a frame is one segment with its payloads inside, unless the builder needed more",
+          "[unit]") {
+  SECTION("an activation: one segment, the payload referenced, read in place") {
+    link_message m{header(link_kind::activation, {2, 8, 64}), floats(1024, 31), 5};
+    const frame f = encode({3, 1, 0, false, m});
+    CHECK(segments_of(f) == 1);
+    CHECK(std::any_of(f.iov.begin(), f.iov.end(), [&](const auto& e) {
+      return e.first == m.data->data() && e.second == 4096;
+    }));
+    auto buf = gather(f);
+    const auto got = decode(buf, f.bytes, wide());
+    checker{got.message}(m);
+    const auto* data =
+        reinterpret_cast<const std::byte*>(std::get<link_message>(got.message).data->data());
+    CHECK((data - buf->data()) % 64 == 0);
+  }
+  SECTION("several payloads of odd sizes in one segment, each 64-byte aligned and exact") {
+    stage_snapshot m{
+        1,
+        0,
+        {{"a", std::vector<float>(3, 1.5f)}, {"b", {}}, {"c", std::vector<float>(17, -2.0f)}}};
+    const frame f = encode({0, 0, 0, false, m});
+    CHECK(segments_of(f) == 1);
+    auto buf = gather(f);
+    const auto got = std::get<stage_snapshot>(decode(buf, f.bytes, wide()).message);
+    CHECK(got.parameters == m.parameters);
+  }
+  SECTION("a message too big for one builder segment: one segment per piece, still exact") {
+    stage_snapshot m{1, 0, {}};
+    for (int i = 0; i < 200; ++i)
+      m.parameters.push_back({"layer." + std::to_string(i) + ".weight",
+                              std::vector<float>(static_cast<std::size_t>(i % 7 + 1), float(i))});
+    const frame f = encode({0, 0, 0, false, m});
+    CHECK(segments_of(f) > 1);
+    const auto got = std::get<stage_snapshot>(decode(gather(f), f.bytes, wide()).message);
+    CHECK(got.parameters == m.parameters);
   }
 }
 
