@@ -135,7 +135,6 @@ struct ucx_transport::impl {
     std::size_t inline_bytes = 0;  // from its AM header
     std::size_t bytes = 0;         // AM data bytes
     bool rendezvous = false;
-    bool local = false;  // from a peer whose rendezvous is a shared-memory copy
     // Deferred: the inline bytes and the data UCX keeps (a rendezvous descriptor or persistent
     // eager data), or, for eager data UCX does not keep, a copy of it after the inline bytes.
     std::vector<std::byte> held;
@@ -148,7 +147,7 @@ struct ucx_transport::impl {
       in = nullptr;
       frame = nullptr;
       offset = inline_bytes = bytes = 0;
-      rendezvous = counted = local = false;
+      rendezvous = counted = false;
       held.clear();
       desc = nullptr;
       request = nullptr;
@@ -167,7 +166,6 @@ struct ucx_transport::impl {
     ucp_ep_h ep = nullptr;
     std::uint32_t next_send = 0;
     bool error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER on this endpoint
-    bool local = false;           // its rendezvous lane copies through shared memory
     std::string failure;          // non-empty once the peer failed
   };
   struct inbound {  // receiving side of one peer
@@ -175,7 +173,7 @@ struct ucx_transport::impl {
     std::uint64_t next_frame = 0, next_delivery = 0;
     frame_state* assembling = nullptr;               // messages still to arrive
     std::map<std::uint64_t, frame_state*> complete;  // waiting for an earlier one
-    bool local = false;  // the peer's rendezvous is a shared-memory copy (peer_state::local)
+    bool local = false;  // the peer's rendezvous lane copies through shared memory (cma, ...)
   };
 
   int rank = 0;
@@ -288,7 +286,6 @@ struct ucx_transport::impl {
     op->inline_bytes = inline_bytes;
     op->bytes = length;
     op->rendezvous = rendezvous;
-    op->local = in.local;
     frame->posted += inline_bytes + length;
     if (frame->posted == frame->bytes) in.assembling = nullptr;
     ++frame->pending;
@@ -348,7 +345,7 @@ struct ucx_transport::impl {
   }
 
   bool room_to_receive(const recv_op& op) const {
-    if (op.local) return local_receives_outstanding < max_local_receives_outstanding;
+    if (op.in->local) return local_receives_outstanding < max_local_receives_outstanding;
     return receives_outstanding < max_receives_outstanding &&
            (receives_outstanding < min_receives_outstanding ||
             receive_bytes_outstanding < max_receive_bytes_outstanding);
@@ -356,7 +353,7 @@ struct ucx_transport::impl {
 
   void start_receive(recv_op* op, void* desc, std::byte* target) {
     op->counted = true;
-    if (op->local) {
+    if (op->in->local) {
       ++local_receives_outstanding;
     } else {
       ++receives_outstanding;
@@ -402,7 +399,7 @@ struct ucx_transport::impl {
 
   void receive_completed(recv_op* op) {
     if (op->request) ucp_request_free(op->request);
-    if (op->counted && op->local) {
+    if (op->counted && op->in->local) {
       --local_receives_outstanding;
     } else if (op->counted) {
       --receives_outstanding;
@@ -634,9 +631,8 @@ void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address,
   std::istringstream lanes(impl::lanes(p.ep));
   for (std::string lane; lanes >> lane;) {
     const std::string tl = lane.substr(0, lane.find('/'));
-    p.local |= tl == "cma" || tl == "knem" || tl == "xpmem";
+    impl_->inbounds[peer].local |= tl == "cma" || tl == "knem" || tl == "xpmem";
   }
-  impl_->inbounds[peer].local = p.local;
 }
 
 void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
