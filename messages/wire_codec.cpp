@@ -434,17 +434,18 @@ frame detail::encode(const envelope& e, std::size_t piece_bytes) {
   if (piece_bytes == 0 || piece_bytes % 8 != 0 || piece_bytes > max_piece_bytes)
     throw wire_error("wire: piece size " + std::to_string(piece_bytes) +
                      " is not a positive multiple of 8 up to " + std::to_string(max_piece_bytes));
-  {
-    auto k = std::make_shared<frame_keeper>(true);
-    build(*k, e, piece_bytes);
-    frame f;
-    if (one_segment_frame(*k, f)) {
-      f.keep = std::move(k);
-      return f;
-    }
-  }
-  auto k = std::make_shared<frame_keeper>(false);
+  auto k = std::make_shared<frame_keeper>(true);
   build(*k, e, piece_bytes);
+  if (frame f; one_segment_frame(*k, f)) {
+    f.keep = std::move(k);
+    return f;
+  }
+  // A message without payloads (a long trace batch) is laid out as it was built; one with
+  // payloads is built again with a segment per piece.
+  if (k->flat_failed || !k->pieces.empty()) {
+    k = std::make_shared<frame_keeper>(false);
+    build(*k, e, piece_bytes);
+  }
   const auto segments = k->builder.getSegmentsForOutput();
   k->table.assign((segments.size() + 2) / 2 * 2, 0);
   k->table[0] = static_cast<std::uint32_t>(segments.size() - 1);

@@ -347,6 +347,25 @@ TEST_CASE("a frame is one segment with its payloads inside, unless the builder n
     const auto got = std::get<stage_snapshot>(decode(buf, f.bytes, wide()).message);
     CHECK(got.parameters == m.parameters);
   }
+  SECTION("a long message without payloads keeps the builder's segments") {
+    trace_batch m;
+    for (int i = 0; i < 200; ++i) {
+      engine::trace::event ev;
+      ev.name = "F" + std::to_string(i);
+      ev.category = "compute";
+      ev.ts_us = i;
+      ev.step = i;
+      m.events.push_back(ev);
+    }
+    const frame f = encode({0, 0, 0, false, m});
+    CHECK(segments_of(f) > 1);
+    const auto got = std::get<trace_batch>(decode(gather(f), f.bytes, wide()).message);
+    REQUIRE(got.events.size() == m.events.size());
+    for (std::size_t i = 0; i < m.events.size(); ++i) {
+      CHECK(got.events[i].name == m.events[i].name);
+      CHECK(got.events[i].step == m.events[i].step);
+    }
+  }
   SECTION("a message too big for one builder segment: one segment per piece, still exact") {
     stage_snapshot m{1, 0, {}};
     for (int i = 0; i < 200; ++i)
