@@ -47,7 +47,9 @@ struct transport_bench_report {
 
 // Throws std::runtime_error with a one-line message (e.g. ucx_perftest missing from PATH).
 transport_bench_report run_transport_bench(const transport_bench_options& options);
+// The report (transport_report.cpp).
 std::string goal_text(const transport_row& row);
+std::string human_bytes(std::size_t bytes);  // "64 KiB", "1 MiB", "8 B"
 std::string format_transport_report(const transport_bench_report& report);
 std::string transport_report_json(const transport_bench_report& report);
 

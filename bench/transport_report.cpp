@@ -1,0 +1,104 @@
+// The report of `troupe bench transport` (transport_bench.hpp): the table and the JSON. No UCX.
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "bench/transport_bench.hpp"
+
+namespace troupe::bench {
+
+std::string human_bytes(std::size_t b) {
+  if (b >= (1u << 20) && b % (1u << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  if (b >= 1024 && b % 1024 == 0) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
+
+std::string goal_text(const transport_row& row) {
+  return row.metric == "bandwidth" ? ">= 90% of peer" : "<= 2x peer";
+}
+
+std::string format_transport_report(const transport_bench_report& r) {
+  std::string out;
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS, best of %d\n"
+                "bandwidth frames: %s; ucx_perftest sends the same frame size\n"
+                "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n",
+                r.repeats, r.frame.c_str());
+  out += line;
+  std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %6s  %-15s %s\n", "metric", "size",
+                "transport", "ours", "peer (ucx_perftest)", "ratio", "goal", "");
+  out += line;
+  for (const auto& row : r.rows) {
+    char a[64], b[64];
+    if (row.metric == "bandwidth") {
+      std::snprintf(a, sizeof a, "%.2f GB/s", row.ours / 1e9);
+      std::snprintf(b, sizeof b, "%.2f GB/s", row.peer / 1e9);
+    } else {
+      std::snprintf(a, sizeof a, "%.2f us (%.2f)", row.ours, row.ours_mean);
+      std::snprintf(b, sizeof b, "%.2f us (%.2f)", row.peer, row.peer_mean);
+    }
+    const double ratio = row.peer > 0 ? row.ours / row.peer : 0;
+    std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %5.2fx  %-15s %s\n",
+                  row.metric.c_str(), human_bytes(row.payload_bytes).c_str(),
+                  row.transports.c_str(), a, row.peer > 0 ? b : "failed", ratio,
+                  goal_text(row).c_str(), row.met ? "met" : "NOT MET");
+    out += line;
+    if (!row.peer_error.empty()) out += "  " + row.peer_error + "\n";
+  }
+  out += "\n";
+  if (r.warmup_ours > 0) {
+    char warm[160];
+    std::snprintf(warm, sizeof warm,
+                  "warm-up pair before the first bandwidth row, not counted: ours %.2f GB/s, "
+                  "peer %.2f GB/s\n",
+                  r.warmup_ours / 1e9, r.warmup_peer / 1e9);
+    out += warm;
+  }
+  if (r.send_zero_copy_checked)
+    out += "payload copies on send: 0 (checked: every frame's iov held the tensor's own pointer)\n";
+  if (r.receive_views_checked)
+    out +=
+        "payload copies after receive: 0 (checked: the peer decoded every frame into views of "
+        "the buffer UCX wrote)\n";
+  for (const auto& [tls, info] : r.transport_info)
+    out += "UCX_TLS=" + tls + " -> endpoint lanes: " + info + "\n";
+  return out;
+}
+
+std::string transport_report_json(const transport_bench_report& r) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& row : r.rows) {
+    nlohmann::json j = {{"metric", row.metric},
+                        {"transports", row.transports},
+                        {"payload_bytes", row.payload_bytes},
+                        {"frame_bytes", row.frame_bytes},
+                        {"frames", row.frames},
+                        {"ours", row.ours},
+                        {"peer", row.peer},
+                        {"unit", row.metric == "bandwidth" ? "bytes/s" : "us one-way, median"},
+                        {"ratio", row.peer > 0 ? row.ours / row.peer : 0.0},
+                        {"goal", goal_text(row)},
+                        {"met", row.met},
+                        {"ours_runs", row.ours_runs},
+                        {"peer_runs", row.peer_runs}};
+    if (row.metric != "bandwidth") {
+      j["ours_mean"] = row.ours_mean;
+      j["peer_mean"] = row.peer_mean;
+    }
+    if (!row.peer_error.empty()) j["peer_error"] = row.peer_error;
+    rows.push_back(j);
+  }
+  nlohmann::json out = {{"peer", "ucx_perftest"},
+                        {"repeats", r.repeats},
+                        {"frame", r.frame},
+                        {"transport_info", r.transport_info},
+                        {"rows", rows}};
+  if (r.warmup_ours > 0)
+    out["warmup_not_counted"] = {{"ours", r.warmup_ours}, {"peer", r.warmup_peer}};
+  if (r.send_zero_copy_checked) out["payload_copies_on_send"] = 0;
+  if (r.receive_views_checked) out["payload_copies_after_receive"] = 0;
+  return out.dump(2);
+}
+
+}  // namespace troupe::bench
