@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <capnp/message.h>
@@ -26,12 +27,16 @@ class reader {
  public:
   reader(std::shared_ptr<void> owner, const limits& lim) : owner_(std::move(owner)), lim_(lim) {}
 
-  std::string kind = "frame";
-  std::string field;  // the field being read, for error messages
+  // Static names (literals, the kind table): naming them costs nothing until a read fails.
+  std::string_view kind = "frame";
+  std::string_view field;  // the field being read, for error messages
 
   [[noreturn]] void fail(std::string what) const {
     std::replace(what.begin(), what.end(), '\n', ' ');  // one line, whatever Cap'n Proto says
-    throw wire_error("wire: " + kind + (field.empty() ? "" : "." + field) + ": " + what);
+    std::string where = "wire: ";
+    where += kind;
+    if (!field.empty()) (where += '.') += field;
+    throw wire_error(where + ": " + what);
   }
   void list(std::size_t n) const {
     if (n > lim_.max_list_elements)

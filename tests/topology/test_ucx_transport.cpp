@@ -459,10 +459,11 @@ TEST_CASE("ucx_transport reuses a receive buffer only after every holder dropped
 
 TEST_CASE("ucx_transport over shared memory lands each frame in the buffer just dropped",
           "[unit]") {
-  // From a shared-memory peer one rendezvous receive runs at a time, so a receiver that drops
-  // each frame at once gets the same (cache-warm) pool buffer back for the next one, however many
-  // frames the sender keeps in flight. Started together, these 24 frames took 17 to 19 buffers.
-  // Each frame is one contiguous 256 KiB entry, so one rendezvous message, as an activation is.
+  // From a shared-memory peer two rendezvous receives run at a time, so a receiver that drops
+  // each frame at once holds at most two buffers and gets them back from the pool for the next
+  // frames, however many frames the sender keeps in flight. Started together, these 24 frames
+  // took 17 to 19 buffers. Each frame is one contiguous 256 KiB entry, so one rendezvous message,
+  // as an activation is.
   ucx_options options;
   options.transports = "posix,cma,self";
   const std::vector<std::size_t> sizes(24, 256 << 10);
@@ -504,5 +505,7 @@ TEST_CASE("ucx_transport over shared memory lands each frame in the buffer just 
   });
   CHECK(results[0].exited_ok());
   CHECK(results[1].exited_ok());
-  CHECK(results[1].values.at("buffers") == "1");
+  const int buffers = std::stoi(results[1].values.at("buffers"));
+  CHECK(buffers >= 1);
+  CHECK(buffers <= 2);
 }
