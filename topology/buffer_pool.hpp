@@ -46,7 +46,10 @@ class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
     }
     if (!buffer) buffer = messages::aligned_buffer::make_large(size);
     messages::aligned_buffer* raw = buffer.get();
-    std::shared_ptr<void> lease(nullptr, [pool = shared_from_this(), size, buffer](void*) mutable {
+    // The buffer moves into the deleter (a copy would cost two atomic reference-count updates,
+    // on a path that runs once per received frame).
+    std::shared_ptr<void> lease(nullptr, [pool = shared_from_this(), size,
+                                          buffer = std::move(buffer)](void*) mutable {
       pool->give_back(size, std::move(buffer));
     });
     return std::shared_ptr<messages::aligned_buffer>(std::move(lease), raw);
