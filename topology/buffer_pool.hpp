@@ -48,10 +48,10 @@ class buffer_pool : public std::enable_shared_from_this<buffer_pool> {
     messages::aligned_buffer* raw = buffer.get();
     // The buffer moves into the deleter (a copy would cost two atomic reference-count updates,
     // on a path that runs once per received frame).
-    std::shared_ptr<void> lease(nullptr, [pool = shared_from_this(), size,
-                                          buffer = std::move(buffer)](void*) mutable {
-      pool->give_back(size, std::move(buffer));
-    });
+    std::shared_ptr<void> lease(
+        nullptr, [pool = shared_from_this(), size, buffer = std::move(buffer)](void*) mutable {
+          pool->give_back(size, std::move(buffer));
+        });
     return std::shared_ptr<messages::aligned_buffer>(std::move(lease), raw);
   }
 
