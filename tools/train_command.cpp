@@ -16,6 +16,7 @@
 #include "actors/pipeline_run.hpp"
 #include "engine/memory_plan.hpp"
 #include "engine/trainer.hpp"
+#include "kernels/cpu_threads.hpp"
 #include "tools/commands.hpp"
 #include "tools/progress.hpp"
 #include "topology/launch_env.hpp"
@@ -41,6 +42,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     std::string device;  // empty: the recipe's `device`
     double peer_timeout = 10;
     double rendezvous_timeout = 120;
+    int threads = 0;  // 0: the cores / the stages in this process
     bool dry_run = false;
     bool report_peak_rss = false;
   };
@@ -65,6 +67,11 @@ std::function<int()> add_train_command(CLI::App& app) {
   cmd->add_option("--rendezvous-timeout", opts->rendezvous_timeout,
                   "Seconds to wait for every process of the job to join")
       ->check(CLI::Range(0.1, 86400.0));
+  cmd->add_option("--threads", opts->threads,
+                  "BLAS/OpenMP threads per stage (default: this machine's cores / the stages in "
+                  "this process). GEMM results can depend on it: runs compared bit for bit should "
+                  "use the same count")
+      ->check(CLI::Range(1, 1024));
   cmd->add_flag("--dry-run", opts->dry_run,
                 "Check the recipe and print the per-rank memory plan; allocate and train nothing");
   cmd->add_flag("--report-peak-rss", opts->report_peak_rss,
@@ -120,12 +127,14 @@ std::function<int()> add_train_command(CLI::App& app) {
       if (opts->engine == "serial") {
         if (!opts->trace.empty())
           throw engine::recipe_error("--trace needs the actor engine (--engine actors)");
+        if (opts->threads > 0) kernels::set_compute_threads(opts->threads);
         summary = engine::train(r, cb);
       } else {
         actors::run_options o;
         o.trace_path = opts->trace;
         o.collect_parameters = false;  // only for the weights file (output.weights)
         o.launch = launch;
+        o.compute_threads = opts->threads;
         o.peer_timeout = std::chrono::milliseconds(static_cast<long>(opts->peer_timeout * 1000));
         o.rendezvous_timeout =
             std::chrono::milliseconds(static_cast<long>(opts->rendezvous_timeout * 1000));

@@ -1,6 +1,7 @@
 // `troupe`: the command line. Subcommands: train, launch, bench, trace.
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "tools/commands.hpp"
 
@@ -15,8 +16,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : troupe::tools::exit_bad_input;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    // One line naming the option at fault (CLI11's own report adds a "Run with --help" line).
+    std::string what = e.what();
+    for (char& c : what)
+      if (c == '\n') c = ' ';
+    std::fprintf(stderr, "troupe: %s\n", what.c_str());
+    return troupe::tools::exit_bad_input;
   }
   try {
     if (app.got_subcommand("train")) return train();

@@ -135,6 +135,7 @@ write_recipe "$tmp/ok.toml"
 expect_bad set-unknown-key optimizer.momentum -- "$tmp/ok.toml" --set optimizer.momentum=0.9
 expect_bad set-malformed steps -- "$tmp/ok.toml" --set steps
 expect_bad set-wrong-type steps -- "$tmp/ok.toml" --set steps=many
+expect_bad threads-zero --threads -- "$tmp/ok.toml" --threads 0
 expect_bad set-bad-enum optimizer.decay -- "$tmp/ok.toml" --set optimizer.decay=step
 expect_bad missing-recipe no-such-recipe.toml -- "$tmp/no-such-recipe.toml"
 # Nonsensical parallel layouts are refused up front, naming the key.

@@ -190,8 +190,12 @@ TOML
   echo "$dir/recipe.toml"
 }
 
-# The overrides every run of the small recipe gets (plus its own output.dir).
-small_overrides=(--set "parallel.dp=$small_dp" --set "steps=$small_steps")
+# The overrides every run of the small recipe gets (plus its own output.dir). One BLAS/OpenMP
+# thread per stage in every run: by default a rank alone in its process (a namespace "host")
+# would take all the cores, and OpenBLAS's results can depend on its thread count (on an AMD
+# EPYC with the ZEN kernels a 64x256x32 sgemm differed in the last bits between 1 and 2 threads,
+# so losses differed from the in-process run, where 4 stages share the cores).
+small_overrides=(--set "parallel.dp=$small_dp" --set "steps=$small_steps" --threads 1)
 
 # Bytes of activations one pipeline rank sends (and receives, as gradients) over a whole run,
 # assuming fp32 on the wire: steps x micro-batches x B x T x W x 4.
