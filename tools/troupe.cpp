@@ -13,6 +13,16 @@ int main(int argc, char** argv) {
   auto bench = troupe::tools::add_bench_command(app);
   auto trace = troupe::tools::add_trace_command(app);
   auto launch = troupe::tools::add_launch_command(app);
+  // An unknown first word: CLI11 would only say that a subcommand is required.
+  if (argc > 1 && argv[1][0] != '-') {
+    try {
+      app.get_subcommand(argv[1]);
+    } catch (const CLI::OptionNotFound&) {
+      std::fprintf(stderr, "troupe: unknown command '%s' (train, launch, bench or trace)\n",
+                   argv[1]);
+      return troupe::tools::exit_bad_input;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

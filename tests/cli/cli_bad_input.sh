@@ -203,6 +203,16 @@ if [[ $rc -ne 0 ]]; then
 fi
 [[ $failures -eq $before_failures ]] && echo "ok: bench-no-gpu (exit $rc: $(cat "$tmp/gpu.stderr"))"
 
+# An unknown command: exit 2 and one line naming it.
+before_failures=$failures
+rc=0
+"$troupe" frobnicate "$tmp/ok.toml" >"$tmp/unknown-command.stdout" 2>"$tmp/unknown-command.stderr" || rc=$?
+[[ $rc -eq 2 ]] || fail "unknown-command: exit code $rc, expected 2"
+[[ $(wc -l <"$tmp/unknown-command.stderr") -eq 1 ]] || fail "unknown-command: stderr not one line"
+grep -q "unknown command 'frobnicate'" "$tmp/unknown-command.stderr" ||
+  fail "unknown-command: stderr does not name the command"
+[[ $failures -eq $before_failures ]] && echo "ok: unknown-command: $(cat "$tmp/unknown-command.stderr")"
+
 # `troupe train --device cuda` where no GPU can train: exit 1, one line saying why, nothing
 # written. Where a GPU is usable it trains the tiny recipe and must succeed.
 before_failures=$failures
