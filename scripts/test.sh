@@ -27,6 +27,10 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
 
+# Two test processes run at once on a 2-core machine, each with OpenMP threads: libgomp's default
+# spin-waiting then starves the other process's threads. tensor_parallel + actors under `meson
+# test --num-processes 2` did not finish in 300 s (4.8 s + 24 s when each sleeps while waiting).
+export OMP_WAIT_POLICY=passive
 echo "== release build: unit, cli, cluster, oracle =="
 meson test -C build --print-errorlogs --num-processes 2 2>&1 | tee "$log" || status=1
 tally "$log"
