@@ -121,6 +121,8 @@ struct ucx_transport::impl {
   };
   struct frame_state {        // recycled once delivered (or dropped)
     std::uint64_t index = 0;  // per-peer frame number, in send order
+    int peer = 0;
+    inbound* in = nullptr;
     std::shared_ptr<messages::aligned_buffer> buffer;
     std::size_t bytes = 0;    // the frame's size (the buffer may be larger)
     std::size_t posted = 0;   // bytes of the messages that arrived so far
@@ -183,9 +185,11 @@ struct ucx_transport::impl {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   int event_fd = -1;
-  std::shared_ptr<buffer_pool> pool = std::make_shared<buffer_pool>();
+  buffer_pool pool;
   std::map<int, peer_state> peers;  // node-based: err_handler args point into it
-  std::map<int, inbound> inbounds;
+  std::map<int, inbound> inbounds;  // node-based: frames and the cache below point into it
+  int last_inbound_peer = -1;       // the peer arrived() looked up last, and its state
+  inbound* last_inbound = nullptr;
   recycler<send_op> sends;
   recycler<recv_op> receives;
   recycler<frame_state> frames;
@@ -193,6 +197,8 @@ struct ucx_transport::impl {
   std::size_t header_room = 0;       // am_header + inline bytes at most (max_am_header, 4 KiB)
   std::deque<send_op*> completed_sends;
   std::deque<recv_op*> completed_receives;
+  // Frames that arrived whole in one eager message, already in their buffer (no recv_op).
+  std::vector<frame_state*> completed_frames;
   std::deque<recv_op*> deferred;  // rendezvous messages waiting for room to start receiving
   std::deque<std::pair<int, std::string>> peer_errors;
   std::size_t receives_outstanding = 0, receive_bytes_outstanding = 0;
@@ -276,9 +282,26 @@ struct ucx_transport::impl {
     std::memcpy(&h, header, sizeof h);
     const int peer = static_cast<int>(h.rank);
     const std::size_t inline_bytes = header_length - sizeof h;
-    inbound& in = inbounds[peer];
+    if (peer != last_inbound_peer) {
+      last_inbound = &inbounds[peer];
+      last_inbound_peer = peer;
+    }
+    inbound& in = *last_inbound;
     frame_state* frame = frame_of(in, peer, h, inline_bytes + length);
     if (!frame) return UCS_OK;
+    const auto* inline_at = static_cast<const std::byte*>(header) + sizeof h;
+    if (!rendezvous && frame->posted == 0 && inline_bytes + length == frame->bytes) {
+      // The whole frame in one eager message (a small frame: control messages, latency probes):
+      // into its buffer now, delivered in order from progress(), without a per-message record.
+      in.assembling = nullptr;
+      frame->buffer = pool.take(frame->bytes);
+      std::byte* at = frame->buffer->data();
+      if (inline_bytes > 0) std::memcpy(at, inline_at, inline_bytes);
+      if (length > 0) std::memcpy(at + inline_bytes, data, length);
+      frame->posted = frame->bytes;
+      completed_frames.push_back(frame);
+      return UCS_OK;
+    }
     recv_op* op = receives.take();
     op->owner = this;
     op->peer = peer;
@@ -291,7 +314,6 @@ struct ucx_transport::impl {
     frame->posted += inline_bytes + length;
     if (frame->posted == frame->bytes) in.assembling = nullptr;
     ++frame->pending;
-    const auto* inline_at = static_cast<const std::byte*>(header) + sizeof h;
     if (deferred.empty() && (!rendezvous || room_to_receive(*op))) {
       land(op, inline_at, data);
       return UCS_OK;  // UCX keeps the descriptor of a started rendezvous receive
@@ -312,7 +334,7 @@ struct ucx_transport::impl {
   // data: the eager bytes or the rendezvous descriptor; nullptr when `held` has the bytes.
   void land(recv_op* op, const std::byte* inline_at, void* data) {
     frame_state* frame = op->frame;
-    if (!frame->buffer) frame->buffer = pool->take(frame->bytes);
+    if (!frame->buffer) frame->buffer = pool.take(frame->bytes);
     std::byte* at = frame->buffer->data() + op->offset;
     if (op->inline_bytes > 0) std::memcpy(at, inline_at, op->inline_bytes);
     at += op->inline_bytes;
@@ -335,6 +357,8 @@ struct ucx_transport::impl {
       in.assembling = frames.take();
       in.assembling->index = in.next_frame++;
       in.assembling->bytes = h.frame_bytes;
+      in.assembling->peer = peer;
+      in.assembling->in = &in;
     }
     if (error.empty() && in.assembling->posted + bytes > in.assembling->bytes)
       error = "frame parts exceed the frame's " + std::to_string(in.assembling->bytes) + " bytes";
@@ -410,13 +434,20 @@ struct ucx_transport::impl {
     const int peer = op->peer;
     const ucs_status_t status = op->status;
     frame_state* frame = op->frame;
-    inbound& in = *op->in;
     receives.give_back(op);
     if (status != UCS_OK && status != UCS_ERR_CANCELED)
       peer_errors.emplace_back(peer, std::string("receive failed: ") + ucs_status_string(status));
     if (!frame) return;
     frame->ok &= status == UCS_OK;
     if (--frame->pending > 0 || frame->posted < frame->bytes) return;
+    frame_complete(frame);
+  }
+
+  // A frame whose bytes are all in its buffer: delivered now if every earlier frame of its peer
+  // was, with the later ones that waited for it; otherwise it waits for the earlier ones.
+  void frame_complete(frame_state* frame) {
+    inbound& in = *frame->in;
+    const int peer = frame->peer;
     if (frame->index != in.next_delivery) {  // an earlier frame is still arriving
       in.complete.emplace(frame->index, frame);
       return;
@@ -428,6 +459,7 @@ struct ucx_transport::impl {
       const bool ok = frame->ok;
       frames.give_back(frame);
       if (ok && receive_fn) receive_fn(peer, std::move(buffer), bytes);
+      if (in.complete.empty()) return;
       auto it = in.complete.find(in.next_delivery);
       if (it == in.complete.end()) return;
       frame = it->second;
@@ -452,7 +484,13 @@ struct ucx_transport::impl {
   unsigned dispatch() {
     unsigned events = 0;
     dispatching = true;
-    while (!completed_sends.empty() || !completed_receives.empty() || !peer_errors.empty()) {
+    while (!completed_frames.empty() || !completed_sends.empty() || !completed_receives.empty() ||
+           !peer_errors.empty()) {
+      // By index: a receive callback that sends cannot add frames (only ucp_worker_progress
+      // does), but the vector is read by index all the same.
+      for (std::size_t i = 0; i < completed_frames.size(); ++i, ++events)
+        frame_complete(completed_frames[i]);
+      completed_frames.clear();
       for (; !completed_receives.empty(); ++events) {
         recv_op* op = completed_receives.front();
         completed_receives.pop_front();
@@ -652,6 +690,38 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
   impl::send_op* op = impl_->sends.take();
   op->owner = impl_.get();
   op->peer = peer;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &impl::send_done;
+  param.user_data = op;
+  if (staged == total && sizeof(am_header) + total <= impl_->header_room) {
+    // The whole frame inline in one message's AM header (a small frame): UCX usually sends it
+    // at once, and then `done` runs here without the operation record holding it.
+    op->staging.resize(sizeof(am_header) + total);
+    std::byte* at = op->staging.data();
+    const am_header h{static_cast<std::uint32_t>(impl_->rank), p.next_send++,
+                      static_cast<std::uint32_t>(total), 1u};
+    std::memcpy(at, &h, sizeof h);
+    at += sizeof h;
+    for (const auto& [data, length] : iov) {
+      if (length > 0) std::memcpy(at, data, length);
+      at += length;
+    }
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, op->staging.data(), op->staging.size(),
+                                         nullptr, 0, &param);
+    if (r == nullptr) {
+      impl_->sends.give_back(op);
+      return done(true, {});
+    }
+    op->done = std::move(done);
+    if (UCS_PTR_IS_ERR(r))
+      op->status = UCS_PTR_STATUS(r);
+    else
+      op->requests.push_back(r);
+    op->posted = true;
+    if (op->completed == op->requests.size()) impl_->send_completed(op);
+    return;
+  }
   op->done = std::move(done);
   // Room for every message's header and every copied run; never reallocated below.
   op->staging.resize((iov.size() + 1) * sizeof(am_header) + staged);
@@ -704,10 +774,6 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
   }
   flush(nullptr, 0);
   if (messages.empty()) add_message(false);  // an empty frame is one empty message
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = &impl::send_done;
-  param.user_data = op;
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const auto& m = messages[i];
     const am_header h{static_cast<std::uint32_t>(impl_->rank), p.next_send++,
@@ -741,8 +807,8 @@ unsigned ucx_transport::progress() {
 
 void ucx_transport::wait(std::chrono::microseconds timeout) {
   auto ready = [this] {
-    return !impl_->completed_sends.empty() || !impl_->completed_receives.empty() ||
-           !impl_->peer_errors.empty();
+    return !impl_->completed_frames.empty() || !impl_->completed_sends.empty() ||
+           !impl_->completed_receives.empty() || !impl_->peer_errors.empty();
   };
   if (ready()) return;
   if (timeout.count() < 0) timeout = std::chrono::microseconds(0);

@@ -71,8 +71,30 @@ TEST_CASE("buffer_pool keeps at most pool_idle_bytes idle", "[unit]") {
   CHECK(pool->idle_bytes() == 0);
   held.pop_back();
   CHECK(pool->idle_bytes() == size);
-  held.clear();  // `fit` of them go back to the pool, the rest are freed
-  CHECK(pool->idle_bytes() == fit * size);
+  held.clear();  // all idle until the next take() frees what is over the bound
+  CHECK(pool->idle_bytes() == (fit + 2) * size);
   auto again = pool->take(size);
-  CHECK(pool->idle_bytes() == (fit - 1) * size);
+  CHECK(pool->idle_bytes() == fit * size);
+  CHECK(again.use_count() == 2);  // the holder's and the pool's: not freed by the trim
+  again.reset();
+  CHECK(pool->idle_bytes() == (fit + 1) * size);
+  pool->take(64).reset();  // any take trims again
+  CHECK(pool->idle_bytes() == fit * size + 64);
+}
+
+TEST_CASE("buffer_pool buffers outlive the pool", "[unit]") {
+  auto pool = std::make_shared<buffer_pool>();
+  auto b = pool->take(100);
+  b->data()[99] = std::byte{7};
+  pool.reset();
+  CHECK(b->data()[99] == std::byte{7});
+}
+
+TEST_CASE("buffer_pool hands out the buffer handed out last among the idle ones", "[unit]") {
+  buffer_pool pool;
+  auto a = pool.take(5000), b = pool.take(5000), c = pool.take(5000);
+  const void* second = b->data();
+  a.reset();
+  b.reset();  // a and b idle; b was handed out after a
+  CHECK(pool.take(5000)->data() == second);
 }
