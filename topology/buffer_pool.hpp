@@ -41,6 +41,12 @@ class buffer_pool {
 
   std::shared_ptr<messages::aligned_buffer> take(std::size_t bytes) {
     const std::size_t size = size_class(bytes);
+    if (last_ < classes_.size() && classes_[last_].size == size) {
+      // The common case, a receiver that drops each frame: the class used last, its buffer
+      // handed out last is idle again.
+      auto& list = classes_[last_].buffers;
+      if (!list.empty() && idle(list.back())) return handed_out(list.back());
+    }
     auto& list = class_of(size).buffers;
     // Kept in the order they were last handed out, the latest at the back: the first idle one
     // from the back is the one handed out last among the idle, which for frames consumed in

@@ -65,6 +65,7 @@ constexpr std::size_t max_local_receives_outstanding = 2;  // from a shared-memo
 constexpr auto close_deadline = std::chrono::seconds(2);
 constexpr int rank_bits = 20;
 constexpr unsigned frame_am_id = 1;
+const std::string no_error;  // `done`'s reason on success
 
 // The start of every active message's header; the message's inline bytes follow it.
 struct am_header {
@@ -130,6 +131,13 @@ struct ucx_transport::impl {
     bool ok = true, in_use = false;
     void reset() { *this = frame_state{}; }
   };
+  struct small_frame {  // a frame that arrived whole in one eager message, in its buffer already
+    inbound* in = nullptr;
+    int peer = 0;
+    std::uint64_t index = 0;
+    std::shared_ptr<messages::aligned_buffer> buffer;
+    std::size_t bytes = 0;
+  };
   struct recv_op {  // one arrived message of a frame
     impl* owner = nullptr;
     int peer = 0;
@@ -171,6 +179,12 @@ struct ucx_transport::impl {
     std::uint32_t next_send = 0;
     bool error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER on this endpoint
     std::string failure;          // non-empty once the peer failed
+    // Small frames are first offered to UCX for immediate completion, from scratch memory, which
+    // only UCX's short protocol gives (one FIFO element over shared memory: ~100 bytes). A size
+    // refused while no larger one ever went at once is over that limit, and the peer's frames of
+    // that size or more skip the offer; a refusal at or below a size that went is a full queue.
+    std::size_t immediate_max = SIZE_MAX;  // message bytes (am_header + frame) offered at most
+    std::size_t immediate_seen = 0;        // the largest message that completed at once
   };
   struct inbound {  // receiving side of one peer
     std::uint32_t next_sequence = 0;
@@ -187,6 +201,8 @@ struct ucx_transport::impl {
   int event_fd = -1;
   buffer_pool pool;
   std::map<int, peer_state> peers;  // node-based: err_handler args point into it
+  int last_peer = -1;               // the peer connected() found last, and its state
+  peer_state* last_peer_state = nullptr;
   std::map<int, inbound> inbounds;  // node-based: frames and the cache below point into it
   int last_inbound_peer = -1;       // the peer arrived() looked up last, and its state
   inbound* last_inbound = nullptr;
@@ -194,11 +210,11 @@ struct ucx_transport::impl {
   recycler<recv_op> receives;
   recycler<frame_state> frames;
   std::vector<am_message> messages;  // send()'s scratch
+  std::vector<std::byte> immediate;  // a small frame's message offered for immediate completion
   std::size_t header_room = 0;       // am_header + inline bytes at most (max_am_header, 4 KiB)
   std::deque<send_op*> completed_sends;
   std::deque<recv_op*> completed_receives;
-  // Frames that arrived whole in one eager message, already in their buffer (no recv_op).
-  std::vector<frame_state*> completed_frames;
+  std::vector<small_frame> completed_small;
   std::deque<recv_op*> deferred;  // rendezvous messages waiting for room to start receiving
   std::deque<std::pair<int, std::string>> peer_errors;
   std::size_t receives_outstanding = 0, receive_bytes_outstanding = 0;
@@ -255,10 +271,13 @@ struct ucx_transport::impl {
   }
 
   peer_state& connected(int peer, const char* what) {
+    if (peer == last_peer) return *last_peer_state;
     auto it = peers.find(peer);
     if (it == peers.end())
       throw ucx_error("ucx_transport (rank " + std::to_string(rank) + "): " + what + " peer " +
                       std::to_string(peer) + ", which is not connected");
+    last_peer = peer;
+    last_peer_state = &it->second;
     return it->second;
   }
 
@@ -287,21 +306,24 @@ struct ucx_transport::impl {
       last_inbound_peer = peer;
     }
     inbound& in = *last_inbound;
-    frame_state* frame = frame_of(in, peer, h, inline_bytes + length);
-    if (!frame) return UCS_OK;
     const auto* inline_at = static_cast<const std::byte*>(header) + sizeof h;
-    if (!rendezvous && frame->posted == 0 && inline_bytes + length == frame->bytes) {
+    if (h.first != 0 && !rendezvous && h.sequence == in.next_sequence && !in.assembling &&
+        inline_bytes + length == h.frame_bytes) {
       // The whole frame in one eager message (a small frame: control messages, latency probes):
       // into its buffer now, delivered in order from progress(), without a per-message record.
-      in.assembling = nullptr;
-      frame->buffer = pool.take(frame->bytes);
-      std::byte* at = frame->buffer->data();
-      if (inline_bytes > 0) std::memcpy(at, inline_at, inline_bytes);
-      if (length > 0) std::memcpy(at + inline_bytes, data, length);
-      frame->posted = frame->bytes;
-      completed_frames.push_back(frame);
+      in.next_sequence = h.sequence + 1;
+      small_frame& f = completed_small.emplace_back();
+      f.in = &in;
+      f.peer = peer;
+      f.index = in.next_frame++;
+      f.bytes = h.frame_bytes;
+      f.buffer = pool.take(f.bytes);
+      if (inline_bytes > 0) std::memcpy(f.buffer->data(), inline_at, inline_bytes);
+      if (length > 0) std::memcpy(f.buffer->data() + inline_bytes, data, length);
       return UCS_OK;
     }
+    frame_state* frame = frame_of(in, peer, h, inline_bytes + length);
+    if (!frame) return UCS_OK;
     recv_op* op = receives.take();
     op->owner = this;
     op->peer = peer;
@@ -447,23 +469,48 @@ struct ucx_transport::impl {
   // was, with the later ones that waited for it; otherwise it waits for the earlier ones.
   void frame_complete(frame_state* frame) {
     inbound& in = *frame->in;
-    const int peer = frame->peer;
     if (frame->index != in.next_delivery) {  // an earlier frame is still arriving
       in.complete.emplace(frame->index, frame);
       return;
     }
-    for (;;) {
+    deliver(frame);
+    deliver_waiting(in);
+  }
+
+  // The same for a small frame, which takes a frame record only if it has to wait.
+  void small_complete(small_frame& f) {
+    inbound& in = *f.in;
+    if (f.index == in.next_delivery) {
       ++in.next_delivery;
-      auto buffer = std::move(frame->buffer);
-      const std::size_t bytes = frame->bytes;
-      const bool ok = frame->ok;
-      frames.give_back(frame);
-      if (ok && receive_fn) receive_fn(peer, std::move(buffer), bytes);
-      if (in.complete.empty()) return;
-      auto it = in.complete.find(in.next_delivery);
-      if (it == in.complete.end()) return;
-      frame = it->second;
-      in.complete.erase(it);
+      if (receive_fn) receive_fn(f.peer, std::move(f.buffer), f.bytes);
+      return deliver_waiting(in);
+    }
+    frame_state* frame = frames.take();
+    frame->index = f.index;
+    frame->peer = f.peer;
+    frame->in = &in;
+    frame->buffer = std::move(f.buffer);
+    frame->bytes = frame->posted = f.bytes;
+    in.complete.emplace(frame->index, frame);
+  }
+
+  // Hands a frame that is next in its peer's order to the user and recycles its record.
+  void deliver(frame_state* frame) {
+    ++frame->in->next_delivery;
+    auto buffer = std::move(frame->buffer);
+    const std::size_t bytes = frame->bytes;
+    const int peer = frame->peer;
+    const bool ok = frame->ok;
+    frames.give_back(frame);
+    if (ok && receive_fn) receive_fn(peer, std::move(buffer), bytes);
+  }
+
+  // Delivers the frames that waited for the ones just delivered (`complete` is ordered by index).
+  void deliver_waiting(inbound& in) {
+    while (!in.complete.empty() && in.complete.begin()->first == in.next_delivery) {
+      frame_state* frame = in.complete.begin()->second;
+      in.complete.erase(in.complete.begin());
+      deliver(frame);
     }
   }
 
@@ -480,17 +527,21 @@ struct ucx_transport::impl {
     peer_errors.emplace_back(peer, reason);
   }
 
+  bool has_completions() const {
+    return !completed_small.empty() || !completed_sends.empty() || !completed_receives.empty() ||
+           !peer_errors.empty();
+  }
+
   // Runs the user's callbacks for everything UCX completed. Returns how many events it handled.
   unsigned dispatch() {
     unsigned events = 0;
     dispatching = true;
-    while (!completed_frames.empty() || !completed_sends.empty() || !completed_receives.empty() ||
-           !peer_errors.empty()) {
+    while (has_completions()) {
       // By index: a receive callback that sends cannot add frames (only ucp_worker_progress
       // does), but the vector is read by index all the same.
-      for (std::size_t i = 0; i < completed_frames.size(); ++i, ++events)
-        frame_complete(completed_frames[i]);
-      completed_frames.clear();
+      for (std::size_t i = 0; i < completed_small.size(); ++i, ++events)
+        small_complete(completed_small[i]);
+      completed_small.clear();
       for (; !completed_receives.empty(); ++events) {
         recv_op* op = completed_receives.front();
         completed_receives.pop_front();
@@ -599,6 +650,7 @@ ucx_transport::ucx_transport(int rank, const ucx_options& options)
   attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
   setup("ucp_worker_query", ucp_worker_query(impl_->worker, &attr));
   impl_->header_room = std::min<std::size_t>(attr.max_am_header, 4096);
+  impl_->immediate.resize(impl_->header_room);
   if (impl_->header_room < sizeof(am_header)) setup("max_am_header", UCS_ERR_UNSUPPORTED);
   ucp_am_handler_param_t handler{};
   handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
@@ -687,6 +739,32 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
   if (total > 0xffffffffu)
     return done(false, "frame of " + std::to_string(total) + " bytes to peer " +
                            std::to_string(peer) + " exceeds the transport's 4 GiB limit");
+  const std::size_t message_bytes = sizeof(am_header) + total;
+  if (staged == total && message_bytes <= p.immediate_max && message_bytes <= impl_->header_room) {
+    // UCX either sends it now (then `done` runs here, with no operation record and no request)
+    // or refuses (UCS_ERR_NO_RESOURCE) without keeping a pointer to `immediate`.
+    std::byte* at = impl_->immediate.data();
+    const am_header h{static_cast<std::uint32_t>(impl_->rank), p.next_send,
+                      static_cast<std::uint32_t>(total), 1u};
+    std::memcpy(at, &h, sizeof h);
+    at += sizeof h;
+    for (const auto& [data, length] : iov) {
+      if (length > 0) std::memcpy(at, data, length);
+      at += length;
+    }
+    ucp_request_param_t now{};
+    now.op_attr_mask = UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL;
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, impl_->immediate.data(), message_bytes,
+                                         nullptr, 0, &now);
+    if (r == nullptr) {
+      ++p.next_send;
+      p.immediate_seen = std::max(p.immediate_seen, message_bytes);
+      return done(true, no_error);
+    }
+    if (UCS_PTR_STATUS(r) == UCS_ERR_NO_RESOURCE && message_bytes > p.immediate_seen)
+      p.immediate_max = message_bytes - 1;
+    // Refused or failed: the path below sends it with a record (and reports a failure).
+  }
   impl::send_op* op = impl_->sends.take();
   op->owner = impl_.get();
   op->peer = peer;
@@ -799,17 +877,20 @@ unsigned ucx_transport::progress() {
   if (impl_->dispatching)
     throw ucx_error("ucx_transport: progress() called from one of its own callbacks");
   unsigned events = ucp_worker_progress(impl_->worker);
+  // An idle poll (most calls of a busy-polling loop) ends here: dispatching costs as many
+  // instructions as UCX's own idle poll.
+  if (events == 0 && !impl_->has_completions()) return 0;
   events += impl_->dispatch();
   // Completed receives freed room under the bounds: start the rendezvous receives left waiting.
-  if (events > 0) events += impl_->land_deferred() + impl_->dispatch();
+  if (events > 0 && !impl_->deferred.empty()) {
+    events += impl_->land_deferred();
+    if (impl_->has_completions()) events += impl_->dispatch();
+  }
   return events;
 }
 
 void ucx_transport::wait(std::chrono::microseconds timeout) {
-  auto ready = [this] {
-    return !impl_->completed_frames.empty() || !impl_->completed_sends.empty() ||
-           !impl_->completed_receives.empty() || !impl_->peer_errors.empty();
-  };
+  auto ready = [this] { return impl_->has_completions(); };
   if (ready()) return;
   if (timeout.count() < 0) timeout = std::chrono::microseconds(0);
   // Spin first: ucp_worker_progress only records completions here (the callbacks that run are
