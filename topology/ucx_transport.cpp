@@ -784,26 +784,6 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &impl::send_done;
   param.user_data = op;
-  if (staged == total && sizeof(am_header) + total <= impl_->header_room) {
-    // The whole frame inline in one message's AM header (a small frame): UCX usually sends it
-    // at once, and then `done` runs here without the operation record holding it.
-    op->staging.resize(sizeof(am_header) + total);
-    write_small_frame(op->staging.data(), impl_->rank, p.next_send++, total, iov);
-    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, op->staging.data(), op->staging.size(),
-                                         nullptr, 0, &param);
-    if (r == nullptr) {
-      impl_->sends.give_back(op);
-      return done(true, {});
-    }
-    op->done = std::move(done);
-    if (UCS_PTR_IS_ERR(r))
-      op->status = UCS_PTR_STATUS(r);
-    else
-      op->requests.push_back(r);
-    op->posted = true;
-    if (op->completed == op->requests.size()) impl_->send_completed(op);
-    return;
-  }
   op->done = std::move(done);
   // Room for every message's header and every copied run; never reallocated below.
   op->staging.resize((iov.size() + 1) * sizeof(am_header) + staged);
