@@ -403,30 +403,33 @@ latency_run ours_latency(const transport_bench_options& o, const std::string& tl
   const bool wait_mode = mode == "latency-wait";
   latency_run run;
   run.info = s.transport->transport_info(1);
-  bool echoed = false;
-  s.transport->on_receive(
-      [&](int, std::shared_ptr<messages::aligned_buffer>, std::size_t) { echoed = true; });
   std::uint64_t word = 0x7472'6f75'7065'0008;
   const topology::iov_list iov = {{&word, sizeof word}};
   std::vector<double> one_way_us;
   one_way_us.reserve(static_cast<std::size_t>(frames));
   const auto deadline = clock_type::now() + measurement_deadline;
-  // One clock reading per round trip, as ucx_perftest takes one per iteration: a round trip is
-  // the time from the end of the previous one (a clock read costs ~20 ns here, a fifth of a
-  // shared-memory one-way latency).
-  auto previous = clock_type::now();
-  for (long i = 0; i < warmup + frames; ++i) {
-    echoed = false;
+  // A ping-pong driven by the receive callback, which sends the next frame (as an actor answers
+  // one message with the next). One clock reading per round trip, as ucx_perftest takes one per
+  // iteration, right after each send: two readings are one round trip apart, and the reading
+  // (~20 ns here, a quarter of a shared-memory one-way latency) is not inside it.
+  const long total = warmup + frames + 1;  // the last frame only ends the last round trip
+  long sent = 0, received = 0;
+  clock_type::time_point previous;
+  auto send_next = [&] {
     s.transport->send(1, iov, [](bool, const std::string&) {});
-    for (unsigned spins = 0; !echoed; ++spins) {
-      if (s.transport->progress() == 0 && wait_mode)
-        s.transport->wait(std::chrono::milliseconds(100));
-      if (spins % 4096 == 4095) check_deadline(deadline, "latency run");
-    }
     const auto now = clock_type::now();
-    if (i >= warmup)
+    if (sent++ > warmup)
       one_way_us.push_back(std::chrono::duration<double, std::micro>(now - previous).count() / 2);
     previous = now;
+  };
+  s.transport->on_receive([&](int, std::shared_ptr<messages::aligned_buffer>, std::size_t) {
+    if (++received < total) send_next();
+  });
+  send_next();
+  for (unsigned spins = 0; received < total; ++spins) {
+    if (s.transport->progress() == 0 && wait_mode)
+      s.transport->wait(std::chrono::milliseconds(100));
+    if (spins % 4096 == 4095) check_deadline(deadline, "latency run");
   }
   const std::string status = s.finish();
   if (status.rfind(peer_line_ok, 0) != 0) fail("transport bench: peer: " + status);

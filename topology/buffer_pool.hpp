@@ -39,28 +39,15 @@ class buffer_pool {
     return (bytes + granule - 1) / granule * granule;
   }
 
+  // The common case inline (a receiver that drops each frame: the class used last, its buffer
+  // handed out last is idle again): a few compares and the holder's reference.
   std::shared_ptr<messages::aligned_buffer> take(std::size_t bytes) {
-    const std::size_t size = size_class(bytes);
-    if (last_ < classes_.size() && classes_[last_].size == size) {
-      // The common case, a receiver that drops each frame: the class used last, its buffer
-      // handed out last is idle again.
-      auto& list = classes_[last_].buffers;
-      if (!list.empty() && idle(list.back())) return handed_out(list.back());
+    if (last_ < classes_.size() && held_bytes_ <= pool_idle_bytes) {
+      const auto& c = classes_[last_];
+      if (c.size == size_class(bytes) && !c.buffers.empty() && idle(c.buffers.back()))
+        return c.buffers.back();
     }
-    auto& list = class_of(size).buffers;
-    // Kept in the order they were last handed out, the latest at the back: the first idle one
-    // from the back is the one handed out last among the idle, which for frames consumed in
-    // order is the one released last (warmest in cache).
-    for (std::size_t i = list.size(); i-- > 0;) {
-      if (!idle(list[i])) continue;
-      if (i + 1 != list.size())
-        std::rotate(list.begin() + static_cast<std::ptrdiff_t>(i),
-                    list.begin() + static_cast<std::ptrdiff_t>(i) + 1, list.end());
-      return handed_out(list.back());
-    }
-    list.push_back(messages::aligned_buffer::make_large(size));
-    held_bytes_ += size;
-    return handed_out(list.back());
+    return take_slow(bytes);
   }
 
   // Bytes in buffers no one but the pool holds.
@@ -92,6 +79,24 @@ class buffer_pool {
     auto copy = b;
     if (held_bytes_ > pool_idle_bytes) trim();
     return copy;
+  }
+
+  [[gnu::noinline]] std::shared_ptr<messages::aligned_buffer> take_slow(std::size_t bytes) {
+    const std::size_t size = size_class(bytes);
+    auto& list = class_of(size).buffers;
+    // Kept in the order they were last handed out, the latest at the back: the first idle one
+    // from the back is the one handed out last among the idle, which for frames consumed in
+    // order is the one released last (warmest in cache).
+    for (std::size_t i = list.size(); i-- > 0;) {
+      if (!idle(list[i])) continue;
+      if (i + 1 != list.size())
+        std::rotate(list.begin() + static_cast<std::ptrdiff_t>(i),
+                    list.begin() + static_cast<std::ptrdiff_t>(i) + 1, list.end());
+      return handed_out(list.back());
+    }
+    list.push_back(messages::aligned_buffer::make_large(size));
+    held_bytes_ += size;
+    return handed_out(list.back());
   }
 
   size_class_list& class_of(std::size_t size) {

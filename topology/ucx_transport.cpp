@@ -73,6 +73,12 @@ constexpr auto close_deadline = std::chrono::seconds(2);
 constexpr int rank_bits = 20;
 constexpr unsigned frame_am_id = 1;
 const std::string no_error;  // `done`'s reason on success
+// Sent now by UCX's short protocol, or refused (UCS_ERR_NO_RESOURCE) without a request.
+const ucp_request_param_t force_immediate = [] {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL;
+  return param;
+}();
 
 // The start of every active message's header; the message's inline bytes follow it.
 struct am_header {
@@ -220,6 +226,10 @@ struct ucx_transport::impl {
   ucp_worker_h worker = nullptr;
   int event_fd = -1;
   buffer_pool pool;
+  // The buffer the next small frame lands in, taken ahead by progress() (outside the time from a
+  // frame's arrival to its delivery), in the size class of the last small frame.
+  std::shared_ptr<messages::aligned_buffer> spare_small;
+  std::size_t last_small_bytes = 0;
   std::map<int, peer_state> peers;  // node-based: err_handler args point into it
   int last_peer = -1;               // the peer connected() found last, and its state
   peer_state* last_peer_state = nullptr;
@@ -291,7 +301,9 @@ struct ucx_transport::impl {
   }
 
   peer_state& connected(int peer, const char* what) {
-    if (peer == last_peer) return *last_peer_state;
+    return peer == last_peer ? *last_peer_state : look_up(peer, what);
+  }
+  [[gnu::noinline]] peer_state& look_up(int peer, const char* what) {
     auto it = peers.find(peer);
     if (it == peers.end())
       throw ucx_error("ucx_transport (rank " + std::to_string(rank) + "): " + what + " peer " +
@@ -301,47 +313,64 @@ struct ucx_transport::impl {
     return it->second;
   }
 
+  // An active message (inside ucp_worker_progress). A small frame (the whole frame in one eager
+  // message: control messages, latency probes) is copied into its buffer here and delivered in
+  // order from progress(), without a per-message record; any other message goes to arrived().
   static ucs_status_t am_arrived(void* arg, const void* header, std::size_t header_length,
                                  void* data, std::size_t length, const ucp_am_recv_param_t* param) {
-    return static_cast<impl*>(arg)->arrived(header, header_length, data, length,
-                                            (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0,
-                                            (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0);
-  }
-
-  // An active message (inside ucp_worker_progress). It lands (land()) now unless earlier
-  // messages wait, or it is a rendezvous one past the outstanding bounds; then it waits in
-  // `deferred`. A frame's buffer is taken when its first message lands, so frames waiting in UCX
-  // hold no buffer (32 frames of 1 MiB in flight each with their own buffer ran at about half the
-  // bandwidth of 4 at a time: the receive working set fell out of cache).
-  ucs_status_t arrived(const void* header, std::size_t header_length, void* data,
-                       std::size_t length, bool rendezvous, bool persistent) {
+    auto& self = *static_cast<impl*>(arg);
+    const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if (header_length == 0 && !rendezvous) {
+      // A small frame sent as one message's data (send()'s immediate path): the am_header and
+      // the frame are the data, read here as header and inline bytes.
+      header = data;
+      header_length = length;
+      length = 0;
+    }
     // Dropped: a rendezvous sender then completes without moving its data.
-    if (closing || header_length < sizeof(am_header)) return UCS_OK;
+    if (self.closing || header_length < sizeof(am_header)) return UCS_OK;
     am_header h;
     std::memcpy(&h, header, sizeof h);
     const int peer = static_cast<int>(h.rank);
-    const std::size_t inline_bytes = header_length - sizeof h;
-    if (peer != last_inbound_peer) {
-      last_inbound = &inbounds[peer];
-      last_inbound_peer = peer;
-    }
-    inbound& in = *last_inbound;
+    if (peer != self.last_inbound_peer) self.find_inbound(peer);
+    inbound& in = *self.last_inbound;
     const auto* inline_at = static_cast<const std::byte*>(header) + sizeof h;
-    if (h.first != 0 && !rendezvous && h.sequence == in.next_sequence && !in.assembling &&
-        inline_bytes + length == h.frame_bytes) {
-      // The whole frame in one eager message (a small frame: control messages, latency probes):
-      // into its buffer now, delivered in order from progress(), without a per-message record.
-      in.next_sequence = h.sequence + 1;
-      small_frame& f = completed_small.emplace_back();
-      f.in = &in;
-      f.peer = peer;
-      f.index = in.next_frame++;
-      f.bytes = h.frame_bytes;
-      f.buffer = pool.take(f.bytes);
-      if (inline_bytes > 0) std::memcpy(f.buffer->data(), inline_at, inline_bytes);
-      if (length > 0) std::memcpy(f.buffer->data() + inline_bytes, data, length);
-      return UCS_OK;
-    }
+    const std::size_t inline_bytes = header_length - sizeof h;
+    if (h.first == 0 || rendezvous || h.sequence != in.next_sequence || in.assembling ||
+        inline_bytes + length != h.frame_bytes)
+      return self.arrived(h, in, inline_at, inline_bytes, data, length, rendezvous,
+                          (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0);
+    in.next_sequence = h.sequence + 1;
+    small_frame& f = self.completed_small.emplace_back();
+    f.in = &in;
+    f.peer = peer;
+    f.index = in.next_frame++;
+    f.bytes = h.frame_bytes;
+    if (self.spare_small && f.bytes <= self.spare_small->size())
+      f.buffer = std::move(self.spare_small);
+    else
+      f.buffer = self.pool.take(f.bytes);
+    self.last_small_bytes = f.bytes;
+    if (inline_bytes > 0) std::memcpy(f.buffer->data(), inline_at, inline_bytes);
+    if (length > 0) std::memcpy(f.buffer->data() + inline_bytes, data, length);
+    return UCS_OK;
+  }
+
+  [[gnu::noinline]] void find_inbound(int peer) {
+    last_inbound = &inbounds[peer];
+    last_inbound_peer = peer;
+  }
+
+  // A message of a frame of several messages, or of one too long to be small. It lands (land())
+  // now unless earlier messages wait, or it is a rendezvous one past the outstanding bounds; then
+  // it waits in `deferred`. A frame's buffer is taken when its first message lands, so frames
+  // waiting in UCX hold no buffer (32 frames of 1 MiB in flight each with their own buffer ran at
+  // about half the bandwidth of 4 at a time: the receive working set fell out of cache).
+  [[gnu::noinline]] ucs_status_t arrived(const am_header& h, inbound& in,
+                                         const std::byte* inline_at, std::size_t inline_bytes,
+                                         void* data, std::size_t length, bool rendezvous,
+                                         bool persistent) {
+    const int peer = static_cast<int>(h.rank);
     frame_state* frame = frame_of(in, peer, h, inline_bytes + length);
     if (!frame) return UCS_OK;
     recv_op* op = receives.take();
@@ -545,6 +574,86 @@ struct ucx_transport::impl {
         "send to peer " + std::to_string(peer) + " failed: " + ucs_status_string(status);
     done(false, reason);
     peer_errors.emplace_back(peer, reason);
+  }
+
+  // send() of a frame that is not small, or that UCX refused to send at once: its messages
+  // planned into a recycled record, which send_done() completes.
+  [[gnu::noinline]] void send_with_record(peer_state& p, int peer, const iov_list& iov,
+                                          send_callback& done, std::size_t total,
+                                          std::size_t staged) {
+    send_op* op = sends.take();
+    op->owner = this;
+    op->peer = peer;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &send_done;
+    param.user_data = op;
+    op->done = std::move(done);
+    // Room for every message's header and every copied run; never reallocated below.
+    op->staging.resize((iov.size() + 1) * sizeof(am_header) + staged);
+    std::byte* const base = op->staging.data();
+    std::size_t used = 0;
+    // The messages: each long entry by reference as AM data, the run of short entries before it
+    // copied inline into its AM header. A run with no long entry after it is inline in a message
+    // of its own; one too long for an AM header goes as that message's data (in place when it is
+    // a single entry).
+    messages.clear();
+    std::size_t run_first = 0, run_end = 0, run_entries = 0, run_bytes = 0;
+    auto copy_run = [&] {
+      for (std::size_t k = run_first; k < run_end; ++k)
+        if (iov[k].second > 0 && iov[k].second < zero_copy_threshold) {
+          std::memcpy(base + used, iov[k].first, iov[k].second);
+          used += iov[k].second;
+        }
+    };
+    auto add_message = [&](bool inline_run) -> am_message& {
+      auto& m = messages.emplace_back();
+      m.header_at = used;
+      used += sizeof(am_header);
+      if (inline_run) copy_run();
+      m.header_bytes = used - m.header_at;
+      return m;
+    };
+    auto flush = [&](const void* data, std::size_t bytes) {  // the run, then the long entry if any
+      if (run_entries > 0 && sizeof(am_header) + run_bytes > header_room) {
+        auto& m = add_message(false);
+        m.data = run_entries == 1 ? iov[run_first].first : base + used;
+        m.data_bytes = run_bytes;
+        if (run_entries > 1) copy_run();
+        run_entries = run_bytes = 0;
+      }
+      if (run_entries == 0 && data == nullptr) return;
+      auto& m = add_message(run_entries > 0);
+      m.data = data;
+      m.data_bytes = bytes;
+      run_entries = run_bytes = 0;
+    };
+    for (std::size_t k = 0; k < iov.size(); ++k) {
+      if (iov[k].second >= zero_copy_threshold) {
+        flush(iov[k].first, iov[k].second);
+      } else if (iov[k].second > 0) {
+        if (run_entries++ == 0) run_first = k;
+        run_end = k + 1;
+        run_bytes += iov[k].second;
+      }
+    }
+    flush(nullptr, 0);
+    if (messages.empty()) add_message(false);  // an empty frame is one empty message
+    for (std::size_t i = 0; i < messages.size(); ++i) {
+      const auto& m = messages[i];
+      const am_header h{static_cast<std::uint32_t>(rank), p.next_send++,
+                        static_cast<std::uint32_t>(total), i == 0 ? 1u : 0u};
+      std::memcpy(base + m.header_at, &h, sizeof h);
+      ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, base + m.header_at, m.header_bytes,
+                                           m.data, m.data_bytes, &param);
+      if (UCS_PTR_IS_ERR(r)) {
+        if (op->status == UCS_OK) op->status = UCS_PTR_STATUS(r);
+      } else if (r != nullptr) {
+        op->requests.push_back(r);
+      }
+    }
+    op->posted = true;
+    if (op->completed == op->requests.size()) send_completed(op);  // all done at once
   }
 
   bool has_completions() const {
@@ -764,10 +873,10 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
     // UCX either sends it now (then `done` runs here, with no operation record and no request)
     // or refuses (UCS_ERR_NO_RESOURCE) without keeping a pointer to `immediate`.
     write_small_frame(impl_->immediate.data(), impl_->rank, p.next_send, total, iov);
-    ucp_request_param_t now{};
-    now.op_attr_mask = UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL;
-    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, impl_->immediate.data(), message_bytes,
-                                         nullptr, 0, &now);
+    // As the message's data, not its AM header: UCX then copies two pieces into the FIFO
+    // element, not three (arrived() reads the header from the data).
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, nullptr, 0, impl_->immediate.data(),
+                                         message_bytes, &force_immediate);
     if (r == nullptr) {
       ++p.next_send;
       p.immediate_seen = std::max(p.immediate_seen, message_bytes);
@@ -777,80 +886,7 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
       p.immediate_max = message_bytes - 1;
     // Refused or failed: the path below sends it with a record (and reports a failure).
   }
-  impl::send_op* op = impl_->sends.take();
-  op->owner = impl_.get();
-  op->peer = peer;
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = &impl::send_done;
-  param.user_data = op;
-  op->done = std::move(done);
-  // Room for every message's header and every copied run; never reallocated below.
-  op->staging.resize((iov.size() + 1) * sizeof(am_header) + staged);
-  std::byte* const base = op->staging.data();
-  std::size_t used = 0;
-  // The messages: each long entry by reference as AM data, the run of short entries before it
-  // copied inline into its AM header. A run with no long entry after it is inline in a message
-  // of its own; one too long for an AM header goes as that message's data (in place when it is
-  // a single entry).
-  auto& messages = impl_->messages;
-  messages.clear();
-  std::size_t run_first = 0, run_end = 0, run_entries = 0, run_bytes = 0;
-  auto copy_run = [&] {
-    for (std::size_t k = run_first; k < run_end; ++k)
-      if (iov[k].second > 0 && iov[k].second < zero_copy_threshold) {
-        std::memcpy(base + used, iov[k].first, iov[k].second);
-        used += iov[k].second;
-      }
-  };
-  auto add_message = [&](bool inline_run) -> impl::am_message& {
-    auto& m = messages.emplace_back();
-    m.header_at = used;
-    used += sizeof(am_header);
-    if (inline_run) copy_run();
-    m.header_bytes = used - m.header_at;
-    return m;
-  };
-  auto flush = [&](const void* data, std::size_t bytes) {  // the run, then the long entry if any
-    if (run_entries > 0 && sizeof(am_header) + run_bytes > impl_->header_room) {
-      auto& m = add_message(false);
-      m.data = run_entries == 1 ? iov[run_first].first : base + used;
-      m.data_bytes = run_bytes;
-      if (run_entries > 1) copy_run();
-      run_entries = run_bytes = 0;
-    }
-    if (run_entries == 0 && data == nullptr) return;
-    auto& m = add_message(run_entries > 0);
-    m.data = data;
-    m.data_bytes = bytes;
-    run_entries = run_bytes = 0;
-  };
-  for (std::size_t k = 0; k < iov.size(); ++k) {
-    if (iov[k].second >= zero_copy_threshold) {
-      flush(iov[k].first, iov[k].second);
-    } else if (iov[k].second > 0) {
-      if (run_entries++ == 0) run_first = k;
-      run_end = k + 1;
-      run_bytes += iov[k].second;
-    }
-  }
-  flush(nullptr, 0);
-  if (messages.empty()) add_message(false);  // an empty frame is one empty message
-  for (std::size_t i = 0; i < messages.size(); ++i) {
-    const auto& m = messages[i];
-    const am_header h{static_cast<std::uint32_t>(impl_->rank), p.next_send++,
-                      static_cast<std::uint32_t>(total), i == 0 ? 1u : 0u};
-    std::memcpy(base + m.header_at, &h, sizeof h);
-    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, frame_am_id, base + m.header_at, m.header_bytes,
-                                         m.data, m.data_bytes, &param);
-    if (UCS_PTR_IS_ERR(r)) {
-      if (op->status == UCS_OK) op->status = UCS_PTR_STATUS(r);
-    } else if (r != nullptr) {
-      op->requests.push_back(r);
-    }
-  }
-  op->posted = true;
-  if (op->completed == op->requests.size()) impl_->send_completed(op);  // all done at once
+  impl_->send_with_record(p, peer, iov, done, total, staged);
 }
 
 void ucx_transport::on_receive(receive_callback fn) { impl_->receive_fn = std::move(fn); }
@@ -860,6 +896,8 @@ void ucx_transport::on_peer_error(peer_error_callback fn) { impl_->peer_error_fn
 unsigned ucx_transport::progress() {
   if (impl_->dispatching)
     throw ucx_error("ucx_transport: progress() called from one of its own callbacks");
+  if (!impl_->spare_small && impl_->last_small_bytes > 0)
+    impl_->spare_small = impl_->pool.take(impl_->last_small_bytes);
   unsigned events = ucp_worker_progress(impl_->worker);
   // An idle poll (most calls of a busy-polling loop) ends here: dispatching costs as many
   // instructions as UCX's own idle poll.
