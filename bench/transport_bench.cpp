@@ -3,7 +3,8 @@
 // a socketpair, and is always reaped (killed if late). Bandwidth frames are real activation
 // frames (messages::wire::encode of a link_message, encoded per send, decoded by the peer);
 // latency frames are 8 raw bytes echoed back. ucx_perftest runs as server + client on a fresh
-// port with the same UCX_TLS. Each side of a row runs `repeats` times; the best run is kept.
+// port with the same UCX_TLS. A row runs `repeats` pairs (ours, then ucx_perftest) and compares
+// them pair by pair (transport_row).
 #include "bench/transport_bench.hpp"
 
 #include <arpa/inet.h>
@@ -472,6 +473,34 @@ class row_filter {
   std::set<std::size_t> sizes_;
 };
 
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  const std::size_t half = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(half), v.end());
+  if (v.size() % 2 == 1) return v[half];
+  return (v[half] + *std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(half))) /
+         2;
+}
+
+// A row's figures from its runs: the median run of each side, the best of each, and the verdict
+// on the median of the pairs' ratios (higher is better for bandwidth, lower for latency).
+void settle(transport_row& row, bool higher_is_better, const std::vector<double>& ours_means,
+            const std::vector<double>& peer_means) {
+  auto best = [&](const std::vector<double>& runs) {
+    if (runs.empty()) return 0.0;
+    return higher_is_better ? *std::max_element(runs.begin(), runs.end())
+                            : *std::min_element(runs.begin(), runs.end());
+  };
+  row.ours = median(row.ours_runs);
+  row.peer = median(row.peer_runs);
+  row.ours_best = best(row.ours_runs);
+  row.peer_best = best(row.peer_runs);
+  row.ours_mean = median(ours_means);
+  row.peer_mean = median(peer_means);
+  row.ratio = median(row.ratios);
+  row.met = !row.ratios.empty() && (higher_is_better ? row.ratio >= 0.9 : row.ratio <= 2);
+}
+
 }  // namespace
 
 transport_bench_report run_transport_bench(const transport_bench_options& o) {
@@ -480,7 +509,7 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
     fail(o.perftest + " not found on PATH: install Debian's ucx-utils (the peer measured against)");
   if (o.self_exe.empty()) fail("transport bench: the troupe binary's path is unknown");
   transport_bench_report report;
-  report.repeats = o.repeats > 0 ? o.repeats : (o.quick ? 1 : 3);
+  report.repeats = o.repeats > 0 ? o.repeats : (o.quick ? 1 : 5);
   report.frame =
       "messages::wire activation frame (link_message, shape [1, n/256, 256]), encoded per send, "
       "decoded by the receiver";
@@ -490,14 +519,16 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
   auto log = [](const std::string& what, const std::string& tls) {
     std::fprintf(stderr, "troupe bench transport: %s over %s\n", what.c_str(), tls.c_str());
   };
-  auto lowest = [](double best, double v) { return best == 0 ? v : std::min(best, v); };
   const row_filter wanted(o.only);
   for (const std::string tls : {"posix,cma,self", "tcp"}) {
     for (const std::size_t payload :
          {std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{16} << 20}) {
       if (!wanted(tls, "bandwidth", payload)) continue;
       log("bandwidth " + human_bytes(payload), tls);
-      transport_row row{"bandwidth", tls, payload, 0, 0, 0, 0, 0, 0, false, "", {}, {}};
+      transport_row row;
+      row.metric = "bandwidth";
+      row.transports = tls;
+      row.payload_bytes = payload;
       row.frames = std::max<long>(50, static_cast<long>(bytes_per_run / payload));
       // Enough warm-up frames to fill the window several times: the receiver's buffer pool then
       // holds every buffer in use (steady state; a buffer's first use faults its pages in).
@@ -514,7 +545,6 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
       }
       for (int r = 0; r < report.repeats; ++r) {
         const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames);
-        row.ours = std::max(row.ours, run.bytes_per_s);
         row.ours_runs.push_back(run.bytes_per_s);
         row.frame_bytes = run.frame_bytes;
         report.send_zero_copy_checked &= run.zero_copy;
@@ -523,30 +553,37 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
         const auto peer =
             run_perftest(perftest, tls, "tag_bw", row.frame_bytes, row.frames, warmup, false);
         if (!peer.error.empty()) row.peer_error = peer.error;
-        row.peer = std::max(row.peer, peer.bytes_per_s);
         if (peer.error.empty()) row.peer_runs.push_back(peer.bytes_per_s);
+        if (peer.error.empty()) row.ratios.push_back(run.bytes_per_s / peer.bytes_per_s);
       }
-      row.met = row.peer > 0 && row.ours >= 0.9 * row.peer;
+      settle(row, true, {}, {});
       report.rows.push_back(row);
     }
     for (const std::string mode : {"latency", "latency-wait"}) {
       if (!wanted(tls, mode, 0)) continue;
       log(mode == "latency" ? "8 B latency (busy polling)" : "8 B latency (wait())", tls);
       const long frames = mode == "latency" ? latency_frames : wait_frames, warmup = frames / 10;
-      transport_row row{mode, tls, 8, 8, frames, 0, 0, 0, 0, false, "", {}, {}};
+      transport_row row;
+      row.metric = mode;
+      row.transports = tls;
+      row.payload_bytes = row.frame_bytes = 8;
+      row.frames = frames;
+      std::vector<double> ours_means, peer_means;
       for (int r = 0; r < report.repeats; ++r) {
         const auto run = ours_latency(o, tls, mode, warmup, frames);
-        row.ours = lowest(row.ours, run.median_us);
         row.ours_runs.push_back(run.median_us);
-        row.ours_mean = lowest(row.ours_mean, run.mean_us);
+        ours_means.push_back(run.mean_us);
         const auto peer =
             run_perftest(perftest, tls, "tag_lat", 8, frames, warmup, mode != "latency");
-        if (!peer.error.empty()) row.peer_error = peer.error;
-        if (peer.error.empty()) row.peer = lowest(row.peer, peer.latency_median_us);
-        if (peer.error.empty()) row.peer_runs.push_back(peer.latency_median_us);
-        if (peer.error.empty()) row.peer_mean = lowest(row.peer_mean, peer.latency_mean_us);
+        if (!peer.error.empty()) {
+          row.peer_error = peer.error;
+          continue;
+        }
+        row.peer_runs.push_back(peer.latency_median_us);
+        peer_means.push_back(peer.latency_mean_us);
+        row.ratios.push_back(run.median_us / peer.latency_median_us);
       }
-      row.met = row.peer > 0 && row.ours <= 2 * row.peer;
+      settle(row, false, ours_means, peer_means);
       report.rows.push_back(row);
     }
   }

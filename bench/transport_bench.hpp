@@ -13,7 +13,7 @@ namespace troupe::bench {
 
 struct transport_bench_options {
   bool quick = false;  // fewer frames and one repeat: for development
-  int repeats = 0;     // runs of each side per row, best kept; 0 = 3 (1 with quick)
+  int repeats = 0;     // runs of each side per row; 0 = 5 (1 with quick)
   // Row filters: "shm"/"tcp", "bandwidth"/"latency"/"latency-wait", "64KiB"/"1MiB"/"16MiB".
   // A row runs if, for each of the three kinds that has a word here, it matches one of them.
   std::vector<std::string> only;
@@ -27,11 +27,19 @@ struct transport_row {
   std::size_t payload_bytes = 0;  // tensor bytes (bandwidth) or frame bytes (latency)
   std::size_t frame_bytes = 0;    // bytes on the wire per frame; ucx_perftest sends this size
   long frames = 0;                // timed frames (bandwidth) or round trips (latency)
-  double ours = 0, peer = 0;      // bytes/s, or one-way latency in µs (median)
-  double ours_mean = 0, peer_mean = 0;       // latency rows: mean one-way µs
-  bool met = false;                          // the goal (see goal_text)
-  std::string peer_error;                    // non-empty: ucx_perftest failed, peer is 0
-  std::vector<double> ours_runs, peer_runs;  // every run's figure, in run order (best kept above)
+  // Each repeat runs ours, then ucx_perftest right after it: a pair that saw the same machine.
+  // This host's shared-memory latency moved between levels (0.075, 0.16 and 0.6 us for
+  // ucx_perftest) from one fraction of a second to the next, so the best run of each side
+  // compared runs from different levels whenever one side alone caught a fast moment; the
+  // ratio of each pair does not (docs/transport.md).
+  double ours = 0, peer = 0;  // the median run: bytes/s, or one-way latency in µs (its median)
+  double ours_best = 0, peer_best = 0;       // the best run of each side
+  double ours_mean = 0, peer_mean = 0;       // latency rows: mean one-way µs (median of runs)
+  double ratio = 0;                          // the median of the pairs' ratios (ours / peer)
+  bool met = false;                          // the goal (see goal_text), on `ratio`
+  std::string peer_error;                    // non-empty: a ucx_perftest run failed
+  std::vector<double> ours_runs, peer_runs;  // every run's figure, in run order
+  std::vector<double> ratios;                // each pair's ours / peer (pairs whose peer ran)
 };
 
 struct transport_bench_report {

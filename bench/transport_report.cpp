@@ -21,7 +21,9 @@ std::string format_transport_report(const transport_bench_report& r) {
   std::string out;
   char line[512];
   std::snprintf(line, sizeof line,
-                "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS, best of %d\n"
+                "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS: %d pairs of runs "
+                "(ours, then ucx_perftest)\n"
+                "figures: the median run of each side; ratio: the median of the pairs' ratios\n"
                 "bandwidth frames: %s; ucx_perftest sends the same frame size\n"
                 "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n",
                 r.repeats, r.frame.c_str());
@@ -38,10 +40,9 @@ std::string format_transport_report(const transport_bench_report& r) {
       std::snprintf(a, sizeof a, "%.2f us (%.2f)", row.ours, row.ours_mean);
       std::snprintf(b, sizeof b, "%.2f us (%.2f)", row.peer, row.peer_mean);
     }
-    const double ratio = row.peer > 0 ? row.ours / row.peer : 0;
     std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %5.2fx  %-15s %s\n",
                   row.metric.c_str(), human_bytes(row.payload_bytes).c_str(),
-                  row.transports.c_str(), a, row.peer > 0 ? b : "failed", ratio,
+                  row.transports.c_str(), a, row.peer > 0 ? b : "failed", row.ratio,
                   goal_text(row).c_str(), row.met ? "met" : "NOT MET");
     out += line;
     if (!row.peer_error.empty()) out += "  " + row.peer_error + "\n";
@@ -77,7 +78,11 @@ std::string transport_report_json(const transport_bench_report& r) {
                         {"ours", row.ours},
                         {"peer", row.peer},
                         {"unit", row.metric == "bandwidth" ? "bytes/s" : "us one-way, median"},
-                        {"ratio", row.peer > 0 ? row.ours / row.peer : 0.0},
+                        {"statistic", "median run of each side"},
+                        {"ours_best", row.ours_best},
+                        {"peer_best", row.peer_best},
+                        {"ratio", row.ratio},
+                        {"ratios", row.ratios},
                         {"goal", goal_text(row)},
                         {"met", row.met},
                         {"ours_runs", row.ours_runs},

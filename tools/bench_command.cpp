@@ -252,9 +252,11 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto* transport = bench->add_subcommand(
       "transport", "UCX frames between two processes vs ucx_perftest (bandwidth, latency)");
   transport->add_flag("--json", opts->json_output, "Print one JSON report");
-  transport->add_flag("--quick", opts->quick, "Fewer frames, one run per side (development)");
+  transport->add_flag("--quick", opts->quick,
+                      "Fewer frames, one pair of runs per row (development)");
   transport
-      ->add_option("--repeats", opts->transport_repeats, "Runs of each side per row, best kept")
+      ->add_option("--repeats", opts->transport_repeats,
+                   "Pairs of runs per row (ours, then ucx_perftest; default 5)")
       ->check(CLI::Range(1, 100));
   transport
       ->add_option("--only", opts->transport_only,

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# `troupe bench transport --quick` runs end to end over shared memory beside ucx_perftest: every
+# row has figures from both sides, each row's ratio is the median of its pairs' ratios and its
+# verdict follows from that ratio and the goal, and the zero-copy checks held (no payload copy on
+# send, every received frame decoded into views of the buffer UCX wrote). A smoke test: no figure
+# is compared with a speed, benchmarks assert nothing about time. Bad input: one line, exit 1.
+# Usage: cli_bench_transport.sh TROUPE
+set -euo pipefail
+troupe=${1:?usage: cli_bench_transport.sh TROUPE}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if ! command -v ucx_perftest >/dev/null; then
+  echo "SKIP: ucx_perftest (Debian's ucx-utils) is not installed"
+  exit 77
+fi
+
+run() {  # run NAME ARGS...: the bench's JSON into $tmp/NAME.json
+  local name=$1
+  shift
+  if ! timeout 120 "$troupe" bench transport --json "$@" >"$tmp/$name.json" 2>"$tmp/$name.err"; then
+    echo "FAIL: bench transport $* exited non-zero" >&2
+    tail -n 5 "$tmp/$name.err" >&2
+    exit 1
+  fi
+}
+run shm --quick --only shm
+run pairs --quick --only shm,latency --repeats 2
+/usr/bin/python3 - "$tmp/shm.json" "$tmp/pairs.json" <<'PY'
+import json, statistics, sys
+shm, pairs = (json.load(open(p)) for p in sys.argv[1:3])
+
+def check_row(row, repeats):
+    assert row["ours"] > 0 and row["peer"] > 0, row
+    assert len(row["ours_runs"]) == len(row["peer_runs"]) == len(row["ratios"]) == repeats, row
+    for ours, peer, ratio in zip(row["ours_runs"], row["peer_runs"], row["ratios"]):
+        assert abs(ratio - ours / peer) < 1e-9 * ratio, row
+    assert abs(row["ratio"] - statistics.median(row["ratios"])) < 1e-12, row
+    assert abs(row["ours"] - statistics.median(row["ours_runs"])) < 1e-12, row
+    assert abs(row["peer"] - statistics.median(row["peer_runs"])) < 1e-12, row
+    wanted = row["ratio"] >= 0.9 if row["metric"] == "bandwidth" else row["ratio"] <= 2
+    assert row["met"] == wanted, row
+
+rows = shm["rows"]
+assert [(r["metric"], r["payload_bytes"]) for r in rows] == [
+    ("bandwidth", 64 << 10), ("bandwidth", 1 << 20), ("bandwidth", 16 << 20),
+    ("latency", 8), ("latency-wait", 8)], rows
+assert all(r["transports"] == "posix,cma,self" for r in rows), rows
+for r in rows:
+    check_row(r, 1)
+    if r["metric"] == "bandwidth":
+        assert r["frame_bytes"] > r["payload_bytes"], r  # the frame carries its header too
+assert shm["payload_copies_on_send"] == 0 and shm["payload_copies_after_receive"] == 0, shm
+assert "posix" in shm["transport_info"]["posix,cma,self"], shm["transport_info"]
+assert [r["metric"] for r in pairs["rows"]] == ["latency"], pairs
+check_row(pairs["rows"][0], 2)
+print("bench transport --quick: %s" % ", ".join(
+    "%s %s %.2fx" % (r["metric"], r["payload_bytes"], r["ratio"]) for r in rows))
+PY
+
+# Bad input: one line naming the word at fault, exit 1, nothing on stdout.
+rc=0
+timeout 60 "$troupe" bench transport --quick --only shm,bogus >"$tmp/bad.out" 2>"$tmp/bad.err" || rc=$?
+[[ $rc -eq 1 ]] || { echo "FAIL: --only bogus: exit $rc, expected 1" >&2; exit 1; }
+[[ $(wc -l <"$tmp/bad.err") -eq 1 ]] || { echo "FAIL: --only bogus: stderr not one line" >&2; exit 1; }
+grep -q "'bogus'" "$tmp/bad.err" || { echo "FAIL: --only bogus: stderr does not name it" >&2; exit 1; }
+[[ ! -s "$tmp/bad.out" ]] || { echo "FAIL: --only bogus: wrote a report" >&2; exit 1; }
+echo "PASS"
