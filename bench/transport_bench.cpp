@@ -28,171 +28,21 @@
 #include <stdexcept>
 #include <thread>
 
+#include "bench/transport_io.hpp"
 #include "messages/wire_codec.hpp"
 #include "topology/ucx_transport.hpp"
-
-extern char** environ;
 
 namespace troupe::bench {
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using namespace transport_io;
+
 using std::chrono::seconds;
 namespace wire = messages::wire;
 
 // Bandwidth frames in flight: 32 like ucx_perftest's tag_bw window, at most 256 MiB.
 std::size_t send_window(std::size_t frame_bytes) {
   return std::clamp<std::size_t>((std::size_t{256} << 20) / frame_bytes, 2, 32);
-}
-constexpr auto measurement_deadline = seconds(120);
-constexpr auto reap_deadline = seconds(10);
-const char* const peer_line_ok = "ok";
-
-[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
-
-// ---- sockets and processes -------------------------------------------------------------------
-
-bool write_all(int fd, const void* data, std::size_t n) {
-  for (const char* p = static_cast<const char*>(data); n > 0;) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-  return true;
-}
-
-bool read_all(int fd, void* data, std::size_t n, clock_type::time_point deadline) {
-  for (char* p = static_cast<char*>(data); n > 0;) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
-    pollfd pfd{fd, POLLIN, 0};
-    if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return false;
-    const ssize_t r = ::read(fd, p, n);
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<std::size_t>(r);
-  }
-  return true;
-}
-
-void send_blob(int fd, const std::vector<std::uint8_t>& blob) {
-  const auto n = static_cast<std::uint32_t>(blob.size());
-  if (!write_all(fd, &n, sizeof n) || !write_all(fd, blob.data(), n))
-    fail("transport bench: writing a worker address to the other process failed");
-}
-
-std::vector<std::uint8_t> receive_blob(int fd) {
-  const auto deadline = clock_type::now() + measurement_deadline;
-  std::uint32_t n = 0;
-  if (!read_all(fd, &n, sizeof n, deadline) || n > (1u << 20))
-    fail("transport bench: no worker address from the other process");
-  std::vector<std::uint8_t> blob(n);
-  if (!read_all(fd, blob.data(), n, deadline))
-    fail("transport bench: short worker address from the other process");
-  return blob;
-}
-
-// Waits for pid until the deadline, then kills it; returns the wait status (-1 if killed).
-int reap(pid_t pid, clock_type::time_point deadline) {
-  int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (clock_type::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return status;
-}
-
-// Both sides of every measurement, ours and ucx_perftest's, run pinned one process per core:
-// the measuring side on the first allowed CPU, the other side on the second. Unpinned, the
-// scheduler's placement moved ucx_perftest's 8-byte latency between 0.07 and 0.16 us from one
-// run to the next on a 2-vCPU machine; pinned, it stayed within 0.160-0.166 us.
-class cpu_pin {
- public:
-  // side 0: the measuring side, 1: the other side. No pinning with fewer than two CPUs.
-  explicit cpu_pin(int side) {
-    static const cpu_set_t allowed = [] {  // the process's CPUs before any pinning
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      if (::sched_getaffinity(0, sizeof set, &set) != 0) CPU_ZERO(&set);
-      return set;
-    }();
-    if (CPU_COUNT(&allowed) < 2 || ::sched_getaffinity(0, sizeof saved_, &saved_) != 0) return;
-    int seen = 0;
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-      if (!CPU_ISSET(cpu, &allowed) || seen++ != side) continue;
-      cpu_set_t one;
-      CPU_ZERO(&one);
-      CPU_SET(cpu, &one);
-      pinned_ = ::sched_setaffinity(0, sizeof one, &one) == 0;
-      break;
-    }
-  }
-  ~cpu_pin() {
-    if (pinned_) ::sched_setaffinity(0, sizeof saved_, &saved_);
-  }
-  cpu_pin(const cpu_pin&) = delete;
-  cpu_pin& operator=(const cpu_pin&) = delete;
-
- private:
-  cpu_set_t saved_{};
-  bool pinned_ = false;
-};
-
-// posix_spawn with UCX_TLS replaced; stdout and stderr to out_fd (or /dev/null when -1).
-// side: the CPU side (cpu_pin) the process runs on.
-pid_t spawn(const std::vector<std::string>& args, const std::string& tls, int out_fd, int side) {
-  const cpu_pin pin(side);  // inherited by the child
-  std::vector<std::string> env_text;
-  for (char** e = environ; *e; ++e)
-    if (std::strncmp(*e, "UCX_TLS=", 8) != 0) env_text.emplace_back(*e);
-  if (!tls.empty()) env_text.push_back("UCX_TLS=" + tls);
-  std::vector<char*> argv, envp;
-  for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  for (auto& e : env_text) envp.push_back(e.data());
-  argv.push_back(nullptr);
-  envp.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  if (out_fd >= 0) {
-    posix_spawn_file_actions_adddup2(&actions, out_fd, 1);
-    posix_spawn_file_actions_adddup2(&actions, out_fd, 2);
-  } else {
-    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-    posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
-  }
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) fail("transport bench: cannot run " + args[0] + ": " + std::strerror(rc));
-  return pid;
-}
-
-std::string find_program(const std::string& name) {
-  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0 ? name : "";
-  const char* path = std::getenv("PATH");
-  std::istringstream dirs(path ? path : "");
-  for (std::string dir; std::getline(dirs, dir, ':');)
-    if (!dir.empty() && ::access((dir + "/" + name).c_str(), X_OK) == 0) return dir + "/" + name;
-  return "";
-}
-
-// A TCP port nobody listens on now (bound to port 0, then released): fresh for every run.
-int fresh_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  socklen_t len = sizeof addr;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    fail("transport bench: cannot find a free TCP port for ucx_perftest");
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // ---- ucx_perftest ----------------------------------------------------------------------------
@@ -271,14 +121,6 @@ wire::envelope activation(const std::shared_ptr<messages::payload<float>>& tenso
   m.header.shape = {1, static_cast<std::int64_t>(tensor->size() / 256), 256};
   m.data = tensor;
   return wire::envelope{1, 0, 0, false, std::move(m)};
-}
-
-wire::limits bench_limits() {
-  wire::limits lim;
-  lim.max_frame_bytes = std::uint64_t{1} << 30;
-  lim.max_tensor_elements = std::uint64_t{1} << 28;
-  lim.max_list_elements = 16;
-  return lim;
 }
 
 // Rank 0's end of one measurement: spawns the peer process, connects, and on finish() says bye
@@ -593,85 +435,6 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
   report.send_zero_copy_checked &= any_bandwidth;
   report.receive_views_checked &= any_bandwidth;
   return report;
-}
-
-int run_transport_peer(const transport_peer_options& o) {
-  auto status_line = [&](const std::string& text) {
-    write_all(o.fd, (text + "\n").data(), text.size() + 1);
-  };
-  try {
-    if (o.fd < 0) fail("--fd is required");
-    if (o.mode != "bandwidth" && o.mode != "latency" && o.mode != "latency-wait")
-      fail("unknown --mode '" + o.mode + "' (bandwidth, latency or latency-wait)");
-    topology::ucx_options uo;
-    uo.transports = o.transports;
-    auto t = std::make_unique<topology::ucx_transport>(1, uo);
-    send_blob(o.fd, t->address());
-    t->connect(0, receive_blob(o.fd));
-    const bool echo = o.mode != "bandwidth", wait_mode = o.mode == "latency-wait";
-    const wire::limits lim = bench_limits();
-    std::uint64_t ack = 0;
-    const topology::iov_list ack_iov = {{&ack, sizeof ack}};
-    bool bye = false, views = true;
-    long received = 0;
-    std::string error;
-    // Echoing: each frame goes back from its own receive buffer, which is kept until every echo
-    // in flight completed (only when its send did not complete at once); the iov and the kept
-    // list reuse their storage, so an echo allocates nothing (the bench times the transport, not
-    // the heap).
-    struct echo_state {
-      topology::iov_list iov{{nullptr, 0}};
-      std::vector<std::shared_ptr<messages::aligned_buffer>> kept;
-      long in_flight = 0;
-      bool done_at_once = false;  // the send just made completed inside send()
-    } echoes;
-    t->on_receive([&](int, std::shared_ptr<messages::aligned_buffer> buf, std::size_t bytes) {
-      if (bytes == 0) {
-        bye = true;
-        return;
-      }
-      ++received;
-      if (echo) {
-        echoes.iov[0] = {buf->data(), bytes};
-        ++echoes.in_flight;
-        echoes.done_at_once = false;
-        t->send(0, echoes.iov, [&echoes](bool, const std::string&) {
-          echoes.done_at_once = true;  // read only right after send(), where it ran inline
-          if (--echoes.in_flight == 0) echoes.kept.clear();
-        });
-        if (!echoes.done_at_once) echoes.kept.push_back(std::move(buf));
-        return;
-      }
-      try {
-        const auto e = wire::decode(buf, bytes, lim);
-        const auto* m = std::get_if<messages::link_message>(&e.message);
-        const auto* data = m ? reinterpret_cast<const std::byte*>(m->data->data()) : nullptr;
-        views &= m && m->data->is_view() && data >= buf->data() &&
-                 data + m->data->size() * sizeof(float) <= buf->data() + bytes;
-      } catch (const std::exception& ex) {
-        if (error.empty()) error = ex.what();
-      }
-      if (received == o.warmup || received == o.warmup + o.frames)
-        t->send(0, ack_iov, [](bool, const std::string&) {});
-    });
-    const auto deadline = clock_type::now() + 2 * measurement_deadline;
-    for (unsigned spins = 0; !bye; ++spins) {
-      if (t->progress() == 0 && wait_mode) t->wait(std::chrono::milliseconds(100));
-      if (spins % 4096 == 4095) {
-        pollfd pfd{o.fd, POLLIN, 0};  // readable = the measuring process is gone
-        if (clock_type::now() > deadline || ::poll(&pfd, 1, 0) != 0)
-          fail("no bye from the measuring process");
-      }
-    }
-    t.reset();
-    status_line(error.empty() ? std::string(peer_line_ok) + " views=" + (views && !echo ? "1" : "0")
-                              : "error " + error);
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "troupe bench transport-peer: %s\n", e.what());
-    status_line(std::string("error ") + e.what());
-    return 1;
-  }
 }
 
 }  // namespace troupe::bench
