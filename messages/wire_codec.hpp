@@ -72,7 +72,8 @@ struct envelope {
 // payload points at the payload's own bytes (a payload whose size is not a multiple of 8 is
 // followed by an entry of zero padding; a misaligned view is copied once in the second layout).
 // `keep` owns the MessageBuilder and shares ownership of every payload referenced, so the frame
-// stays valid while `keep` lives, even if the caller drops the message.
+// stays valid while `keep` lives, even if the caller drops the message. Once the last holder of
+// `keep` drops it, the builder's memory is reused by a later encode (on any thread).
 struct frame {
   std::vector<std::pair<const void*, std::size_t>> iov;
   std::size_t bytes = 0;  // sum of the iov lengths

@@ -253,6 +253,35 @@ TEST_CASE("a frame stays valid after the message is dropped", "[unit]") {
   CHECK(same_bits(expect.data(), expect.size(), got.data->data(), got.data->size()));
 }
 
+TEST_CASE("a frame built in recycled memory comes out as if built in fresh memory", "[unit]") {
+  // encode reuses the memory of dropped frames (the builder's first segment, the lists). A frame
+  // built there must carry no trace of the frame before it, and a frame still held must never be
+  // written by a later encode.
+  const envelope small{2, 1, 0, false, link_credit{header(link_kind::gradient, {1, 2, 3})}};
+  const auto bytes_of = [](const frame& f) {
+    const auto b = gather(f);
+    return std::vector<std::byte>(b->data(), b->data() + f.bytes);
+  };
+  const auto reference = bytes_of(encode(small));
+  for (std::size_t kind = 0; kind < std::variant_size_v<body>; ++kind) {
+    const envelope big{0x80000001u, 5, ~std::uint64_t{0}, true, sample(kind)};
+    CAPTURE(kind_name(big.message));
+    {
+      const frame f = encode(big);
+      const auto f_bytes = bytes_of(f);
+      const frame g = encode(small);  // while f is held
+      CHECK(bytes_of(g) == reference);
+      CHECK(bytes_of(f) == f_bytes);
+    }  // g, then f, dropped: the next encode builds in f's memory
+    const frame again = encode(small);
+    CHECK(bytes_of(again) == reference);
+    const auto got = decode(gather(again), again.bytes, wide());
+    CHECK(got.target == 2);
+    check_header(std::get<link_credit>(got.message).header,
+                 std::get<link_credit>(small.message).header);
+  }
+}
+
 TEST_CASE("payloads of odd sizes and misaligned views are sent exactly", "[unit]") {
   SECTION("a size that is not a multiple of 8 bytes is padded with zeros, never over-read") {
     const auto data = floats(3, 12);
