@@ -340,6 +340,9 @@ void settle(transport_row& row, bool higher_is_better, const std::vector<double>
   row.ours_mean = median(ours_means);
   row.peer_mean = median(peer_means);
   row.ratio = median(row.ratios);
+  row.peer_self_ratios.clear();
+  for (std::size_t i = 1; i < row.peer_runs.size(); ++i)
+    row.peer_self_ratios.push_back(row.peer_runs[i] / row.peer_runs[i - 1]);
   row.met = !row.ratios.empty() && (higher_is_better ? row.ratio >= 0.9 : row.ratio <= 2);
 }
 

@@ -40,6 +40,9 @@ struct transport_row {
   std::string peer_error;                    // non-empty: a ucx_perftest run failed
   std::vector<double> ours_runs, peer_runs;  // every run's figure, in run order
   std::vector<double> ratios;                // each pair's ours / peer (pairs whose peer ran)
+  // Each ucx_perftest run / the one before it in this row: the peer against itself, a pair's
+  // noise floor (this host: 0.96-1.06 for back-to-back 64 KiB shared-memory runs).
+  std::vector<double> peer_self_ratios;
 };
 
 struct transport_bench_report {

@@ -1,4 +1,5 @@
 // The report of `troupe bench transport` (transport_bench.hpp): the table and the JSON. No UCX.
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -48,6 +49,24 @@ std::string format_transport_report(const transport_bench_report& r) {
     if (!row.peer_error.empty()) out += "  " + row.peer_error + "\n";
   }
   out += "\n";
+  for (const bool bandwidth : {true, false}) {
+    // The spread of ucx_perftest against itself: a verdict closer to its goal than this is
+    // within the host's noise.
+    double low = 0, high = 0;
+    for (const auto& row : r.rows) {
+      if ((row.metric == "bandwidth") != bandwidth) continue;
+      for (const double x : row.peer_self_ratios) {
+        low = low == 0 ? x : std::min(low, x);
+        high = std::max(high, x);
+      }
+    }
+    if (high == 0) continue;
+    std::snprintf(line, sizeof line,
+                  "noise floor, %s rows: each ucx_perftest run / the row's run before it: "
+                  "%.2f-%.2fx\n",
+                  bandwidth ? "bandwidth" : "latency", low, high);
+    out += line;
+  }
   if (r.warmup_ours > 0) {
     char warm[160];
     std::snprintf(warm, sizeof warm,
@@ -83,6 +102,7 @@ std::string transport_report_json(const transport_bench_report& r) {
                         {"peer_best", row.peer_best},
                         {"ratio", row.ratio},
                         {"ratios", row.ratios},
+                        {"peer_self_ratios", row.peer_self_ratios},
                         {"goal", goal_text(row)},
                         {"met", row.met},
                         {"ours_runs", row.ours_runs},

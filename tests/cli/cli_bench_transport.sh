@@ -35,6 +35,10 @@ def check_row(row, repeats):
     for ours, peer, ratio in zip(row["ours_runs"], row["peer_runs"], row["ratios"]):
         assert abs(ratio - ours / peer) < 1e-9 * ratio, row
     assert abs(row["ratio"] - statistics.median(row["ratios"])) < 1e-12, row
+    runs = row["peer_runs"]
+    assert len(row["peer_self_ratios"]) == len(runs) - 1, row
+    for before, after, ratio in zip(runs, runs[1:], row["peer_self_ratios"]):
+        assert abs(ratio - after / before) < 1e-9 * ratio, row
     assert abs(row["ours"] - statistics.median(row["ours_runs"])) < 1e-12, row
     assert abs(row["peer"] - statistics.median(row["peer_runs"])) < 1e-12, row
     wanted = row["ratio"] >= 0.9 if row["metric"] == "bandwidth" else row["ratio"] <= 2
