@@ -91,9 +91,9 @@ class reader {
     return std::make_shared<payload<T>>(owner_, data, static_cast<std::size_t>(elements));
   }
 
-  link_header header(bool has, s::LinkHeader::Reader r) {
+  // Fills h (the caller's, so that an activation's header is built where it stays).
+  void header(link_header& h, bool has, s::LinkHeader::Reader r) {
     if (!has) fail("missing");
-    link_header h;
     h.kind = static_cast<link_kind>(checked(r.getKind(), 2));
     h.step = r.getStep();
     h.round = r.getRound();
@@ -106,7 +106,6 @@ class reader {
     list(shape.size());
     h.shape.reserve(shape.size());
     for (const std::int64_t d : shape) h.shape.push_back(d);
-    return h;
   }
 
   // The product of `dims` must be the payload's element count (each dim >= 0, no overflow).
@@ -200,18 +199,21 @@ class reader {
 body reader::message(s::Envelope::Body::Reader b) {
   using B = s::Envelope::Body;
   switch (b.which()) {
-    case B::LINK_MESSAGE: {
+    case B::LINK_MESSAGE: {  // every activation and gradient: built in the returned body
       const auto r = b.getLinkMessage();
-      link_message m;
-      m.header = at("header").header(r.hasHeader(), r.getHeader());
+      body out(std::in_place_type<link_message>);
+      auto& m = std::get<link_message>(out);
+      at("header").header(m.header, r.hasHeader(), r.getHeader());
       m.data = at("data").tensor<float>(r.hasData(), r.getData());
       at("header.shape").shape_matches(m.header.shape, m.data->size());
       m.flow_id = r.getFlowId();
-      return m;
+      return out;
     }
     case B::LINK_CREDIT: {
       const auto r = b.getLinkCredit();
-      return link_credit{at("header").header(r.hasHeader(), r.getHeader())};
+      body out(std::in_place_type<link_credit>);
+      at("header").header(std::get<link_credit>(out).header, r.hasHeader(), r.getHeader());
+      return out;
     }
     case B::BATCH_MESSAGE: {
       const auto r = b.getBatchMessage();
@@ -451,13 +453,9 @@ envelope detail::decode(std::shared_ptr<void> owner, std::byte* data, std::size_
     if (root.getVersion() != protocol_version)
       rd.fail("protocol version " + std::to_string(root.getVersion()) +
               ", this process speaks version " + std::to_string(protocol_version));
-    envelope e;
-    e.target = root.getTarget();
-    e.source_rank = root.getSourceRank();
-    e.correlation = root.getCorrelation();
-    e.reply = root.getReply();
-    e.message = rd.message(body);
-    return e;
+    // Built in place: the message is constructed in the returned envelope, never moved.
+    return envelope{root.getTarget(), root.getSourceRank(), root.getCorrelation(), root.getReply(),
+                    rd.message(body)};
   } catch (const kj::Exception& x) {
     rd.fail(std::string("malformed frame: ") + x.getDescription().cStr());
   }
