@@ -239,6 +239,7 @@ void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address,
   for (std::string lane; lanes >> lane;) {
     const std::string tl = lane.substr(0, lane.find('/'));
     impl_->inbounds[peer].local |= tl == "cma" || tl == "knem" || tl == "xpmem";
+    impl_->inbounds[peer].same_host |= lane.substr(lane.find('/') + 1) == "lo";
   }
 }
 
