@@ -112,16 +112,18 @@ class keeper_pool {
     static auto* pool = new keeper_pool;
     return *pool;
   }
-  std::unique_ptr<frame_keeper> take() {
+  // A keeper that returns here when its last holder drops it.
+  std::shared_ptr<frame_keeper> take() {
+    frame_keeper* k = nullptr;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
       if (!idle_.empty()) {
-        std::unique_ptr<frame_keeper> k(idle_.back());
+        k = idle_.back();
         idle_.pop_back();
-        return k;
       }
     }
-    return std::make_unique<frame_keeper>();
+    if (k == nullptr) k = new frame_keeper;
+    return {k, [](frame_keeper* p) { instance().give_back(p); }};
   }
   void give_back(frame_keeper* k) {
     k->clear();
@@ -506,8 +508,7 @@ frame detail::encode(const envelope& e, std::size_t piece_bytes) {
   if (piece_bytes == 0 || piece_bytes % 8 != 0 || piece_bytes > max_piece_bytes)
     throw wire_error("wire: piece size " + std::to_string(piece_bytes) +
                      " is not a positive multiple of 8 up to " + std::to_string(max_piece_bytes));
-  std::shared_ptr<frame_keeper> k(keeper_pool::instance().take().release(),
-                                  [](frame_keeper* p) { keeper_pool::instance().give_back(p); });
+  auto k = keeper_pool::instance().take();
   k->start(true);
   build(*k, e, piece_bytes);
   if (frame f; one_segment_frame(*k, f)) {

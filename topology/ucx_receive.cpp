@@ -158,7 +158,7 @@ ucx_transport::impl::frame_state* ucx_transport::impl::frame_of(inbound& in, int
 
 bool ucx_transport::impl::room_to_receive(const recv_op& op) const {
   if (op.in->local) return local_receives_outstanding < max_local_receives_outstanding;
-  const std::size_t at_least = op.in->same_host ? 1 : min_receives_outstanding;
+  const std::size_t at_least = op.in->loopback ? 1 : min_receives_outstanding;
   return receives_outstanding < max_receives_outstanding &&
          (receives_outstanding < at_least ||
           receive_bytes_outstanding < max_receive_bytes_outstanding);

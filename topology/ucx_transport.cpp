@@ -237,9 +237,11 @@ void ucx_transport::connect(int peer, const std::vector<std::uint8_t>& address,
   }
   std::istringstream lanes(impl::lanes(p.ep));
   for (std::string lane; lanes >> lane;) {
-    const std::string tl = lane.substr(0, lane.find('/'));
+    const auto slash = lane.find('/');  // "transport/device"
+    const std::string tl = lane.substr(0, slash);
     impl_->inbounds[peer].local |= tl == "cma" || tl == "knem" || tl == "xpmem";
-    impl_->inbounds[peer].same_host |= lane.substr(lane.find('/') + 1) == "lo";
+    impl_->inbounds[peer].loopback |=
+        slash != std::string::npos && lane.compare(slash + 1, std::string::npos, "lo") == 0;
   }
 }
 

@@ -46,15 +46,15 @@
 // than into one (docs/transport.md). Two rather than one: the second copy is queued while the
 // first runs, so one progress can finish both (64 KiB frames: 0.94x -> 0.97x of ucx_perftest in
 // interleaved runs). Over the network, receives in flight overlap the peer's sending, so they
-// keep the bounds above, except that a network peer on this host (a lane on the loopback device)
-// gets one receive at a time, not two, once a frame exceeds the byte budget: sender and receiver
-// then share the last-level cache, which a second 16 MiB receive buffer overflows (with the
-// sender's 16 MiB source, 48 MiB against 32 MiB here; tcp, 16 MiB frames, interleaved: 0.85-0.88x
-// of ucx_perftest with two, 0.90-0.92x with one). Between hosts a second receive saves a round
-// trip per frame and shares no cache with the sender. Pool
-// buffers of 2 MiB or more use transparent huge pages (aligned_buffer::make_large): 16 MiB frames
-// went from about 0.83x to 0.85-0.94x. UCX callbacks only record completions; progress() runs the
-// user's callbacks afterwards, outside UCX.
+// keep the bounds above, except that a network peer reached over the loopback device (so on this
+// host) gets one receive at a time, not two, once a frame exceeds the byte budget: sender and
+// receiver then share the last-level cache, which a second 16 MiB receive buffer overflows (with
+// the sender's 16 MiB source, 48 MiB against 32 MiB here; tcp, 16 MiB frames, interleaved:
+// 0.85-0.88x of ucx_perftest with two, 0.90-0.92x with one). Between hosts a second receive
+// saves a round trip per frame and shares no cache with the sender. Pool buffers of 2 MiB or
+// more use transparent huge pages (aligned_buffer::make_large): 16 MiB frames went from about
+// 0.83x to 0.85-0.94x. UCX callbacks only record completions; progress() runs the user's
+// callbacks afterwards, outside UCX.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -203,8 +203,8 @@ struct ucx_transport::impl {
     std::uint64_t next_frame = 0, next_delivery = 0;
     frame_state* assembling = nullptr;               // messages still to arrive
     std::map<std::uint64_t, frame_state*> complete;  // waiting for an earlier one
-    bool local = false;      // the peer's rendezvous lane copies through shared memory (cma, ...)
-    bool same_host = false;  // a network lane on the loopback device: the peer shares our caches
+    bool local = false;     // the peer's rendezvous lane copies through shared memory (cma, ...)
+    bool loopback = false;  // a network lane on the loopback device: the peer shares our caches
   };
 
   int rank = 0;
