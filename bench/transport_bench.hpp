@@ -27,7 +27,9 @@ struct transport_row {
   std::size_t payload_bytes = 0;  // tensor bytes (bandwidth) or frame bytes (latency)
   std::size_t frame_bytes = 0;    // bytes on the wire per frame; ucx_perftest sends this size
   long frames = 0;                // timed frames (bandwidth) or round trips (latency)
-  // Each repeat runs ours, then ucx_perftest right after it: a pair that saw the same machine.
+  // Each repeat runs ours and ucx_perftest back to back: a pair that saw the same machine. Which
+  // side runs first alternates from pair to pair (`first`), so that neither side always meets
+  // the machine a run later while it drifts.
   // This host's shared-memory latency moved between levels (0.075, 0.16 and 0.6 us for
   // ucx_perftest) from one fraction of a second to the next, so the best run of each side
   // compared runs from different levels whenever one side alone caught a fast moment; the
@@ -40,6 +42,7 @@ struct transport_row {
   std::string peer_error;                    // non-empty: a ucx_perftest run failed
   std::vector<double> ours_runs, peer_runs;  // every run's figure, in run order
   std::vector<double> ratios;                // each pair's ours / peer (pairs whose peer ran)
+  std::vector<std::string> first;            // each pair's side that ran first: "ours", "peer"
   // Each ucx_perftest run / the one before it in this row: the peer against itself, a pair's
   // noise floor (this host: 0.96-1.06 for back-to-back 64 KiB shared-memory runs).
   std::vector<double> peer_self_ratios;

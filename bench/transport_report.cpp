@@ -23,7 +23,7 @@ std::string format_transport_report(const transport_bench_report& r) {
   char line[512];
   std::snprintf(line, sizeof line,
                 "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS: %d pairs of runs "
-                "(ours, then ucx_perftest)\n"
+                "(back to back; ours first in pairs 1, 3, ..., ucx_perftest first in 2, 4, ...)\n"
                 "figures: the median run of each side; ratio: the median of the pairs' ratios\n"
                 "bandwidth frames: %s; ucx_perftest sends the same frame size\n"
                 "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n",
@@ -102,6 +102,7 @@ std::string transport_report_json(const transport_bench_report& r) {
                         {"peer_best", row.peer_best},
                         {"ratio", row.ratio},
                         {"ratios", row.ratios},
+                        {"first", row.first},
                         {"peer_self_ratios", row.peer_self_ratios},
                         {"goal", goal_text(row)},
                         {"met", row.met},

@@ -35,6 +35,8 @@ def check_row(row, repeats):
     for ours, peer, ratio in zip(row["ours_runs"], row["peer_runs"], row["ratios"]):
         assert abs(ratio - ours / peer) < 1e-9 * ratio, row
     assert abs(row["ratio"] - statistics.median(row["ratios"])) < 1e-12, row
+    # Which side ran first alternates from pair to pair, ours in the first.
+    assert row["first"] == ["ours" if i % 2 == 0 else "peer" for i in range(repeats)], row
     runs = row["peer_runs"]
     assert len(row["peer_self_ratios"]) == len(runs) - 1, row
     for before, after, ratio in zip(runs, runs[1:], row["peer_self_ratios"]):
