@@ -3,8 +3,8 @@
 // a socketpair, and is always reaped (killed if late). Bandwidth frames are real activation
 // frames (messages::wire::encode of a link_message, encoded per send, decoded by the peer);
 // latency frames are 8 raw bytes echoed back. ucx_perftest runs as server + client on a fresh
-// port with the same UCX_TLS. A row runs `repeats` pairs (ours and ucx_perftest back to back, in
-// the order peer_runs_first gives) and compares them pair by pair (transport_row).
+// port with the same UCX_TLS. A row runs `repeats` ucx_perftest runs, each between two of ours,
+// and compares each with the mean of the two around it (transport_row).
 #include "bench/transport_bench.hpp"
 
 #include <arpa/inet.h>
@@ -285,11 +285,14 @@ latency_run ours_latency(const transport_bench_options& o, const std::string& tl
   return run;
 }
 
-// Which side of pair r runs first: ours in even pairs, the peer in odd ones. With a fixed order
-// the side that ran second met the machine a run later in every pair, so a drift of the host
-// during a row favoured it in every ratio; alternating gives each side the later place in every
-// other pair (a drift in a straight line cancels over each two pairs).
-bool peer_runs_first(int r) { return r % 2 == 1; }
+// Our figure around a ucx_perftest run: the mean of our runs just before and just after it (the
+// last two so far). A row runs ours, peer, ours, peer, ..., peer, ours: every run follows one of
+// the other program, and a drift of the host in a straight line over the three runs cancels.
+// Until session 23 a row ran pairs (ours, then peer): the side that ran second met the machine a
+// run later in every pair (docs/transport.md, "Session 23").
+double around(const std::vector<double>& ours_runs) {
+  return (ours_runs[ours_runs.size() - 2] + ours_runs.back()) / 2;
+}
 
 // --only: which rows run (see transport_bench_options::only).
 class row_filter {
@@ -394,25 +397,25 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
             run_perftest(perftest, tls, "tag_bw", run.frame_bytes, row.frames, warmup, false)
                 .bytes_per_s;
       }
-      for (int r = 0; r < report.repeats; ++r) {
-        // Pair 0 runs ours first: ucx_perftest then knows the frame size.
-        const bool peer_first = row.frame_bytes > 0 && peer_runs_first(r);
-        auto peer_run = [&] {
-          return run_perftest(perftest, tls, "tag_bw", row.frame_bytes, row.frames, warmup, false);
-        };
-        perftest_result peer;
-        if (peer_first) peer = peer_run();
+      auto ours_run = [&] {
         const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames);
         row.ours_runs.push_back(run.bytes_per_s);
         row.frame_bytes = run.frame_bytes;
         report.send_zero_copy_checked &= run.zero_copy;
         report.receive_views_checked &= run.views;
         report.transport_info[tls] = run.info;
-        if (!peer_first) peer = peer_run();
-        row.first.push_back(peer_first ? "peer" : "ours");
-        if (!peer.error.empty()) row.peer_error = peer.error;
-        if (peer.error.empty()) row.peer_runs.push_back(peer.bytes_per_s);
-        if (peer.error.empty()) row.ratios.push_back(run.bytes_per_s / peer.bytes_per_s);
+      };
+      ours_run();
+      for (int r = 0; r < report.repeats; ++r) {
+        const auto peer =
+            run_perftest(perftest, tls, "tag_bw", row.frame_bytes, row.frames, warmup, false);
+        ours_run();
+        if (!peer.error.empty()) {
+          row.peer_error = peer.error;
+          continue;
+        }
+        row.peer_runs.push_back(peer.bytes_per_s);
+        row.ratios.push_back(around(row.ours_runs) / peer.bytes_per_s);
       }
       settle(row, true, {}, {});
       report.rows.push_back(row);
@@ -427,25 +430,23 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
       row.payload_bytes = row.frame_bytes = 8;
       row.frames = frames;
       std::vector<double> ours_means, peer_means;
-      for (int r = 0; r < report.repeats; ++r) {
-        const bool peer_first = peer_runs_first(r);
-        auto peer_run = [&] {
-          return run_perftest(perftest, tls, "tag_lat", 8, frames, warmup, mode != "latency");
-        };
-        perftest_result peer;
-        if (peer_first) peer = peer_run();
+      auto ours_run = [&] {
         const auto run = ours_latency(o, tls, mode, warmup, frames);
         row.ours_runs.push_back(run.median_us);
         ours_means.push_back(run.mean_us);
-        if (!peer_first) peer = peer_run();
-        row.first.push_back(peer_first ? "peer" : "ours");
+      };
+      ours_run();
+      for (int r = 0; r < report.repeats; ++r) {
+        const auto peer =
+            run_perftest(perftest, tls, "tag_lat", 8, frames, warmup, mode != "latency");
+        ours_run();
         if (!peer.error.empty()) {
           row.peer_error = peer.error;
           continue;
         }
         row.peer_runs.push_back(peer.latency_median_us);
         peer_means.push_back(peer.latency_mean_us);
-        row.ratios.push_back(run.median_us / peer.latency_median_us);
+        row.ratios.push_back(around(row.ours_runs) / peer.latency_median_us);
       }
       settle(row, false, ours_means, peer_means);
       report.rows.push_back(row);

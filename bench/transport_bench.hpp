@@ -27,22 +27,22 @@ struct transport_row {
   std::size_t payload_bytes = 0;  // tensor bytes (bandwidth) or frame bytes (latency)
   std::size_t frame_bytes = 0;    // bytes on the wire per frame; ucx_perftest sends this size
   long frames = 0;                // timed frames (bandwidth) or round trips (latency)
-  // Each repeat runs ours and ucx_perftest back to back: a pair that saw the same machine. Which
-  // side runs first alternates from pair to pair (`first`), so that neither side always meets
-  // the machine a run later while it drifts.
+  // A row runs ours, ucx_perftest, ours, ..., ucx_perftest, ours (`repeats` runs of the peer,
+  // one more of ours), and compares each peer run with the mean of our two runs around it (a
+  // "pair"): runs that saw the same machine, a drift in a straight line cancelled.
   // This host's shared-memory latency moved between levels (0.075, 0.16 and 0.6 us for
   // ucx_perftest) from one fraction of a second to the next, so the best run of each side
   // compared runs from different levels whenever one side alone caught a fast moment; the
   // ratio of each pair does not (docs/transport.md).
   double ours = 0, peer = 0;  // the median run: bytes/s, or one-way latency in µs (its median)
-  double ours_best = 0, peer_best = 0;       // the best run of each side
-  double ours_mean = 0, peer_mean = 0;       // latency rows: mean one-way µs (median of runs)
-  double ratio = 0;                          // the median of the pairs' ratios (ours / peer)
-  bool met = false;                          // the goal (see goal_text), on `ratio`
-  std::string peer_error;                    // non-empty: a ucx_perftest run failed
+  double ours_best = 0, peer_best = 0;  // the best run of each side
+  double ours_mean = 0, peer_mean = 0;  // latency rows: mean one-way µs (median of runs)
+  double ratio = 0;        // the median of the pairs' ratios (mean of ours around a peer run / it)
+  bool met = false;        // the goal (see goal_text), on `ratio`
+  std::string peer_error;  // non-empty: a ucx_perftest run failed
   std::vector<double> ours_runs, peer_runs;  // every run's figure, in run order
-  std::vector<double> ratios;                // each pair's ours / peer (pairs whose peer ran)
-  std::vector<std::string> first;            // each pair's side that ran first: "ours", "peer"
+  // each pair's ratio: (ours_runs[i] + ours_runs[i + 1]) / 2 / peer_runs[i] (pairs whose peer ran)
+  std::vector<double> ratios;
   // Each ucx_perftest run / the one before it in this row: the peer against itself, a pair's
   // noise floor (this host: 0.96-1.06 for back-to-back 64 KiB shared-memory runs).
   std::vector<double> peer_self_ratios;

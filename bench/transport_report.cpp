@@ -21,13 +21,15 @@ std::string goal_text(const transport_row& row) {
 std::string format_transport_report(const transport_bench_report& r) {
   std::string out;
   char line[512];
-  std::snprintf(line, sizeof line,
-                "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS: %d pairs of runs "
-                "(back to back; ours first in pairs 1, 3, ..., ucx_perftest first in 2, 4, ...)\n"
-                "figures: the median run of each side; ratio: the median of the pairs' ratios\n"
-                "bandwidth frames: %s; ucx_perftest sends the same frame size\n"
-                "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n",
-                r.repeats, r.frame.c_str());
+  std::snprintf(
+      line, sizeof line,
+      "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS: %d ucx_perftest runs a "
+      "row, each between two of ours (ours, peer, ours, ..., peer, ours)\n"
+      "figures: the median run of each side; ratio: the median over the peer's runs of "
+      "(the mean of our two runs around it / it)\n"
+      "bandwidth frames: %s; ucx_perftest sends the same frame size\n"
+      "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n",
+      r.repeats, r.frame.c_str());
   out += line;
   std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %6s  %-15s %s\n", "metric", "size",
                 "transport", "ours", "peer (ucx_perftest)", "ratio", "goal", "");
@@ -102,7 +104,6 @@ std::string transport_report_json(const transport_bench_report& r) {
                         {"peer_best", row.peer_best},
                         {"ratio", row.ratio},
                         {"ratios", row.ratios},
-                        {"first", row.first},
                         {"peer_self_ratios", row.peer_self_ratios},
                         {"goal", goal_text(row)},
                         {"met", row.met},

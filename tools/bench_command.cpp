@@ -256,8 +256,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
                       "Fewer frames, one pair of runs per row (development)");
   transport
       ->add_option("--repeats", opts->transport_repeats,
-                   "Pairs of runs per row (ours and ucx_perftest back to back, alternating which "
-                   "runs first; default 5)")
+                   "ucx_perftest runs per row, each between two of ours (default 5)")
       ->check(CLI::Range(1, 100));
   transport
       ->add_option("--only", opts->transport_only,

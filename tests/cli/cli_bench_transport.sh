@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `troupe bench transport --quick` runs end to end over shared memory beside ucx_perftest: every
-# row has figures from both sides, each row's ratio is the median of its pairs' ratios and its
-# verdict follows from that ratio and the goal, and the zero-copy checks held (no payload copy on
+# row has figures from both sides, each ucx_perftest run between two of ours, each row's ratio is
+# the median of its pairs' ratios (the mean of ours around a peer run / it) and its verdict
+# follows from that ratio and the goal, and the zero-copy checks held (no payload copy on
 # send, every received frame decoded into views of the buffer UCX wrote). A smoke test: no figure
 # is compared with a speed, benchmarks assert nothing about time. Bad input: one line, exit 1.
 # Usage: cli_bench_transport.sh TROUPE
@@ -31,12 +32,13 @@ shm, pairs = (json.load(open(p)) for p in sys.argv[1:3])
 
 def check_row(row, repeats):
     assert row["ours"] > 0 and row["peer"] > 0, row
-    assert len(row["ours_runs"]) == len(row["peer_runs"]) == len(row["ratios"]) == repeats, row
-    for ours, peer, ratio in zip(row["ours_runs"], row["peer_runs"], row["ratios"]):
-        assert abs(ratio - ours / peer) < 1e-9 * ratio, row
+    # ours, peer, ours, ..., peer, ours: each peer run against the mean of ours around it.
+    assert len(row["ours_runs"]) == repeats + 1, row
+    assert len(row["peer_runs"]) == len(row["ratios"]) == repeats, row
+    ours = row["ours_runs"]
+    for i, (peer, ratio) in enumerate(zip(row["peer_runs"], row["ratios"])):
+        assert abs(ratio - (ours[i] + ours[i + 1]) / 2 / peer) < 1e-9 * ratio, row
     assert abs(row["ratio"] - statistics.median(row["ratios"])) < 1e-12, row
-    # Which side ran first alternates from pair to pair, ours in the first.
-    assert row["first"] == ["ours" if i % 2 == 0 else "peer" for i in range(repeats)], row
     runs = row["peer_runs"]
     assert len(row["peer_self_ratios"]) == len(runs) - 1, row
     for before, after, ratio in zip(runs, runs[1:], row["peer_self_ratios"]):
