@@ -20,19 +20,18 @@ std::string goal_text(const transport_row& row) {
 
 std::string format_transport_report(const transport_bench_report& r) {
   std::string out;
-  char line[512];
-  std::snprintf(
-      line, sizeof line,
-      "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS: %d ucx_perftest runs a "
-      "row, each between two of ours (ours, peer, ours, ..., peer, ours)\n"
-      "figures: the median run of each side; ratio: the median over the peer's runs of "
-      "(the mean of our two runs around it / it)\n"
-      "bandwidth frames: %s; ucx_perftest sends the same frame size\n"
-      "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n",
-      r.repeats, r.frame.c_str());
-  out += line;
-  std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %6s  %-15s %s\n", "metric", "size",
-                "transport", "ours", "peer (ucx_perftest)", "ratio", "goal", "");
+  char line[512];  // one row; the header, whose frame text has no bound, is appended as strings
+  out += "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS: " +
+         std::to_string(r.repeats) +
+         " ucx_perftest runs a row, each between two of ours (ours, peer, ours, ..., peer, ours)\n"
+         "figures: the median run of each side; ratio: the median over the peer's runs of (the "
+         "mean of our two runs around it / it); pairs: the lowest and highest of those\n"
+         "bandwidth frames: " +
+         r.frame +
+         "; ucx_perftest sends the same frame size\n"
+         "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n";
+  std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %6s  %-11s  %-15s %s\n", "metric",
+                "size", "transport", "ours", "peer (ucx_perftest)", "ratio", "pairs", "goal", "");
   out += line;
   for (const auto& row : r.rows) {
     char a[64], b[64];
@@ -43,9 +42,15 @@ std::string format_transport_report(const transport_bench_report& r) {
       std::snprintf(a, sizeof a, "%.2f us (%.2f)", row.ours, row.ours_mean);
       std::snprintf(b, sizeof b, "%.2f us (%.2f)", row.peer, row.peer_mean);
     }
-    std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %5.2fx  %-15s %s\n",
+    // The spread of the pairs' ratios: how far the median could move with the host's noise.
+    char pairs[32] = "-";
+    if (!row.ratios.empty()) {
+      const auto [low, high] = std::minmax_element(row.ratios.begin(), row.ratios.end());
+      std::snprintf(pairs, sizeof pairs, "%.2f-%.2fx", *low, *high);
+    }
+    std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %5.2fx  %-11s  %-15s %s\n",
                   row.metric.c_str(), human_bytes(row.payload_bytes).c_str(),
-                  row.transports.c_str(), a, row.peer > 0 ? b : "failed", row.ratio,
+                  row.transports.c_str(), a, row.peer > 0 ? b : "failed", row.ratio, pairs,
                   goal_text(row).c_str(), row.met ? "met" : "NOT MET");
     out += line;
     if (!row.peer_error.empty()) out += "  " + row.peer_error + "\n";

@@ -65,6 +65,17 @@ print("bench transport --quick: %s" % ", ".join(
     "%s %s %.2fx" % (r["metric"], r["payload_bytes"], r["ratio"]) for r in rows))
 PY
 
+# The text report: its whole header (no line cut short), and each row's ratio with its pairs'
+# lowest and highest ratio.
+timeout 120 "$troupe" bench transport --quick --only shm,latency >"$tmp/text.out" 2>"$tmp/text.err" ||
+  { echo "FAIL: bench transport (text report) exited non-zero" >&2; exit 1; }
+for want in "^topology::ucx_transport vs ucx_perftest" "^figures: " "^bandwidth frames: .*frame size$" \
+  "^latency: one-way = half a round trip of an 8-byte frame, median \(mean\)$" \
+  "^latency +8 B +posix,cma,self .* [0-9.]+x +[0-9.]+-[0-9.]+x +<= 2x peer +(met|NOT MET)$"; do
+  grep -Eq "$want" "$tmp/text.out" ||
+    { echo "FAIL: text report: no line matching '$want'" >&2; cat "$tmp/text.out" >&2; exit 1; }
+done
+
 # Bad input: one line naming the word at fault, exit 1, nothing on stdout.
 rc=0
 timeout 60 "$troupe" bench transport --quick --only shm,bogus >"$tmp/bad.out" 2>"$tmp/bad.err" || rc=$?
