@@ -41,7 +41,8 @@ struct transport_row {
   bool met = false;        // the goal (see goal_text), on `ratio`
   std::string peer_error;  // non-empty: a ucx_perftest run failed
   std::vector<double> ours_runs, peer_runs;  // every run's figure, in run order
-  // each pair's ratio: (ours_runs[i] + ours_runs[i + 1]) / 2 / peer_runs[i] (pairs whose peer ran)
+  // Each pair's ratio: the mean of our two runs around a peer run / that run (pairs whose peer
+  // ran; with no failed peer run, (ours_runs[i] + ours_runs[i + 1]) / 2 / peer_runs[i]).
   std::vector<double> ratios;
   // Each ucx_perftest run / the one before it in this row: the peer against itself, a pair's
   // noise floor (this host: 0.96-1.06 for back-to-back 64 KiB shared-memory runs).

@@ -253,7 +253,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
       "transport", "UCX frames between two processes vs ucx_perftest (bandwidth, latency)");
   transport->add_flag("--json", opts->json_output, "Print one JSON report");
   transport->add_flag("--quick", opts->quick,
-                      "Fewer frames, one pair of runs per row (development)");
+                      "Fewer frames, one ucx_perftest run per row (development)");
   transport
       ->add_option("--repeats", opts->transport_repeats,
                    "ucx_perftest runs per row, each between two of ours (default 5)")
