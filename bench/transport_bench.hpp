@@ -17,6 +17,10 @@ struct transport_bench_options {
   // Row filters: "shm"/"tcp", "bandwidth"/"latency"/"latency-wait", "64KiB"/"1MiB"/"16MiB".
   // A row runs if, for each of the three kinds that has a word here, it matches one of them.
   std::vector<std::string> only;
+  // The tensor of the bandwidth rows: "as-peer" in the memory state of ucx_perftest's send
+  // buffer (written over shared memory, never written over tcp: transport_source.hpp),
+  // "written" written on every transport.
+  std::string source = "as-peer";
   std::string self_exe;                   // the troupe binary (runs the peer process)
   std::string perftest = "ucx_perftest";  // looked up on PATH unless it contains a '/'
 };
@@ -27,6 +31,7 @@ struct transport_row {
   std::size_t payload_bytes = 0;  // tensor bytes (bandwidth) or frame bytes (latency)
   std::size_t frame_bytes = 0;    // bytes on the wire per frame; ucx_perftest sends this size
   long frames = 0;                // timed frames (bandwidth) or round trips (latency)
+  std::string tensor;             // bandwidth rows: "written" or "unwritten" (never written)
   // A row runs ours, ucx_perftest, ours, ..., ucx_perftest, ours (`repeats` runs of the peer,
   // one more of ours), and compares each peer run with the mean of our two runs around it (a
   // "pair"): runs that saw the same machine, a drift in a straight line cancelled.
@@ -57,6 +62,10 @@ struct transport_bench_report {
   std::map<std::string, std::string> transport_info;  // UCX_TLS -> what the endpoint used
   // The untimed warm-up pair before the first bandwidth row (its figures, bytes/s; 0 = none ran).
   double warmup_ours = 0, warmup_peer = 0;
+  std::string source;  // the option it ran with
+  // The most bytes of an unwritten send tensor found resident after a run (0: every one was
+  // still unwritten, its sends read the zero page; -1: no row sent one).
+  long long unwritten_resident_bytes = -1;
   std::vector<transport_row> rows;
 };
 

@@ -27,11 +27,17 @@ std::string format_transport_report(const transport_bench_report& r) {
          "figures: the median run of each side; ratio: the median over the peer's runs of (the "
          "mean of our two runs around it / it); pairs: the lowest and highest of those\n"
          "bandwidth frames: " +
-         r.frame +
-         "; ucx_perftest sends the same frame size\n"
+         r.frame + "; ucx_perftest sends the same frame size\n" +
+         (r.source == "written"
+              ? "tensor: written on every transport (--source written); ucx_perftest's tcp "
+                "sender still sends from a buffer it never wrote\n"
+              : "tensor: in the state of ucx_perftest's send buffer (--source as-peer): written "
+                "over shared memory; over tcp mapped and never written, as ucx_perftest's tcp "
+                "sender never writes its buffer (the kernel sends its zero page)\n") +
          "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n";
-  std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %6s  %-11s  %-15s %s\n", "metric",
-                "size", "transport", "ours", "peer (ucx_perftest)", "ratio", "pairs", "goal", "");
+  std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-9s %-22s %-22s %6s  %-11s  %-15s %s\n",
+                "metric", "size", "transport", "tensor", "ours", "peer (ucx_perftest)", "ratio",
+                "pairs", "goal", "");
   out += line;
   for (const auto& row : r.rows) {
     char a[64], b[64];
@@ -48,10 +54,11 @@ std::string format_transport_report(const transport_bench_report& r) {
       const auto [low, high] = std::minmax_element(row.ratios.begin(), row.ratios.end());
       std::snprintf(pairs, sizeof pairs, "%.2f-%.2fx", *low, *high);
     }
-    std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-22s %-22s %5.2fx  %-11s  %-15s %s\n",
+    std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-9s %-22s %-22s %5.2fx  %-11s  %-15s %s\n",
                   row.metric.c_str(), human_bytes(row.payload_bytes).c_str(),
-                  row.transports.c_str(), a, row.peer > 0 ? b : "failed", row.ratio, pairs,
-                  goal_text(row).c_str(), row.met ? "met" : "NOT MET");
+                  row.transports.c_str(), row.tensor.empty() ? "-" : row.tensor.c_str(), a,
+                  row.peer > 0 ? b : "failed", row.ratio, pairs, goal_text(row).c_str(),
+                  row.met ? "met" : "NOT MET");
     out += line;
     if (!row.peer_error.empty()) out += "  " + row.peer_error + "\n";
   }
@@ -88,6 +95,13 @@ std::string format_transport_report(const transport_bench_report& r) {
     out +=
         "payload copies after receive: 0 (checked: the peer decoded every frame into views of "
         "the buffer UCX wrote)\n";
+  if (r.unwritten_resident_bytes == 0)
+    out +=
+        "unwritten tensors: 0 bytes resident after every run (checked: every send read the "
+        "zero page, as ucx_perftest's tcp sender's)\n";
+  else if (r.unwritten_resident_bytes > 0)
+    out += "unwritten tensors: " + std::to_string(r.unwritten_resident_bytes) +
+           " bytes resident after a run: not in the state of ucx_perftest's buffer\n";
   for (const auto& [tls, info] : r.transport_info)
     out += "UCX_TLS=" + tls + " -> endpoint lanes: " + info + "\n";
   return out;
@@ -114,6 +128,7 @@ std::string transport_report_json(const transport_bench_report& r) {
                         {"met", row.met},
                         {"ours_runs", row.ours_runs},
                         {"peer_runs", row.peer_runs}};
+    if (!row.tensor.empty()) j["tensor"] = row.tensor;
     if (row.metric != "bandwidth") {
       j["ours_mean"] = row.ours_mean;
       j["peer_mean"] = row.peer_mean;
@@ -123,11 +138,14 @@ std::string transport_report_json(const transport_bench_report& r) {
   }
   nlohmann::json out = {{"peer", "ucx_perftest"},
                         {"repeats", r.repeats},
+                        {"source", r.source},
                         {"frame", r.frame},
                         {"transport_info", r.transport_info},
                         {"rows", rows}};
   if (r.warmup_ours > 0)
     out["warmup_not_counted"] = {{"ours", r.warmup_ours}, {"peer", r.warmup_peer}};
+  if (r.unwritten_resident_bytes >= 0)
+    out["unwritten_tensor_resident_bytes"] = r.unwritten_resident_bytes;
   if (r.send_zero_copy_checked) out["payload_copies_on_send"] = 0;
   if (r.receive_views_checked) out["payload_copies_after_receive"] = 0;
   return out.dump(2);

@@ -43,6 +43,7 @@ struct bench_options {
   bench::transport_peer_options transport_peer;
   int zero_steps = 10;
   int transport_repeats = 0;
+  std::string transport_source = "as-peer";
   std::vector<std::string> transport_only;
   std::string zero_recipe = TROUPE_SOURCE_DIR "/examples/default.toml";
   std::vector<int> zero_levels = {0, 1, 2, 3};
@@ -170,6 +171,7 @@ int run_transport(const bench_options& o) {
   bench::transport_bench_options to;
   to.quick = o.quick;
   to.repeats = o.transport_repeats;
+  to.source = o.transport_source;
   to.only = o.transport_only;
   to.self_exe = self_exe();
   bench::transport_bench_report report;
@@ -263,6 +265,11 @@ std::function<int()> add_bench_command(CLI::App& app) {
                    "Rows to run: shm, tcp, bandwidth, latency, latency-wait, 64KiB, 1MiB, "
                    "16MiB (a row runs if it matches every given kind)")
       ->delimiter(',');
+  transport
+      ->add_option("--source", opts->transport_source,
+                   "The bandwidth rows' tensor: as-peer (as ucx_perftest's send buffer: written "
+                   "over shared memory, never written over tcp) or written (default as-peer)")
+      ->check(CLI::IsMember({"as-peer", "written"}));
   auto* zero = bench->add_subcommand(
       "zero", "ZeRO-1/2/3 vs DDP: step time, model state and measured peak RSS per rank");
   zero->add_flag("--json", opts->json_output, "Print one JSON report");

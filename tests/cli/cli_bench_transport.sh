@@ -3,8 +3,10 @@
 # row has figures from both sides, each ucx_perftest run between two of ours, each row's ratio is
 # the median of its pairs' ratios (the mean of ours around a peer run / it) and its verdict
 # follows from that ratio and the goal, and the zero-copy checks held (no payload copy on
-# send, every received frame decoded into views of the buffer UCX wrote). A smoke test: no figure
-# is compared with a speed, benchmarks assert nothing about time. Bad input: one line, exit 1.
+# send, every received frame decoded into views of the buffer UCX wrote). A tcp row sends a
+# tensor never written, as ucx_perftest's tcp sender does, and still unwritten after the run;
+# `--source written` writes it. A smoke test: no figure is compared with a speed, benchmarks
+# assert nothing about time. Bad input: one line naming it, non-zero exit, no report.
 # Usage: cli_bench_transport.sh TROUPE
 set -euo pipefail
 troupe=${1:?usage: cli_bench_transport.sh TROUPE}
@@ -26,9 +28,11 @@ run() {  # run NAME ARGS...: the bench's JSON into $tmp/NAME.json
 }
 run shm --quick --only shm
 run pairs --quick --only shm,latency --repeats 2
-/usr/bin/python3 - "$tmp/shm.json" "$tmp/pairs.json" <<'PY'
+run tcp --quick --only tcp,bandwidth,64KiB
+run tcp_written --quick --only tcp,bandwidth,64KiB --source written
+/usr/bin/python3 - "$tmp/shm.json" "$tmp/pairs.json" "$tmp/tcp.json" "$tmp/tcp_written.json" <<'PY'
 import json, statistics, sys
-shm, pairs = (json.load(open(p)) for p in sys.argv[1:3])
+shm, pairs, tcp, tcp_written = (json.load(open(p)) for p in sys.argv[1:5])
 
 def check_row(row, repeats):
     assert row["ours"] > 0 and row["peer"] > 0, row
@@ -58,6 +62,21 @@ for r in rows:
     if r["metric"] == "bandwidth":
         assert r["frame_bytes"] > r["payload_bytes"], r  # the frame carries its header too
 assert shm["payload_copies_on_send"] == 0 and shm["payload_copies_after_receive"] == 0, shm
+# The tensor is in the state of ucx_perftest's send buffer: written over shared memory; over tcp
+# never written, and still unwritten (nothing resident) after every run; --source written
+# writes it there too.
+assert shm["source"] == "as-peer", shm
+assert all(r["tensor"] == "written" for r in rows if r["metric"] == "bandwidth"), rows
+assert all("tensor" not in r for r in rows if r["metric"] != "bandwidth"), rows
+assert "unwritten_tensor_resident_bytes" not in shm, shm
+assert [(r["transports"], r["tensor"]) for r in tcp["rows"]] == [("tcp", "unwritten")], tcp
+assert tcp["unwritten_tensor_resident_bytes"] == 0, tcp
+assert tcp_written["source"] == "written", tcp_written
+assert [r["tensor"] for r in tcp_written["rows"]] == ["written"], tcp_written
+assert "unwritten_tensor_resident_bytes" not in tcp_written, tcp_written
+for report in (tcp, tcp_written):
+    check_row(report["rows"][0], 1)
+    assert report["payload_copies_on_send"] == 0 == report["payload_copies_after_receive"], report
 assert "posix" in shm["transport_info"]["posix,cma,self"], shm["transport_info"]
 assert [r["metric"] for r in pairs["rows"]] == ["latency"], pairs
 check_row(pairs["rows"][0], 2)
@@ -70,8 +89,9 @@ PY
 timeout 120 "$troupe" bench transport --quick --only shm,latency >"$tmp/text.out" 2>"$tmp/text.err" ||
   { echo "FAIL: bench transport (text report) exited non-zero" >&2; exit 1; }
 for want in "^topology::ucx_transport vs ucx_perftest" "^figures: " "^bandwidth frames: .*frame size$" \
+  "^tensor: in the state of ucx_perftest's send buffer \(--source as-peer\): .*zero page\)$" \
   "^latency: one-way = half a round trip of an 8-byte frame, median \(mean\)$" \
-  "^latency +8 B +posix,cma,self .* [0-9.]+x +[0-9.]+-[0-9.]+x +<= 2x peer +(met|NOT MET)$"; do
+  "^latency +8 B +posix,cma,self +- .* [0-9.]+x +[0-9.]+-[0-9.]+x +<= 2x peer +(met|NOT MET)$"; do
   grep -Eq "$want" "$tmp/text.out" ||
     { echo "FAIL: text report: no line matching '$want'" >&2; cat "$tmp/text.out" >&2; exit 1; }
 done
@@ -83,4 +103,10 @@ timeout 60 "$troupe" bench transport --quick --only shm,bogus >"$tmp/bad.out" 2>
 [[ $(wc -l <"$tmp/bad.err") -eq 1 ]] || { echo "FAIL: --only bogus: stderr not one line" >&2; exit 1; }
 grep -q "'bogus'" "$tmp/bad.err" || { echo "FAIL: --only bogus: stderr does not name it" >&2; exit 1; }
 [[ ! -s "$tmp/bad.out" ]] || { echo "FAIL: --only bogus: wrote a report" >&2; exit 1; }
+rc=0
+timeout 60 "$troupe" bench transport --quick --only tcp --source bogus >"$tmp/bad.out" 2>"$tmp/bad.err" || rc=$?
+[[ $rc -ne 0 ]] || { echo "FAIL: --source bogus: exit 0" >&2; exit 1; }
+[[ $(wc -l <"$tmp/bad.err") -eq 1 ]] || { echo "FAIL: --source bogus: stderr not one line" >&2; exit 1; }
+grep -q -- "--source" "$tmp/bad.err" || { echo "FAIL: --source bogus: stderr does not name it" >&2; exit 1; }
+[[ ! -s "$tmp/bad.out" ]] || { echo "FAIL: --source bogus: wrote a report" >&2; exit 1; }
 echo "PASS"
