@@ -365,7 +365,7 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
     fail(o.perftest + " not found on PATH: install Debian's ucx-utils (the peer measured against)");
   if (o.self_exe.empty()) fail("transport bench: the troupe binary's path is unknown");
   transport_bench_report report;
-  report.repeats = o.repeats > 0 ? o.repeats : (o.quick ? 1 : 5);
+  report.repeats = o.repeats > 0 ? o.repeats : (o.quick ? 1 : 7);
   report.frame =
       "messages::wire activation frame (link_message, shape [1, n/256, 256]), encoded per send, "
       "decoded by the receiver";

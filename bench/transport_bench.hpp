@@ -13,7 +13,7 @@ namespace troupe::bench {
 
 struct transport_bench_options {
   bool quick = false;  // fewer frames and one repeat: for development
-  int repeats = 0;     // runs of each side per row; 0 = 5 (1 with quick)
+  int repeats = 0;     // ucx_perftest runs per row; 0 = 7 (1 with quick)
   // Row filters: "shm"/"tcp", "bandwidth"/"latency"/"latency-wait", "64KiB"/"1MiB"/"16MiB".
   // A row runs if, for each of the three kinds that has a word here, it matches one of them.
   std::vector<std::string> only;

@@ -258,7 +258,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
                       "Fewer frames, one ucx_perftest run per row (development)");
   transport
       ->add_option("--repeats", opts->transport_repeats,
-                   "ucx_perftest runs per row, each between two of ours (default 5)")
+                   "ucx_perftest runs per row, each between two of ours (default 7)")
       ->check(CLI::Range(1, 100));
   transport
       ->add_option("--only", opts->transport_only,
