@@ -14,7 +14,7 @@
 
 namespace troupe::bench {
 
-// n floats in aligned storage, written (a ramp of small integers).
+// `bytes` / 4 floats in aligned storage, written (a ramp of small integers).
 std::shared_ptr<messages::payload<float>> written_tensor(std::size_t bytes);
 // `bytes` mapped as UCX 1.13 allocates ucx_perftest's buffer over tcp and never written: a
 // 2 MiB-aligned block advised to use transparent huge pages where rounding up to 2 MiB less than

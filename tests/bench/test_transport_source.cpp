@@ -4,7 +4,6 @@
 // ucx_perftest's buffer; a written tensor holds its ramp.
 #include <catch2/catch.hpp>
 #include <cstdint>
-#include <numeric>
 
 #include "bench/transport_source.hpp"
 
