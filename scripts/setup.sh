@@ -26,6 +26,7 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 build="${BUILD_DIR:-build}"
+set -f  # MESON_ARGS is split on spaces but never globbed: -Dcpp_args=['-a','-b'] stays one word
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" ${MESON_ARGS:-} >&2
 elif [ -n "${MESON_ARGS:-}" ]; then

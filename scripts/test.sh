@@ -38,9 +38,13 @@ tally "$log"
 echo "== ASan + UBSan build: unit, cli =="
 # GCC 12 reports false maybe-uninitialized warnings inside libstdc++ (std::regex, std::function)
 # when sanitizers are on; that one warning is not an error in this build only.
+# -O1 -g1 (line tables, which is what a sanitizer's stack trace prints) instead of -O2 -g: the
+# CAF-heavy files compile in about 40% of the time (actors/gateway.cpp 215 s -> 88 s on 2 cores).
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
-if BUILD_DIR=build-asan MESON_ARGS="-Dbuildtype=debugoptimized -Db_sanitize=address,undefined -Db_lundef=false -Dwith_cuda=disabled -Dcpp_args=-Wno-maybe-uninitialized" bash scripts/setup.sh; then
+asan_args="-Doptimization=1 -Ddebug=false -Dcpp_args=['-g1','-Wno-maybe-uninitialized']"
+asan_args+=" -Db_sanitize=address,undefined -Db_lundef=false -Dwith_cuda=disabled"
+if BUILD_DIR=build-asan MESON_ARGS="$asan_args" bash scripts/setup.sh; then
   meson test -C build-asan --suite unit --suite cli --print-errorlogs --num-processes 2 2>&1 | tee "$log" || status=1
   tally "$log"
 else
