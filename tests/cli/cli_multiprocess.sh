@@ -212,8 +212,11 @@ for r in 0 1 3; do
     echo "FAIL: rank $r crashed after rank 2 was killed" >&2; cat "$tmp/kill.$r.log" >&2; exit 1; }
 done
 # Missed heartbeats name it; so does UCX when rank 0 was fetching one of its frames over cma.
+# On failure every rank's log is printed: which rank went quiet, and when, is the diagnosis.
 grep -Eq "rank 2 \(.*\) lost: (no heartbeat|UCX error: endpoint error)" "$tmp/kill.0.log" || {
-  echo "FAIL: rank 0 did not name the lost rank" >&2; cat "$tmp/kill.0.log" >&2; exit 1; }
+  echo "FAIL: rank 0 did not name the lost rank" >&2
+  for r in 0 1 2 3; do echo "--- rank $r" >&2; cat "$tmp/kill.$r.log" >&2; done
+  exit 1; }
 grep -q "job ended: .*rank 2" "$tmp/kill.1.log" || {
   echo "FAIL: rank 1 did not report the end" >&2; cat "$tmp/kill.1.log" >&2; exit 1; }
 grep "error" "$tmp/kill.0.log"
