@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cuda/cublaslt_loader.hpp"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_ops.hpp"
 
@@ -402,6 +403,7 @@ struct gemm_access {
 context::context() {
   // The constructor throws, so the destructor would not run: free what was made on failure.
   try {
+    require_cublaslt();  // loaded on first use: a clear error if it cannot be
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     cublasLtHandle_t lt = nullptr;
     check(cublasLtCreate(&lt), "cublasLtCreate");
