@@ -2,6 +2,9 @@
 // that kernels/cuda/cuda_ops.cu calls. The executable does not link libcublasLt, so these are
 // the definitions the linker finds; each looks the library's own up once, with dlsym on the
 // handle dlopen returned (RTLD_LOCAL: the library's symbols stay out of the global scope).
+// dlopen, called from the executable, searches as the loader did for a NEEDED library
+// (LD_LIBRARY_PATH, the executable's RPATH or RUNPATH, the loader's cache), so cuBLASLt is
+// found wherever it was found when it was linked.
 #include "kernels/cuda/cublaslt_loader.hpp"
 
 #include <cublasLt.h>
