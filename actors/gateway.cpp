@@ -128,6 +128,7 @@ class gateway_impl : public caf::blocking_actor {
     auto& t = *s_->transport;
     const int world = s_->cfg.world;
     last_heard_.assign(static_cast<std::size_t>(world), clock_type::now());
+    arrived_.assign(static_cast<std::size_t>(world), 0);
     lost_.assign(static_cast<std::size_t>(world), false);
     in_flight_.assign(static_cast<std::size_t>(world), 0);
     for (const auto& [id, a] : s_->local) monitor(a);
@@ -206,10 +207,19 @@ class gateway_impl : public caf::blocking_actor {
         send(r, wire::envelope{0, me, 0, false, heartbeat{me, ++beats_}});
   }
 
+  // A peer is heard from when any of its messages arrives, not only when a frame of it is
+  // delivered: its frames can wait behind this process's own receive backlog (per-peer order,
+  // rendezvous receives under their bounds, e.g. behind fetches from a peer that just died),
+  // and a live peer must not be named lost for that.
   void check_liveness(clock_type::time_point now) {
     const int me = s_->cfg.rank;
     for (int r = 0; r < s_->cfg.world; ++r) {
       if (r == me || (me != 0 && r != 0) || lost_[static_cast<std::size_t>(r)]) continue;
+      const std::uint32_t arrived = s_->transport->messages_arrived(r);
+      if (arrived != arrived_[static_cast<std::size_t>(r)]) {
+        arrived_[static_cast<std::size_t>(r)] = arrived;
+        last_heard_[static_cast<std::size_t>(r)] = now;
+      }
       const auto silent = now - last_heard_[static_cast<std::size_t>(r)];
       if (silent > s_->cfg.peer_timeout) {
         const double secs = std::chrono::duration<double>(silent).count();
@@ -302,6 +312,7 @@ class gateway_impl : public caf::blocking_actor {
   std::shared_ptr<mesh_state> s_;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::vector<clock_type::time_point> last_heard_;
+  std::vector<std::uint32_t> arrived_;  // messages_arrived() at the last liveness check
   std::vector<bool> lost_;
   std::uint64_t beats_ = 0;
   std::vector<int> in_flight_;  // sends not yet completed, by peer

@@ -299,6 +299,11 @@ void ucx_transport::wake() {
   ucp_worker_signal(impl_->worker);
 }
 
+std::uint32_t ucx_transport::messages_arrived(int peer) const {
+  const auto it = impl_->inbounds.find(peer);  // next_sequence: one past the last arrival
+  return it == impl_->inbounds.end() ? 0 : it->second.next_sequence;
+}
+
 std::string ucx_transport::transport_info(int peer) const {
   return impl::lanes(impl_->connected(peer, "transport_info for").ep);
 }

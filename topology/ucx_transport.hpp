@@ -101,6 +101,13 @@ class ucx_transport {
   // Thread-safe: interrupts wait() (ucp_worker_signal).
   void wake();
 
+  // How many messages have arrived from peer so far (a frame is one or more), counted when UCX
+  // hands each one over, before the frame is whole or delivered; 0 for a peer never heard.
+  // Wraps at 2^32: compare for change only. A peer whose frames wait behind this process's own
+  // receive backlog (per-peer order, receives under their bounds) is still heard from by this
+  // count (the gateway's liveness check, docs/processes.md).
+  std::uint32_t messages_arrived(int peer) const;
+
   // The transports/devices the endpoint to peer uses, e.g. "posix/memory cma/memory" or
   // "tcp/lo", from ucp_ep_print_info. Throws ucx_error for an unknown peer.
   std::string transport_info(int peer) const;

@@ -411,6 +411,41 @@ TEST_CASE("ucx_transport delivers empty frames in order (loopback)", "[unit]") {
   CHECK(results[0].values.at("received") == "4");
 }
 
+TEST_CASE("ucx_transport counts the messages that arrived from each peer", "[unit]") {
+  const auto results = run_sides({[](int, const report& out) {
+    ucx_transport t(5);
+    SIDE_CHECK(t.messages_arrived(5) == 0);  // no endpoint yet
+    t.connect(5, t.address());               // this process, over UCX's self transport
+    SIDE_CHECK(t.messages_arrived(5) == 0 && t.messages_arrived(6) == 0);
+    std::size_t received = 0, done = 0;
+    std::vector<std::uint32_t> seen;  // the count inside each frame's receive callback
+    t.on_receive([&](int, std::shared_ptr<troupe::messages::aligned_buffer>, std::size_t) {
+      ++received;
+      seen.push_back(t.messages_arrived(5));
+    });
+    const char text[] = "frame";
+    for (int i = 0; i < 3; ++i)  // small frames: one message each
+      t.send(5, iov_list{{text, 5}}, [&](bool ok, const std::string&) { done += ok; });
+    SIDE_CHECK(pump(t, [&] { return done == 3 && received == 3; }));
+    SIDE_CHECK(t.messages_arrived(5) == 3);
+    // A frame of a header and a 1 MiB payload: at least one more message, counted by the time
+    // the frame is delivered.
+    std::vector<std::byte> payload(std::size_t{1} << 20, std::byte{7});
+    t.send(5, iov_list{{text, 5}, {payload.data(), payload.size()}},
+           [&](bool ok, const std::string&) { done += ok; });
+    SIDE_CHECK(pump(t, [&] { return done == 4 && received == 4; }));
+    SIDE_CHECK(t.messages_arrived(5) > 3);
+    SIDE_CHECK(seen.size() == 4 && seen[0] >= 1 && seen[3] == t.messages_arrived(5));
+    // Never behind delivery; often ahead (frames 2 and 3 can arrive before frame 1 is handed on).
+    for (std::size_t i = 0; i < seen.size(); ++i) SIDE_CHECK(seen[i] >= i + 1);
+    for (std::size_t i = 1; i < seen.size(); ++i) SIDE_CHECK(seen[i] >= seen[i - 1]);
+    out.line("arrived", std::to_string(t.messages_arrived(5)));
+    return 0;
+  }});
+  CHECK(results[0].exited_ok());
+  CHECK(std::stoul(results[0].values.at("arrived")) >= 4);
+}
+
 TEST_CASE("ucx_transport reuses a receive buffer only after every holder dropped it", "[unit]") {
   ucx_options options;
   options.transports = "posix,cma,self";
