@@ -10,29 +10,55 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
-#include <array>
 #include <string>
 
 #include "kernels/cuda/cuda_ops.hpp"
 
+// Every cuBLASLt function the ops call: name, the header's parameters, the call's arguments. It
+// makes both require_cublaslt()'s list and the forwarding definitions at the end.
+#define TROUPE_CUBLASLT_FUNCTIONS(X)                                                              \
+  X(cublasLtCreate, (cublasLtHandle_t * handle), (handle))                                        \
+  X(cublasLtDestroy, (cublasLtHandle_t handle), (handle))                                         \
+  X(cublasLtMatmul,                                                                               \
+    (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha, const void* A,        \
+     cublasLtMatrixLayout_t Adesc, const void* B, cublasLtMatrixLayout_t Bdesc, const void* beta, \
+     const void* C, cublasLtMatrixLayout_t Cdesc, void* D, cublasLtMatrixLayout_t Ddesc,          \
+     const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspace_bytes,                   \
+     cudaStream_t stream),                                                                        \
+    (handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo, workspace,          \
+     workspace_bytes, stream))                                                                    \
+  X(cublasLtMatmulAlgoGetHeuristic,                                                               \
+    (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t Adesc,            \
+     cublasLtMatrixLayout_t Bdesc, cublasLtMatrixLayout_t Cdesc, cublasLtMatrixLayout_t Ddesc,    \
+     cublasLtMatmulPreference_t preference, int requested,                                        \
+     cublasLtMatmulHeuristicResult_t results[], int* returned),                                   \
+    (handle, desc, Adesc, Bdesc, Cdesc, Ddesc, preference, requested, results, returned))         \
+  X(cublasLtMatmulDescCreate,                                                                     \
+    (cublasLtMatmulDesc_t * desc, cublasComputeType_t compute, cudaDataType_t scale),             \
+    (desc, compute, scale))                                                                       \
+  X(cublasLtMatmulDescDestroy, (cublasLtMatmulDesc_t desc), (desc))                               \
+  X(cublasLtMatmulDescSetAttribute,                                                               \
+    (cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const void* buf,             \
+     size_t bytes),                                                                               \
+    (desc, attr, buf, bytes))                                                                     \
+  X(cublasLtMatmulPreferenceCreate, (cublasLtMatmulPreference_t * pref), (pref))                  \
+  X(cublasLtMatmulPreferenceDestroy, (cublasLtMatmulPreference_t pref), (pref))                   \
+  X(cublasLtMatmulPreferenceSetAttribute,                                                         \
+    (cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr, const void* buf, \
+     size_t bytes),                                                                               \
+    (pref, attr, buf, bytes))                                                                     \
+  X(cublasLtMatrixLayoutCreate,                                                                   \
+    (cublasLtMatrixLayout_t * layout, cudaDataType type, uint64_t rows, uint64_t cols,            \
+     int64_t ld),                                                                                 \
+    (layout, type, rows, cols, ld))                                                               \
+  X(cublasLtMatrixLayoutDestroy, (cublasLtMatrixLayout_t layout), (layout))
+
 namespace troupe::kernels::cuda {
 namespace {
 
-// Every function defined below, for require_cublaslt() to check at once.
-constexpr std::array<const char*, 12> functions = {
-    "cublasLtCreate",
-    "cublasLtDestroy",
-    "cublasLtMatmul",
-    "cublasLtMatmulAlgoGetHeuristic",
-    "cublasLtMatmulDescCreate",
-    "cublasLtMatmulDescDestroy",
-    "cublasLtMatmulDescSetAttribute",
-    "cublasLtMatmulPreferenceCreate",
-    "cublasLtMatmulPreferenceDestroy",
-    "cublasLtMatmulPreferenceSetAttribute",
-    "cublasLtMatrixLayoutCreate",
-    "cublasLtMatrixLayoutDestroy",
-};
+#define TROUPE_CUBLASLT_NAME(name, params, args) #name,
+constexpr const char* functions[] = {TROUPE_CUBLASLT_FUNCTIONS(TROUPE_CUBLASLT_NAME)};
+#undef TROUPE_CUBLASLT_NAME
 
 struct library {
   void* handle = nullptr;
@@ -56,15 +82,11 @@ const library& cublaslt() {
   return lib;
 }
 
-void* symbol(const char* name) {
-  const library& l = cublaslt();
-  return l.handle ? ::dlsym(l.handle, name) : nullptr;
-}
-
-// The library's definition of `name`, looked up on the first call; nullptr if it cannot be had.
+// The library's definition of `name`; nullptr if it cannot be had.
 template <class Fn>
 Fn* real(const char* name) {
-  return reinterpret_cast<Fn*>(symbol(name));
+  const library& l = cublaslt();
+  return reinterpret_cast<Fn*>(l.handle ? ::dlsym(l.handle, name) : nullptr);
 }
 
 }  // namespace
@@ -90,45 +112,5 @@ void require_cublaslt() {
   }
 
 extern "C" {
-
-TROUPE_CUBLASLT_FORWARD(cublasLtCreate, (cublasLtHandle_t * handle), (handle))
-TROUPE_CUBLASLT_FORWARD(cublasLtDestroy, (cublasLtHandle_t handle), (handle))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmul,
-                        (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha,
-                         const void* A, cublasLtMatrixLayout_t Adesc, const void* B,
-                         cublasLtMatrixLayout_t Bdesc, const void* beta, const void* C,
-                         cublasLtMatrixLayout_t Cdesc, void* D, cublasLtMatrixLayout_t Ddesc,
-                         const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspace_bytes,
-                         cudaStream_t stream),
-                        (handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo,
-                         workspace, workspace_bytes, stream))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmulAlgoGetHeuristic,
-                        (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
-                         cublasLtMatrixLayout_t Adesc, cublasLtMatrixLayout_t Bdesc,
-                         cublasLtMatrixLayout_t Cdesc, cublasLtMatrixLayout_t Ddesc,
-                         cublasLtMatmulPreference_t preference, int requested,
-                         cublasLtMatmulHeuristicResult_t results[], int* returned),
-                        (handle, desc, Adesc, Bdesc, Cdesc, Ddesc, preference, requested, results,
-                         returned))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmulDescCreate,
-                        (cublasLtMatmulDesc_t * desc, cublasComputeType_t compute,
-                         cudaDataType_t scale),
-                        (desc, compute, scale))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmulDescDestroy, (cublasLtMatmulDesc_t desc), (desc))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmulDescSetAttribute,
-                        (cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
-                         const void* buf, size_t bytes),
-                        (desc, attr, buf, bytes))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmulPreferenceCreate, (cublasLtMatmulPreference_t * pref), (pref))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmulPreferenceDestroy, (cublasLtMatmulPreference_t pref), (pref))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatmulPreferenceSetAttribute,
-                        (cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr,
-                         const void* buf, size_t bytes),
-                        (pref, attr, buf, bytes))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatrixLayoutCreate,
-                        (cublasLtMatrixLayout_t * layout, cudaDataType type, uint64_t rows,
-                         uint64_t cols, int64_t ld),
-                        (layout, type, rows, cols, ld))
-TROUPE_CUBLASLT_FORWARD(cublasLtMatrixLayoutDestroy, (cublasLtMatrixLayout_t layout), (layout))
-
+TROUPE_CUBLASLT_FUNCTIONS(TROUPE_CUBLASLT_FORWARD)
 }  // extern "C"
