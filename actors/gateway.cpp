@@ -207,8 +207,9 @@ class gateway_impl : public caf::blocking_actor {
         send(r, wire::envelope{0, me, 0, false, heartbeat{me, ++beats_}});
   }
 
-  // A peer is heard from when any of its messages arrives, not only when a frame of it is
-  // delivered: its frames can wait behind this process's own receive backlog (per-peer order,
+  // A peer is heard from when any of its messages arrives (so every frame delivered by the
+  // progress() before this check counts too), not only when a frame of it is delivered: its
+  // frames can wait behind this process's own receive backlog (per-peer order,
   // rendezvous receives under their bounds, e.g. behind fetches from a peer that just died),
   // and a live peer must not be named lost for that.
   void check_liveness(clock_type::time_point now) {
@@ -261,7 +262,6 @@ class gateway_impl : public caf::blocking_actor {
 
   void on_frame(int peer, std::shared_ptr<aligned_buffer> buf, std::size_t bytes) {
     if (peer < 0 || peer >= s_->cfg.world) return;
-    last_heard_[static_cast<std::size_t>(peer)] = clock_type::now();
     wire::envelope e;
     try {
       e = wire::decode(std::move(buf), bytes, s_->cfg.limits);
@@ -306,7 +306,7 @@ class gateway_impl : public caf::blocking_actor {
         caf::anon_send(s_->client, run_finished{false, "rank " + std::to_string(err->rank) + ": " +
                                                            err->message});
     }
-    // heartbeat: last_heard_ was updated on arrival.
+    // heartbeat: its arrival was counted (messages_arrived), which check_liveness reads.
   }
 
   std::shared_ptr<mesh_state> s_;
