@@ -14,6 +14,7 @@ constexpr std::size_t max_receives_outstanding = 64;
 constexpr std::size_t min_receives_outstanding = 2;
 constexpr std::size_t max_receive_bytes_outstanding = std::size_t{4} << 20;
 constexpr std::size_t max_local_receives_outstanding = 2;  // from a shared-memory peer
+constexpr std::size_t max_local_receive_bytes_outstanding = std::size_t{1} << 20;  // (beyond one)
 
 }  // namespace
 
@@ -157,7 +158,10 @@ ucx_transport::impl::frame_state* ucx_transport::impl::frame_of(inbound& in, int
 }
 
 bool ucx_transport::impl::room_to_receive(const recv_op& op) const {
-  if (op.in->local) return local_receives_outstanding < max_local_receives_outstanding;
+  if (op.in->local)
+    return local_receives_outstanding == 0 ||
+           (local_receives_outstanding < max_local_receives_outstanding &&
+            local_receive_bytes_outstanding + op.bytes <= max_local_receive_bytes_outstanding);
   const std::size_t at_least = op.in->loopback ? 1 : min_receives_outstanding;
   return receives_outstanding < max_receives_outstanding &&
          (receives_outstanding < at_least ||
@@ -168,6 +172,7 @@ void ucx_transport::impl::start_receive(recv_op* op, void* desc, std::byte* targ
   op->counted = true;
   if (op->in->local) {
     ++local_receives_outstanding;
+    local_receive_bytes_outstanding += op->bytes;
   } else {
     ++receives_outstanding;
     receive_bytes_outstanding += op->bytes;
@@ -204,6 +209,7 @@ void ucx_transport::impl::receive_completed(recv_op* op) {
   if (op->request) ucp_request_free(op->request);
   if (op->counted && op->in->local) {
     --local_receives_outstanding;
+    local_receive_bytes_outstanding -= op->bytes;
   } else if (op->counted) {
     --receives_outstanding;
     receive_bytes_outstanding -= op->bytes;

@@ -45,7 +45,12 @@
 // 64 KiB cycled through 32 buffers, and process_vm_readv into 32 buffers copied about 6-8% slower
 // than into one (docs/transport.md). Two rather than one: the second copy is queued while the
 // first runs, so one progress can finish both (64 KiB frames: 0.94x -> 0.97x of ucx_perftest in
-// interleaved runs). Over the network, receives in flight overlap the peer's sending, so they
+// interleaved runs). The second starts only while the two stay within 1 MiB together, so 1 MiB
+// frames land one at a time, in one buffer: on a 16-core Xeon with 2 MiB of L2 per core, 1 MiB
+// frames ran at 0.80-0.88x of ucx_perftest with two and 0.96-0.98x with one (64 KiB there:
+// 0.85-0.92x with two, 0.83-0.86x with one); here 0.96-0.98x with two, 0.98-1.03x with one
+// (docs/transport.md, session 27). Over the network, receives in flight overlap the peer's
+// sending, so they
 // keep the bounds above, except that a network peer reached over the loopback device (so on this
 // host) gets one receive at a time, not two, once a frame exceeds the byte budget: sender and
 // receiver then share the last-level cache, which a second 16 MiB receive buffer overflows (with
@@ -235,7 +240,7 @@ struct ucx_transport::impl {
   std::deque<recv_op*> deferred;  // rendezvous messages waiting for room to start receiving
   std::deque<std::pair<int, std::string>> peer_errors;
   std::size_t receives_outstanding = 0, receive_bytes_outstanding = 0;
-  std::size_t local_receives_outstanding = 0;
+  std::size_t local_receives_outstanding = 0, local_receive_bytes_outstanding = 0;
   receive_callback receive_fn;
   peer_error_callback peer_error_fn;
   bool dispatching = false, closing = false;

@@ -33,7 +33,8 @@ batch make_batch(std::uint64_t salt) {
 
 struct cpu_run {
   std::vector<double> losses, norms;
-  std::vector<float> first_grads, params;
+  std::vector<std::vector<float>> grads;  // each step's, before clipping
+  std::vector<float> params;
 };
 
 cpu_run run_cpu(const optimizer_config& oc, int steps) {
@@ -48,31 +49,105 @@ cpu_run run_cpu(const optimizer_config& oc, int steps) {
     stage_forward(model, acts, b.inputs.data(), nullptr);
     r.losses.push_back(stage_loss_backward_start(model, acts, b.targets.data(), 1.0f).mean());
     stage_backward(model, acts, nullptr, nullptr);
-    if (s == 0) r.first_grads.assign(model.grads(), model.grads() + model.parameter_count());
+    r.grads.emplace_back(model.grads(), model.grads() + model.parameter_count());
     r.norms.push_back(opt.step(model, oc, s, steps).grad_norm);
   }
   r.params.assign(model.params(), model.params() + model.parameter_count());
   return r;
 }
 
+// How the parameters after AdamW are compared. AdamW turns rounding into whole steps: its first
+// update is lr * g / (|g| + eps), +-lr for any |g| >> eps, so an element whose gradient the two
+// engines give within rounding of zero moves +-lr at random (the key third of every c_attn.bias,
+// whose true gradient is exactly 0, is the systematic case: softmax ignores a shift shared by
+// every key); later updates follow ratios of gradients, so one the engines give `agree` apart
+// (relatively) moves up to about agree * lr more per step. Measured on the CPU alone (session
+// 27): the CPU engine against itself with every nonzero gradient moved by 1e-7 of its tensor's
+// largest (a rounding of a sum at that scale) ends these four steps up to 4-6e-5 of the largest
+// parameter apart, at elements whose first gradient is ~1e-8 where a tensor's reach 1e-3.
+// So an element whose gradient the GPU gives within `agree` of the CPU's at every step is held
+// to param_tol (of the largest parameter); the others, undetermined, to the 2 * steps * lr that
+// AdamW can move them at most, and there may be at most max_undetermined (a fraction) of them.
+struct param_tolerance {
+  double param_tol;         // max |gpu - cpu| / max |cpu| over determined elements
+  double agree;             // |g_gpu - g_cpu| <= agree * |g_cpu| at every step: determined
+  double max_undetermined;  // at most this fraction of the elements undetermined
+};
+
+// The elements whose gradient the GPU gives more than `agree` (relatively) from the CPU's at
+// some step.
+std::vector<bool> undetermined_elements(const std::vector<std::vector<float>>& gpu_grads,
+                                        const cpu_run& want, double agree) {
+  std::vector<bool> off(want.params.size(), false);
+  for (std::size_t s = 0; s < gpu_grads.size(); ++s)
+    for (std::size_t i = 0; i < off.size(); ++i) {
+      const double c = want.grads[s][i];
+      if (std::abs(gpu_grads[s][i] - c) > agree * std::abs(c)) off[i] = true;
+    }
+  return off;
+}
+
+struct param_comparison {
+  std::size_t undetermined = 0;
+  double worst_determined = 0, worst_undetermined = 0;  // max |gpu - cpu|
+  std::size_t worst_at = 0;                             // of the determined
+};
+
+param_comparison compare_params(const std::vector<float>& got, const std::vector<float>& expected,
+                                const std::vector<bool>& undetermined) {
+  param_comparison c;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double diff = std::abs(double(got[i]) - double(expected[i]));
+    if (undetermined[i]) {
+      ++c.undetermined;
+      c.worst_undetermined = std::max(c.worst_undetermined, diff);
+    } else if (diff > c.worst_determined) {
+      c.worst_determined = diff;
+      c.worst_at = i;
+    }
+  }
+  return c;
+}
+
+double largest_magnitude(const std::vector<float>& v) {
+  double mag = 1e-30;
+  for (const float x : v) mag = std::max(mag, double(std::abs(x)));
+  return mag;
+}
+
+// For the failure message: how many elements each `agree` leaves undetermined, and the worst
+// determined difference (of the largest parameter) it leaves.
+std::string agreement_table(const std::vector<std::vector<float>>& gpu_grads, const cpu_run& want,
+                            const std::vector<float>& got) {
+  std::string text;
+  for (const double agree : {1e-4, 1e-3, 1e-2, 1e-1, 1.0}) {
+    const auto c = compare_params(got, want.params, undetermined_elements(gpu_grads, want, agree));
+    text += "\n  agree " + std::to_string(agree) + ": " + std::to_string(c.undetermined) + " of " +
+            std::to_string(got.size()) + " undetermined, determined max diff " +
+            std::to_string(c.worst_determined / largest_magnitude(want.params));
+  }
+  return text;
+}
+
 // Four AdamW steps on the GPU against the CPU; backward seeded with loss_scale (a power of two),
 // unscaled in the update as the training loop does.
-void compare(compute_dtype dtype, double loss_tol, double grad_tol, double param_tol,
+void compare(compute_dtype dtype, double loss_tol, double grad_tol, param_tolerance pt,
              float loss_scale = 1.0f) {
   optimizer_config oc;
   oc.warmup_steps = 1;
   const int steps = 4;
   const auto want = run_cpu(oc, steps);
   gpu_trainer gpu(kConfig, kB, kT, dtype, 42);
+  std::vector<std::vector<float>> gpu_grads;
   for (int s = 0; s < steps; ++s) {
     const auto b = make_batch(static_cast<std::uint64_t>(s) * 1000);
     gpu.zero_grad();
     const double loss = gpu.forward_backward(b.inputs.data(), b.targets.data(), loss_scale);
+    gpu_grads.push_back(gpu.gradients());
+    for (auto& g : gpu_grads.back()) g /= loss_scale;
     if (s == 0) {
       INFO("first step's gradients");
-      auto unscaled = gpu.gradients();
-      for (auto& g : unscaled) g /= loss_scale;
-      CHECK(relative_difference(unscaled, want.first_grads) <= grad_tol);
+      CHECK(relative_difference(gpu_grads[0], want.grads[0]) <= grad_tol);
     }
     const double norm = std::sqrt(gpu.grad_square_sum()) / loss_scale;
     REQUIRE(std::isfinite(norm));
@@ -84,41 +159,38 @@ void compare(compute_dtype dtype, double loss_tol, double grad_tol, double param
     CHECK(std::abs(norm - want.norms[static_cast<std::size_t>(s)]) <=
           10 * loss_tol * want.norms[static_cast<std::size_t>(s)]);
   }
-  // The key third of every c_attn.bias has a true gradient of exactly 0 (softmax ignores a
-  // shift shared by every key), so both engines hold rounding noise there, which AdamW turns
-  // into steps of up to lr each way (g / (|g| + eps)). Those entries are checked against that
-  // bound; every other parameter against param_tol.
-  auto got = gpu.parameters(), expected = want.params;
-  std::vector<float> got_k, expected_k;
+  const auto got = gpu.parameters();
+  REQUIRE(got.size() == want.params.size());
+  const auto c = compare_params(got, want.params, undetermined_elements(gpu_grads, want, pt.agree));
+  std::string worst_name;
   for (const auto& p : gpu.layout()) {
-    if (p.name.find("attn.c_attn.bias") == std::string::npos) continue;
-    const auto from = static_cast<std::size_t>(p.offset + kConfig.width);
-    for (std::size_t i = from; i < from + static_cast<std::size_t>(kConfig.width); ++i) {
-      got_k.push_back(std::exchange(got[i], 0.0f));
-      expected_k.push_back(std::exchange(expected[i], 0.0f));
-    }
+    const auto from = static_cast<std::size_t>(p.offset);
+    if (c.worst_at >= from && c.worst_at < from + static_cast<std::size_t>(p.numel))
+      worst_name = p.name + "[" + std::to_string(c.worst_at - from) + "]";
   }
-  REQUIRE(got_k.size() == static_cast<std::size_t>(kConfig.layers * kConfig.width));
-  CHECK(relative_difference(got, expected) <= param_tol);
-  for (std::size_t i = 0; i < got_k.size(); ++i)
-    CHECK(std::abs(got_k[i] - expected_k[i]) <= 2.0 * steps * oc.lr);
+  INFO("worst determined element " << worst_name << ": " << got[c.worst_at] << " vs "
+                                   << want.params[c.worst_at]
+                                   << agreement_table(gpu_grads, want, got));
+  CHECK(c.worst_determined / largest_magnitude(want.params) <= pt.param_tol);
+  CHECK(c.worst_undetermined <= 2.0 * steps * oc.lr);
+  CHECK(double(c.undetermined) <= pt.max_undetermined * double(got.size()));
 }
 
 }  // namespace
 
 TEST_CASE("GPT-2 on the GPU in fp32 trains as the CPU engine does", "[gpu][trainer]") {
-  compare(compute_dtype::fp32, 1e-5, 1e-4, 1e-5);
+  compare(compute_dtype::fp32, 1e-5, 1e-4, {1e-5, 1e-2, 0.02});
 }
 
 TEST_CASE("GPT-2 on the GPU in bf16 (fp32 master weights) follows the CPU engine",
           "[gpu][trainer]") {
-  compare(compute_dtype::bf16, 2e-2, 5e-2, 1e-2);
+  compare(compute_dtype::bf16, 2e-2, 5e-2, {1e-2, 1.0, 0.1});
 }
 
 TEST_CASE("GPT-2 on the GPU in fp16 with a loss scale follows the CPU engine", "[gpu][trainer]") {
   // fp16 keeps 10 mantissa bits (bf16 7): tighter than bf16; the scale keeps small activation
   // gradients out of fp16's subnormals.
-  compare(compute_dtype::fp16, 1e-2, 3e-2, 5e-3, 1024.0f);
+  compare(compute_dtype::fp16, 1e-2, 3e-2, {5e-3, 1.0, 0.03}, 1024.0f);
 }
 
 TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the plan",
