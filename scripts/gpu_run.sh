@@ -10,6 +10,13 @@
 #                              `troupe bench train-step --device cuda` (GPT-2 small, bf16, next
 #                              to PyTorch eager and torch.compile). Logs and the bench's JSON go
 #                              to $OUT when it is set, else to build-gpu/.
+#   scripts/gpu_run.sh pack    here, after a CUDA build in build/ (release): copies the troupe
+#                              binary and the `gpu` suite's test programs into .gpu-bin/
+#                              (git-ignored), so the GPU machine need not build (session 27).
+#   scripts/gpu_run.sh prebuilt  on the GPU machine, with .gpu-debs/ and .gpu-bin/: the `run`
+#                              checks with those programs, found by LD_LIBRARY_PATH (the unpacked
+#                              packages, the CUDA runtime and NCCL); TRANSPORT=1 adds
+#                              `troupe bench transport` (ucx_perftest from ucx-utils).
 #
 # The GPU machine needs g++, nvcc (/usr/local/cuda), meson, ninja and dpkg-deb; python3 with
 # torch for the peer. BENCH_ARGS adds options to the bench (e.g. "--batch 8 --steps 10").
@@ -21,7 +28,7 @@ packages=(libcaf-dev libcaf-core0.17 libcaf-io0.17 libcaf-openssl0.17 libucx-dev
           libibverbs1 librdmacm1 libcapnp-dev libcapnp-0.9.2 capnproto libopenblas-openmp-dev
           libopenblas0-openmp libopenblas-dev libopenblas0 libgfortran5 catch2 libcli11-dev
           libtomlplusplus-dev libtomlplusplus3 nlohmann-json3-dev libxxhash-dev libxxhash0 pkgconf
-          pkgconf-bin libpkgconf3 libssl-dev)
+          pkgconf-bin libpkgconf3 libssl-dev ucx-utils)
 
 fetch() {
   mkdir -p "$debs"
@@ -29,14 +36,83 @@ fetch() {
   echo "gpu_run: $(ls "$debs"/*.deb | wc -l) packages, $(du -sh "$debs" | cut -f1) in $debs" >&2
 }
 
-run() {
+bins=.gpu-bin
+root=/tmp/troupe-deps
+lib="$root/usr/lib/x86_64-linux-gnu"
+blas="$lib/openblas-openmp"
+
+unpack() {
   ls "$debs"/*.deb >/dev/null 2>&1 || { echo "gpu_run: no packages in $debs (run 'fetch' first)" >&2; exit 2; }
-  local out="${OUT:-build-gpu}" root=/tmp/troupe-deps
-  mkdir -p "$out"
   rm -rf "$root"
   for f in "$debs"/*.deb; do dpkg-deb -x "$f" "$root"; done
-  local lib="$root/usr/lib/x86_64-linux-gnu"
-  local blas="$lib/openblas-openmp"
+}
+
+machine() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+  nvcc --version | tail -1; g++ --version | head -1; nproc
+}
+
+# The benchmark's JSON as lines: tokens/s, MFU and the ratio to each peer.
+bench_summary() {
+  python3 - "$1" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+t = r["troupe"]
+print(f"troupe {t['tokens_per_s']:.0f} tok/s, {t['step_ms_median']:.1f} ms/step, MFU {100*t['mfu']:.1f}%")
+for p in r.get("peers", []):
+    if "tokens_per_s" in p:
+        print(f"{p['name']}: {p['tokens_per_s']:.0f} tok/s, MFU {100*p['mfu']:.1f}%, troupe/peer {p['ratio']:.2f}x")
+    else:
+        print(f"{p['name']}: {p['error']}")
+PY
+}
+
+pack() {
+  local programs=(tools/troupe tests/kernels/test_cuda_ops tests/kernels/test_nccl_group
+                  tests/engine/test_gpu_trainer)
+  for p in "${programs[@]}"; do
+    [ -x "build/$p" ] || { echo "gpu_run: build/$p missing (a CUDA build in build/ first)" >&2; exit 2; }
+  done
+  rm -rf "$bins" && mkdir -p "$bins"
+  for p in "${programs[@]}"; do cp "build/$p" "$bins/"; done
+  echo "gpu_run: $(du -sh "$bins" | cut -f1) in $bins" >&2
+}
+
+prebuilt() {
+  [ -x "$bins/troupe" ] || { echo "gpu_run: no programs in $bins (run 'pack' here first)" >&2; exit 2; }
+  unpack
+  local out="${OUT:-$bins/out}" cuda nccl
+  mkdir -p "$out"
+  cuda=$(dirname "$(find /usr/local/cuda/lib64/ -name "libcudart.so.*" | head -1)")
+  nccl=$(dirname "$(find /usr/local/cuda/ /usr/lib /opt -name 'libnccl.so.2*' 2>/dev/null | head -1)")
+  export LD_LIBRARY_PATH="$lib:$blas:$cuda:$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export UCX_MODULE_DIR="$lib/ucx" PATH="$root/usr/bin:$PATH"
+  machine 2>&1 | tee "$out/machine.txt"
+  local failed=0 t
+  for t in test_cuda_ops test_nccl_group test_gpu_trainer; do
+    timeout -k 5 300 "$bins/$t" --durations yes >"$out/$t.log" 2>&1 || failed=1
+    echo "gpu_run: $t: $(tail -n 2 "$out/$t.log" | head -n 1)"
+  done
+  timeout -k 5 600 bash tests/cli/cli_gpu_train.sh "$bins/troupe" >"$out/cli_gpu_train.log" 2>&1 ||
+    failed=1
+  echo "gpu_run: cli_gpu_train: $(tail -n 1 "$out/cli_gpu_train.log")"
+  # shellcheck disable=SC2086
+  if timeout -k 5 600 "$bins/troupe" bench train-step --device cuda --json ${BENCH_ARGS:-} \
+    >"$out/bench_train_step.json" 2>"$out/bench_train_step.err"; then
+    bench_summary "$out/bench_train_step.json"
+  else
+    failed=1; cat "$out/bench_train_step.err"
+  fi
+  if [ "${TRANSPORT:-0}" = 1 ]; then
+    timeout -k 5 600 "$bins/troupe" bench transport | tee "$out/bench_transport.txt" || failed=1
+  fi
+  return "$failed"
+}
+
+run() {
+  unpack
+  local out="${OUT:-build-gpu}"
+  mkdir -p "$out"
   # pkg-config answers only from the unpacked packages, with their /usr paths moved under $root.
   export PKG_CONFIG="$root/usr/bin/pkgconf"
   export PKG_CONFIG_LIBDIR="$lib/pkgconfig:$blas/pkgconfig:$root/usr/share/pkgconfig"
@@ -45,10 +121,7 @@ run() {
   export LIBRARY_PATH="$lib:$blas${LIBRARY_PATH:+:$LIBRARY_PATH}"
   export PATH="$root/usr/bin:/usr/local/cuda/bin:$PATH"
   local build_env=(env "LD_LIBRARY_PATH=$lib:$blas${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
-  {
-    echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-    nvcc --version | tail -1; g++ --version | head -1; meson --version
-  } 2>&1 | tee "$out/machine.txt"
+  { machine; meson --version; } 2>&1 | tee "$out/machine.txt"
   # The image's compiler may warn where Debian's g++ 12 does not: no -Werror there. The binaries
   # find the unpacked libraries (and theirs) by DT_RPATH, so nothing else (the Python peer) sees
   # them; targets with CUDA objects are linked by nvcc, hence cuda_link_args too.
@@ -70,22 +143,14 @@ run() {
   set -e
   echo "gpu_run: gpu suite exit $suite, bench exit $bench"
   [ "$bench" -eq 0 ] || cat "$out/bench_train_step.err"
-  [ "$bench" -ne 0 ] || python3 - "$out/bench_train_step.json" <<'PY' || true
-import json, sys
-r = json.load(open(sys.argv[1]))
-t = r["troupe"]
-print(f"troupe {t['tokens_per_s']:.0f} tok/s, {t['step_ms_median']:.1f} ms/step, MFU {100*t['mfu']:.1f}%")
-for p in r.get("peers", []):
-    if "tokens_per_s" in p:
-        print(f"{p['name']}: {p['tokens_per_s']:.0f} tok/s, MFU {100*p['mfu']:.1f}%, troupe/peer {p['ratio']:.2f}x")
-    else:
-        print(f"{p['name']}: {p['error']}")
-PY
+  [ "$bench" -ne 0 ] || bench_summary "$out/bench_train_step.json"
   [ "$suite" -eq 0 ] && [ "$bench" -eq 0 ]
 }
 
 case "${1:-}" in
   fetch) fetch ;;
   run) run ;;
-  *) echo "usage: scripts/gpu_run.sh fetch|run" >&2; exit 2 ;;
+  pack) pack ;;
+  prebuilt) prebuilt ;;
+  *) echo "usage: scripts/gpu_run.sh fetch|run|pack|prebuilt" >&2; exit 2 ;;
 esac
