@@ -49,17 +49,16 @@
 // frames land one at a time, in one buffer: on a 16-core Xeon with 2 MiB of L2 per core, 1 MiB
 // frames ran at 0.80-0.88x of ucx_perftest with two and 0.96-0.98x with one (64 KiB there:
 // 0.85-0.92x with two, 0.83-0.86x with one); here 0.96-0.98x with two, 0.98-1.03x with one
-// (docs/transport.md, session 27). Over the network, receives in flight overlap the peer's
-// sending, so they
-// keep the bounds above, except that a network peer reached over the loopback device (so on this
-// host) gets one receive at a time, not two, once a frame exceeds the byte budget: sender and
+// (docs/transport.md, session 27). Over the network, receives in flight overlap the peer's sending,
+// so they keep the bounds above, except that a network peer reached over the loopback device (so on
+// this host) gets one receive at a time, not two, once a frame exceeds the byte budget: sender and
 // receiver then share the last-level cache, which a second 16 MiB receive buffer overflows (with
 // the sender's 16 MiB source, 48 MiB against 32 MiB here; tcp, 16 MiB frames, interleaved:
-// 0.85-0.88x of ucx_perftest with two, 0.90-0.92x with one). Between hosts a second receive
-// saves a round trip per frame and shares no cache with the sender. Pool buffers of 2 MiB or
-// more use transparent huge pages (aligned_buffer::make_large): 16 MiB frames went from about
-// 0.83x to 0.85-0.94x. UCX callbacks only record completions; progress() runs the user's
-// callbacks afterwards, outside UCX.
+// 0.85-0.88x of ucx_perftest with two, 0.90-0.92x with one). Between hosts a second receive saves a
+// round trip per frame and shares no cache with the sender. Pool buffers of 2 MiB or more use
+// transparent huge pages (aligned_buffer::make_large): 16 MiB frames went from about 0.83x to
+// 0.85-0.94x. UCX callbacks only record completions; progress() runs the user's callbacks
+// afterwards, outside UCX.
 #pragma once
 
 #include <ucp/api/ucp.h>

@@ -63,7 +63,8 @@ run fp16 --device cuda --set precision.dtype=fp16 --set precision.loss_scale=dyn
   --set steps=20
 
 "$troupe" train "$recipe" --device cuda --set precision.dtype=bf16 \
-  --set activation_checkpoint.mode=full --set "data.train=$tmp/corpus.txt" --dry-run >"$tmp/plan.out" || exit 1
+  --set activation_checkpoint.mode=full --set "data.train=$tmp/corpus.txt" --dry-run \
+  >"$tmp/plan.out" || exit 1
 grep -q "saves" "$tmp/plan.out" || { echo "FAIL: --dry-run shows no saving"; exit 1; }
 
 "$py" - "$tmp" <<'PY' || exit 1

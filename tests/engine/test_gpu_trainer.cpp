@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "engine/gpt_model.hpp"
@@ -64,7 +63,7 @@ cpu_run run_cpu(const optimizer_config& oc, int steps) {
 // (relatively) moves up to about agree * lr more per step. Measured on the CPU alone (session
 // 27): the CPU engine against itself with every nonzero gradient moved by 1e-7 of its tensor's
 // largest (a rounding of a sum at that scale) ends these four steps up to 4-6e-5 of the largest
-// parameter apart, at elements whose first gradient is ~1e-8 where a tensor's reach 1e-3.
+// parameter apart, at elements whose first gradient is ~1e-8 while their tensor's reach 1e-3.
 // So an element whose gradient the GPU gives within `agree` of the CPU's at every step is held
 // to param_tol (of the largest parameter); the others, undetermined, to the 2 * steps * lr that
 // AdamW can move them at most, and there may be at most max_undetermined (a fraction) of them.
