@@ -47,9 +47,12 @@ unpack() {
   for f in "$debs"/*.deb; do dpkg-deb -x "$f" "$root"; done
 }
 
+# What the machine is (each line may be missing: no failure).
 machine() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-  nvcc --version | tail -1; g++ --version | head -1; nproc
+  { nvcc --version | tail -1; } || true
+  { g++ --version | head -1; } || true
+  nproc
 }
 
 # The benchmark's JSON as lines: tokens/s, MFU and the ratio to each peer.
