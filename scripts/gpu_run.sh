@@ -16,7 +16,8 @@
 #   scripts/gpu_run.sh prebuilt  on the GPU machine, with .gpu-debs/ and .gpu-bin/: the `run`
 #                              checks with those programs, found by LD_LIBRARY_PATH (the unpacked
 #                              packages, the CUDA runtime and NCCL); TRANSPORT=1 adds
-#                              `troupe bench transport` (ucx_perftest from ucx-utils).
+#                              `troupe bench transport` (ucx_perftest from ucx-utils), PROFILE=1
+#                              a per-kernel summary of one training step by Nsight Compute.
 #
 # The GPU machine needs g++, nvcc (/usr/local/cuda), meson, ninja and dpkg-deb; python3 with
 # torch for the peer. BENCH_ARGS adds options to the bench (e.g. "--batch 8 --steps 10").
@@ -105,6 +106,17 @@ prebuilt() {
     bench_summary "$out/bench_train_step.json"
   else
     failed=1; cat "$out/bench_train_step.err"
+  fi
+  # Where the step's time goes, per kernel (Nsight Compute; one short step, no peer).
+  if [ "${PROFILE:-0}" = 1 ]; then
+    local ncu
+    ncu=$(command -v ncu || find /usr/local/cuda/bin /opt/nvidia -name ncu -type f 2>/dev/null |
+      head -1 || true)
+    [ -n "$ncu" ] || ncu=ncu
+    timeout -k 5 600 "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+      --print-summary per-kernel "$bins/troupe" bench train-step --device cuda --no-peer \
+      --steps 1 --warmup 1 >"$out/profile.txt" 2>&1 || failed=1
+    echo "gpu_run: per-kernel times in $out/profile.txt"
   fi
   if [ "${TRANSPORT:-0}" = 1 ]; then
     timeout -k 5 600 "$bins/troupe" bench transport | tee "$out/bench_transport.txt" || failed=1
