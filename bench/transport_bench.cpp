@@ -189,13 +189,17 @@ struct bandwidth_run {
   std::size_t frame_bytes = 0;
   bool zero_copy = true, views = false;
   long long unwritten_resident = -1;  // an unwritten tensor's resident bytes after the run
+  long long huge_page_bytes = -1;     // a written tensor's mapping: bytes in huge pages after it
   std::string info;
 };
 
 bandwidth_run ours_bandwidth(const transport_bench_options& o, const std::string& tls,
-                             std::size_t payload_bytes, long warmup, long frames, bool written) {
+                             std::size_t payload_bytes, long warmup, long frames,
+                             const std::string& kind) {
   peer_session s(o, tls, "bandwidth", warmup, frames);
-  const auto tensor = written ? written_tensor(payload_bytes) : unwritten_tensor(payload_bytes);
+  const auto tensor = kind == "engine"    ? engine_tensor(payload_bytes)
+                      : kind == "written" ? written_tensor(payload_bytes)
+                                          : unwritten_tensor(payload_bytes);
   const wire::envelope e = activation(tensor);
   bandwidth_run run;
   run.info = s.transport->transport_info(1);
@@ -230,7 +234,10 @@ bandwidth_run ours_bandwidth(const transport_bench_options& o, const std::string
   phase(frames, 2);
   const double elapsed = std::chrono::duration<double>(clock_type::now() - t0).count();
   run.bytes_per_s = static_cast<double>(run.frame_bytes) * static_cast<double>(frames) / elapsed;
-  if (!written) run.unwritten_resident = resident_bytes(tensor->data());
+  if (kind == "unwritten")
+    run.unwritten_resident = resident_bytes(tensor->data());
+  else
+    run.huge_page_bytes = huge_page_bytes(tensor->data());
   const std::string status = s.finish();
   if (status.rfind(peer_line_ok, 0) != 0) fail("transport bench: peer: " + status);
   run.views = status.find("views=1") != std::string::npos;
@@ -370,8 +377,8 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
       "messages::wire activation frame (link_message, shape [1, n/256, 256]), encoded per send, "
       "decoded by the receiver";
   report.send_zero_copy_checked = report.receive_views_checked = true;
-  if (o.source != "as-peer" && o.source != "written")
-    fail("--source: unknown '" + o.source + "' (as-peer or written)");
+  if (o.source != "as-peer" && o.source != "written" && o.source != "engine")
+    fail("--source: unknown '" + o.source + "' (as-peer, written or engine)");
   report.source = o.source;
   const std::size_t bytes_per_run = o.quick ? std::size_t{256} << 20 : std::size_t{2} << 30;
   const long latency_frames = o.quick ? 10000 : 50000, wait_frames = o.quick ? 2000 : 10000;
@@ -393,23 +400,30 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
       // holds every buffer in use (steady state; a buffer's first use faults its pages in).
       const long warmup = std::max<long>(4 * long(send_window(payload)), row.frames / 10);
       // ucx_perftest's tcp sender never writes its buffer (transport_source.hpp).
-      const bool written = o.source == "written" || tls != "tcp";
-      row.tensor = written ? "written" : "unwritten";
+      row.tensor = o.source == "engine"                    ? "engine"
+                   : o.source == "written" || tls != "tcp" ? "written"
+                                                           : "unwritten";
       // One untimed run of each side first: the first run of a bench process ran 10-25% slower
       // than the ones after it (5.3-6.6 against 6.5-8.7 GB/s at 64 KiB; a 250 ms run of any
       // rendezvous size before it removed that, a 40 ms one did not), and it is always ours.
       if (report.warmup_ours == 0) {
-        const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames, written);
+        const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames, row.tensor);
         report.warmup_ours = run.bytes_per_s;
         report.warmup_peer =
             run_perftest(perftest, tls, "tag_bw", run.frame_bytes, row.frames, warmup, false)
                 .bytes_per_s;
       }
       auto ours_run = [&] {
-        const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames, written);
+        const auto run = ours_bandwidth(o, tls, payload, warmup, row.frames, row.tensor);
         row.ours_runs.push_back(run.bytes_per_s);
         report.unwritten_resident_bytes =
             std::max(report.unwritten_resident_bytes, run.unwritten_resident);
+        if (run.huge_page_bytes >= 0) {
+          auto [at, fresh] = report.huge_page_bytes.try_emplace(row.tensor, run.huge_page_bytes,
+                                                                run.huge_page_bytes);
+          at->second.first = std::min(at->second.first, run.huge_page_bytes);
+          at->second.second = std::max(at->second.second, run.huge_page_bytes);
+        }
         row.frame_bytes = run.frame_bytes;
         report.send_zero_copy_checked &= run.zero_copy;
         report.receive_views_checked &= run.views;

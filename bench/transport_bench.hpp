@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace troupe::bench {
@@ -18,8 +19,9 @@ struct transport_bench_options {
   // A row runs if, for each of the three kinds that has a word here, it matches one of them.
   std::vector<std::string> only;
   // The tensor of the bandwidth rows: "as-peer" in the memory state of ucx_perftest's send
-  // buffer (written over shared memory, never written over tcp: transport_source.hpp),
-  // "written" written on every transport.
+  // buffer (written in 4 KiB pages over shared memory, never written over tcp:
+  // transport_source.hpp), "written" written in 4 KiB pages on every transport, "engine" in the
+  // engine's payload storage (huge pages where the kernel gives them) on every transport.
   std::string source = "as-peer";
   std::string self_exe;                   // the troupe binary (runs the peer process)
   std::string perftest = "ucx_perftest";  // looked up on PATH unless it contains a '/'
@@ -31,7 +33,7 @@ struct transport_row {
   std::size_t payload_bytes = 0;  // tensor bytes (bandwidth) or frame bytes (latency)
   std::size_t frame_bytes = 0;    // bytes on the wire per frame; ucx_perftest sends this size
   long frames = 0;                // timed frames (bandwidth) or round trips (latency)
-  std::string tensor;             // bandwidth rows: "written" or "unwritten" (never written)
+  std::string tensor;  // bandwidth rows: "written", "unwritten" (never written) or "engine"
   // A row runs ours, ucx_perftest, ours, ..., ucx_perftest, ours (`repeats` runs of the peer,
   // one more of ours), and compares each peer run with the mean of our two runs around it (a
   // "pair"): runs that saw the same machine, a drift in a straight line cancelled.
@@ -66,6 +68,9 @@ struct transport_bench_report {
   // The most bytes of an unwritten send tensor found resident after a run (0: every one was
   // still unwritten, its sends read the zero page; -1: no row sent one).
   long long unwritten_resident_bytes = -1;
+  // By tensor kind ("written", "engine"): the fewest and most bytes of a send tensor's mapping
+  // found in huge pages after a run.
+  std::map<std::string, std::pair<long long, long long>> huge_page_bytes;
   std::vector<transport_row> rows;
 };
 

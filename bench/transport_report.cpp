@@ -28,12 +28,17 @@ std::string format_transport_report(const transport_bench_report& r) {
          "mean of our two runs around it / it); pairs: the lowest and highest of those\n"
          "bandwidth frames: " +
          r.frame + "; ucx_perftest sends the same frame size\n" +
-         (r.source == "written"
-              ? "tensor: written on every transport (--source written); ucx_perftest's tcp "
-                "sender still sends from a buffer it never wrote\n"
+         (r.source == "engine"
+              ? "tensor: in the engine's payload storage on every transport (--source engine): "
+                "written, huge pages where the kernel gives them; ucx_perftest sends from its "
+                "own buffer (4 KiB pages; over tcp never written)\n"
+          : r.source == "written"
+              ? "tensor: written in 4 KiB pages on every transport (--source written); "
+                "ucx_perftest's tcp sender still sends from a buffer it never wrote\n"
               : "tensor: in the state of ucx_perftest's send buffer (--source as-peer): written "
-                "over shared memory; over tcp mapped and never written, as ucx_perftest's tcp "
-                "sender never writes its buffer (the kernel sends its zero page)\n") +
+                "in 4 KiB pages over shared memory; over tcp mapped and never written, as "
+                "ucx_perftest's tcp sender never writes its buffer (the kernel sends its zero "
+                "page)\n") +
          "latency: one-way = half a round trip of an 8-byte frame, median (mean)\n\n";
   std::snprintf(line, sizeof line, "%-13s %-8s %-15s %-9s %-22s %-22s %6s  %-11s  %-15s %s\n",
                 "metric", "size", "transport", "tensor", "ours", "peer (ucx_perftest)", "ratio",
@@ -102,6 +107,12 @@ std::string format_transport_report(const transport_bench_report& r) {
   else if (r.unwritten_resident_bytes > 0)
     out += "unwritten tensors: " + std::to_string(r.unwritten_resident_bytes) +
            " bytes resident after a run: not in the state of ucx_perftest's buffer\n";
+  for (const auto& [kind, range] : r.huge_page_bytes) {
+    std::string kib = std::to_string(range.first / 1024);
+    if (range.second != range.first) (kib += '-') += std::to_string(range.second / 1024);
+    out += kind + " tensors: " + kib +
+           " KiB of their mapping in huge pages after a run (smaps AnonHugePages)\n";
+  }
   for (const auto& [tls, info] : r.transport_info)
     out += "UCX_TLS=" + tls + " -> endpoint lanes: " + info + "\n";
   return out;
@@ -146,6 +157,8 @@ std::string transport_report_json(const transport_bench_report& r) {
     out["warmup_not_counted"] = {{"ours", r.warmup_ours}, {"peer", r.warmup_peer}};
   if (r.unwritten_resident_bytes >= 0)
     out["unwritten_tensor_resident_bytes"] = r.unwritten_resident_bytes;
+  for (const auto& [kind, range] : r.huge_page_bytes)
+    out["tensor_huge_page_bytes"][kind] = {{"fewest", range.first}, {"most", range.second}};
   if (r.send_zero_copy_checked) out["payload_copies_on_send"] = 0;
   if (r.receive_views_checked) out["payload_copies_after_receive"] = 0;
   return out.dump(2);

@@ -3,11 +3,12 @@
 // Messages hold it by std::shared_ptr, so an in-process send moves a pointer and a remote
 // receive hands the stage the bytes where the transport put them.
 // Storage the payload allocates itself (the sized and the copying constructors) is 64-byte
-// aligned, and page aligned from 16 KiB (the size UCX sends by zero-copy rendezvous): a page
-// aligned 64 KiB tensor spans 16 pages instead of 17, so a peer's shared-memory fetch (cma) pins
-// one page fewer, and it copies from a source aligned like its destination. Measured with
-// process_vm_readv of 64 KiB between two pinned processes: about 10.5 GB/s from a page-aligned
-// source against 9.7 from malloc's 16-byte alignment (docs/transport.md).
+// aligned, and from 16 KiB (the size UCX sends by zero-copy rendezvous) a block of
+// payload_memory: page aligned, in mappings advised to use huge pages, reused once released. A
+// page-aligned 64 KiB tensor spans 16 pages instead of 17 (process_vm_readv of 64 KiB between
+// two pinned processes: about 10.5 GB/s from a page-aligned source against 9.7 from malloc's
+// 16-byte alignment), and in a huge page a peer's shared-memory fetch (cma) pins one page
+// instead of 16 (docs/transport.md, "Session 28").
 #pragma once
 
 #include <cstddef>
@@ -16,6 +17,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "messages/payload_memory.hpp"
 
 namespace troupe::messages {
 
@@ -26,7 +29,7 @@ class payload {
 
  public:
   using value_type = T;
-  static constexpr std::size_t page_aligned_from = 16 << 10;  // bytes
+  static constexpr std::size_t page_aligned_from = payload_memory::min_bytes;
   // n zero-initialized elements in aligned storage.
   explicit payload(std::size_t n) : allocated_(allocate(n)), data_(allocated_.get()), size_(n) {
     std::uninitialized_value_construct_n(data_, n);
@@ -63,17 +66,25 @@ class payload {
   }
 
  private:
-  struct aligned_delete {
-    std::size_t alignment = 64;
-    void operator()(T* p) const { ::operator delete (p, std::align_val_t{alignment}); }
+  // Gives storage back where allocate() took it: payload_memory from page_aligned_from bytes.
+  struct storage_delete {
+    std::size_t bytes = 0;
+    void operator()(T* p) const {
+      if (bytes >= page_aligned_from)
+        payload_memory::release(p, bytes);
+      else
+        ::operator delete (p, std::align_val_t{64});
+    }
   };
-  static std::unique_ptr<T[], aligned_delete> allocate(std::size_t n) {
-    const std::size_t alignment = alignment_for(n);
-    void* p = ::operator new (n == 0 ? alignment : n * sizeof(T), std::align_val_t{alignment});
-    return std::unique_ptr<T[], aligned_delete>(static_cast<T*>(p), aligned_delete{alignment});
+  static std::unique_ptr<T[], storage_delete> allocate(std::size_t n) {
+    const std::size_t bytes = n * sizeof(T);
+    void* p = bytes >= page_aligned_from
+                  ? payload_memory::allocate(bytes)
+                  : ::operator new (n == 0 ? 64 : bytes, std::align_val_t{64});
+    return std::unique_ptr<T[], storage_delete>(static_cast<T*>(p), storage_delete{bytes});
   }
 
-  std::unique_ptr<T[], aligned_delete> allocated_;
+  std::unique_ptr<T[], storage_delete> allocated_;
   std::vector<T> storage_;
   std::shared_ptr<void> owner_;
   T* data_;

@@ -268,8 +268,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
   transport
       ->add_option("--source", opts->transport_source,
                    "The bandwidth rows' tensor: as-peer (as ucx_perftest's send buffer: written "
-                   "over shared memory, never written over tcp) or written (default as-peer)")
-      ->check(CLI::IsMember({"as-peer", "written"}));
+                   "in 4 KiB pages over shared memory, never written over tcp), written (in 4 KiB "
+                   "pages) or engine (in the engine's payload storage, huge pages where the "
+                   "kernel gives them) (default as-peer)")
+      ->check(CLI::IsMember({"as-peer", "written", "engine"}));
   auto* zero = bench->add_subcommand(
       "zero", "ZeRO-1/2/3 vs DDP: step time, model state and measured peak RSS per rank");
   zero->add_flag("--json", opts->json_output, "Print one JSON report");
