@@ -21,7 +21,7 @@ inline void send_ring_chunks(const caf::actor& next, int step, int rank, int buc
     m.phase = s.phase;
     m.chunk = s.chunk;
     m.collective = collective;
-    m.data = std::make_shared<messages::payload<float>>(std::move(s.data));
+    m.data = std::move(s.data);
     caf::anon_send(next, std::move(m));
   }
 }

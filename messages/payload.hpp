@@ -34,6 +34,11 @@ class payload {
   explicit payload(std::size_t n) : allocated_(allocate(n)), data_(allocated_.get()), size_(n) {
     std::uninitialized_value_construct_n(data_, n);
   }
+  // n elements in aligned storage, left unwritten: the caller writes every one.
+  struct for_overwrite_t {};
+  static constexpr for_overwrite_t for_overwrite{};
+  payload(std::size_t n, for_overwrite_t)
+      : allocated_(allocate(n)), data_(allocated_.get()), size_(n) {}
   // Takes the vector's storage as it is (malloc's alignment).
   explicit payload(std::vector<T>&& v)
       : storage_(std::move(v)), data_(storage_.data()), size_(storage_.size()) {}

@@ -74,11 +74,12 @@ ring_allreduce::ring_allreduce(float_ranges ranges, int replica, int replicas, r
   if (kind_ == ring_kind::reduce_scatter) received_[1] = replicas_ - 1;
 }
 
-std::vector<float> ring_allreduce::gather(int chunk) const {
+std::shared_ptr<messages::payload<float>> ring_allreduce::gather(int chunk) const {
   const auto [b, e] = ring_chunk_bounds(n_, replicas_, chunk);
-  std::vector<float> out(static_cast<std::size_t>(e - b));
+  auto out = std::make_shared<messages::payload<float>>(static_cast<std::size_t>(e - b),
+                                                        messages::payload<float>::for_overwrite);
   for_each_piece(ranges_, b, e, [&](float* p, std::int64_t cnt, std::int64_t off) {
-    std::copy(p, p + cnt, out.begin() + off);
+    std::copy(p, p + cnt, out->data() + off);
   });
   return out;
 }
@@ -140,7 +141,8 @@ std::vector<ring_allreduce::send> ring_allreduce::receive(int phase, int chunk, 
     scatter(chunk, data, false);
     ++received_[1];
     // Forward unless the next replica owns this chunk (it started this round of the gather).
-    if (received_[1] < replicas_ - 1) out.push_back({1, chunk, std::vector<float>(data, data + n)});
+    if (received_[1] < replicas_ - 1)
+      out.push_back({1, chunk, std::make_shared<messages::payload<float>>(data, data + n)});
   }
   return out;
 }

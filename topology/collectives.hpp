@@ -16,8 +16,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
+
+#include "messages/payload.hpp"
 
 namespace troupe::topology {
 
@@ -43,7 +46,8 @@ class ring_allreduce {
   struct send {
     int phase = 0;  // 0 reduce-scatter, 1 all-gather
     int chunk = 0;
-    std::vector<float> data;
+    // In a payload's own storage (payload_memory: huge pages), sent as it is.
+    std::shared_ptr<messages::payload<float>> data;
   };
   ring_allreduce(float_ranges ranges, int replica, int replicas,
                  ring_kind kind = ring_kind::all_reduce);
@@ -62,7 +66,7 @@ class ring_allreduce {
   std::int64_t size() const { return n_; }
 
  private:
-  std::vector<float> gather(int chunk) const;
+  std::shared_ptr<messages::payload<float>> gather(int chunk) const;
   void scatter(int chunk, const float* data, bool add);
   int expected_chunk(int phase) const;
 

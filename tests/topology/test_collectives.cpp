@@ -39,7 +39,7 @@ struct replicas {
 
 struct in_flight {
   int to, phase, chunk;
-  std::vector<float> data;
+  std::shared_ptr<troupe::messages::payload<float>> data;
 };
 
 // Runs the ring with messages delivered in a random order that keeps each link FIFO.
@@ -63,8 +63,8 @@ void run_ring(replicas& r, std::uint32_t seed, ring_kind kind = ring_kind::all_r
     const int i = ready[rng() % ready.size()];
     auto m = std::move(links[static_cast<std::size_t>(i)].front());
     links[static_cast<std::size_t>(i)].pop_front();
-    post(i, ring[static_cast<std::size_t>(i)].receive(m.phase, m.chunk, m.data.data(),
-                                                      static_cast<std::int64_t>(m.data.size())));
+    post(i, ring[static_cast<std::size_t>(i)].receive(m.phase, m.chunk, m.data->data(),
+                                                      static_cast<std::int64_t>(m.data->size())));
   }
   for (const auto& x : ring) REQUIRE(x.done());
 }
