@@ -399,10 +399,12 @@ transport_bench_report run_transport_bench(const transport_bench_options& o) {
       // Enough warm-up frames to fill the window several times: the receiver's buffer pool then
       // holds every buffer in use (steady state; a buffer's first use faults its pages in).
       const long warmup = std::max<long>(4 * long(send_window(payload)), row.frames / 10);
-      // ucx_perftest's tcp sender never writes its buffer (transport_source.hpp).
-      row.tensor = o.source == "engine"                    ? "engine"
-                   : o.source == "written" || tls != "tcp" ? "written"
-                                                           : "unwritten";
+      // ucx_perftest's tcp sender never writes its buffer (transport_source.hpp); a tensor
+      // never written sends the kernel's zero page whoever allocated it.
+      row.tensor = o.source == "written"  ? "written"
+                   : tls == "tcp"         ? "unwritten"
+                   : o.source == "engine" ? "engine"
+                                          : "written";
       // One untimed run of each side first: the first run of a bench process ran 10-25% slower
       // than the ones after it (5.3-6.6 against 6.5-8.7 GB/s at 64 KiB; a 250 ms run of any
       // rendezvous size before it removed that, a 40 ms one did not), and it is always ours.

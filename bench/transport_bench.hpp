@@ -18,11 +18,12 @@ struct transport_bench_options {
   // Row filters: "shm"/"tcp", "bandwidth"/"latency"/"latency-wait", "64KiB"/"1MiB"/"16MiB".
   // A row runs if, for each of the three kinds that has a word here, it matches one of them.
   std::vector<std::string> only;
-  // The tensor of the bandwidth rows: "as-peer" in the memory state of ucx_perftest's send
-  // buffer (written in 4 KiB pages over shared memory, never written over tcp:
-  // transport_source.hpp), "written" written in 4 KiB pages on every transport, "engine" in the
-  // engine's payload storage (huge pages where the kernel gives them) on every transport.
-  std::string source = "as-peer";
+  // The tensor of the bandwidth rows (transport_source.hpp). "engine": in the write state of
+  // ucx_perftest's send buffer, from our own allocator: over shared memory written, in the
+  // engine's payload storage (huge pages where the kernel gives them); over tcp never written.
+  // "as-peer": the page size of ucx_perftest's buffer too (written in 4 KiB pages over shared
+  // memory, never written over tcp). "written": written in 4 KiB pages on every transport.
+  std::string source = "engine";
   std::string self_exe;                   // the troupe binary (runs the peer process)
   std::string perftest = "ucx_perftest";  // looked up on PATH unless it contains a '/'
 };

@@ -29,9 +29,11 @@ std::string format_transport_report(const transport_bench_report& r) {
          "bandwidth frames: " +
          r.frame + "; ucx_perftest sends the same frame size\n" +
          (r.source == "engine"
-              ? "tensor: in the engine's payload storage on every transport (--source engine): "
-                "written, huge pages where the kernel gives them; ucx_perftest sends from its "
-                "own buffer (4 KiB pages; over tcp never written)\n"
+              ? "tensor: in the write state of ucx_perftest's send buffer, from our own "
+                "allocator (--source engine): over shared memory written, in the engine's "
+                "payload storage (huge pages where the kernel gives them; ucx_perftest's are "
+                "4 KiB); over tcp mapped and never written, as ucx_perftest's tcp sender never "
+                "writes its buffer (the kernel sends its zero page)\n"
           : r.source == "written"
               ? "tensor: written in 4 KiB pages on every transport (--source written); "
                 "ucx_perftest's tcp sender still sends from a buffer it never wrote\n"

@@ -43,7 +43,7 @@ struct bench_options {
   bench::transport_peer_options transport_peer;
   int zero_steps = 10;
   int transport_repeats = 0;
-  std::string transport_source = "as-peer";
+  std::string transport_source = "engine";
   std::vector<std::string> transport_only;
   std::string zero_recipe = TROUPE_SOURCE_DIR "/examples/default.toml";
   std::vector<int> zero_levels = {0, 1, 2, 3};
@@ -267,10 +267,11 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->delimiter(',');
   transport
       ->add_option("--source", opts->transport_source,
-                   "The bandwidth rows' tensor: as-peer (as ucx_perftest's send buffer: written "
-                   "in 4 KiB pages over shared memory, never written over tcp), written (in 4 KiB "
-                   "pages) or engine (in the engine's payload storage, huge pages where the "
-                   "kernel gives them) (default as-peer)")
+                   "The bandwidth rows' tensor: engine (written as ucx_perftest's send buffer is "
+                   "over shared memory, in the engine's payload storage, huge pages where the "
+                   "kernel gives them; never written over tcp, as ucx_perftest's), as-peer (as "
+                   "ucx_perftest's buffer, its 4 KiB pages too) or written (in 4 KiB pages "
+                   "everywhere) (default engine)")
       ->check(CLI::IsMember({"as-peer", "written", "engine"}));
   auto* zero = bench->add_subcommand(
       "zero", "ZeRO-1/2/3 vs DDP: step time, model state and measured peak RSS per rank");

@@ -5,10 +5,10 @@
 # follows from that ratio and the goal, and the zero-copy checks held (no payload copy on
 # send, every received frame decoded into views of the buffer UCX wrote). A tcp row sends a
 # tensor never written, as ucx_perftest's tcp sender does, and still unwritten after the run;
-# `--source written` writes it. A shared-memory row sends a written tensor in 4 KiB pages, as
-# ucx_perftest's buffer is (none of its mapping in huge pages); `--source engine` sends one in
-# the engine's payload storage and says how much of it was in huge pages. A smoke test: no
-# figure is compared with a speed, benchmarks assert nothing about time. Bad input: one line naming it, non-zero exit, no report.
+# `--source written` writes it. A shared-memory row sends a written tensor: by default in the
+# engine's payload storage, saying how much of its mapping was in huge pages; with `--source
+# as-peer` in 4 KiB pages, as ucx_perftest's buffer is (none of its mapping in huge pages). A
+# smoke test: no figure is compared with a speed, benchmarks assert nothing about time. Bad input: one line naming it, non-zero exit, no report.
 # Usage: cli_bench_transport.sh TROUPE
 set -euo pipefail
 troupe=${1:?usage: cli_bench_transport.sh TROUPE}
@@ -32,11 +32,11 @@ run shm --quick --only shm
 run pairs --quick --only shm,latency --repeats 2
 run tcp --quick --only tcp,bandwidth,64KiB
 run tcp_written --quick --only tcp,bandwidth,64KiB --source written
-run engine --quick --only shm,bandwidth,64KiB --source engine
+run as_peer --quick --only shm,bandwidth,64KiB --source as-peer
 /usr/bin/python3 - "$tmp/shm.json" "$tmp/pairs.json" "$tmp/tcp.json" "$tmp/tcp_written.json" \
-  "$tmp/engine.json" <<'PY'
+  "$tmp/as_peer.json" <<'PY'
 import json, statistics, sys
-shm, pairs, tcp, tcp_written, engine = (json.load(open(p)) for p in sys.argv[1:6])
+shm, pairs, tcp, tcp_written, as_peer = (json.load(open(p)) for p in sys.argv[1:6])
 
 def check_row(row, repeats):
     assert row["ours"] > 0 and row["peer"] > 0, row
@@ -66,24 +66,25 @@ for r in rows:
     if r["metric"] == "bandwidth":
         assert r["frame_bytes"] > r["payload_bytes"], r  # the frame carries its header too
 assert shm["payload_copies_on_send"] == 0 and shm["payload_copies_after_receive"] == 0, shm
-# The tensor is in the state of ucx_perftest's send buffer: written over shared memory; over tcp
-# never written, and still unwritten (nothing resident) after every run; --source written
-# writes it there too.
-assert shm["source"] == "as-peer", shm
-assert all(r["tensor"] == "written" for r in rows if r["metric"] == "bandwidth"), rows
+# The tensor is in the write state of ucx_perftest's send buffer: written over shared memory (by
+# default in the engine's payload storage, with --source as-peer in 4 KiB pages, none of them
+# huge); over tcp never written, and still unwritten (nothing resident) after every run;
+# --source written writes it there too.
+assert shm["source"] == "engine", shm
+assert all(r["tensor"] == "engine" for r in rows if r["metric"] == "bandwidth"), rows
 assert all("tensor" not in r for r in rows if r["metric"] != "bandwidth"), rows
 assert "unwritten_tensor_resident_bytes" not in shm, shm
-assert shm["tensor_huge_page_bytes"] == {"written": {"fewest": 0, "most": 0}}, shm
-assert engine["source"] == "engine", engine
-assert [(r["transports"], r["tensor"]) for r in engine["rows"]] == [("posix,cma,self", "engine")]
-assert list(engine["tensor_huge_page_bytes"]) == ["engine"], engine
-assert engine["tensor_huge_page_bytes"]["engine"]["fewest"] >= 0, engine
+assert list(shm["tensor_huge_page_bytes"]) == ["engine"], shm
+assert shm["tensor_huge_page_bytes"]["engine"]["fewest"] >= 0, shm
+assert as_peer["source"] == "as-peer", as_peer
+assert [(r["transports"], r["tensor"]) for r in as_peer["rows"]] == [("posix,cma,self", "written")]
+assert as_peer["tensor_huge_page_bytes"] == {"written": {"fewest": 0, "most": 0}}, as_peer
 assert [(r["transports"], r["tensor"]) for r in tcp["rows"]] == [("tcp", "unwritten")], tcp
 assert tcp["unwritten_tensor_resident_bytes"] == 0, tcp
 assert tcp_written["source"] == "written", tcp_written
 assert [r["tensor"] for r in tcp_written["rows"]] == ["written"], tcp_written
 assert "unwritten_tensor_resident_bytes" not in tcp_written, tcp_written
-for report in (tcp, tcp_written, engine):
+for report in (tcp, tcp_written, as_peer):
     check_row(report["rows"][0], 1)
     assert report["payload_copies_on_send"] == 0 == report["payload_copies_after_receive"], report
 assert "posix" in shm["transport_info"]["posix,cma,self"], shm["transport_info"]
@@ -98,7 +99,7 @@ PY
 timeout 120 "$troupe" bench transport --quick --only shm,latency >"$tmp/text.out" 2>"$tmp/text.err" ||
   { echo "FAIL: bench transport (text report) exited non-zero" >&2; exit 1; }
 for want in "^topology::ucx_transport vs ucx_perftest" "^figures: " "^bandwidth frames: .*frame size$" \
-  "^tensor: in the state of ucx_perftest's send buffer \(--source as-peer\): written in 4 KiB pages .*zero page\)$" \
+  "^tensor: in the write state of ucx_perftest's send buffer, from our own allocator \(--source engine\): .*zero page\)$" \
   "^latency: one-way = half a round trip of an 8-byte frame, median \(mean\)$" \
   "^latency +8 B +posix,cma,self +- .* [0-9.]+x +[0-9.]+-[0-9.]+x +<= 2x peer +(met|NOT MET)$"; do
   grep -Eq "$want" "$tmp/text.out" ||
