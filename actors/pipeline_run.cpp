@@ -489,11 +489,8 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   in.rank = my_rank;
   make_samplers(in);
   if (r.device == "cuda" && !in.chunks) {  // throws saying why without CUDA
-    engine::gpu_trainer_options go;
-    go.dtype = engine::parse_compute_dtype(r.precision.dtype);
-    go.recompute = r.activation_checkpoint.full();
     in.chunks = std::make_shared<engine::chunk_factory>(
-        engine::cuda_chunks(go, r.parallel.pp, r.parallel.tp));
+        engine::cuda_chunks(engine::gpu_options(r), r.parallel.pp, r.parallel.tp));
   }
   // 2. Outputs (rank 0 only).
   std::optional<engine::jsonl_writer> metrics;
@@ -522,7 +519,8 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
              : ""));
 
   if (in.chunks)
-    say("device stages: " + in.chunks->name + " chunks, " + r.precision.dtype + " compute" +
+    say("device stages: " + in.chunks->name + " chunks, " + r.precision.dtype + " compute, " +
+        r.kernels.attention + " attention" +
         (r.activation_checkpoint.full() ? ", every block recomputed" : ""));
 
   // 3. The job's processes.

@@ -10,7 +10,8 @@ Each step is forward + cross-entropy + backward + AdamW step + zero_grad on rand
 (dropout 0, tied embeddings). CPU: eager attention. CUDA: what a PyTorch user runs for speed,
 fp32 master weights with bf16 autocast (--dtype bf16), SDPA (flash) attention, fused AdamW, and
 with --compile the model under torch.compile. Prints one JSON line on stdout:
-{"tokens_per_s", "step_ms_median", "params", "torch", "blas", "threads", ...}; tokens_per_s is the
+{"tokens_per_s", "step_ms_median", "params", "torch", "blas", "threads", "peak_device_bytes",
+...}; tokens_per_s is the
 median over timed steps of batch * seq / step time. Run it with the oracle venv's python
 (tests/oracle/venv.sh prints it).
 """
@@ -126,6 +127,7 @@ def main():
         "dtype": args.dtype,
         "compile": args.compile,
         "last_loss": loss,
+        "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
     }))
     return 0
 

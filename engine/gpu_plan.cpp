@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "engine/gpu_stage.hpp"
+#include "engine/recipe.hpp"
 
 namespace troupe::engine {
 
@@ -11,6 +12,24 @@ compute_dtype parse_compute_dtype(const std::string& name) {
   if (name == "bf16") return compute_dtype::bf16;
   if (name == "fp16") return compute_dtype::fp16;
   throw std::invalid_argument("'" + name + "' is not fp32, bf16 or fp16");
+}
+
+attention_kernel parse_attention_kernel(const std::string& name) {
+  if (name == "fused") return attention_kernel::fused;
+  if (name == "materialized") return attention_kernel::materialized;
+  throw std::invalid_argument("'" + name + "' is not fused or materialized");
+}
+
+const char* attention_kernel_name(attention_kernel kernel) {
+  return kernel == attention_kernel::materialized ? "materialized" : "fused";
+}
+
+gpu_trainer_options gpu_options(const recipe& r) {
+  gpu_trainer_options o;
+  o.dtype = parse_compute_dtype(r.precision.dtype);
+  o.recompute = r.activation_checkpoint.full();
+  o.attention = parse_attention_kernel(r.kernels.attention);
+  return o;
 }
 
 const char* compute_dtype_name(compute_dtype dtype) {
@@ -32,13 +51,23 @@ namespace {
 // heads and the logits are the shard's; the head adds the cross-entropy's row maxima and
 // statistics.
 std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
-                              std::int64_t d, bool recompute, int slots, int tp) {
+                              std::int64_t d, bool recompute, attention_kernel attention, int slots,
+                              int tp) {
   const std::int64_t N = std::int64_t{B} * T, NC = N * config.width, NCl = NC / tp;
   const std::int64_t layers = range.last_layer - range.first_layer;
-  const std::int64_t lse = 4 * std::int64_t{B} * (config.heads / tp) * T;
+  const std::int64_t rows = std::int64_t{B} * (config.heads / tp) * T;  // the shard's query rows
+  const bool materialized = attention == attention_kernel::materialized;
+  // What a block's attention keeps for backward: each row's log-sum-exp (fused), or the [T, T]
+  // probabilities (materialized); and its scratch, shared by every block (none without blocks):
+  // delta (fused), or q, k, v, dO, dq, dk, dv and dP
+  // (kernels::cuda::attention_materialized_scratch_values).
+  const std::int64_t attention_kept = materialized ? rows * T * d : rows * 4;
+  const std::int64_t attention_scratch = layers == 0    ? 0
+                                         : materialized ? (7 * NCl + rows * T) * d
+                                                        : rows * 4;
   // A block's internals: ln1, res2, ln2 (3 NC), the shard's qkv, atty, fch, fch_gelu (12 NC
-  // / tp), two layernorms' statistics and the attention's log-sum-exp.
-  const std::int64_t internals = (3 * NC + 12 * NCl) * d + 4 * N * 4 + lse;
+  // / tp), two layernorms' statistics and what the attention keeps.
+  const std::int64_t internals = (3 * NC + 12 * NCl) * d + 4 * N * 4 + attention_kept;
   // What each micro-batch in flight keeps: its input (the embedding's output or the received
   // activation), every block's output, the blocks' internals unless recomputed, and on a head
   // chunk ln_f's statistics and the gradient of its output.
@@ -51,8 +80,8 @@ std::int64_t activation_bytes(const gpt_config& config, const stage_range& range
                             + (tp > 1 ? 3 * N * 4 : 0);                  // row maxima, statistics
   const std::int64_t shared = (recompute && layers > 0 ? internals : 0)  // the shared internals
                               + (range.embedding ? N * 4 : 0)            // tokens
-                              + (range.head ? head : 0) + lse  // attention backward's scratch
-                              + (3 * NC + 12 * NCl) * d;       // backward's gradient buffers
+                              + (range.head ? head : 0) + attention_scratch +
+                              (3 * NC + 12 * NCl) * d;  // backward's gradient buffers
   return slots * per_slot + shared;
 }
 }  // namespace
@@ -65,8 +94,10 @@ gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_rang
   const std::int64_t P = layout.empty() ? 0 : layout.back().offset + layout.back().numel;
   gpu_memory_plan plan;
   plan.model_state = 4 * P * 4 + (d == 2 ? 2 * P : 0);
-  plan.activations_without_recompute = activation_bytes(config, range, B, T, d, false, slots, tp);
-  plan.activations = activation_bytes(config, range, B, T, d, options.recompute, slots, tp);
+  plan.activations_without_recompute =
+      activation_bytes(config, range, B, T, d, false, options.attention, slots, tp);
+  plan.activations =
+      activation_bytes(config, range, B, T, d, options.recompute, options.attention, slots, tp);
   return plan;
 }
 

@@ -144,6 +144,7 @@ struct gpu_stage::impl {
   float* scratch = nullptr;  // gradient_scratch()
   std::int64_t scratch_floats = 0;
   bool recompute = false;
+  attention_kernel attention = attention_kernel::fused;
 };
 
 namespace {
@@ -158,7 +159,8 @@ struct model_impl final : gpu_stage::impl {
     D *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res2 = nullptr, *ln2 = nullptr,
       *fch = nullptr, *fch_gelu = nullptr;
     float *ln1_mean = nullptr, *ln1_rstd = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr,
-          *lse = nullptr;
+          *lse = nullptr;  // fused attention: each query row's log-sum-exp
+    D* probs = nullptr;    // materialized attention: the [T, T] probabilities per head
   };
   // What one micro-batch in flight keeps from its forward for its backward.
   struct slot_buffers {
@@ -170,6 +172,7 @@ struct model_impl final : gpu_stage::impl {
     std::vector<std::int32_t> tokens;                // embedding: the tokens, for dwte
   };
   int layers() const { return range.last_layer - range.first_layer; }
+  bool materialized() const { return attention == attention_kernel::materialized; }
   // The shard's channels of the column-parallel pieces, heads and vocabulary rows (the whole
   // model's without tensor parallelism).
   int Cl() const { return config.width / shard.size; }
@@ -186,7 +189,9 @@ struct model_impl final : gpu_stage::impl {
   std::int32_t *d_tokens = nullptr, *d_targets = nullptr;
   cu::token_groups groups;
   D *lnf = nullptr, *logits = nullptr;
-  float *losses = nullptr, *att_scratch = nullptr;
+  float* losses = nullptr;
+  float* att_delta = nullptr;                  // fused attention backward's scratch
+  D* att_work = nullptr;                       // materialized attention's scratch
   float *row_max = nullptr, *stats = nullptr;  // a split head: the cross-entropy's statistics
   D *da = nullptr, *db = nullptr, *dfch_gelu = nullptr, *dfc = nullptr, *dln = nullptr,
     *datty = nullptr, *dqkv = nullptr;
@@ -220,7 +225,11 @@ struct model_impl final : gpu_stage::impl {
     b.ln1_rstd = arena.alloc<float>(N);
     b.ln2_mean = arena.alloc<float>(N);
     b.ln2_rstd = arena.alloc<float>(N);
-    b.lse = arena.alloc<float>(std::int64_t{B} * NHl() * T);
+    if (materialized()) {
+      b.probs = arena.alloc<D>(cu::attention_probs_values(B, T, NHl()));
+    } else {
+      b.lse = arena.alloc<float>(std::int64_t{B} * NHl() * T);
+    }
     return b;
   }
 
@@ -247,7 +256,11 @@ struct model_impl final : gpu_stage::impl {
         stats = arena.alloc<float>(2 * N);
       }
     }
-    att_scratch = arena.alloc<float>(cu::attention_scratch_floats(B, T, NHl()));
+    if (layers() > 0 && materialized()) {
+      att_work = arena.alloc<D>(cu::attention_materialized_scratch_values(B, T, Cl(), NHl()));
+    } else if (layers() > 0) {
+      att_delta = arena.alloc<float>(cu::attention_scratch_floats(B, T, NHl()));
+    }
     da = arena.alloc<D>(NC);
     db = arena.alloc<D>(NC);
     dfch_gelu = arena.alloc<D>(4 * NCl);
@@ -300,7 +313,11 @@ struct model_impl final : gpu_stage::impl {
                           F(p + "ln_1.bias"), N, C);
     cu::linear_forward(ctx, L.qkv, L.ln1, W(p + "attn.c_attn.weight"), W(p + "attn.c_attn.bias"), N,
                        C, 3 * Cl);
-    cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, Cl, NHl());
+    if (materialized()) {
+      cu::attention_materialized_forward(ctx, L.atty, L.probs, att_work, L.qkv, B, T, Cl, NHl());
+    } else {
+      cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, Cl, NHl());
+    }
     row_parallel(L.res2, L.atty, p + "attn.c_proj.", N, Cl, C);
     cu::residual_forward(ctx, L.res2, L.res2, x, NC);
     cu::layernorm_forward(ctx, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, F(p + "ln_2.weight"),
@@ -456,7 +473,12 @@ struct model_impl final : gpu_stage::impl {
       cu::linear_backward(ctx, datty, G(p + "attn.c_proj.weight"), G(p + "attn.c_proj.bias"), dmid,
                           L.atty, W(p + "attn.c_proj.weight"), N, Cl, C);
       zero(ctx, dqkv, 3 * NCl);
-      cu::attention_backward(ctx, dqkv, datty, L.qkv, L.atty, L.lse, att_scratch, B, T, Cl, NHl());
+      if (materialized()) {
+        cu::attention_materialized_backward(ctx, dqkv, datty, L.qkv, L.probs, att_work, B, T, Cl,
+                                            NHl());
+      } else {
+        cu::attention_backward(ctx, dqkv, datty, L.qkv, L.atty, L.lse, att_delta, B, T, Cl, NHl());
+      }
       zero(ctx, dln, NC);
       cu::linear_backward(ctx, dln, G(p + "attn.c_attn.weight"), G(p + "attn.c_attn.bias"), dqkv,
                           L.ln1, W(p + "attn.c_attn.weight"), N, C, 3 * Cl);
@@ -539,6 +561,7 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   s.slots = slots;
   s.element_bytes = options.dtype == compute_dtype::fp32 ? 4 : 2;
   s.recompute = options.recompute;
+  s.attention = options.attention;
   s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
   s.P = weights.parameter_count();
@@ -715,6 +738,19 @@ void gpu_stage::wait_event(void* event) {
 void gpu_stage::synchronize() const {
   device_guard g(impl_->device);
   impl_->ctx.synchronize();
+}
+
+void gpu_stage::set_kernel_timing(bool on) {
+  device_guard g(impl_->device);
+  impl_->ctx.set_timing(on);
+}
+
+std::vector<kernel_time> gpu_stage::take_kernel_times() {
+  device_guard g(impl_->device);
+  std::vector<kernel_time> out;
+  for (const auto& t : impl_->ctx.take_timings())
+    out.push_back({cu::op_family_name(t.family), t.ms, t.calls});
+  return out;
 }
 
 }  // namespace troupe::engine

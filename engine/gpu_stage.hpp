@@ -46,9 +46,32 @@ enum class compute_dtype { fp32, bf16, fp16 };
 compute_dtype parse_compute_dtype(const std::string& name);
 const char* compute_dtype_name(compute_dtype dtype);
 
+// How a GPU chunk computes causal attention (docs/gpu.md, recipe key kernels.attention):
+//  - fused: one kernel per pass, fp32 arithmetic with an online softmax, only each row's
+//    log-sum-exp kept for backward; head sizes 16, 32, 64 and 128.
+//  - materialized: tensor-core GEMMs (cuBLASLt) around a fused causal softmax; each layer keeps
+//    its [T, T] probabilities per head in the compute dtype for backward; any head size.
+enum class attention_kernel { fused, materialized };
+// "fused" or "materialized"; anything else throws std::invalid_argument.
+attention_kernel parse_attention_kernel(const std::string& name);
+const char* attention_kernel_name(attention_kernel kernel);
+
 struct gpu_trainer_options {
   compute_dtype dtype = compute_dtype::fp32;
   bool recompute = false;  // activation checkpointing: every block recomputed in backward
+  attention_kernel attention = attention_kernel::fused;
+};
+
+struct recipe;
+// The options of a recipe's GPU chunks: precision.dtype, activation_checkpoint.mode and
+// kernels.attention (the recipe validated).
+gpu_trainer_options gpu_options(const recipe& r);
+
+// Device time of one family of ops (gpu_stage::take_kernel_times).
+struct kernel_time {
+  std::string family;
+  double ms = 0;
+  int calls = 0;
 };
 
 // The device memory a chunk allocates (its arena; cuBLASLt's workspace and the token groups
@@ -177,6 +200,13 @@ class gpu_stage {
   // The stream waits for a cudaEvent_t (a link's) before what is enqueued next.
   void wait_event(void* event);
   void synchronize() const;  // waits for everything enqueued
+
+  // While on, each op on the chunk's stream is bracketed by CUDA events (a few microseconds of
+  // host time per op); take_kernel_times() returns the device time per op family since it was
+  // last called (or timing turned on), after waiting for the stream. Collectives and copies are
+  // not ops: their time is what a step has beyond the families' sum.
+  void set_kernel_timing(bool on);
+  std::vector<kernel_time> take_kernel_times();
 
   struct impl;
 

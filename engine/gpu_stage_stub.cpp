@@ -69,5 +69,7 @@ void* gpu_stage::stream() const { return nullptr; }
 void* gpu_stage::record_event() { return nullptr; }
 void gpu_stage::wait_event(void*) {}
 void gpu_stage::synchronize() const {}
+void gpu_stage::set_kernel_timing(bool) {}
+std::vector<kernel_time> gpu_stage::take_kernel_times() { return {}; }
 
 }  // namespace troupe::engine

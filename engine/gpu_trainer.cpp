@@ -18,7 +18,11 @@ gpt_stage initial_weights(const gpt_config& config, std::uint64_t seed) {
 
 gpu_trainer::gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype,
                          std::uint64_t seed)
-    : gpu_trainer(initial_weights(config, seed), B, T, gpu_trainer_options{dtype, false}) {}
+    : gpu_trainer(config, B, T, gpu_trainer_options{dtype, false}, seed) {}
+
+gpu_trainer::gpu_trainer(const gpt_config& config, int B, int T, const gpu_trainer_options& options,
+                         std::uint64_t seed)
+    : gpu_trainer(initial_weights(config, seed), B, T, options) {}
 
 gpu_trainer::gpu_trainer(const gpt_stage& weights, int B, int T,
                          const gpu_trainer_options& options) {

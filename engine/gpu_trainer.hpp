@@ -37,6 +37,8 @@ class gpu_trainer {
   // A model for batches of B sequences of T tokens (T <= config.context) on device 0, with
   // gpt_stage::init_gpt2(seed)'s weights.
   gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype, std::uint64_t seed);
+  gpu_trainer(const gpt_config& config, int B, int T, const gpu_trainer_options& options,
+              std::uint64_t seed);
   // The same with the weights of a whole-model host stage (e.g. loaded from Hugging Face).
   gpu_trainer(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options);
   ~gpu_trainer();

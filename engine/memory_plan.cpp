@@ -139,8 +139,8 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                   " device stages" +
                   (tp > 1 ? " of " + std::to_string(tp) + " tensor shards (one shard's figures)"
                           : std::string()) +
-                  " (" + r.precision.dtype +
-                  " compute, fp32 master weights, gradients and AdamW moments), micro-batch " +
+                  " (" + r.precision.dtype + " compute, " + r.kernels.attention +
+                  " attention, fp32 master weights, gradients and AdamW moments), micro-batch " +
                   std::to_string(r.batch.micro_batch) + " x " + std::to_string(r.batch.seq_len) +
                   " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
                   "adds one when an activation arrives ahead under its link credit):\n";
@@ -199,13 +199,13 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
 
 std::string format_gpu_memory_plan(const recipe& r) {
   validate_recipe(r);
-  gpu_trainer_options o{parse_compute_dtype(r.precision.dtype), r.activation_checkpoint.full()};
+  const gpu_trainer_options o = gpu_options(r);
   if (r.parallel.pp > 1 || r.parallel.tp > 1) return format_gpu_pipeline_plan(r, o);
   const gpu_memory_plan p = plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, o);
   const std::int64_t P = r.model.parameter_count();
   std::string s =
-      "device memory plan, the whole model on one GPU (" + r.precision.dtype +
-      " compute, fp32 master weights, gradients and AdamW moments" +
+      "device memory plan, the whole model on one GPU (" + r.precision.dtype + " compute, " +
+      r.kernels.attention + " attention, fp32 master weights, gradients and AdamW " + "moments" +
       (o.dtype == compute_dtype::fp32 ? "" : ", a " + r.precision.dtype + " copy of the weights") +
       "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
       std::to_string(r.batch.seq_len) + " tokens:\n";

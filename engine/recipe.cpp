@@ -118,6 +118,7 @@ const std::map<std::string, field>& schema() {
       {"guard.max_skips", nested(&recipe::guard, &guard_config::max_skips)},
       {"activation_checkpoint.mode",
        nested(&recipe::activation_checkpoint, &activation_checkpoint_config::mode)},
+      {"kernels.attention", nested(&recipe::kernels, &kernels_config::attention)},
   };
   return fields;
 }
@@ -347,11 +348,15 @@ void validate_recipe(const recipe& r) {
   }
   require(r.steps > 0, "steps", "must be positive");
   validate_precision(r);
-  if (r.device == "cuda") {
+  const auto& attention = r.kernels.attention;
+  require(attention == "fused" || attention == "materialized", "kernels.attention",
+          "\"" + attention + "\" is not \"fused\" or \"materialized\"");
+  if (r.device == "cuda" && attention == "fused") {
     const int hs = r.model.width / r.model.heads;
     require(hs == 16 || hs == 32 || hs == 64 || hs == 128, "model.heads",
             "device \"cuda\": head size " + std::to_string(hs) +
-                " (width / heads); the GPU attention kernel takes 16, 32, 64 or 128");
+                " (width / heads); the fused GPU attention kernel takes 16, 32, 64 or 128 "
+                "(kernels.attention = \"materialized\" takes any)");
   }
   require(r.eval_interval >= 0, "eval_interval", "must be >= 0");
   require(r.eval_batches > 0, "eval_batches", "must be positive");

@@ -75,6 +75,11 @@ struct activation_checkpoint_config {
   bool full() const { return mode == "full"; }
 };
 
+// Which GPU kernels run the model (docs/recipe.md, [kernels]; device "cuda" only).
+struct kernels_config {
+  std::string attention = "fused";  // fused | materialized (engine::attention_kernel)
+};
+
 struct recipe {
   std::int64_t seed = 1337;
   int steps = 200;
@@ -91,6 +96,7 @@ struct recipe {
   precision_config precision;
   guard_config guard;  // skipped updates: spikes and non-finite steps ([guard])
   activation_checkpoint_config activation_checkpoint;
+  kernels_config kernels;
 
   // Micro-batches per optimizer step over all replicas: grad_accum * micro_batches * dp.
   int micro_batches_per_step() const {

@@ -129,9 +129,7 @@ class cpu_model final : public serial_model {
 class gpu_model final : public serial_model {
  public:
   gpu_model(gpt_stage host, const recipe& r)
-      : host_(std::move(host)),
-        gpu_(host_, r.batch.micro_batch, r.batch.seq_len,
-             {parse_compute_dtype(r.precision.dtype), r.activation_checkpoint.full()}) {}
+      : host_(std::move(host)), gpu_(host_, r.batch.micro_batch, r.batch.seq_len, gpu_options(r)) {}
   void zero_grad() override { gpu_.zero_grad(); }
   double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
                           float seed) override {

@@ -1,3 +1,27 @@
+# The benchmark's JSON as lines: per batch size, each Troupe run's tokens/s and MFU, each peer's
+# and the best Troupe run's ratio to it.
+bench_summary() {
+  python3 - "$1" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+for run in r["runs"]:
+    for t in run["troupe"]:
+        if "error" in t:
+            print(f"B={run['batch']} troupe ({t['attention']}): {t['error']}")
+            continue
+        print(f"B={run['batch']} troupe ({t['attention']}): {t['tokens_per_s']:.0f} tok/s, "
+              f"{t['step_ms_median']:.1f} ms/step, MFU {100*t['mfu']:.1f}%, "
+              f"{t['device_bytes']/2**30:.1f} GiB")
+    for p in run.get("peers", []):
+        if "tokens_per_s" in p:
+            print(f"B={run['batch']} {p['name']}: {p['tokens_per_s']:.0f} tok/s, MFU {100*p['mfu']:.1f}%, "
+                  f"peak {p['result'].get('peak_device_bytes', 0)/2**30:.1f} GiB, "
+                  f"best troupe/peer {p.get('ratio', 0):.2f}x")
+        else:
+            print(f"B={run['batch']} {p['name']}: {p['error']}")
+PY
+}
+
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu.md) as one command on a machine with an NVIDIA GPU whose image lacks
 # the Debian packages Troupe links (CAF, UCX, Cap'n Proto, OpenBLAS, Catch2, ...).
@@ -20,7 +44,8 @@
 #                              a per-kernel summary of one training step by Nsight Compute.
 #
 # The GPU machine needs g++, nvcc (/usr/local/cuda), meson, ninja and dpkg-deb; python3 with
-# torch for the peer. BENCH_ARGS adds options to the bench (e.g. "--batch 8 --steps 10").
+# torch for the peer. BENCH_ARGS replaces the bench's options (prebuilt's default: "--batch 16,64
+# --breakdown": both attention kernels at B = 16 and 64, the time per op family, the peers).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -91,6 +116,7 @@ prebuilt() {
   nccl=$(dirname "$(find /usr/local/cuda/ /usr/lib /opt -name 'libnccl.so.2*' 2>/dev/null | head -1)")
   export LD_LIBRARY_PATH="$lib:$blas:$cuda:$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export UCX_MODULE_DIR="$lib/ucx" PATH="$root/usr/bin:$PATH"
+  export TROUPE_SOURCE_DIR="$PWD"  # the bench's PyTorch peer script
   machine 2>&1 | tee "$out/machine.txt"
   local failed=0 t
   for t in test_cuda_ops test_nccl_group test_gpu_trainer; do
@@ -101,7 +127,8 @@ prebuilt() {
     failed=1
   echo "gpu_run: cli_gpu_train: $(tail -n 1 "$out/cli_gpu_train.log")"
   # shellcheck disable=SC2086
-  if timeout -k 5 600 "$bins/troupe" bench train-step --device cuda --json ${BENCH_ARGS:-} \
+  if timeout -k 5 600 "$bins/troupe" bench train-step --device cuda --json \
+    ${BENCH_ARGS:---batch 16,64 --breakdown} \
     >"$out/bench_train_step.json" 2>"$out/bench_train_step.err"; then
     bench_summary "$out/bench_train_step.json"
   else
@@ -152,7 +179,8 @@ run() {
   local suite=${PIPESTATUS[0]}
   cp build-gpu/meson-logs/testlog.txt "$out/gpu_testlog.txt" 2>/dev/null
   # shellcheck disable=SC2086
-  ./build-gpu/tools/troupe bench train-step --device cuda --json ${BENCH_ARGS:-} \
+  ./build-gpu/tools/troupe bench train-step --device cuda --json \
+    ${BENCH_ARGS:---batch 16,64 --breakdown} \
     >"$out/bench_train_step.json" 2>"$out/bench_train_step.err"
   local bench=$?
   set -e

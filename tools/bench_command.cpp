@@ -12,6 +12,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -53,7 +54,14 @@ struct bench_options {
 std::string find_python(const bench_options& o) {
   if (!o.python.empty()) return o.python;
   std::fprintf(stderr, "bench: preparing the PyTorch peer venv (tests/oracle/venv.sh)...\n");
-  auto out = bench::capture_command("bash '" TROUPE_SOURCE_DIR "/tests/oracle/venv.sh'");
+  std::string venv;
+  try {
+    venv = bench::source_file("tests/oracle/venv.sh");
+  } catch (const std::runtime_error& e) {
+    std::fprintf(stderr, "bench: %s\n", e.what());
+    return "";
+  }
+  auto out = bench::capture_command("bash '" + venv + "'");
   if (!out) return "";
   while (!out->empty() && (out->back() == '\n' || out->back() == ' ')) out->pop_back();
   return *out;
@@ -61,14 +69,20 @@ std::string find_python(const bench_options& o) {
 
 std::optional<json> run_peer(const std::string& python, const bench::train_step_case& c,
                              int threads, const bench_options& o) {
-  char cmd[1024];
+  std::string script;
+  try {
+    script = bench::source_file("bench/pytorch_train_step.py");
+  } catch (const std::runtime_error& e) {
+    std::fprintf(stderr, "bench: %s\n", e.what());
+    return std::nullopt;
+  }
+  char cmd[2048];
   std::snprintf(cmd, sizeof cmd,
-                "OMP_NUM_THREADS=%d '%s' '" TROUPE_SOURCE_DIR
-                "/bench/pytorch_train_step.py' --layers %d --heads %d --width %d --vocab %d "
+                "OMP_NUM_THREADS=%d '%s' '%s' --layers %d --heads %d --width %d --vocab %d "
                 "--context %d --batch %d --seq %d --steps %d --warmup %d --threads %d",
-                threads, python.c_str(), c.model.layers, c.model.heads, c.model.width,
-                c.model.vocab_size, c.model.context, c.batch, c.seq_len, o.steps, o.warmup,
-                threads);
+                threads, python.c_str(), script.c_str(), c.model.layers, c.model.heads,
+                c.model.width, c.model.vocab_size, c.model.context, c.batch, c.seq_len, o.steps,
+                o.warmup, threads);
   auto out = bench::capture_command(cmd);
   if (!out) return std::nullopt;
   return bench::last_json_object(*out);
@@ -240,8 +254,15 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   step->add_option("--dtype", opts->gpu.dtype, "cuda: bf16 (fp32 master weights) or fp32")
       ->check(CLI::IsMember({"bf16", "fp32"}));
-  step->add_option("--batch", opts->gpu.batch, "cuda: sequences per step")
+  step->add_option("--batch", opts->gpu.batches, "cuda: sequences per step, e.g. 16,32,64")
+      ->delimiter(',')
       ->check(CLI::PositiveNumber);
+  step->add_option("--attention", opts->gpu.attention,
+                   "cuda: the attention kernels to run, fused and/or materialized (default both)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fused", "materialized"}));
+  step->add_flag("--breakdown", opts->gpu.breakdown,
+                 "cuda: where the step goes, device time per op family from CUDA events");
   step->add_option("--seq", opts->gpu.seq_len, "cuda: tokens per sequence")
       ->check(CLI::Range(1, 1024));
   step->add_option("--layers", opts->gpu.layers, "cuda: transformer blocks (GPT-2 small: 12)")

@@ -301,6 +301,7 @@ __global__ void convert_kernel(T* out, const float* in, std::int64_t n) {
 template <class T>
 void attention_forward(const context& ctx, T* out, float* lse, const T* qkv, int B, int Tn, int C,
                        int NH) {
+  const timed_op timing(ctx, op_family::attention_forward);
   if (B <= 0 || Tn <= 0) return;
   with_head_size(C / NH, [&](auto hs) {
     constexpr int HS = decltype(hs)::value;
@@ -317,6 +318,7 @@ std::int64_t attention_scratch_floats(int B, int Tn, int NH) {
 template <class T>
 void attention_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out,
                         const float* lse, float* scratch, int B, int Tn, int C, int NH) {
+  const timed_op timing(ctx, op_family::attention_backward);
   if (B <= 0 || Tn <= 0) return;
   const std::int64_t rows = attention_scratch_floats(B, Tn, NH);
   attention_delta_kernel<T>
@@ -345,6 +347,7 @@ void attention_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv
 template <class T>
 void embedding_forward(const context& ctx, T* out, const std::int32_t* tokens, const T* wte,
                        const T* wpe, int B, int Tn, int C) {
+  const timed_op timing(ctx, op_family::embedding);
   const std::int64_t total = static_cast<std::int64_t>(B) * Tn * C;
   if (total <= 0) return;
   embedding_forward_kernel<T>
@@ -396,6 +399,7 @@ void token_groups::build(const context& ctx, const std::int32_t* host_tokens, in
 template <class T>
 void embedding_backward(const context& ctx, float* dwte, float* dwpe, const T* dout,
                         const token_groups& groups, int B, int Tn, int C) {
+  const timed_op timing(ctx, op_family::embedding);
   if (groups.rows() != B * Tn)
     throw std::invalid_argument("embedding_backward: token groups of " +
                                 std::to_string(groups.rows()) +
@@ -416,6 +420,7 @@ void embedding_backward(const context& ctx, float* dwte, float* dwpe, const T* d
 
 template <class T>
 void convert(const context& ctx, T* out, const float* in, std::int64_t n) {
+  const timed_op timing(ctx, op_family::elementwise);
   if (n <= 0) return;
   convert_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, in, n);
   check_launch("convert_kernel");

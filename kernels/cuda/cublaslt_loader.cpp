@@ -51,7 +51,11 @@
     (cublasLtMatrixLayout_t * layout, cudaDataType type, uint64_t rows, uint64_t cols,            \
      int64_t ld),                                                                                 \
     (layout, type, rows, cols, ld))                                                               \
-  X(cublasLtMatrixLayoutDestroy, (cublasLtMatrixLayout_t layout), (layout))
+  X(cublasLtMatrixLayoutDestroy, (cublasLtMatrixLayout_t layout), (layout))                       \
+  X(cublasLtMatrixLayoutSetAttribute,                                                             \
+    (cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t attr, const void* buf,        \
+     size_t bytes),                                                                               \
+    (layout, attr, buf, bytes))
 
 namespace troupe::kernels::cuda {
 namespace {

@@ -71,6 +71,35 @@ __device__ inline float block_reduce(float v, bool is_max, float* shared) {
   return r;
 }
 
+// A column-major GEMM through cuBLASLt (cuda_ops.cu): D[m,n] = alpha op(A)[m,k] op(B)[k,n] +
+// beta D, op transposing where trans_a / trans_b, fp32 accumulation; with batch > 1, `batch`
+// products, the i-th at a + i * stride_a, b + i * stride_b, d + i * stride_d. Plans are cached
+// per shape on the context; a product repeats bitwise.
+struct gemm_shape {
+  bool trans_a = false, trans_b = false;
+  int m = 0, n = 0, k = 0;
+  int lda = 0, ldb = 0, ldd = 0;
+  float alpha = 1.0f, beta = 0.0f;
+  int batch = 1;
+  std::int64_t stride_a = 0, stride_b = 0, stride_d = 0;
+};
+template <class TA, class TD>
+void gemm(const context& ctx, const gemm_shape& shape, const TA* a, const TA* b, TD* d);
+
+// Brackets one op with the context's timing events while timing is on (context::set_timing);
+// nothing otherwise. Declared first thing in each public op.
+class timed_op {
+ public:
+  timed_op(const context& ctx, op_family family);
+  ~timed_op();
+  timed_op(const timed_op&) = delete;
+  timed_op& operator=(const timed_op&) = delete;
+
+ private:
+  const context& ctx_;
+  int index_ = -1;  // the event pair's, when timing
+};
+
 constexpr int kThreads = 256;
 inline unsigned blocks_for(std::int64_t n, int per_block = kThreads) {
   return static_cast<unsigned>((n + per_block - 1) / per_block);

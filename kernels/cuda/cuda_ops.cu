@@ -283,8 +283,9 @@ struct gemm_plan {
 };
 
 // The key: everything the plan depends on, including each pointer's alignment (the heuristic
-// must not pick an algorithm that needs more alignment than the pointers have).
-using gemm_key = std::array<std::int64_t, 14>;
+// must not pick an algorithm that needs more alignment than the pointers have) and, for a
+// strided batch, the batch count and the three strides.
+using gemm_key = std::array<std::int64_t, 18>;
 
 struct gemm_cache {
   std::map<gemm_key, std::unique_ptr<gemm_plan>> plans;
@@ -292,36 +293,45 @@ struct gemm_cache {
 
 namespace {
 // The largest power of two (at most 256) that divides the address.
-std::uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p);
+std::uint32_t alignment_of(std::uintptr_t a) {
   std::uint32_t align = 256;
   while (align > 1 && a % align != 0) align /= 2;
   return align;
 }
+// What every matrix of a (strided) batch is aligned to: the base's alignment and the stride's.
+template <class T>
+std::int64_t batch_alignment(const T* p, int batch, std::int64_t stride) {
+  const std::uint32_t base = alignment_of(reinterpret_cast<std::uintptr_t>(p));
+  if (batch <= 1) return base;
+  return std::min(base, alignment_of(static_cast<std::uintptr_t>(stride) * sizeof(T)));
+}
 }  // namespace
 
-// cuBLASLt column-major GEMM: D[m,n] = alpha op(A) op(B) + beta C, C = D, optional bias epilogue.
+// cuBLASLt column-major GEMM: D[m,n] = alpha op(A) op(B) + beta C, C = D, optional bias
+// epilogue; with batch > 1, `batch` such products, matrix i at a + i * stride_a (b, d alike).
 struct gemm_access {
   template <class TA, class TD>
-  static void run(const context& ctx, bool trans_a, bool trans_b, int m, int n, int k, const TA* a,
-                  int lda, const TA* b, int ldb, TD* d, int ldd, float beta, const TD* bias) {
+  static void run(const context& ctx, const gemm_shape& g, const TA* a, const TA* b, TD* d,
+                  const TD* bias) {
     auto lt = static_cast<cublasLtHandle_t>(ctx.lt_);
-    const std::uint32_t align_a = alignment_of(a), align_b = alignment_of(b),
-                        align_d = alignment_of(d);
-    const gemm_key key{trans_a,
-                       trans_b,
-                       m,
-                       n,
-                       k,
-                       lda,
-                       ldb,
-                       ldd,
+    const gemm_key key{g.trans_a,
+                       g.trans_b,
+                       g.m,
+                       g.n,
+                       g.k,
+                       g.lda,
+                       g.ldb,
+                       g.ldd,
                        int(data_type<TA>()),
                        int(data_type<TD>()),
                        bias != nullptr,
-                       align_a,
-                       align_b,
-                       align_d};
+                       batch_alignment(a, g.batch, g.stride_a),
+                       batch_alignment(b, g.batch, g.stride_b),
+                       batch_alignment(d, g.batch, g.stride_d),
+                       g.batch,
+                       g.stride_a,
+                       g.stride_b,
+                       g.stride_d};
     auto& slot = ctx.gemms_->plans[key];
     if (!slot) slot = make_plan<TA, TD>(ctx, key, bias != nullptr);
     gemm_plan& plan = *slot;
@@ -329,13 +339,23 @@ struct gemm_access {
       check(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                            sizeof bias),
             "cublasLtMatmulDescSetAttribute(BIAS_POINTER)");
-    const float alpha = 1.0f;
-    check(cublasLtMatmul(lt, plan.op, &alpha, a, plan.la, b, plan.lb, &beta, d, plan.ld, d, plan.ld,
-                         &plan.algo, ctx.workspace_, ctx.workspace_bytes_, ctx.stream_),
+    check(cublasLtMatmul(lt, plan.op, &g.alpha, a, plan.la, b, plan.lb, &g.beta, d, plan.ld, d,
+                         plan.ld, &plan.algo, ctx.workspace_, ctx.workspace_bytes_, ctx.stream_),
           "cublasLtMatmul");
   }
 
  private:
+  static void set_batch(cublasLtMatrixLayout_t layout, std::int64_t batch, std::int64_t stride) {
+    if (batch <= 1) return;
+    const std::int32_t count = static_cast<std::int32_t>(batch);
+    check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                           sizeof count),
+          "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
+    check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                           &stride, sizeof stride),
+          "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
+  }
+
   template <class TA, class TD>
   static std::unique_ptr<gemm_plan> make_plan(const context& ctx, const gemm_key& key, bool bias) {
     const bool trans_a = key[0] != 0, trans_b = key[1] != 0;
@@ -366,6 +386,9 @@ struct gemm_access {
             "cublasLtMatrixLayoutCreate(B)");
       check(cublasLtMatrixLayoutCreate(&plan->ld, data_type<TD>(), m, n, key[7]),
             "cublasLtMatrixLayoutCreate(D)");
+      set_batch(plan->la, key[14], key[15]);
+      set_batch(plan->lb, key[14], key[16]);
+      set_batch(plan->ld, key[14], key[17]);
       check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
       check(
           cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -389,7 +412,8 @@ struct gemm_access {
           "cublasLtMatmulAlgoGetHeuristic");
       if (found == 0)
         throw cuda_error("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(m) +
-                         " n=" + std::to_string(n) + " k=" + std::to_string(k));
+                         " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                         " batch=" + std::to_string(key[14]));
       plan->algo = heuristic.algo;
     } catch (...) {
       if (pref) cublasLtMatmulPreferenceDestroy(pref);
@@ -399,6 +423,115 @@ struct gemm_access {
     return plan;
   }
 };
+
+namespace detail {
+template <class TA, class TD>
+void gemm(const context& ctx, const gemm_shape& shape, const TA* a, const TA* b, TD* d) {
+  gemm_access::run<TA, TD>(ctx, shape, a, b, d, nullptr);
+}
+template void gemm<float, float>(const context&, const gemm_shape&, const float*, const float*,
+                                 float*);
+template void gemm<bf16, bf16>(const context&, const gemm_shape&, const bf16*, const bf16*, bf16*);
+template void gemm<fp16, fp16>(const context&, const gemm_shape&, const fp16*, const fp16*, fp16*);
+}  // namespace detail
+
+// Event pairs reused from one take_timings() to the next; pairs[0, used) hold this period's.
+struct op_timer {
+  struct pair {
+    op_family family = op_family::elementwise;
+    cudaEvent_t start = nullptr, stop = nullptr;
+  };
+  std::vector<pair> pairs;
+  std::size_t used = 0;
+  op_timer() = default;
+  op_timer(const op_timer&) = delete;
+  op_timer& operator=(const op_timer&) = delete;
+  ~op_timer() {
+    for (auto& p : pairs) {
+      cudaEventDestroy(p.start);
+      cudaEventDestroy(p.stop);
+    }
+  }
+};
+
+const char* op_family_name(op_family family) {
+  switch (family) {
+    case op_family::attention_forward:
+      return "attention forward";
+    case op_family::attention_backward:
+      return "attention backward";
+    case op_family::linear_forward:
+      return "linear forward (GEMM)";
+    case op_family::linear_backward:
+      return "linear backward (GEMM, bias)";
+    case op_family::layernorm_forward:
+      return "layernorm forward";
+    case op_family::layernorm_backward:
+      return "layernorm backward";
+    case op_family::elementwise:
+      return "GELU, residual, convert";
+    case op_family::cross_entropy:
+      return "softmax + cross-entropy";
+    case op_family::embedding:
+      return "embedding";
+    case op_family::optimizer:
+      return "AdamW, gradient norm";
+  }
+  return "?";
+}
+
+namespace detail {
+timed_op::timed_op(const context& ctx, op_family family) : ctx_(ctx) {
+  op_timer* t = ctx.timer_;
+  if (!t) return;
+  if (t->used == t->pairs.size()) {
+    op_timer::pair p;
+    check(cudaEventCreate(&p.start), "cudaEventCreate(timing)");
+    if (const cudaError_t e = cudaEventCreate(&p.stop); e != cudaSuccess) {
+      cudaEventDestroy(p.start);
+      check(e, "cudaEventCreate(timing)");
+    }
+    t->pairs.push_back(p);
+  }
+  auto& p = t->pairs[t->used];
+  p.family = family;
+  check(cudaEventRecord(p.start, ctx.stream()), "cudaEventRecord(timing)");
+  index_ = static_cast<int>(t->used++);
+}
+
+timed_op::~timed_op() {
+  if (index_ >= 0 && ctx_.timer_)
+    cudaEventRecord(ctx_.timer_->pairs[static_cast<std::size_t>(index_)].stop, ctx_.stream());
+}
+}  // namespace detail
+
+void context::set_timing(bool on) {
+  if (on && !timer_) timer_ = new op_timer;
+  if (!on && timer_) {
+    synchronize();
+    delete std::exchange(timer_, nullptr);
+  }
+}
+
+std::vector<op_family_time> context::take_timings() {
+  std::vector<op_family_time> out;
+  if (!timer_) return out;
+  synchronize();
+  std::array<op_family_time, kOpFamilies> sums{};
+  for (int f = 0; f < kOpFamilies; ++f) sums[static_cast<std::size_t>(f)].family = op_family(f);
+  for (std::size_t i = 0; i < timer_->used; ++i) {
+    const auto& p = timer_->pairs[i];
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, p.start, p.stop), "cudaEventElapsedTime");
+    auto& sum = sums[static_cast<std::size_t>(p.family)];
+    sum.ms += ms;
+    ++sum.calls;
+  }
+  timer_->used = 0;
+  for (const auto& sum : sums)
+    if (sum.calls > 0) out.push_back(sum);
+  return out;
+}
 
 context::context() {
   // The constructor throws, so the destructor would not run: free what was made on failure.
@@ -420,6 +553,7 @@ context::context() {
 context::~context() { release(); }
 
 void context::release() noexcept {
+  delete std::exchange(timer_, nullptr);
   delete std::exchange(gemms_, nullptr);  // before the handle its plans were made with
   if (workspace_) cudaFree(std::exchange(workspace_, nullptr));
   if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(std::exchange(lt_, nullptr)));
@@ -433,6 +567,7 @@ void context::synchronize() const {
 template <class T>
 void layernorm_forward(const context& ctx, T* out, float* mean, float* rstd, const T* inp,
                        const float* weight, const float* bias, int N, int C) {
+  const timed_op timing(ctx, op_family::layernorm_forward);
   if (N <= 0) return;  // a grid of 0 blocks is an invalid launch
   layernorm_forward_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
       out, mean, rstd, inp, weight, bias, N, C);
@@ -443,6 +578,7 @@ template <class T>
 void layernorm_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
                         const T* inp, const float* weight, const float* mean, const float* rstd,
                         int N, int C) {
+  const timed_op timing(ctx, op_family::layernorm_backward);
   if (N <= 0) return;
   if (dinp) {
     layernorm_dinp_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
@@ -457,25 +593,28 @@ void layernorm_backward(const context& ctx, T* dinp, float* dweight, float* dbia
 template <class T>
 void linear_forward(const context& ctx, T* out, const T* inp, const T* weight, const T* bias, int N,
                     int C, int OC) {
-  gemm_access::run<T, T>(ctx, true, false, OC, N, C, weight, C, inp, C, out, OC, 0.0f, bias);
+  const timed_op timing(ctx, op_family::linear_forward);
+  gemm_access::run<T, T>(ctx, {true, false, OC, N, C, C, C, OC}, weight, inp, out, bias);
 }
 
 template <class T>
 void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
                      const T* inp, const T* weight, int N, int C, int OC) {
+  const timed_op timing(ctx, op_family::linear_backward);
   // dinp[N,C] += dout[N,OC] W[OC,C]: column-major dinp^T[C,N] = W^T[C,OC] dout^T[OC,N].
   if (dinp)
-    gemm_access::run<T, T>(ctx, false, false, C, N, OC, weight, C, dout, OC, dinp, C, 1.0f,
+    gemm_access::run<T, T>(ctx, {false, false, C, N, OC, C, OC, C, 1.0f, 1.0f}, weight, dout, dinp,
                            nullptr);
   // dW[OC,C] += dout^T inp: column-major dW^T[C,OC] = inp^T[C,N] dout[N,OC], into fp32.
   if (dweight)
-    gemm_access::run<T, float>(ctx, false, true, C, OC, N, inp, C, dout, OC, dweight, C, 1.0f,
-                               nullptr);
+    gemm_access::run<T, float>(ctx, {false, true, C, OC, N, C, OC, C, 1.0f, 1.0f}, inp, dout,
+                               dweight, nullptr);
   if (dbias) column_sums<T, false>(ctx, nullptr, dbias, dout, dout, nullptr, nullptr, N, OC);
 }
 
 template <class T>
 void gelu_forward(const context& ctx, T* out, const T* inp, std::int64_t n) {
+  const timed_op timing(ctx, op_family::elementwise);
   if (n <= 0) return;
   gelu_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, inp, n);
   check_launch("gelu_forward_kernel");
@@ -483,6 +622,7 @@ void gelu_forward(const context& ctx, T* out, const T* inp, std::int64_t n) {
 
 template <class T>
 void gelu_backward(const context& ctx, T* dinp, const T* inp, const T* dout, std::int64_t n) {
+  const timed_op timing(ctx, op_family::elementwise);
   if (n <= 0) return;
   gelu_backward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(dinp, inp, dout, n);
   check_launch("gelu_backward_kernel");
@@ -490,6 +630,7 @@ void gelu_backward(const context& ctx, T* dinp, const T* inp, const T* dout, std
 
 template <class T>
 void residual_forward(const context& ctx, T* out, const T* a, const T* b, std::int64_t n) {
+  const timed_op timing(ctx, op_family::elementwise);
   if (n <= 0) return;
   residual_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, a, b, n);
   check_launch("residual_forward_kernel");
@@ -500,6 +641,7 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
                                                     const std::int32_t* targets, float* losses,
                                                     int N, int V, int Vp, int ignore_index,
                                                     std::int64_t count, float grad_scale) {
+  const timed_op timing(ctx, op_family::cross_entropy);
   cross_entropy_result r;
   r.count = count;
   if (N <= 0) return r;
@@ -516,6 +658,7 @@ template <class W>
 void adamw_launch(const context& ctx, float* param, const float* grad, float* m, float* v,
                   std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
                   W* param_copy) {
+  const timed_op timing(ctx, op_family::optimizer);
   if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based");
   const double bc1 = 1.0 - std::pow(double(hp.beta1), step);
   const double bc2 = 1.0 - std::pow(double(hp.beta2), step);
@@ -549,6 +692,7 @@ void adamw_update(const context& ctx, float* param, const float* grad, float* m,
 }
 
 double square_sum(const context& ctx, const float* x, std::int64_t n) {
+  const timed_op timing(ctx, op_family::optimizer);
   const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(n), 1024));
   if (n <= 0) return 0;
   double* partial = nullptr;

@@ -35,6 +35,35 @@ using bf16 = __nv_bfloat16;
 using fp16 = __half;
 
 struct gemm_cache;  // cuBLASLt descriptors and algorithms by GEMM shape (cuda_ops.cu)
+struct op_timer;    // CUDA events around ops, while timing is on (cuda_ops.cu)
+namespace detail {
+class timed_op;  // cuda_common.cuh
+}
+
+// The op families whose device time a context can measure (`troupe bench train-step
+// --breakdown`). Each public op below that takes a context belongs to one.
+enum class op_family {
+  attention_forward,
+  attention_backward,
+  linear_forward,   // GEMMs (and their bias epilogue)
+  linear_backward,  // GEMMs and the bias gradient's column sums
+  layernorm_forward,
+  layernorm_backward,
+  elementwise,  // GELU, residual, conversions
+  cross_entropy,
+  embedding,
+  optimizer,  // AdamW and the gradient norm
+};
+constexpr int kOpFamilies = 10;
+const char* op_family_name(op_family family);
+struct op_family_time {
+  op_family family;
+  // Stream time between events recorded as the op starts and ends, summed over its calls: its
+  // kernels, plus any time the stream sat idle inside the bracket while the host worked (a
+  // GEMM shape's first plan, a loss sum's copy back) — warm up before timing.
+  double ms = 0;
+  int calls = 0;
+};
 
 // A stream, a cuBLASLt handle, its workspace and a cache of GEMM plans on the current device.
 // One per thread.
@@ -47,9 +76,19 @@ class context {
   cudaStream_t stream() const { return stream_; }
   void synchronize() const;
 
+  // While on, every op on this context is bracketed by two CUDA events (a few microseconds of
+  // host time each), and take_timings() sums their device time per op family. Off by default.
+  void set_timing(bool on);
+  // The families' times since timing was turned on or last taken (those with calls), after
+  // waiting for the stream; starts the next period (its event pairs are reused: take them
+  // every step or so, or they grow with every op).
+  std::vector<op_family_time> take_timings();
+
  private:
   friend struct gemm_access;
+  friend class detail::timed_op;
   void release() noexcept;
+  op_timer* timer_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* lt_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
@@ -186,6 +225,23 @@ std::int64_t attention_scratch_floats(int B, int T_, int NH);
 template <class T>
 void attention_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv, const T* out,
                         const float* lse, float* scratch, int B, int T_, int C, int NH);
+
+// ---- causal multi-head self-attention on tensor cores, materialised -----------------------------
+// The same result as attention_forward/backward through cuBLASLt strided-batched GEMMs (Q·Kᵀ, P·V
+// and their gradients, fp32 accumulation) around a fused causal softmax (llm.c's route): scores
+// and probabilities are stored in T, one [T, T] matrix per (batch, head), with the softmax's max,
+// sum and row dot products in fp32. Any head size. forward fills probs (attention_probs_values
+// values of T), which backward reads in place of the fused route's lse; scratch holds
+// attention_materialized_scratch_values values of T, shared by every layer (its contents do not
+// outlive a call). backward accumulates (+=) into dqkv and repeats bitwise.
+std::int64_t attention_probs_values(int B, int T_, int NH);
+std::int64_t attention_materialized_scratch_values(int B, int T_, int C, int NH);
+template <class T>
+void attention_materialized_forward(const context& ctx, T* out, T* probs, T* scratch, const T* qkv,
+                                    int B, int T_, int C, int NH);
+template <class T>
+void attention_materialized_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv,
+                                     const T* probs, T* scratch, int B, int T_, int C, int NH);
 
 // ---- conversions and fills -----------------------------------------------------------------
 // out[i] = T(in[i]) (fp32 master weights to the working copy).

@@ -123,6 +123,7 @@ void local_reduce(cudaStream_t stream, T* const* copies, int k, std::int64_t n, 
 template <class T>
 void embedding_rows_forward(const context& ctx, T* out, const std::int32_t* tokens, const T* wte,
                             int first_row, int rows, std::int64_t N, int C) {
+  const timed_op timing(ctx, op_family::embedding);
   const std::int64_t total = N * C;
   if (total <= 0) return;
   embedding_rows_kernel<T><<<blocks_for(total), kThreads, 0, ctx.stream()>>>(
@@ -132,6 +133,7 @@ void embedding_rows_forward(const context& ctx, T* out, const std::int32_t* toke
 
 template <class T>
 void add_positions(const context& ctx, T* out, const T* wpe, int B, int Tn, int C) {
+  const timed_op timing(ctx, op_family::embedding);
   const std::int64_t total = std::int64_t{B} * Tn * C;
   if (total <= 0) return;
   add_positions_kernel<T><<<blocks_for(total), kThreads, 0, ctx.stream()>>>(out, wpe, Tn, C, total);
@@ -141,6 +143,7 @@ void add_positions(const context& ctx, T* out, const T* wpe, int B, int Tn, int 
 template <class T>
 void vocab_shard_max(const context& ctx, float* row_max, const T* logits, int N,
                      const vocab_shard& v) {
+  const timed_op timing(ctx, op_family::cross_entropy);
   if (N <= 0) return;
   vocab_max_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(row_max, logits, v);
   check_launch("vocab_max_kernel");
@@ -150,6 +153,7 @@ template <class T>
 void vocab_shard_stats(const context& ctx, float* stats, const T* logits,
                        const std::int32_t* targets, const float* row_max, int N,
                        const vocab_shard& v, int ignore_index) {
+  const timed_op timing(ctx, op_family::cross_entropy);
   if (N <= 0) return;
   vocab_stats_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
       stats, logits, targets, row_max, v, ignore_index);
@@ -161,6 +165,7 @@ cross_entropy_result vocab_parallel_cross_entropy_backward(
     const context& ctx, T* dlogits, const T* logits, const std::int32_t* targets,
     const float* row_max, const float* stats, float* losses, int N, const vocab_shard& v,
     int ignore_index, std::int64_t count, float grad_scale) {
+  const timed_op timing(ctx, op_family::cross_entropy);
   cross_entropy_result r;
   r.count = count;
   if (N <= 0) return r;

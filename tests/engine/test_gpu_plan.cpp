@@ -55,6 +55,40 @@ TEST_CASE("the GPU memory plan follows the model, the dtype and checkpointing", 
   CHECK(bf16_ac.model_state == bf16.model_state);
 }
 
+TEST_CASE("attention kernels are named and parsed", "[gpu-plan]") {
+  for (auto a : {attention_kernel::fused, attention_kernel::materialized})
+    CHECK(parse_attention_kernel(attention_kernel_name(a)) == a);
+  CHECK_THROWS_WITH(parse_attention_kernel("flash"), Catch::Contains("flash"));
+}
+
+TEST_CASE("the materialized attention's plan keeps every layer's probabilities", "[gpu-plan]") {
+  const gpt_config c{50257, 50304, 1024, 12, 12, 768};  // GPT-2 small
+  const int B = 4, T = 1024;
+  const std::int64_t N = std::int64_t{B} * T, NC = N * 768, rows = std::int64_t{B} * 12 * T;
+  const gpu_trainer_options fused{compute_dtype::bf16, false};
+  const gpu_trainer_options materialized{compute_dtype::bf16, false,
+                                         attention_kernel::materialized};
+  const auto f = plan_gpu_memory(c, B, T, fused);
+  const auto m = plan_gpu_memory(c, B, T, materialized);
+  CHECK(m.model_state == f.model_state);
+  // Per layer the [T, T] probabilities of every head in bf16 instead of each row's fp32 lse;
+  // once, the scratch: q, k, v, dO, dq, dk, dv (7 NC) and dP (rows x T) instead of delta (rows).
+  CHECK(m.activations - f.activations ==
+        12 * (rows * T * 2 - rows * 4) + (7 * NC + rows * T) * 2 - rows * 4);
+  // With checkpointing one layer's probabilities are kept, in the shared block buffers.
+  const auto m_ac =
+      plan_gpu_memory(c, B, T, {compute_dtype::bf16, true, attention_kernel::materialized});
+  const auto f_ac = plan_gpu_memory(c, B, T, {compute_dtype::bf16, true});
+  CHECK(m_ac.activations - f_ac.activations ==
+        (rows * T * 2 - rows * 4) + (7 * NC + rows * T) * 2 - rows * 4);
+  // On a tensor shard (tp 2) the shard's heads.
+  const auto ranges = stage_range::whole(c);
+  const auto m2 = plan_gpu_stage_memory(c, ranges, B, T, materialized, 1, 2);
+  const auto f2 = plan_gpu_stage_memory(c, ranges, B, T, fused, 1, 2);
+  CHECK(m2.activations - f2.activations ==
+        12 * (rows / 2 * T * 2 - rows / 2 * 4) + (7 * NC / 2 + rows / 2 * T) * 2 - rows / 2 * 4);
+}
+
 TEST_CASE("a pipeline chunk's GPU plan: its own layers, a tied wte copy, slots in flight",
           "[gpu-plan]") {
   const gpt_config c{50257, 50304, 1024, 12, 12, 768};  // GPT-2 small

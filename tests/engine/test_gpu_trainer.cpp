@@ -1,7 +1,8 @@
 // The GPT-2 model on the GPU against the serial CPU engine (`gpu` suite; exit 77, SKIP, without
 // a device): the same weights, gradients and training steps within the dtype's tolerance, fp32,
-// bf16 and fp16 (with a loss scale); gradients accumulate and repeat bitwise; activation
-// checkpointing changes no bit and allocates what plan_gpu_memory says.
+// bf16 and fp16 (with a loss scale), with either attention kernel; gradients accumulate and
+// repeat bitwise; activation checkpointing changes no bit and allocates what plan_gpu_memory
+// says.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -131,12 +132,12 @@ std::string agreement_table(const std::vector<std::vector<float>>& gpu_grads, co
 // Four AdamW steps on the GPU against the CPU; backward seeded with loss_scale (a power of two),
 // unscaled in the update as the training loop does.
 void compare(compute_dtype dtype, double loss_tol, double grad_tol, param_tolerance pt,
-             float loss_scale = 1.0f) {
+             float loss_scale = 1.0f, attention_kernel attention = attention_kernel::fused) {
   optimizer_config oc;
   oc.warmup_steps = 1;
   const int steps = 4;
   const auto want = run_cpu(oc, steps);
-  gpu_trainer gpu(kConfig, kB, kT, dtype, 42);
+  gpu_trainer gpu(kConfig, kB, kT, gpu_trainer_options{dtype, false, attention}, 42);
   std::vector<std::vector<float>> gpu_grads;
   for (int s = 0; s < steps; ++s) {
     const auto b = make_batch(static_cast<std::uint64_t>(s) * 1000);
@@ -192,32 +193,52 @@ TEST_CASE("GPT-2 on the GPU in fp16 with a loss scale follows the CPU engine", "
   compare(compute_dtype::fp16, 1e-2, 3e-2, {5e-3, 1.0, 0.03}, 1024.0f);
 }
 
+// The materialized attention (tensor-core GEMMs around a fused softmax, scores and probabilities
+// stored in the compute dtype) against the same CPU runs and the same bounds as the fused kernel.
+TEST_CASE("GPT-2 on the GPU with materialized attention trains as the CPU engine does",
+          "[gpu][trainer]") {
+  SECTION("fp32") {
+    compare(compute_dtype::fp32, 1e-5, 1e-4, {1e-5, 1e-2, 0.02}, 1.0f,
+            attention_kernel::materialized);
+  }
+  SECTION("bf16") {
+    compare(compute_dtype::bf16, 2e-2, 5e-2, {1e-2, 1.0, 0.1}, 1.0f,
+            attention_kernel::materialized);
+  }
+  SECTION("fp16 with a loss scale") {
+    compare(compute_dtype::fp16, 1e-2, 3e-2, {5e-3, 1.0, 0.03}, 1024.0f,
+            attention_kernel::materialized);
+  }
+}
+
 TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the plan",
           "[gpu][trainer]") {
-  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
-    INFO("dtype " << compute_dtype_name(dtype));
-    gpt_stage host(kConfig, stage_range::whole(kConfig));
-    host.init_gpt2(3);
-    gpu_trainer plain(host, kB, kT, {dtype, false});
-    gpu_trainer recomputed(host, kB, kT, {dtype, true});
-    const auto plan_plain = plan_gpu_memory(kConfig, kB, kT, {dtype, false});
-    const auto plan_recompute = plan_gpu_memory(kConfig, kB, kT, {dtype, true});
-    CHECK(plain.device_bytes() == plan_plain.total());
-    CHECK(recomputed.device_bytes() == plan_recompute.total());
-    CHECK(recomputed.device_bytes() < plain.device_bytes());
-    optimizer_config oc;
-    oc.warmup_steps = 1;
-    for (int s = 0; s < 3; ++s) {
-      const auto b = make_batch(static_cast<std::uint64_t>(s) * 31 + 2);
-      for (auto* g : {&plain, &recomputed}) {
-        g->zero_grad();
-        g->forward_backward(b.inputs.data(), b.targets.data(), 8.0f);
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16})
+    for (auto attention : {attention_kernel::fused, attention_kernel::materialized}) {
+      INFO("dtype " << compute_dtype_name(dtype) << ", " << attention_kernel_name(attention)
+                    << " attention");
+      gpt_stage host(kConfig, stage_range::whole(kConfig));
+      host.init_gpt2(3);
+      gpu_trainer plain(host, kB, kT, {dtype, false, attention});
+      gpu_trainer recomputed(host, kB, kT, {dtype, true, attention});
+      const auto plan_plain = plan_gpu_memory(kConfig, kB, kT, {dtype, false, attention});
+      const auto plan_recompute = plan_gpu_memory(kConfig, kB, kT, {dtype, true, attention});
+      CHECK(plain.device_bytes() == plan_plain.total());
+      CHECK(recomputed.device_bytes() == plan_recompute.total());
+      CHECK(recomputed.device_bytes() < plain.device_bytes());
+      optimizer_config oc;
+      oc.warmup_steps = 1;
+      for (int s = 0; s < 3; ++s) {
+        const auto b = make_batch(static_cast<std::uint64_t>(s) * 31 + 2);
+        for (auto* g : {&plain, &recomputed}) {
+          g->zero_grad();
+          g->forward_backward(b.inputs.data(), b.targets.data(), 8.0f);
+        }
+        CHECK(recomputed.gradients() == plain.gradients());
+        for (auto* g : {&plain, &recomputed}) g->update(oc, s, 3, 1.0 / 8);
       }
-      CHECK(recomputed.gradients() == plain.gradients());
-      for (auto* g : {&plain, &recomputed}) g->update(oc, s, 3, 1.0 / 8);
+      CHECK(recomputed.parameters() == plain.parameters());
     }
-    CHECK(recomputed.parameters() == plain.parameters());
-  }
 }
 
 TEST_CASE("the GPU trainer starts from given host weights, evaluates and hands weights back",
@@ -241,32 +262,71 @@ TEST_CASE("the GPU trainer starts from given host weights, evaluates and hands w
 }
 
 TEST_CASE("GPU gradients accumulate across batches and repeat bitwise", "[gpu][trainer]") {
-  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
-    gpu_trainer gpu(kConfig, kB, kT, dtype, 7);
-    const auto b = make_batch(5);
-    gpu.zero_grad();
-    const double l1 = gpu.forward_backward(b.inputs.data(), b.targets.data());
-    const auto once = gpu.gradients();
-    // Deterministic: the same batch again from zero gives bitwise the same loss and gradients.
-    gpu.zero_grad();
-    const double l2 = gpu.forward_backward(b.inputs.data(), b.targets.data());
-    CHECK(l1 == l2);
-    CHECK(gpu.gradients() == once);
-    // Accumulating: a second batch without zero_grad adds (wte sums head and embedding parts,
-    // so the sum is within rounding, not bitwise, of twice).
-    gpu.forward_backward(b.inputs.data(), b.targets.data());
-    auto twice = once;
-    for (auto& g : twice) g *= 2;
-    CHECK(relative_difference(gpu.gradients(), twice) <= 1e-6);
-    // A loss scale of 2^10 scales every gradient by 2^10 (exactly, in exact arithmetic; the
-    // kernels' rounding is scale-invariant for powers of two).
-    if (dtype == compute_dtype::fp32) {
+  for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16})
+    for (auto attention : {attention_kernel::fused, attention_kernel::materialized}) {
+      INFO("dtype " << compute_dtype_name(dtype) << ", " << attention_kernel_name(attention)
+                    << " attention");
+      gpu_trainer gpu(kConfig, kB, kT, gpu_trainer_options{dtype, false, attention}, 7);
+      const auto b = make_batch(5);
       gpu.zero_grad();
-      gpu.forward_backward(b.inputs.data(), b.targets.data(), 1024.0f);
-      auto scaled = once;
-      for (auto& g : scaled) g *= 1024.0f;
-      CHECK(relative_difference(gpu.gradients(), scaled) <= 1e-6);
+      const double l1 = gpu.forward_backward(b.inputs.data(), b.targets.data());
+      const auto once = gpu.gradients();
+      // Deterministic: the same batch again from zero gives bitwise the same loss and gradients.
+      gpu.zero_grad();
+      const double l2 = gpu.forward_backward(b.inputs.data(), b.targets.data());
+      CHECK(l1 == l2);
+      CHECK(gpu.gradients() == once);
+      // Accumulating: a second batch without zero_grad adds (wte sums head and embedding parts,
+      // so the sum is within rounding, not bitwise, of twice).
+      gpu.forward_backward(b.inputs.data(), b.targets.data());
+      auto twice = once;
+      for (auto& g : twice) g *= 2;
+      CHECK(relative_difference(gpu.gradients(), twice) <= 1e-6);
+      // A loss scale of 2^10 scales every gradient by 2^10 (exactly, in exact arithmetic; the
+      // kernels' rounding is scale-invariant for powers of two).
+      if (dtype == compute_dtype::fp32) {
+        gpu.zero_grad();
+        gpu.forward_backward(b.inputs.data(), b.targets.data(), 1024.0f);
+        auto scaled = once;
+        for (auto& g : scaled) g *= 1024.0f;
+        CHECK(relative_difference(gpu.gradients(), scaled) <= 1e-6);
+      }
     }
+}
+
+TEST_CASE("a GPU chunk times its ops by family while asked to, changing no bit", "[gpu][trainer]") {
+  for (auto attention : {attention_kernel::fused, attention_kernel::materialized}) {
+    INFO(attention_kernel_name(attention) << " attention");
+    gpu_trainer timed(kConfig, kB, kT, gpu_trainer_options{compute_dtype::bf16, false, attention},
+                      7);
+    gpu_trainer plain(kConfig, kB, kT, gpu_trainer_options{compute_dtype::bf16, false, attention},
+                      7);
+    const auto b = make_batch(5);
+    timed.forward_backward(b.inputs.data(), b.targets.data());
+    CHECK(timed.stage().take_kernel_times().empty());  // timing is off by default
+    timed.stage().set_kernel_timing(true);
+    timed.zero_grad();
+    plain.zero_grad();
+    timed.forward_backward(b.inputs.data(), b.targets.data());
+    plain.forward_backward(b.inputs.data(), b.targets.data());
+    const auto times = timed.stage().take_kernel_times();
+    auto calls = [&](const std::string& family) {
+      for (const auto& t : times) {
+        CHECK(t.ms >= 0);
+        if (t.family == family) return t.calls;
+      }
+      return 0;
+    };
+    CHECK(calls("attention forward") == kConfig.layers);
+    CHECK(calls("attention backward") == kConfig.layers);
+    CHECK(calls("layernorm forward") == 2 * kConfig.layers + 1);
+    CHECK(calls("softmax + cross-entropy") == 1);
+    double total = 0;
+    for (const auto& t : times) total += t.ms;
+    CHECK(total > 0);
+    CHECK(timed.stage().take_kernel_times().empty());  // nothing ran since
+    CHECK(timed.gradients() == plain.gradients());
+    timed.stage().set_kernel_timing(false);
   }
 }
 

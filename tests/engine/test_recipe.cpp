@@ -8,6 +8,7 @@
 #include <numbers>
 
 #include "engine/gpt_weights.hpp"
+#include "engine/gpu_stage.hpp"
 #include "engine/optimizer.hpp"
 #include "engine/recipe.hpp"
 #include "tests/engine/engine_test_util.hpp"
@@ -277,11 +278,26 @@ TEST_CASE("device picks the CPU or one GPU, and the 16-bit dtypes need the GPU",
   CHECK_THAT(fp16, Catch::Contains("precision.loss_scale") && Catch::Contains("dynamic"));
   CHECK(parse("device = \"cuda\"\n[precision]\ndtype = \"fp16\"\nloss_scale = \"dynamic\"\n")
             .precision.dtype == "fp16");
-  // The GPU attention kernel's head sizes: 16, 32, 64, 128.
+  // The fused GPU attention kernel's head sizes: 16, 32, 64, 128; the materialized one takes any.
   const auto heads = parse_error("device = \"cuda\"\n[model]\nwidth = 96\nheads = 2\n");
-  CHECK_THAT(heads, Catch::Contains("model.heads") && Catch::Contains("head size 48"));
+  CHECK_THAT(heads, Catch::Contains("model.heads") && Catch::Contains("head size 48") &&
+                        Catch::Contains("materialized"));
   CHECK(parse("[model]\nwidth = 96\nheads = 2\n").model.heads == 2);  // fine on the CPU
   CHECK(parse("device = \"cuda\"\n[model]\nwidth = 128\nheads = 2\n").model.heads == 2);
+  CHECK(parse("device = \"cuda\"\n[model]\nwidth = 96\nheads = 2\n[kernels]\n"
+              "attention = \"materialized\"\n")
+            .model.heads == 2);
+}
+
+TEST_CASE("kernels.attention picks the GPU attention kernel by name", "[recipe]") {
+  CHECK(parse("").kernels.attention == "fused");
+  CHECK(parse("", {"kernels.attention=materialized"}).kernels.attention == "materialized");
+  CHECK(gpu_options(parse("device = \"cuda\"\n[kernels]\nattention = \"materialized\"\n"))
+            .attention == attention_kernel::materialized);
+  CHECK(gpu_options(parse("device = \"cuda\"\n")).attention == attention_kernel::fused);
+  const auto bad = parse_error("[kernels]\nattention = \"flash3\"\n");
+  CHECK_THAT(bad, Catch::Contains("key kernels.attention") && Catch::Contains("flash3"));
+  check_one_line(bad);
 }
 
 TEST_CASE("learning-rate schedule matches docs/recipe.md", "[recipe][lr]") {

@@ -1,11 +1,13 @@
-// The fused causal attention and the embedding on the GPU against the CPU reference, in fp32,
-// bf16 and fp16 (tolerance scaled by the dtype, inputs rounded to it first). `gpu` suite: exit 77
-// (SKIP) without a device.
+// Causal attention (the fused kernel and the materialized route) and the embedding on the GPU
+// against the CPU reference, in fp32, bf16 and fp16 (tolerance scaled by the dtype, inputs
+// rounded to it first), and the ops' timing. `gpu` suite: exit 77 (SKIP) without a device.
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
 
+#include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu_ops.hpp"
@@ -74,6 +76,104 @@ TEMPLATE_TEST_CASE("fused causal attention on the GPU matches the CPU reference"
   check_attention<TestType>(1, 1, 2, 32, 22);    // one token
   check_attention<TestType>(2, 130, 2, 64, 23);  // GPT-2's head size, three query tiles
   check_attention<TestType>(1, 70, 2, 128, 24);  // the 32-row key tiles of head size 128
+}
+
+namespace {
+
+// The materialized route (tensor-core GEMMs around the fused causal softmax) against the CPU
+// reference: out, the probabilities themselves (0 above the diagonal), dqkv. Every output and
+// the scratch start poisoned with NaN: what a kernel fails to write, or a GEMM reads before it
+// is written, shows.
+template <class T>
+void check_materialized(int B, int Tn, int NH, int hs, std::uint32_t seed) {
+  const int C = NH * hs;
+  const auto n = static_cast<std::size_t>(B) * Tn;
+  const auto pairs = static_cast<std::size_t>(cu::attention_probs_values(B, Tn, NH));
+  const auto qkv = rounded<T>(random_values(n * 3 * C, seed, -2, 2));
+  const auto dout = rounded<T>(random_values(n * C, seed + 1));
+  std::vector<float> out(n * C), att(pairs), dqkv(n * 3 * C, 0.25f);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), B, Tn, C, NH);
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, Tn, C, NH);
+
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  cu::context ctx;
+  device_array<T> gqkv(qkv), gdout(dout), gdqkv(std::vector<float>(n * 3 * C, 0.25f));
+  device_array<T> gout(std::vector<float>(n * C, nan)), gprobs(std::vector<float>(pairs, nan));
+  device_array<T> scratch(std::vector<float>(
+      static_cast<std::size_t>(cu::attention_materialized_scratch_values(B, Tn, C, NH)), nan));
+  cu::attention_materialized_forward(ctx, gout.get(), gprobs.get(), scratch.get(), gqkv.get(), B,
+                                     Tn, C, NH);
+  cu::attention_materialized_backward(ctx, gdqkv.get(), gdout.get(), gqkv.get(), gprobs.get(),
+                                      scratch.get(), B, Tn, C, NH);
+  ctx.synchronize();
+  INFO("B=" << B << " T=" << Tn << " heads=" << NH << " head size=" << hs);
+  check_close<T>(gprobs.host(), att, "probabilities", 1e-5);
+  check_close<T>(gout.host(), out, "out", 1e-5);
+  check_close<T>(gdqkv.host(), dqkv, "dqkv (accumulated onto 0.25)", 1e-4);
+  const auto probs = gprobs.host();
+  std::size_t above = 0;  // values above the diagonal that are not exactly 0
+  for (std::size_t p = 0; p < pairs; ++p) {
+    const auto i = (p / static_cast<std::size_t>(Tn)) % static_cast<std::size_t>(Tn);
+    const auto j = p % static_cast<std::size_t>(Tn);
+    if (j > i && probs[p] != 0.0f) ++above;
+  }
+  CHECK(above == 0);
+
+  // Deterministic: the same inputs give bitwise the same gradient, from a freshly poisoned
+  // scratch (nothing of the first call's scratch is read).
+  device_array<T> again(std::vector<float>(n * 3 * C, 0.25f));
+  device_array<T> fresh(std::vector<float>(
+      static_cast<std::size_t>(cu::attention_materialized_scratch_values(B, Tn, C, NH)), nan));
+  cu::attention_materialized_backward(ctx, again.get(), gdout.get(), gqkv.get(), gprobs.get(),
+                                      fresh.get(), B, Tn, C, NH);
+  ctx.synchronize();
+  CHECK(again.host() == gdqkv.host());
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("materialized causal attention on the GPU matches the CPU reference", "[gpu]",
+                   float, bf16, fp16) {
+  check_materialized<TestType>(2, 100, 3, 16, 51);  // T not a multiple of a warp
+  check_materialized<TestType>(1, 1, 2, 32, 52);    // one token
+  check_materialized<TestType>(2, 130, 2, 64, 53);  // GPT-2's head size
+  check_materialized<TestType>(1, 70, 2, 128, 54);
+  check_materialized<TestType>(2, 33, 3, 48, 55);  // a head size the fused kernel has not
+}
+
+TEST_CASE("materialized attention refuses a width that is no multiple of the heads", "[gpu]") {
+  cu::context ctx;
+  CHECK_THROWS_AS(cu::attention_materialized_forward<float>(ctx, nullptr, nullptr, nullptr, nullptr,
+                                                            1, 4, 50, 3),
+                  std::invalid_argument);
+}
+
+TEST_CASE("a context times its ops by family while asked to", "[gpu]") {
+  const int N = 64, C = 32, OC = 48;
+  const auto x = random_values(static_cast<std::size_t>(N) * C, 61);
+  const auto w = random_values(static_cast<std::size_t>(OC) * C, 62);
+  const auto ones = std::vector<float>(C, 1.0f), zeros = std::vector<float>(C, 0.0f);
+  cu::context ctx;
+  device_array<float> gx(x), gw(w), gy(static_cast<std::size_t>(N) * OC), gn(x.size()), gone(ones),
+      gzero(zeros), mean(N), rstd(N);
+  CHECK(ctx.take_timings().empty());  // off by default
+  ctx.set_timing(true);
+  for (int i = 0; i < 3; ++i)
+    cu::linear_forward<float>(ctx, gy.get(), gx.get(), gw.get(), nullptr, N, C, OC);
+  cu::layernorm_forward<float>(ctx, gn.get(), mean.get(), rstd.get(), gx.get(), gone.get(),
+                               gzero.get(), N, C);
+  const auto times = ctx.take_timings();
+  REQUIRE(times.size() == 2);
+  CHECK(times[0].family == cu::op_family::linear_forward);
+  CHECK(times[0].calls == 3);
+  CHECK(times[1].family == cu::op_family::layernorm_forward);
+  CHECK(times[1].calls == 1);
+  for (const auto& t : times) CHECK(t.ms >= 0);
+  CHECK(ctx.take_timings().empty());  // a new period
+  ctx.set_timing(false);
+  cu::linear_forward<float>(ctx, gy.get(), gx.get(), gw.get(), nullptr, N, C, OC);
+  CHECK(ctx.take_timings().empty());
+  CHECK(std::string(cu::op_family_name(cu::op_family::attention_backward)) == "attention backward");
 }
 
 TEST_CASE("attention on the GPU refuses a head size it has no kernel for", "[gpu]") {
