@@ -5,7 +5,8 @@
 #    norms within 1e-3; the weights file is written and has the CPU file's size.
 #  - bf16: losses within 5e-2 of the CPU, norms within 2e-1 (test_gpu_trainer's tolerances);
 #    with activation checkpointing bitwise the losses without it; --dry-run's plan shows
-#    checkpointing saving memory.
+#    checkpointing saving memory. The materialized attention (kernels.attention) in bf16 within
+#    the same tolerances, and in an fp32 pipeline of 2 stages within the fp32 ones.
 #  - a GPU pipeline (device stage actors, payloads through links): fp32 1F1B over 2 stages within
 #    the fp32 tolerances of the CPU, bf16 interleaved 1F1B over 2 x 2 chunks with activation
 #    checkpointing within the bf16 ones; fp32 PP=2 x DP=2 (gradient buckets averaged on the
@@ -50,6 +51,8 @@ run cpu --engine serial
 run gpu32 --device cuda
 run gpu16 --device cuda --set precision.dtype=bf16
 run gpu16ac --device cuda --set precision.dtype=bf16 --set activation_checkpoint.mode=full
+run gpu16mat --device cuda --set precision.dtype=bf16 --set kernels.attention=materialized
+run gpupp2mat --device cuda --set parallel.pp=2 --set kernels.attention=materialized
 run gpupp2 --device cuda --set parallel.pp=2
 run gpuvpp --device cuda --set precision.dtype=bf16 --set parallel.pp=2 \
   --set parallel.virtual_stages=2 --set parallel.schedule=interleaved_1f1b \
@@ -87,6 +90,8 @@ close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
 assert os.path.getsize(f"{tmp}/gpu32/final.safetensors") == os.path.getsize(f"{tmp}/cpu/final.safetensors")
 assert [r["loss"] for r in g16] == [r["loss"] for r in g16ac], "checkpointing changed bf16 losses"
 close(cpu, g16, 5e-2, 2e-1, "bf16 GPU vs CPU")
+close(cpu, rows("gpu16mat"), 5e-2, 2e-1, "bf16 GPU, materialized attention, vs CPU")
+close(cpu, rows("gpupp2mat"), 1e-4, 1e-3, "fp32 GPU pipeline, materialized attention, vs CPU")
 skipped = [r for r in f16 if r.get("skipped")]
 assert skipped and f16[0].get("skipped"), "fp16 from 2^40: the first step was not skipped"
 assert all("non-finite" in r["skipped"] for r in skipped), skipped
