@@ -39,6 +39,7 @@ json measure_troupe(const gpu_train_step_options& o, int B, const std::string& a
   engine::gpu_trainer_options options;
   options.dtype = o.dtype == "bf16" ? engine::compute_dtype::bf16 : engine::compute_dtype::fp32;
   options.attention = engine::parse_attention_kernel(attention);
+  options.fast_kernels = o.fast_paths;
   engine::gpu_trainer trainer(config, B, o.seq_len, options, 1234);
   const std::size_t n = static_cast<std::size_t>(B) * static_cast<std::size_t>(o.seq_len);
   std::vector<std::vector<std::int32_t>> batches(4, std::vector<std::int32_t>(n + 1));
@@ -66,6 +67,7 @@ json measure_troupe(const gpu_train_step_options& o, int B, const std::string& a
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
   json r = {{"attention", attention},
+            {"fast_paths", o.fast_paths},
             {"tokens_per_s", double(n) / median},
             {"step_ms_median", median * 1e3},
             {"step_ms_min", times.front() * 1e3},
@@ -125,7 +127,8 @@ void print_run(const json& run) {
   std::printf("%-24s %12s %10s %7s %11s %14s\n", "run", "tokens/s", "step ms", "MFU", "device GiB",
               "best troupe/x");
   for (const auto& t : run["troupe"]) {
-    const std::string name = "troupe (" + t["attention"].get<std::string>() + ")";
+    const std::string name = "troupe (" + t["attention"].get<std::string>() +
+                             (t.value("fast_paths", false) ? ", fast" : "") + ")";
     if (t.contains("error")) {
       std::printf("%-24s %s\n", name.c_str(), t["error"].get<std::string>().c_str());
       continue;

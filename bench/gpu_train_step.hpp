@@ -20,6 +20,7 @@ struct gpu_train_step_options {
   int warmup = 5;
   std::string dtype = "bf16";                                      // bf16 | fp32
   std::vector<std::string> attention = {"fused", "materialized"};  // engine::attention_kernel
+  bool fast_paths = false;  // kernels.fast_paths: 128-bit layernorm, one AdamW launch
   bool breakdown = false;
   std::string python = "python3";  // with torch (the GPU machine's own)
   bool no_peer = false;

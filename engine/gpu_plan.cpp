@@ -29,6 +29,7 @@ gpu_trainer_options gpu_options(const recipe& r) {
   o.dtype = parse_compute_dtype(r.precision.dtype);
   o.recompute = r.activation_checkpoint.full();
   o.attention = parse_attention_kernel(r.kernels.attention);
+  o.fast_kernels = r.kernels.fast_paths;
   return o;
 }
 

@@ -188,6 +188,7 @@ struct model_impl final : gpu_stage::impl {
   D* working = nullptr;                 // bf16 / fp16 runs: the 16-bit weights
   std::int32_t *d_tokens = nullptr, *d_targets = nullptr;
   cu::token_groups groups;
+  cu::adamw_segments adamw_table;  // fast kernels: the layout's parameters, for one AdamW launch
   D *lnf = nullptr, *logits = nullptr;
   float* losses = nullptr;
   float* att_delta = nullptr;                  // fused attention backward's scratch
@@ -501,6 +502,21 @@ struct model_impl final : gpu_stage::impl {
   }
 
   void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
+    if (ctx.fast_kernels()) {  // one launch over the flat buffers
+      if (adamw_table.count() == 0) {
+        std::vector<cu::adamw_segments::segment> segments;
+        for (const auto& p : layout) segments.push_back({p.offset, p.numel, p.decay});
+        adamw_table.upload(ctx, segments);
+      }
+      if constexpr (std::is_same_v<D, float>) {
+        cu::adamw_update_flat(ctx, master, grads, m, v, adamw_table, hp, step, grad_multiplier,
+                              static_cast<cu::bf16*>(nullptr));
+      } else {
+        cu::adamw_update_flat(ctx, master, grads, m, v, adamw_table, hp, step, grad_multiplier,
+                              working);
+      }
+      return;
+    }
     for (const auto& p : layout) {
       const auto o = p.offset;
       if constexpr (std::is_same_v<D, float>) {
@@ -562,6 +578,7 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   s.element_bytes = options.dtype == compute_dtype::fp32 ? 4 : 2;
   s.recompute = options.recompute;
   s.attention = options.attention;
+  s.ctx.set_fast_kernels(options.fast_kernels);
   s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
   s.P = weights.parameter_count();

@@ -60,11 +60,14 @@ struct gpu_trainer_options {
   compute_dtype dtype = compute_dtype::fp32;
   bool recompute = false;  // activation checkpointing: every block recomputed in backward
   attention_kernel attention = attention_kernel::fused;
+  // The newer kernels of the rest of the step (kernels::cuda::context::set_fast_kernels:
+  // 128-bit layernorm, one AdamW launch over the flat buffers), within rounding of the others.
+  bool fast_kernels = false;
 };
 
 struct recipe;
-// The options of a recipe's GPU chunks: precision.dtype, activation_checkpoint.mode and
-// kernels.attention (the recipe validated).
+// The options of a recipe's GPU chunks: precision.dtype, activation_checkpoint.mode,
+// kernels.attention and kernels.fast_paths (the recipe validated).
 gpu_trainer_options gpu_options(const recipe& r);
 
 // Device time of one family of ops (gpu_stage::take_kernel_times).

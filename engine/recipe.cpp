@@ -15,7 +15,7 @@
 namespace troupe::engine {
 namespace {
 
-enum class kind { integer, floating, string, integer_array };
+enum class kind { integer, floating, string, integer_array, boolean };
 
 struct field {
   kind type;
@@ -37,6 +37,8 @@ field nested(S recipe::*sub, T S::*member) {
     k = kind::string;
   } else if constexpr (std::is_same_v<T, std::vector<int>>) {
     k = kind::integer_array;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    k = kind::boolean;
   } else if constexpr (std::is_floating_point_v<T>) {
     k = kind::floating;
   } else {
@@ -50,6 +52,8 @@ field nested(S recipe::*sub, T S::*member) {
               out.clear();
               for (const auto& e : *n.as_array())
                 out.push_back(static_cast<int>(*e.value<std::int64_t>()));
+            } else if constexpr (std::is_same_v<T, bool>) {
+              (r.*sub).*member = *n.value<bool>();
             } else if constexpr (std::is_floating_point_v<T>) {
               (r.*sub).*member = static_cast<T>(*n.value<double>());
             } else {
@@ -119,6 +123,7 @@ const std::map<std::string, field>& schema() {
       {"activation_checkpoint.mode",
        nested(&recipe::activation_checkpoint, &activation_checkpoint_config::mode)},
       {"kernels.attention", nested(&recipe::kernels, &kernels_config::attention)},
+      {"kernels.fast_paths", nested(&recipe::kernels, &kernels_config::fast_paths)},
   };
   return fields;
 }
@@ -133,6 +138,8 @@ const char* kind_name(kind k) {
       return "a string";
     case kind::integer_array:
       return "an array of integers";
+    case kind::boolean:
+      return "true or false";
   }
   return "?";
 }
@@ -146,6 +153,7 @@ void apply(recipe& r, const std::string& key, const toml::node& node, const std:
   if (k == kind::integer) ok = node.is_integer();
   if (k == kind::floating) ok = node.is_integer() || node.is_floating_point();
   if (k == kind::string) ok = node.is_string();
+  if (k == kind::boolean) ok = node.is_boolean();
   if (k == kind::integer_array) {
     const auto* a = node.as_array();
     ok = a != nullptr;

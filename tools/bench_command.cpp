@@ -261,6 +261,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
                    "cuda: the attention kernels to run, fused and/or materialized (default both)")
       ->delimiter(',')
       ->check(CLI::IsMember({"fused", "materialized"}));
+  step->add_flag("--fast-paths", opts->gpu.fast_paths,
+                 "cuda: the newer kernels of the rest of the step (recipe key kernels.fast_paths)");
   step->add_flag("--breakdown", opts->gpu.breakdown,
                  "cuda: where the step goes, device time per op family from CUDA events");
   step->add_option("--seq", opts->gpu.seq_len, "cuda: tokens per sequence")

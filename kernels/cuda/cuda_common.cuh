@@ -100,6 +100,20 @@ class timed_op {
   int index_ = -1;  // the event pair's, when timing
 };
 
+// The 128-bit layernorm kernels (layernorm_vectorized.cu): each returns false, launching
+// nothing, when the row does not fit them (C a multiple of 32 lanes x 16 bytes, at most 8
+// vectors a lane, 16-byte aligned rows); the caller then runs the warp-per-row kernel.
+template <class T>
+int layernorm_vectors_per_lane(int C);  // 0: does not fit
+template <class T>
+bool layernorm_forward_vectorized(const context& ctx, T* out, float* mean, float* rstd,
+                                  const T* inp, const float* weight, const float* bias, int N,
+                                  int C);
+template <class T>
+bool layernorm_dinp_vectorized(const context& ctx, T* dinp, const T* dout, const T* inp,
+                               const float* weight, const float* mean, const float* rstd, int N,
+                               int C);
+
 constexpr int kThreads = 256;
 inline unsigned blocks_for(std::int64_t n, int per_block = kThreads) {
   return static_cast<unsigned>((n + per_block - 1) / per_block);

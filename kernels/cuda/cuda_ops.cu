@@ -215,12 +215,11 @@ struct adamw_coefficients {
 };
 
 template <class W>
-__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, std::int64_t n,
-                             adamw_coefficients c, W* copy) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
+__device__ __forceinline__ void adamw_element(float* param, const float* grad, float* m, float* v,
+                                              std::int64_t i, const adamw_coefficients& c,
+                                              float keep, W* copy) {
   const float g = grad[i] * c.grad_scale;
-  const float p = param[i] * c.keep;
+  const float p = param[i] * keep;
   const float mi = m[i] + c.w1 * (g - m[i]);
   const float vi = v[i] * c.beta2 + c.w2 * g * g;
   const float denom = sqrtf(vi) / c.bc2_sqrt + c.eps;
@@ -229,6 +228,33 @@ __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v
   m[i] = mi;
   v[i] = vi;
   if (copy) copy[i] = from_f<W>(out);
+}
+
+template <class W>
+__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, std::int64_t n,
+                             adamw_coefficients c, W* copy) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) adamw_element(param, grad, m, v, i, c, c.keep, copy);
+}
+
+// Every parameter of a flat buffer: element i's parameter is the last segment starting at or
+// before i (starts[0, count] ascending, starts[count] = n); it decays (c.keep) or not (1).
+template <class W>
+__global__ void adamw_flat_kernel(float* param, const float* grad, float* m, float* v,
+                                  const std::int64_t* starts, const std::uint8_t* decay, int count,
+                                  adamw_coefficients c, W* copy) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= starts[count]) return;
+  int lo = 0, hi = count - 1;  // starts[lo] <= i < starts[hi + 1]
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (starts[mid] <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  adamw_element(param, grad, m, v, i, c, decay[lo] ? c.keep : 1.0f, copy);
 }
 
 // ---- sum of squares: per-block partials in fp64, then the host in block order -------------------
@@ -569,6 +595,9 @@ void layernorm_forward(const context& ctx, T* out, float* mean, float* rstd, con
                        const float* weight, const float* bias, int N, int C) {
   const timed_op timing(ctx, op_family::layernorm_forward);
   if (N <= 0) return;  // a grid of 0 blocks is an invalid launch
+  if (ctx.fast_kernels() &&
+      layernorm_forward_vectorized(ctx, out, mean, rstd, inp, weight, bias, N, C))
+    return;
   layernorm_forward_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
       out, mean, rstd, inp, weight, bias, N, C);
   check_launch("layernorm_forward_kernel");
@@ -580,7 +609,8 @@ void layernorm_backward(const context& ctx, T* dinp, float* dweight, float* dbia
                         int N, int C) {
   const timed_op timing(ctx, op_family::layernorm_backward);
   if (N <= 0) return;
-  if (dinp) {
+  if (dinp && !(ctx.fast_kernels() &&
+                layernorm_dinp_vectorized(ctx, dinp, dout, inp, weight, mean, rstd, N, C))) {
     layernorm_dinp_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
         dinp, dout, inp, weight, mean, rstd, N, C);
     check_launch("layernorm_dinp_kernel");
@@ -654,11 +684,7 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
 }
 
 namespace {
-template <class W>
-void adamw_launch(const context& ctx, float* param, const float* grad, float* m, float* v,
-                  std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
-                  W* param_copy) {
-  const timed_op timing(ctx, op_family::optimizer);
+adamw_coefficients adamw_coefficients_for(const adamw_hparams& hp, int step, float grad_scale) {
   if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based");
   const double bc1 = 1.0 - std::pow(double(hp.beta1), step);
   const double bc2 = 1.0 - std::pow(double(hp.beta2), step);
@@ -669,14 +695,37 @@ void adamw_launch(const context& ctx, float* param, const float* grad, float* m,
   c.beta2 = hp.beta2;
   c.w2 = static_cast<float>(1.0 - double(hp.beta2));
   c.eps = hp.eps;
-  c.keep = decay && hp.weight_decay != 0.0f
+  // keep: the decayed parameters' factor.
+  c.keep = hp.weight_decay != 0.0f
                ? static_cast<float>(1.0 - double(hp.lr) * double(hp.weight_decay))
                : 1.0f;
   c.grad_scale = grad_scale;
+  return c;
+}
+
+template <class W>
+void adamw_launch(const context& ctx, float* param, const float* grad, float* m, float* v,
+                  std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
+                  W* param_copy) {
+  const timed_op timing(ctx, op_family::optimizer);
+  adamw_coefficients c = adamw_coefficients_for(hp, step, grad_scale);
+  if (!decay) c.keep = 1.0f;
   if (n <= 0) return;
   adamw_kernel<W>
       <<<blocks_for(n), kThreads, 0, ctx.stream()>>>(param, grad, m, v, n, c, param_copy);
   check_launch("adamw_kernel");
+}
+
+template <class W>
+void adamw_flat_launch(const context& ctx, float* param, const float* grad, float* m, float* v,
+                       const adamw_segments& segments, const adamw_hparams& hp, int step,
+                       float grad_scale, W* param_copy) {
+  const timed_op timing(ctx, op_family::optimizer);
+  const adamw_coefficients c = adamw_coefficients_for(hp, step, grad_scale);
+  if (segments.total() <= 0) return;
+  adamw_flat_kernel<W><<<blocks_for(segments.total()), kThreads, 0, ctx.stream()>>>(
+      param, grad, m, v, segments.starts(), segments.decay(), segments.count(), c, param_copy);
+  check_launch("adamw_flat_kernel");
 }
 }  // namespace
 
@@ -689,6 +738,56 @@ void adamw_update(const context& ctx, float* param, const float* grad, float* m,
                   std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
                   fp16* param_copy) {
   adamw_launch(ctx, param, grad, m, v, n, hp, step, decay, grad_scale, param_copy);
+}
+void adamw_update_flat(const context& ctx, float* param, const float* grad, float* m, float* v,
+                       const adamw_segments& segments, const adamw_hparams& hp, int step,
+                       float grad_scale, bf16* param_copy) {
+  adamw_flat_launch(ctx, param, grad, m, v, segments, hp, step, grad_scale, param_copy);
+}
+void adamw_update_flat(const context& ctx, float* param, const float* grad, float* m, float* v,
+                       const adamw_segments& segments, const adamw_hparams& hp, int step,
+                       float grad_scale, fp16* param_copy) {
+  adamw_flat_launch(ctx, param, grad, m, v, segments, hp, step, grad_scale, param_copy);
+}
+
+adamw_segments::~adamw_segments() {
+  if (device_) cudaFree(device_);
+}
+
+void adamw_segments::upload(const context& ctx, const std::vector<segment>& segments) {
+  std::int64_t at = 0;
+  for (const auto& s : segments) {
+    if (s.offset != at || s.numel < 0)
+      throw std::invalid_argument("adamw_segments: a segment at " + std::to_string(s.offset) +
+                                  " of " + std::to_string(s.numel) + " values; expected one at " +
+                                  std::to_string(at));
+    at += s.numel;
+  }
+  count_ = static_cast<int>(segments.size());
+  total_ = at;
+  // [starts: count + 1 int64][decay: count bytes]
+  const std::size_t bytes = (segments.size() + 1) * sizeof(std::int64_t) + segments.size();
+  host_.assign(bytes, 0);
+  auto* starts = reinterpret_cast<std::int64_t*>(host_.data());
+  auto* decay = host_.data() + (segments.size() + 1) * sizeof(std::int64_t);
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    starts[i] = segments[i].offset;
+    decay[i] = segments[i].decay ? 1 : 0;
+  }
+  starts[segments.size()] = total_;
+  if (device_) check(cudaFree(device_), "cudaFree(adamw_segments)");
+  device_ = nullptr;
+  check(cudaMalloc(&device_, bytes), "cudaMalloc(adamw_segments)");
+  check(cudaMemcpyAsync(device_, host_.data(), bytes, cudaMemcpyHostToDevice, ctx.stream()),
+        "cudaMemcpyAsync(adamw_segments)");
+}
+
+const std::int64_t* adamw_segments::starts() const {
+  return static_cast<const std::int64_t*>(device_);
+}
+const std::uint8_t* adamw_segments::decay() const {
+  return static_cast<const std::uint8_t*>(device_) +
+         (static_cast<std::size_t>(count_) + 1) * sizeof(std::int64_t);
 }
 
 double square_sum(const context& ctx, const float* x, std::int64_t n) {

@@ -79,6 +79,12 @@ class context {
   // While on, every op on this context is bracketed by two CUDA events (a few microseconds of
   // host time each), and take_timings() sums their device time per op family. Off by default.
   void set_timing(bool on);
+
+  // The newer kernels where they apply: 128-bit layernorm forward and backward, and
+  // adamw_update_flat's single launch. Off by default: they stay selectable, not the default,
+  // until the `gpu` suite has passed with them on a GPU (docs/gpu.md).
+  void set_fast_kernels(bool on) { fast_kernels_ = on; }
+  bool fast_kernels() const { return fast_kernels_; }
   // The families' times since timing was turned on or last taken (those with calls), after
   // waiting for the stream; starts the next period (its event pairs are reused: take them
   // every step or so, or they grow with every op).
@@ -89,6 +95,7 @@ class context {
   friend class detail::timed_op;
   void release() noexcept;
   op_timer* timer_ = nullptr;
+  bool fast_kernels_ = false;
   cudaStream_t stream_ = nullptr;
   void* lt_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
@@ -258,6 +265,38 @@ void adamw_update(const context& ctx, float* param, const float* grad, float* m,
 void adamw_update(const context& ctx, float* param, const float* grad, float* m, float* v,
                   std::int64_t n, const adamw_hparams& hp, int step, bool decay, float grad_scale,
                   fp16* param_copy);
+// The parameters of a flat buffer for adamw_update_flat: each [offset, offset + numel) and
+// whether it decays; they must tile [0, total) in order (upload throws otherwise). The table is
+// uploaded once, on ctx's stream, and kept on the device.
+class adamw_segments {
+ public:
+  struct segment {
+    std::int64_t offset = 0, numel = 0;
+    bool decay = false;
+  };
+  adamw_segments() = default;
+  ~adamw_segments();
+  adamw_segments(const adamw_segments&) = delete;
+  adamw_segments& operator=(const adamw_segments&) = delete;
+  void upload(const context& ctx, const std::vector<segment>& segments);
+  std::int64_t total() const { return total_; }
+  int count() const { return count_; }
+  const std::int64_t* starts() const;  // device: count + 1 values, the last = total
+  const std::uint8_t* decay() const;   // device: count flags
+
+ private:
+  std::vector<unsigned char> host_;  // what the device holds, kept for the asynchronous upload
+  void* device_ = nullptr;
+  std::int64_t total_ = 0;
+  int count_ = 0;
+};
+// adamw_update over every segment in one launch: bitwise each segment's adamw_update.
+void adamw_update_flat(const context& ctx, float* param, const float* grad, float* m, float* v,
+                       const adamw_segments& segments, const adamw_hparams& hp, int step,
+                       float grad_scale, bf16* param_copy);
+void adamw_update_flat(const context& ctx, float* param, const float* grad, float* m, float* v,
+                       const adamw_segments& segments, const adamw_hparams& hp, int step,
+                       float grad_scale, fp16* param_copy);
 // Sum of squares of n values, in fp64, in a fixed order.
 double square_sum(const context& ctx, const float* x, std::int64_t n);
 

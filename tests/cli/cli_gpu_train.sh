@@ -6,7 +6,9 @@
 #  - bf16: losses within 5e-2 of the CPU, norms within 2e-1 (test_gpu_trainer's tolerances);
 #    with activation checkpointing bitwise the losses without it; --dry-run's plan shows
 #    checkpointing saving memory. The materialized attention (kernels.attention) in bf16 within
-#    the same tolerances, and in an fp32 pipeline of 2 stages within the fp32 ones.
+#    the same tolerances, and in an fp32 pipeline of 2 stages within the fp32 ones; the fast
+#    kernels (kernels.fast_paths: 128-bit layernorm at width 256, one AdamW launch) in bf16 with
+#    materialized attention and in fp32, within the same tolerances.
 #  - a GPU pipeline (device stage actors, payloads through links): fp32 1F1B over 2 stages within
 #    the fp32 tolerances of the CPU, bf16 interleaved 1F1B over 2 x 2 chunks with activation
 #    checkpointing within the bf16 ones; fp32 PP=2 x DP=2 (gradient buckets averaged on the
@@ -53,6 +55,9 @@ run gpu16 --device cuda --set precision.dtype=bf16
 run gpu16ac --device cuda --set precision.dtype=bf16 --set activation_checkpoint.mode=full
 run gpu16mat --device cuda --set precision.dtype=bf16 --set kernels.attention=materialized
 run gpupp2mat --device cuda --set parallel.pp=2 --set kernels.attention=materialized
+run gpu16fast --device cuda --set precision.dtype=bf16 --set kernels.attention=materialized \
+  --set kernels.fast_paths=true
+run gpu32fast --device cuda --set kernels.fast_paths=true
 run gpupp2 --device cuda --set parallel.pp=2
 run gpuvpp --device cuda --set precision.dtype=bf16 --set parallel.pp=2 \
   --set parallel.virtual_stages=2 --set parallel.schedule=interleaved_1f1b \
@@ -92,6 +97,8 @@ assert [r["loss"] for r in g16] == [r["loss"] for r in g16ac], "checkpointing ch
 close(cpu, g16, 5e-2, 2e-1, "bf16 GPU vs CPU")
 close(cpu, rows("gpu16mat"), 5e-2, 2e-1, "bf16 GPU, materialized attention, vs CPU")
 close(cpu, rows("gpupp2mat"), 1e-4, 1e-3, "fp32 GPU pipeline, materialized attention, vs CPU")
+close(cpu, rows("gpu16fast"), 5e-2, 2e-1, "bf16 GPU, materialized attention, fast kernels, vs CPU")
+close(cpu, rows("gpu32fast"), 1e-4, 1e-3, "fp32 GPU, fast kernels, vs CPU")
 skipped = [r for r in f16 if r.get("skipped")]
 assert skipped and f16[0].get("skipped"), "fp16 from 2^40: the first step was not skipped"
 assert all("non-finite" in r["skipped"] for r in skipped), skipped

@@ -132,12 +132,13 @@ std::string agreement_table(const std::vector<std::vector<float>>& gpu_grads, co
 // Four AdamW steps on the GPU against the CPU; backward seeded with loss_scale (a power of two),
 // unscaled in the update as the training loop does.
 void compare(compute_dtype dtype, double loss_tol, double grad_tol, param_tolerance pt,
-             float loss_scale = 1.0f, attention_kernel attention = attention_kernel::fused) {
+             float loss_scale = 1.0f, attention_kernel attention = attention_kernel::fused,
+             bool fast_kernels = false) {
   optimizer_config oc;
   oc.warmup_steps = 1;
   const int steps = 4;
   const auto want = run_cpu(oc, steps);
-  gpu_trainer gpu(kConfig, kB, kT, gpu_trainer_options{dtype, false, attention}, 42);
+  gpu_trainer gpu(kConfig, kB, kT, gpu_trainer_options{dtype, false, attention, fast_kernels}, 42);
   std::vector<std::vector<float>> gpu_grads;
   for (int s = 0; s < steps; ++s) {
     const auto b = make_batch(static_cast<std::uint64_t>(s) * 1000);
@@ -208,6 +209,22 @@ TEST_CASE("GPT-2 on the GPU with materialized attention trains as the CPU engine
   SECTION("fp16 with a loss scale") {
     compare(compute_dtype::fp16, 1e-2, 3e-2, {5e-3, 1.0, 0.03}, 1024.0f,
             attention_kernel::materialized);
+  }
+}
+
+// The fast kernels with either attention kernel. The test model's width (64) is narrower than
+// a warp's row of 16-byte vectors (128 values in fp32, 256 in bf16), so its layernorm falls back
+// to the warp-per-row kernel: this covers the one AdamW launch over the flat buffers, and the
+// fallback; test_cuda_ops and cli_gpu_train (width 256) cover the 128-bit layernorm.
+TEST_CASE("GPT-2 on the GPU with the fast kernels trains as the CPU engine does",
+          "[gpu][trainer]") {
+  SECTION("fp32, fused attention") {
+    compare(compute_dtype::fp32, 1e-5, 1e-4, {1e-5, 1e-2, 0.02}, 1.0f, attention_kernel::fused,
+            true);
+  }
+  SECTION("bf16, materialized attention") {
+    compare(compute_dtype::bf16, 2e-2, 5e-2, {1e-2, 1.0, 0.1}, 1.0f, attention_kernel::materialized,
+            true);
   }
 }
 

@@ -289,12 +289,18 @@ TEST_CASE("device picks the CPU or one GPU, and the 16-bit dtypes need the GPU",
             .model.heads == 2);
 }
 
-TEST_CASE("kernels.attention picks the GPU attention kernel by name", "[recipe]") {
+TEST_CASE("kernels.attention and kernels.fast_paths pick the GPU kernels", "[recipe]") {
   CHECK(parse("").kernels.attention == "fused");
   CHECK(parse("", {"kernels.attention=materialized"}).kernels.attention == "materialized");
   CHECK(gpu_options(parse("device = \"cuda\"\n[kernels]\nattention = \"materialized\"\n"))
             .attention == attention_kernel::materialized);
   CHECK(gpu_options(parse("device = \"cuda\"\n")).attention == attention_kernel::fused);
+  CHECK_FALSE(parse("").kernels.fast_paths);
+  CHECK(parse("[kernels]\nfast_paths = true\n").kernels.fast_paths);
+  CHECK(parse("", {"kernels.fast_paths=true"}).kernels.fast_paths);
+  CHECK(gpu_options(parse("device = \"cuda\"\n[kernels]\nfast_paths = true\n")).fast_kernels);
+  const auto not_bool = parse_error("[kernels]\nfast_paths = 1\n");
+  CHECK_THAT(not_bool, Catch::Contains("kernels.fast_paths") && Catch::Contains("true or false"));
   const auto bad = parse_error("[kernels]\nattention = \"flash3\"\n");
   CHECK_THAT(bad, Catch::Contains("key kernels.attention") && Catch::Contains("flash3"));
   check_one_line(bad);

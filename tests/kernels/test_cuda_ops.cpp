@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
@@ -42,6 +43,50 @@ TEMPLATE_TEST_CASE("layernorm on the GPU matches the CPU reference", "[gpu]", fl
   check_close<TestType>(gdx.host(), dx, "dinp", 1e-4);
   check_close<TestType>(gdw.host(), dw, "dweight", 1e-4);
   check_close<TestType>(gdb.host(), db, "dbias", 1e-4);
+}
+
+// The fast kernels' layernorm (128-bit loads, a row in registers) where the row fits it (C 768:
+// 3 vectors a lane in bf16 and fp16, 6 in fp32; C 512) and the warp-per-row kernel where it does
+// not (C 100), against the CPU; outputs poisoned with NaN, dinp accumulated onto 0.5.
+TEMPLATE_TEST_CASE("layernorm with the fast kernels matches the CPU reference", "[gpu]", float,
+                   bf16, fp16) {
+  for (const int C : {768, 512, 100}) {
+    const int N = 41;
+    INFO("C = " << C);
+    const auto n = static_cast<std::size_t>(N) * C;
+    const auto x = rounded<TestType>(random_values(n, 5, -2, 2));
+    const auto w = random_values(C, 6, 0.5f, 1.5f), b = random_values(C, 7);
+    const auto dy = rounded<TestType>(random_values(n, 8));
+    std::vector<float> y(n), mean(N), rstd(N), dx(n, 0.5f), dw(C, 0.0f), db(C, 0.0f);
+    cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+    cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
+                            mean.data(), rstd.data(), N, C);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    cu::context ctx;
+    ctx.set_fast_kernels(true);
+    device_array<TestType> gx(x), gy(std::vector<float>(n, nan)), gdy(dy),
+        gdx(std::vector<float>(n, 0.5f));
+    device_array<float> gw(w), gb(b), gmean(std::vector<float>(N, nan)),
+        grstd(std::vector<float>(N, nan)), gdw(std::vector<float>(C, 0.0f)),
+        gdb(std::vector<float>(C, 0.0f));
+    cu::layernorm_forward(ctx, gy.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), N,
+                          C);
+    cu::layernorm_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(),
+                           gmean.get(), grstd.get(), N, C);
+    ctx.synchronize();
+    check_close<TestType>(gy.host(), y, "out");
+    check_close<float>(gmean.host(), mean, "mean");
+    check_close<float>(grstd.host(), rstd, "rstd", 1e-4);
+    check_close<TestType>(gdx.host(), dx, "dinp (accumulated onto 0.5)", 1e-4);
+    check_close<TestType>(gdw.host(), dw, "dweight", 1e-4);
+    check_close<TestType>(gdb.host(), db, "dbias", 1e-4);
+    // Deterministic: the same backward again gives the same bits.
+    device_array<TestType> again(std::vector<float>(n, 0.5f));
+    cu::layernorm_backward<TestType>(ctx, again.get(), nullptr, nullptr, gdy.get(), gx.get(),
+                                     gw.get(), gmean.get(), grstd.get(), N, C);
+    ctx.synchronize();
+    CHECK(again.host() == gdx.host());
+  }
 }
 
 TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[gpu]", float, bf16,
@@ -166,6 +211,43 @@ TEST_CASE("AdamW on the GPU is the CPU kernel's arithmetic, with unscaling folde
   ctx.synchronize();
   CHECK(gp16.host() == gp.host());
   check_close<fp16>(copy16.host(), p, "fp16 copy");
+}
+
+// One launch over a flat buffer of parameters (the fast kernels' AdamW) is bitwise each
+// parameter's own launch, decay or not, with a bf16 and without a working copy.
+TEST_CASE("AdamW over the flat buffer in one launch is bitwise the per-tensor updates", "[gpu]") {
+  const std::vector<cu::adamw_segments::segment> segments = {
+      {0, 1000, true}, {1000, 7, false}, {1007, 4096, true}, {5103, 1, false}, {5104, 3001, true}};
+  const std::int64_t n = 8105;
+  const auto p = random_values(static_cast<std::size_t>(n), 24);
+  const auto g = random_values(static_cast<std::size_t>(n), 25, -0.1f, 0.1f);
+  const auto m = random_values(static_cast<std::size_t>(n), 26, -0.01f, 0.01f);
+  const auto v = random_values(static_cast<std::size_t>(n), 27, 0.0f, 1e-4f);
+  cpu::adamw_hparams hp{3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f};
+  cu::context ctx;
+  cu::adamw_segments table;
+  table.upload(ctx, segments);
+  CHECK(table.total() == n);
+  CHECK(table.count() == 5);
+  device_array<float> gg(g);
+  for (const bool with_copy : {true, false}) {
+    INFO("bf16 copy: " << with_copy);
+    device_array<float> fp(p), fm(m), fv(v), sp(p), sm(m), sv(v);
+    device_array<bf16> fcopy(static_cast<std::size_t>(n)), scopy(static_cast<std::size_t>(n));
+    cu::adamw_update_flat(ctx, fp.get(), gg.get(), fm.get(), fv.get(), table, hp, 3, 0.5f,
+                          with_copy ? fcopy.get() : nullptr);
+    for (const auto& seg : segments)
+      cu::adamw_update(ctx, sp.get() + seg.offset, gg.get() + seg.offset, sm.get() + seg.offset,
+                       sv.get() + seg.offset, seg.numel, hp, 3, seg.decay, 0.5f,
+                       with_copy ? scopy.get() + seg.offset : nullptr);
+    ctx.synchronize();
+    CHECK(fp.host() == sp.host());
+    CHECK(fm.host() == sm.host());
+    CHECK(fv.host() == sv.host());
+    if (with_copy) CHECK(fcopy.host() == scopy.host());
+  }
+  cu::adamw_segments gap;
+  CHECK_THROWS_AS(gap.upload(ctx, {{0, 10, true}, {11, 5, false}}), std::invalid_argument);
 }
 
 TEST_CASE("the GPU sum of squares matches the CPU gradient norm and repeats bitwise", "[gpu]") {
