@@ -1,0 +1,327 @@
+// The one chunk contract's two kinds. See rank_chunks.hpp.
+#include "engine/rank_chunks.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <stdexcept>
+
+#include "engine/device_chunk.hpp"
+
+namespace troupe::engine {
+namespace {
+
+std::string describe(int c, micro_batch_id id) {
+  return "chunk " + std::to_string(c) + " round " + std::to_string(id.round) + " micro-batch " +
+         std::to_string(id.micro_batch);
+}
+
+// ---- CPU chunks: stage_compute ---------------------------------------------------------------
+class cpu_rank_chunks final : public rank_chunks {
+ public:
+  cpu_rank_chunks(const gpt_config& model, const std::vector<stage_range>& ranges,
+                  const chunk_init& init, bool optimizer_state, bool recompute, tensor_shard shard,
+                  std::shared_ptr<tensor_group> group)
+      : compute_(model, ranges, optimizer_state, recompute, shard, std::move(group)) {
+    for (int c = 0; c < compute_.chunk_count(); ++c) {
+      auto& st = compute_.chunk(c);
+      init(st);
+      st.zero_grad();
+      blocks_.push_back(stage_grad_blocks(st));
+    }
+  }
+
+  std::string kind() const override { return "cpu"; }
+  int chunk_count() const override { return compute_.chunk_count(); }
+  const stage_range& range(int c) const override { return stage(c).range(); }
+  const std::vector<parameter_info>& layout(int c) const override { return stage(c).parameters(); }
+  std::int64_t parameter_count(int c) const override { return stage(c).parameter_count(); }
+  const std::vector<grad_block>& grad_blocks(int c) const override {
+    return blocks_.at(static_cast<std::size_t>(c));
+  }
+  float* gradients(int c) override { return compute_.chunk(c).grads(); }
+  gpt_stage* host_stage(int c) override { return &compute_.chunk(c); }
+  std::vector<float> parameters(int c) const override {
+    const auto& st = stage(c);
+    return {st.params(), st.params() + st.parameter_count()};
+  }
+
+  bool host_payloads() const override { return true; }
+  void* receive_buffer(int, micro_batch_id, payload_kind) override { return nullptr; }
+  const void* send_buffer(int, micro_batch_id, payload_kind) override { return nullptr; }
+  std::size_t payload_bytes(int c, micro_batch_id id) const override {
+    const auto [B, T] = compute_.shape(c, id);
+    return std::size_t(B) * std::size_t(T) * std::size_t(stage(c).config().width) * sizeof(float);
+  }
+  void hold(int, micro_batch_id) override {}
+  void drop(int, micro_batch_id) override {}
+
+  block_pass forward(int c, micro_batch_id id, forward_args args) override {
+    return compute_.forward(c, id, std::move(args));
+  }
+  double loss(int c, micro_batch_id id) const override { return compute_.loss(c, id); }
+  const float* output(int c, micro_batch_id id) const override { return compute_.output(c, id); }
+  std::pair<int, int> shape(int c, micro_batch_id id) const override {
+    return compute_.shape(c, id);
+  }
+  block_pass backward(int c, micro_batch_id id, const float* doutput, float* dinput,
+                      grad_block_fn on_block_done) override {
+    return compute_.backward(c, id, doutput, dinput, std::move(on_block_done));
+  }
+  block_pass backward_input(int c, micro_batch_id id, const float* doutput,
+                            float* dinput) override {
+    return compute_.backward_input(c, id, doutput, dinput);
+  }
+  void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) override {
+    compute_.backward_weight(c, id, on_block_done);
+  }
+  void release(int c, micro_batch_id id) override { compute_.release(c, id); }
+
+  void zero_grad() override { compute_.zero_grad(); }
+  double grad_square_sum(int c, bool count_tied_copy) override {
+    return engine::grad_square_sum(stage(c), count_tied_copy);
+  }
+  double update(int c, const optimizer_config& config, int step, int total_steps, double grad_norm,
+                double unscale) override {
+    return compute_.optimizer(c)
+        .step_with_norm(compute_.chunk(c), config, step, total_steps, grad_norm, unscale)
+        .lr;
+  }
+  void add_gradients(int c, std::int64_t at, const float* values, std::int64_t n) override {
+    float* g = span(c, at, n);
+    for (std::int64_t i = 0; i < n; ++i) g[i] = g[i] + values[i];
+  }
+  void copy_gradients(int c, std::int64_t at, const float* values, std::int64_t n) override {
+    std::copy(values, values + n, span(c, at, n));
+  }
+  float* gradient_scratch(int c, std::int64_t n) override {
+    auto& s = scratch_[c];
+    if (s.empty()) s.resize(static_cast<std::size_t>(n));
+    if (static_cast<std::int64_t>(s.size()) != n)
+      throw std::logic_error("chunk " + std::to_string(c) + ": gradient scratch of another size");
+    return s.data();
+  }
+  void* record_event(int) override { return nullptr; }
+  void wait_event(int, void*) override {}
+
+  std::int64_t optimizer_bytes() const override { return compute_.optimizer_bytes(); }
+  std::int64_t activation_bytes() const override { return compute_.activation_bytes(); }
+
+ private:
+  const gpt_stage& stage(int c) const { return const_cast<stage_compute&>(compute_).chunk(c); }
+  float* span(int c, std::int64_t at, std::int64_t n) {
+    if (at < 0 || n < 0 || at + n > parameter_count(c))
+      throw std::out_of_range("chunk " + std::to_string(c) + ": gradients outside the layout");
+    return compute_.chunk(c).grads() + at;
+  }
+
+  stage_compute compute_;
+  std::vector<std::vector<grad_block>> blocks_;
+  std::map<int, std::vector<float>> scratch_;
+};
+
+// ---- device chunks: device_chunk slots -------------------------------------------------------
+// A chunk's slots: a slot is free when nothing holds it. When none is free the chunk adds one,
+// so a chunk holds what the schedule and its early arrivals need.
+class slot_table {
+ public:
+  explicit slot_table(int slots) : holds_(static_cast<std::size_t>(slots), 0) {}
+  int take(int c, micro_batch_id id, const std::function<int()>& grow) {
+    if (of_.count(id)) throw std::logic_error("a second slot for " + describe(c, id));
+    auto it = std::find(holds_.begin(), holds_.end(), 0);
+    if (it == holds_.end()) {
+      const int now = grow();
+      if (now != static_cast<int>(holds_.size()) + 1)
+        throw std::logic_error("chunk " + std::to_string(c) + " grew to " + std::to_string(now) +
+                               " slots from " + std::to_string(holds_.size()));
+      holds_.push_back(0);
+      it = holds_.end() - 1;
+    }
+    *it = 1;
+    const int s = static_cast<int>(it - holds_.begin());
+    of_.emplace(id, s);
+    return s;
+  }
+  bool has(micro_batch_id id) const { return of_.count(id) > 0; }
+  int find(int c, micro_batch_id id) const {
+    const auto it = of_.find(id);
+    if (it == of_.end()) throw std::logic_error("no slot for " + describe(c, id));
+    return it->second;
+  }
+  void hold(int c, micro_batch_id id) { ++holds_.at(static_cast<std::size_t>(find(c, id))); }
+  void drop(int c, micro_batch_id id) {
+    const int s = find(c, id);
+    if (--holds_.at(static_cast<std::size_t>(s)) > 0) return;
+    of_.erase(id);
+  }
+
+ private:
+  std::vector<int> holds_;
+  std::map<micro_batch_id, int> of_;
+};
+
+class device_rank_chunks final : public rank_chunks {
+ public:
+  device_rank_chunks(const chunk_factory& factory, const gpt_config& model,
+                     const std::vector<stage_range>& ranges, tensor_shard shard,
+                     const chunk_init& init, int B, int T, int slots, int rank, int lane,
+                     std::shared_ptr<group_member> tp_member)
+      : kind_(factory.name), B_(B), T_(T) {
+    for (const auto& range : ranges) {
+      gpt_stage host(model, range, shard);
+      init(host);
+      chunks_.push_back(factory.make_chunk(host, B, T, slots, rank, lane, tp_member));
+      slots_.emplace_back(slots);
+      blocks_.push_back(stage_grad_blocks(host));
+      losses_.emplace_back();
+    }
+  }
+
+  std::string kind() const override { return kind_; }
+  int chunk_count() const override { return static_cast<int>(chunks_.size()); }
+  const stage_range& range(int c) const override { return chunk(c).range(); }
+  const std::vector<parameter_info>& layout(int c) const override { return chunk(c).layout(); }
+  std::int64_t parameter_count(int c) const override { return chunk(c).parameter_count(); }
+  const std::vector<grad_block>& grad_blocks(int c) const override {
+    return blocks_.at(static_cast<std::size_t>(c));
+  }
+  float* gradients(int c) override { return chunk(c).device_gradients(); }
+  gpt_stage* host_stage(int) override { return nullptr; }
+  std::vector<float> parameters(int c) const override { return chunk(c).parameters(); }
+
+  bool host_payloads() const override { return false; }
+  void* receive_buffer(int c, micro_batch_id id, payload_kind kind) override {
+    if (kind == payload_kind::activation) return chunk(c).input(take(c, id));
+    return chunk(c).output_gradient(table(c).find(c, id));
+  }
+  const void* send_buffer(int c, micro_batch_id id, payload_kind kind) override {
+    const int s = table(c).find(c, id);
+    return kind == payload_kind::activation ? chunk(c).output(s) : chunk(c).input(s);
+  }
+  std::size_t payload_bytes(int c, micro_batch_id) const override {
+    return chunk(c).activation_bytes();
+  }
+  void hold(int c, micro_batch_id id) override { table(c).hold(c, id); }
+  void drop(int c, micro_batch_id id) override { table(c).drop(c, id); }
+
+  block_pass forward(int c, micro_batch_id id, forward_args args) override {
+    if (args.B != B_ || args.T != T_)
+      throw std::runtime_error("a micro-batch of " + std::to_string(args.B) + " x " +
+                               std::to_string(args.T) + " tokens; the device chunks hold " +
+                               std::to_string(B_) + " x " + std::to_string(T_));
+    // An embedding chunk's micro-batch starts here; others when their activation arrived.
+    const int s = range(c).embedding ? take(c, id) : table(c).find(c, id);
+    return forward_pass(c, id, s, std::move(args));
+  }
+  double loss(int c, micro_batch_id id) const override {
+    const auto& l = losses_.at(static_cast<std::size_t>(c));
+    const auto it = l.find(id);
+    return it == l.end() ? std::numeric_limits<double>::quiet_NaN() : it->second;
+  }
+  const float* output(int c, micro_batch_id id) const override {
+    throw std::logic_error("device chunks keep " + describe(c, id) + "'s output on the device");
+  }
+  std::pair<int, int> shape(int, micro_batch_id) const override { return {B_, T_}; }
+  block_pass backward(int c, micro_batch_id id, const float*, float*,
+                      grad_block_fn on_block_done) override {
+    return backward_pass(c, table(c).find(c, id), std::move(on_block_done));
+  }
+  block_pass backward_input(int c, micro_batch_id id, const float*, float*) override {
+    throw std::runtime_error("split backward (input, then weight gradients) of " + describe(c, id) +
+                             ": not built for device chunks yet");
+  }
+  void backward_weight(int c, micro_batch_id id, const grad_block_fn&) override {
+    throw std::runtime_error("split backward (input, then weight gradients) of " + describe(c, id) +
+                             ": not built for device chunks yet");
+  }
+  void release(int c, micro_batch_id id) override {
+    losses_.at(static_cast<std::size_t>(c)).erase(id);
+    table(c).drop(c, id);
+  }
+
+  void zero_grad() override {
+    for (auto& ch : chunks_) ch->zero_grad();
+  }
+  double grad_square_sum(int c, bool count_tied_copy) override {
+    return chunk(c).grad_square_sum(count_tied_copy);
+  }
+  double update(int c, const optimizer_config& config, int step, int total_steps, double grad_norm,
+                double unscale) override {
+    return chunk(c).update(config, step, total_steps, grad_norm, unscale);
+  }
+  void add_gradients(int c, std::int64_t at, const float* values, std::int64_t n) override {
+    chunk(c).add_gradients(at, values, n);
+  }
+  void copy_gradients(int c, std::int64_t at, const float* values, std::int64_t n) override {
+    chunk(c).copy_gradients(at, values, n);
+  }
+  float* gradient_scratch(int c, std::int64_t n) override { return chunk(c).gradient_scratch(n); }
+  void* record_event(int c) override { return chunk(c).record_event(); }
+  void wait_event(int c, void* event) override { chunk(c).wait_event(event); }
+
+  std::int64_t optimizer_bytes() const override {
+    std::int64_t bytes = 0;  // fp32 m and v
+    for (const auto& ch : chunks_)
+      bytes += 2 * ch->parameter_count() * static_cast<std::int64_t>(sizeof(float));
+    return bytes;
+  }
+  // Everything the chunks allocated beyond fp32 weights, gradients and moments (16-bit weights,
+  // activations, scratch).
+  std::int64_t activation_bytes() const override {
+    std::int64_t bytes = 0;
+    for (const auto& ch : chunks_)
+      bytes += std::max<std::int64_t>(
+          0, ch->device_bytes() -
+                 4 * ch->parameter_count() * static_cast<std::int64_t>(sizeof(float)));
+    return bytes;
+  }
+
+ private:
+  device_chunk& chunk(int c) const { return *chunks_.at(static_cast<std::size_t>(c)); }
+  slot_table& table(int c) { return slots_.at(static_cast<std::size_t>(c)); }
+  int take(int c, micro_batch_id id) {
+    return table(c).take(c, id, [this, c] { return chunk(c).add_slot(); });
+  }
+
+  // The device chunk runs a pass whole: one piece, no stops.
+  block_pass forward_pass(int c, micro_batch_id id, int s, forward_args args) {
+    const double l = chunk(c).forward(s, args.tokens, args.targets, args.loss_scale, args.train);
+    if (range(c).head) losses_.at(static_cast<std::size_t>(c))[id] = l;
+    co_return;
+  }
+  block_pass backward_pass(int c, int s, grad_block_fn on_block_done) {
+    auto& ch = chunk(c);
+    ch.backward(s, range(c).embedding ? nullptr : ch.input(s), on_block_done);
+    co_return;
+  }
+
+  std::string kind_;
+  int B_ = 0, T_ = 0;
+  std::vector<std::unique_ptr<device_chunk>> chunks_;
+  std::vector<slot_table> slots_;
+  std::vector<std::vector<grad_block>> blocks_;
+  std::vector<std::map<micro_batch_id, double>> losses_;
+};
+
+}  // namespace
+
+std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
+                                                  const std::vector<stage_range>& ranges,
+                                                  const chunk_init& init, bool optimizer_state,
+                                                  bool recompute, tensor_shard shard,
+                                                  std::shared_ptr<tensor_group> group) {
+  return std::make_unique<cpu_rank_chunks>(model, ranges, init, optimizer_state, recompute, shard,
+                                           std::move(group));
+}
+
+std::unique_ptr<rank_chunks> make_device_rank_chunks(const chunk_factory& factory,
+                                                     const gpt_config& model,
+                                                     const std::vector<stage_range>& ranges,
+                                                     tensor_shard shard, const chunk_init& init,
+                                                     int B, int T, int slots, int rank, int lane,
+                                                     std::shared_ptr<group_member> tp_member) {
+  return std::make_unique<device_rank_chunks>(factory, model, ranges, shard, init, B, T, slots,
+                                              rank, lane, std::move(tp_member));
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,162 @@
+// The one chunk contract (engine/rank_chunks.hpp) without actors: CPU chunks and device chunks
+// (host_chunks, the device contract's host kind) driven through the same calls, two chunks of a
+// rank with two micro-batches in flight, payloads moved by the caller as a stage's links would,
+// give bitwise the same losses, gradients and updated weights; what device chunks do not do yet
+// is refused naming it; slots grow when the micro-batches in flight outnumber them.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "engine/device_chunk.hpp"
+#include "engine/random.hpp"
+#include "engine/rank_chunks.hpp"
+#include "tests/engine/engine_test_util.hpp"
+
+using namespace troupe::engine;
+using troupe::engine::test::error_message;
+
+namespace {
+
+const gpt_config kModel{97, 128, 32, 4, 4, 64};
+constexpr int kB = 2, kT = 16;
+
+std::vector<std::int32_t> tokens(std::uint64_t salt) {
+  std::vector<std::int32_t> t(std::size_t(kB) * kT);
+  for (std::size_t i = 0; i < t.size(); ++i)
+    t[i] = static_cast<std::int32_t>(splitmix64(salt * 1000 + i) % kModel.vocab_size);
+  return t;
+}
+
+struct run_result {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> grads, params;
+};
+
+// Chunk 0 (embedding, layers 0-1) and chunk 1 (layers 2-3, head) of one rank; micro-batches 0
+// and 1 forward, then backward in reverse order (both in flight), then the update.
+run_result drive(rank_chunks& rc) {
+  REQUIRE(rc.chunk_count() == 2);
+  const auto width = static_cast<std::size_t>(kModel.width);
+  const std::size_t n = std::size_t(kB) * kT * width;
+  run_result r;
+  std::vector<std::vector<std::int32_t>> in, target;
+  std::vector<std::vector<float>> dinput(2, std::vector<float>(n));
+  for (int mb = 0; mb < 2; ++mb) {
+    in.push_back(tokens(static_cast<std::uint64_t>(mb) + 1));
+    target.push_back(tokens(static_cast<std::uint64_t>(mb) + 7));
+    const micro_batch_id id{0, mb};
+    rank_chunks::forward_args a0;
+    a0.B = kB;
+    a0.T = kT;
+    a0.tokens = in.back().data();
+    rc.forward(0, id, std::move(a0)).run();
+    rank_chunks::forward_args a1;
+    a1.B = kB;
+    a1.T = kT;
+    a1.targets = target.back().data();
+    a1.loss_scale = 0.5f;
+    if (rc.host_payloads()) {
+      a1.input = rc.output(0, id);  // read in place, as from a message's payload
+    } else {                        // through a "link": the sender's buffer into the receiver's
+      std::memcpy(rc.receive_buffer(1, id, payload_kind::activation),
+                  rc.send_buffer(0, id, payload_kind::activation), rc.payload_bytes(0, id));
+    }
+    rc.forward(1, id, std::move(a1)).run();
+    r.losses.push_back(rc.loss(1, id));
+  }
+  for (int mb = 1; mb >= 0; --mb) {
+    const micro_batch_id id{0, mb};
+    auto& din = dinput[static_cast<std::size_t>(mb)];
+    rc.backward(1, id, nullptr, din.data(), {}).run();
+    if (!rc.host_payloads())
+      std::memcpy(rc.receive_buffer(0, id, payload_kind::gradient),
+                  rc.send_buffer(1, id, payload_kind::gradient), rc.payload_bytes(1, id));
+    rc.backward(0, id, din.data(), nullptr, {}).run();
+    rc.release(1, id);
+    rc.release(0, id);
+  }
+  // The tied wte: chunk 0 (embedding) and chunk 1 (head) each hold a copy; sum them.
+  std::int64_t wte[2] = {-1, -1}, numel = 0;
+  for (int c = 0; c < 2; ++c)
+    for (const auto& p : rc.layout(c))
+      if (p.name == "transformer.wte.weight") {
+        wte[c] = p.offset;
+        numel = p.numel;
+      }
+  REQUIRE(wte[0] >= 0);
+  REQUIRE(wte[1] >= 0);
+  rc.add_gradients(0, wte[0], rc.gradients(1) + wte[1], numel);
+  rc.copy_gradients(1, wte[1], rc.gradients(0) + wte[0], numel);
+  double sq = 0;
+  for (int c = 0; c < 2; ++c) {
+    sq += rc.grad_square_sum(c, c == 0);
+    std::vector<float> g(static_cast<std::size_t>(rc.parameter_count(c)));
+    std::memcpy(g.data(), rc.gradients(c), g.size() * sizeof(float));  // host memory here
+    r.grads.push_back(std::move(g));
+  }
+  optimizer_config oc;
+  for (int c = 0; c < 2; ++c) rc.update(c, oc, 0, 10, std::sqrt(sq), 2.0);
+  for (int c = 0; c < 2; ++c) r.params.push_back(rc.parameters(c));
+  return r;
+}
+
+chunk_init gpt2_init(std::uint64_t seed) {
+  return [seed](gpt_stage& st) { st.init_gpt2(seed); };
+}
+
+}  // namespace
+
+TEST_CASE("CPU and device chunks behind the one contract compute the same, bitwise",
+          "[rank-chunks]") {
+  const auto ranges = partition_layers(kModel, 2);
+  auto cpu = make_cpu_rank_chunks(kModel, ranges, gpt2_init(5), true, false);
+  const auto factory = host_chunks(false);
+  auto device =
+      make_device_rank_chunks(factory, kModel, ranges, {}, gpt2_init(5), kB, kT, 1, 0, 0, nullptr);
+  CHECK(cpu->kind() == "cpu");
+  CHECK(device->kind() == "host");
+  CHECK(cpu->host_stage(0) != nullptr);
+  CHECK(device->host_stage(0) == nullptr);
+  for (int c = 0; c < 2; ++c) {
+    CHECK(cpu->parameters(c) == device->parameters(c));
+    CHECK(cpu->grad_blocks(c).size() == device->grad_blocks(c).size());
+  }
+  const auto a = drive(*cpu);
+  const auto b = drive(*device);  // one slot a chunk to start with: the second micro-batch adds one
+  CHECK(a.losses == b.losses);
+  CHECK(a.grads == b.grads);
+  CHECK(a.params == b.params);
+  CHECK(a.losses[0] != a.losses[1]);
+}
+
+TEST_CASE("device chunks refuse what they do not do yet, naming it", "[rank-chunks]") {
+  const auto ranges = partition_layers(kModel, 2);
+  const auto factory = host_chunks(false);
+  auto device =
+      make_device_rank_chunks(factory, kModel, ranges, {}, gpt2_init(5), kB, kT, 1, 0, 0, nullptr);
+  const auto t = tokens(1);
+  rank_chunks::forward_args other_shape;
+  other_shape.B = kB;
+  other_shape.T = kT - 1;
+  other_shape.tokens = t.data();
+  CHECK_THAT(error_message([&] {
+               device->forward(0, {0, 0}, other_shape).run();
+             }),
+             Catch::Contains("2 x 15") && Catch::Contains("2 x 16"));
+  rank_chunks::forward_args args;
+  args.B = kB;
+  args.T = kT;
+  args.tokens = t.data();
+  device->forward(0, {0, 0}, args).run();
+  CHECK_THAT(error_message([&] {
+               device->backward_input(0, {0, 0}, nullptr, nullptr);
+             }),
+             Catch::Contains("split backward") && Catch::Contains("round 0 micro-batch 0"));
+  CHECK_THAT(error_message([&] { device->output(0, {0, 0}); }), Catch::Contains("on the device"));
+  CHECK_THAT(error_message<std::logic_error>([&] {
+               device->send_buffer(1, {0, 3}, payload_kind::activation);
+             }),
+             Catch::Contains("no slot") && Catch::Contains("micro-batch 3"));
+}
