@@ -14,12 +14,11 @@
 
 #include "actors/coordinator.hpp"
 #include "actors/data_loader.hpp"
-#include "actors/device_stage.hpp"
 #include "actors/dp_reducer.hpp"
 #include "actors/gateway.hpp"
-#include "actors/pipeline_stage.hpp"
 #include "actors/ring_reducer.hpp"
 #include "actors/schedule_actor.hpp"
+#include "actors/stage.hpp"
 #include "actors/tracer.hpp"
 #include "actors/zero_shard.hpp"
 #include "engine/device_chunk.hpp"
@@ -136,27 +135,28 @@ device_links make_links(const build_inputs& in) {
   return links;
 }
 
-device_stage_config device_config(const build_inputs& in, const device_links& links,
-                                  stage_config c) {
-  device_stage_config dc;
-  dc.B = in.r.batch.micro_batch;
-  dc.T = in.seq_lens.front();
-  dc.slots = engine::device_stage_slots(in.r, c.rank);
-  dc.chunks = in.chunks;
+// A device stage's chunks and its ends of the lane's links.
+std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in,
+                                                          const device_links& links,
+                                                          const stage_config& c) {
+  auto dc = std::make_shared<device_chunks_config>();
+  dc->factory = in.chunks;
+  dc->B = in.r.batch.micro_batch;
+  dc->T = in.seq_lens.front();
+  dc->slots = engine::device_stage_slots(in.r, c.rank);
   const int lane = c.replica * c.tp + c.tp_rank;
   for (const auto& [key, link] : links.pipeline) {
     const auto [d, from, to] = key;
     if (d != lane) continue;
-    if (from == c.rank) dc.send_links[to] = link;
-    if (to == c.rank) dc.receive_links[from] = link;
+    if (from == c.rank) dc->send_links[to] = link;
+    if (to == c.rank) dc->receive_links[from] = link;
   }
   for (const auto& [key, link] : links.tied) {
     const auto [d, from, to] = key;
     if (d != lane) continue;
-    if (from == c.rank) dc.tied_send = link;
-    if (to == c.rank) dc.tied_receive = link;
+    if (from == c.rank) dc->tied_send = link;
+    if (to == c.rank) dc->tied_receive = link;
   }
-  dc.stage = std::move(c);
   return dc;
 }
 
@@ -178,7 +178,6 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.replicas = r.parallel.dp;
       c.tp_rank = j;
       c.tp = tp;
-      std::shared_ptr<engine::group_member> member;
       if (tp > 1) {
         auto& members = groups[{d, p}];
         if (members.empty()) {
@@ -190,8 +189,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
             members.assign(host.begin(), host.end());
           }
         }
-        member = members.at(static_cast<std::size_t>(j));
-        if (!in.chunks) c.tp_group = std::dynamic_pointer_cast<engine::tensor_group>(member);
+        c.tp_member = members.at(static_cast<std::size_t>(j));
       }
       c.model = r.model;
       c.layout = in.layout;
@@ -211,10 +209,8 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.trace = add_track(a, in, name, "stage", p, lane);
       a.stages.back().push_back(
           place(sys, a, in, pl.stage_id(d, p), pl.process_of_stage(d, p), name, [&] {
-            if (!in.chunks) return spawn_pipeline_stage(sys, std::move(c));
-            auto dc = device_config(in, links, std::move(c));
-            dc.tp_member = member;
-            return spawn_device_stage(sys, std::move(dc));
+            if (in.chunks) c.device = device_config(in, links, c);
+            return spawn_stage(sys, std::move(c));
           }));
     }
   }

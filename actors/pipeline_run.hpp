@@ -49,8 +49,8 @@ struct run_options {
   std::function<caf::actor(caf::actor_system&, const caf::actor& target)> link_relay;
   // Called in the driving thread after every step (1-based), e.g. to swap the schedule.
   std::function<void(caf::actor_system&, const run_handles&, int step)> after_step;
-  // Device pipeline stages (actors/device_stage.hpp) with these chunks and links instead of CPU
-  // stages; recipe device "cuda" sets CUDA ones. Tests pass engine::host_chunks.
+  // Stages on device chunks and links of this kind instead of CPU chunks (actors/stage.hpp);
+  // recipe device "cuda" sets CUDA ones. Tests pass engine::host_chunks.
   std::shared_ptr<const engine::chunk_factory> device_chunks;
   // This process's place in a multi-process job; world 1 (the default): everything in-process.
   topology::launch_env launch;

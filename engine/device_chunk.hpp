@@ -1,5 +1,5 @@
-// What a device pipeline stage actor (actors/device_stage.hpp) drives: one pipeline chunk on a
-// device, with the saved activations of a fixed number of micro-batches in flight (slots), and
+// What the device kind of engine::rank_chunks (the stage actor's chunks) drives: one pipeline
+// chunk on a device, with the saved activations of a number of micro-batches in flight (slots), and
 // the links that move activations and their gradients between chunks while the typed header
 // travels as a message (docs/gpu.md). engine::gpu_stage is the CUDA chunk and
 // kernels::cuda::activation_link (through make_cuda_links) the CUDA links; host_chunk and

@@ -53,6 +53,7 @@ class cpu_rank_chunks final : public rank_chunks {
     const auto [B, T] = compute_.shape(c, id);
     return std::size_t(B) * std::size_t(T) * std::size_t(stage(c).config().width) * sizeof(float);
   }
+  int slot_count(int) const override { return 0; }
   void hold(int, micro_batch_id) override {}
   void drop(int, micro_batch_id) override {}
 
@@ -201,6 +202,7 @@ class device_rank_chunks final : public rank_chunks {
   std::size_t payload_bytes(int c, micro_batch_id) const override {
     return chunk(c).activation_bytes();
   }
+  int slot_count(int c) const override { return chunk(c).slots(); }
   void hold(int c, micro_batch_id id) override { table(c).hold(c, id); }
   void drop(int c, micro_batch_id id) override { table(c).drop(c, id); }
 

@@ -69,6 +69,9 @@ class rank_chunks {
   // CPU chunks (the output is output(); the input's gradient is the caller's dinput).
   virtual const void* send_buffer(int c, micro_batch_id id, payload_kind kind) = 0;
   virtual std::size_t payload_bytes(int c, micro_batch_id id) const = 0;
+  // Device chunks: the slots chunk c has (it adds one when a micro-batch needs one and none is
+  // free); 0 for CPU chunks, whose micro-batch state is allocated (and pooled) as needed.
+  virtual int slot_count(int c) const = 0;
   // While held, id's slot is not reused (device chunks); nothing for CPU chunks.
   virtual void hold(int c, micro_batch_id id) = 0;
   virtual void drop(int c, micro_batch_id id) = 0;

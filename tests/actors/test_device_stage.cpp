@@ -1,7 +1,7 @@
-// Device pipeline stages (actors/device_stage.hpp) with host chunks (engine::host_chunks): the
-// protocol of GPU pipelines, where payloads move through links and link messages carry headers
-// only, run on the CPU engine's arithmetic. Every step's loss, the validation losses and the
-// final weights must equal the CPU stages' run bitwise, on every schedule device stages take, with
+// The stage actor on device chunks of the host kind (engine::host_chunks): the protocol of GPU
+// pipelines, where payloads move through links and link messages carry headers only, run on the
+// CPU engine's arithmetic. Every step's loss, the validation losses and the final weights must
+// equal the run on CPU chunks bitwise, on every schedule device stages take, with
 // data-parallel replicas (whose final weights must also agree bitwise) and with tensor shards;
 // what they do not take yet is refused naming the key.
 #include <cmath>

@@ -1,4 +1,4 @@
-// The pipeline stage actor. See pipeline_stage.hpp and docs/pipeline.md for the protocol.
+// The pipeline stage actor, on any device. See stage.hpp and docs/pipeline.md for the protocol.
 //
 // Invariants (tests cite them):
 //  S1. Actions run strictly in plan order; a message that arrives early waits in the stash.
@@ -16,7 +16,23 @@
 //      uses (engine::param_residency, kept by topology::param_gathers), never timing, so every
 //      replica issues the same gathers in the same order; a held bucket is never gathered
 //      again, so no gather writes parameters a piece is reading.
-#include "actors/pipeline_stage.hpp"
+// Device chunks (payloads in the chunks' buffers, moved by links) add:
+//  D1. A payload goes into its link right before its header message leaves, on the same
+//      thread, so each link carries payloads in the order its receiver gets the headers; the
+//      receiver posts the matching receive when the header arrives, in that order.
+//  D2. A micro-batch occupies a slot of its chunk from its forward (or its activation's
+//      arrival) to its release, and as long as a payload read from the slot waits for its
+//      credit (hold / drop). A gradient leaves from the slot's input, where backward wrote it.
+//  D3. Every link call is ordered on the chunk's stream both ways: the link starts after the
+//      chunk's work so far (record_event) and the chunk's later work waits for the link's.
+//  D4. A gradient bucket goes to the reducer with an event recorded right after its last block
+//      was enqueued; the chunk's work after grad_bucket_reduced waits for the mean's event.
+//  D5. The tied wte: a rank with one copy sends it through its tied link right before the
+//      tied_grad header (no data) leaves, and its own copy changes only after the send read it;
+//      the partner receives it into its chunk's gradient scratch when the header arrives and
+//      adds it once its own copy has left. The scratch is free again by then: the next step's
+//      copy comes after this step's update.
+#include "actors/stage.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -26,11 +42,12 @@
 #include <optional>
 #include <stdexcept>
 #include <tuple>
+#include <type_traits>
 
 #include "actors/error_text.hpp"
 #include "actors/stage_links.hpp"
 #include "engine/gpt_weights.hpp"
-#include "engine/stage_compute.hpp"
+#include "engine/rank_chunks.hpp"
 #include "kernels/cpu_threads.hpp"
 #include "topology/grad_buckets.hpp"
 #include "topology/link_credits.hpp"
@@ -53,7 +70,7 @@ class stage_impl : public stage_actor::base {
   void on_exit() override {
     // A shard that stops (failed, or the run is torn down) must not leave its peers waiting in
     // a collective: they throw, naming this stage, and stop too.
-    if (cfg_.tp_group) cfg_.tp_group->abort(who() + " stopped");
+    if (cfg_.tp_member) cfg_.tp_member->abort(who() + " stopped");
     wiring_ = {};
     held_.clear();
     stash_links_.clear();
@@ -63,7 +80,7 @@ class stage_impl : public stage_actor::base {
   behavior_type make_behavior() override {
     set_exception_handler(
         [this](std::exception_ptr& e) -> caf::error { return exit_reason(who(), e); });
-    kernels::set_compute_threads(cfg_.compute_threads);
+    if (!device()) kernels::set_compute_threads(cfg_.compute_threads);
     init_chunks();
     return {
         [this](stage_wiring& w) {
@@ -86,9 +103,11 @@ class stage_impl : public stage_actor::base {
 
  private:
   std::string who() const {
-    return "stage rank " + std::to_string(cfg_.rank) + " replica " + std::to_string(cfg_.replica) +
+    return std::string(device() ? "device " : "") + "stage rank " + std::to_string(cfg_.rank) +
+           " replica " + std::to_string(cfg_.replica) +
            (cfg_.tp > 1 ? " tp " + std::to_string(cfg_.tp_rank) : "");
   }
+  bool device() const { return cfg_.device != nullptr; }
   // This shard's place among all stage actors of a rank, as the coordinator counts them.
   int lane() const { return cfg_.replica * cfg_.tp + cfg_.tp_rank; }
   int last_stage() const { return cfg_.layout.stage_count() - 1; }
@@ -112,8 +131,8 @@ class stage_impl : public stage_actor::base {
         }
       }
       std::int64_t bytes = 0;
-      for (int c = 0; c < compute_->chunk_count(); ++c) {
-        auto& st = compute_->chunk(c);
+      for (int c = 0; c < chunks_->chunk_count(); ++c) {
+        auto& st = host(c);
         engine::release_zeroed(st.params(), st.parameter_count());
         bytes += st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
       }
@@ -123,37 +142,68 @@ class stage_impl : public stage_actor::base {
   }
   int my_rank() const { return cfg_.rank; }
 
+  // The chunks' host gpt_stage (CPU chunks: what ZeRO works on).
+  engine::gpt_stage& host(int c) {
+    auto* st = chunks_->host_stage(c);
+    if (!st) throw std::logic_error(who() + ": ZeRO needs CPU chunks");
+    return *st;
+  }
+
   void init_chunks() {
-    compute_ = std::make_unique<engine::stage_compute>(
-        cfg_.model, cfg_.layout.rank_chunks(cfg_.rank),
-        /*optimizer_state=*/!zero(), cfg_.recompute, engine::tensor_shard{cfg_.tp_rank, cfg_.tp},
-        cfg_.tp_group);
-    std::vector<engine::gpt_stage*> chunks;
-    for (int c = 0; c < compute_->chunk_count(); ++c) {
-      auto& st = compute_->chunk(c);
+    const auto ranges = cfg_.layout.rank_chunks(cfg_.rank);
+    const engine::chunk_init init = [this](engine::gpt_stage& st) {
       if (cfg_.init.empty()) {
         st.init_gpt2(cfg_.seed);
       } else {
         engine::load_hf_weights(st, cfg_.init);
       }
-      st.zero_grad();
-      chunks.push_back(&st);
-      const auto& r = st.range();
+    };
+    const engine::tensor_shard shard{cfg_.tp_rank, cfg_.tp};
+    if (device()) {
+      if (zero()) throw std::runtime_error("ZeRO on device chunks: not built yet");
+      const auto& d = *cfg_.device;
+      chunks_ = engine::make_device_rank_chunks(*d.factory, cfg_.model, ranges, shard, init, d.B,
+                                                d.T, d.slots, cfg_.rank, lane(), cfg_.tp_member);
+    } else {
+      auto group = std::dynamic_pointer_cast<engine::tensor_group>(cfg_.tp_member);
+      if (cfg_.tp_member && !group)
+        throw std::logic_error(who() + ": a tensor group member of another kind");
+      chunks_ = engine::make_cpu_rank_chunks(cfg_.model, ranges, init, /*optimizer_state=*/!zero(),
+                                             cfg_.recompute, shard, std::move(group));
+    }
+    for (int c = 0; c < chunks_->chunk_count(); ++c) {
+      const auto& r = chunks_->range(c);
       if (r.embedding) embedding_chunk_ = c;
       if (r.head) head_chunk_ = c;
     }
-    buckets_.build(chunks, cfg_.bucket_layers);
+    if (device()) {  // buckets over the chunks' gradients on the device
+      std::vector<std::vector<engine::grad_block>> blocks;
+      std::vector<float*> grads;
+      for (int c = 0; c < chunks_->chunk_count(); ++c) {
+        blocks.push_back(chunks_->grad_blocks(c));
+        grads.push_back(chunks_->gradients(c));
+      }
+      buckets_.build(blocks, grads, cfg_.bucket_layers);
+    } else {  // with the host views ZeRO's shards need
+      std::vector<engine::gpt_stage*> stages;
+      for (int c = 0; c < chunks_->chunk_count(); ++c) stages.push_back(&host(c));
+      buckets_.build(stages, cfg_.bucket_layers);
+    }
     find_tied_copies();
     if (release_grads()) {
       std::int64_t bytes = 0;
-      for (const auto* st : chunks)
-        bytes += st->parameter_count() * static_cast<std::int64_t>(sizeof(float));
+      for (int c = 0; c < chunks_->chunk_count(); ++c)
+        bytes += chunks_->parameter_count(c) * static_cast<std::int64_t>(sizeof(float));
       grad_pool_ = std::make_unique<engine::page_pool>(bytes);
     }
   }
 
   // ---- plan ---------------------------------------------------------------------------
   void start_plan(step_plan p) {
+    if (device() && p.plan->split_backward)
+      throw std::runtime_error("schedule " + p.plan->name +
+                               " splits backward (input, then weight gradients): not built for "
+                               "device stages yet");
     plan_ = std::move(p);
     actions_ = &plan_.plan->ranks.at(static_cast<std::size_t>(my_rank()));
     cursor_ = 0;
@@ -185,8 +235,8 @@ class stage_impl : public stage_actor::base {
   bool pool_grads() const { return plan_.rounds * plan_.plan->shape.micro_batches > 1; }
 
   void take_back_grads() {
-    for (int c = 0; c < compute_->chunk_count(); ++c) {
-      auto& st = compute_->chunk(c);
+    for (int c = 0; c < chunks_->chunk_count(); ++c) {
+      auto& st = host(c);
       grad_pool_->acquire(st.grads(), st.parameter_count());
       st.zero_grad();
     }
@@ -202,7 +252,7 @@ class stage_impl : public stage_actor::base {
         const int c = cfg_.layout.chunk_of(a.stage);
         const auto kind = a.kind == engine::action_kind::forward ? engine::pass_kind::forward
                                                                  : engine::pass_kind::backward;
-        for (const auto& stop : engine::pass_stops(compute_->chunk(c), kind))
+        for (const auto& stop : engine::pass_stops(host(c), kind))
           uses.push_back(gathers_->buckets_of(c, stop));
       }
     }
@@ -250,7 +300,7 @@ class stage_impl : public stage_actor::base {
 
   void find_last_weight_actions() {
     last_weight_ = last_weight_actions(cfg_.layout, *actions_, plan_.plan->split_backward,
-                                       compute_->chunk_count());
+                                       chunks_->chunk_count());
   }
 
   void grant_initial_credits() {
@@ -357,8 +407,8 @@ class stage_impl : public stage_actor::base {
         begin_backward(r, std::move(on_block));
         break;
       case engine::action_kind::weight:  // reads no parameters: runs whole, here
-        compute_->backward_weight(c, r.id, on_block);
-        compute_->release(c, r.id);
+        chunks_->backward_weight(c, r.id, on_block);
+        chunks_->release(c, r.id);
         r.computed = true;
         break;
     }
@@ -410,16 +460,18 @@ class stage_impl : public stage_actor::base {
     if (r.a.kind == engine::action_kind::forward) {
       end_forward(r);
     } else if (r.a.kind == engine::action_kind::backward) {
-      if (!plan_.plan->split_backward) compute_->release(r.chunk, r.id);
-      if (r.din)
-        route(link_kind::gradient, r.a.stage - 1, r.round, r.a.micro_batch, r.B, r.T,
+      // The input's gradient leaves before the micro-batch is released: a device chunk's is in
+      // its slot (D2).
+      if (r.a.stage > 0)
+        route(link_kind::gradient, r.a.stage - 1, r.round, r.a.micro_batch, r.B, r.T, r.chunk,
               std::move(r.din));
+      if (!plan_.plan->split_backward) chunks_->release(r.chunk, r.id);
     }
   }
 
   void begin_forward(running_action& r) {
     const auto& a = r.a;
-    engine::stage_compute::forward_args args;
+    engine::rank_chunks::forward_args args;
     args.train = !plan_.eval;
     if (a.stage == 0) {
       auto b = take_batch(batch_part::inputs, r.round, a.micro_batch);
@@ -432,8 +484,10 @@ class stage_impl : public stage_actor::base {
       auto m = take_link(link_kind::activation, a.stage, r.round, a.micro_batch);
       args.B = static_cast<int>(m.header.shape.at(0));
       args.T = static_cast<int>(m.header.shape.at(1));
-      args.input = m.data->data();
-      args.hold.push_back(m.data);
+      if (m.data) {  // CPU chunks read the payload in place
+        args.input = m.data->data();
+        args.hold.push_back(m.data);
+      }
       r.flow = m.flow_id;
     }
     if (a.stage == last_stage()) {
@@ -449,41 +503,59 @@ class stage_impl : public stage_actor::base {
     }
     r.B = args.B;
     r.T = args.T;
-    r.pass = compute_->forward(r.chunk, r.id, std::move(args));
+    r.pass =
+        traced_growth(r.chunk, [&] { return chunks_->forward(r.chunk, r.id, std::move(args)); });
+  }
+
+  // Runs f, and traces an `alloc` span if chunk c added a slot meanwhile (device chunks).
+  template <class F>
+  std::invoke_result_t<F> traced_growth(int c, F&& f) {
+    const int before = chunks_->slot_count(c);
+    const double t0 = cfg_.trace.now_us();
+    auto result = f();
+    const int after = chunks_->slot_count(c);
+    if (after > before)
+      cfg_.trace.span("alloc", "slot " + std::to_string(after) + " of chunk " + std::to_string(c),
+                      t0, cfg_.trace.now_us(), {plan_.step});
+    return result;
   }
 
   void end_forward(running_action& r) {
     const auto& a = r.a;
     if (a.stage == last_stage()) {
       if (r.counted) {
-        loss_sum_ += compute_->loss(r.chunk, r.id);
+        loss_sum_ += chunks_->loss(r.chunk, r.id);
         ++losses_;
       }
     } else {
-      const std::size_t n = std::size_t(r.B) * std::size_t(r.T) * std::size_t(cfg_.model.width);
-      const float* output = compute_->output(r.chunk, r.id);
-      auto out = std::make_shared<payload<float>>(output, output + n);  // one copy, no zero-fill
-      route(link_kind::activation, a.stage + 1, r.round, a.micro_batch, r.B, r.T, std::move(out));
+      float_buffer out;
+      if (chunks_->host_payloads()) {  // one copy into the message's payload, no zero-fill
+        const std::size_t n = std::size_t(r.B) * std::size_t(r.T) * std::size_t(cfg_.model.width);
+        const float* output = chunks_->output(r.chunk, r.id);
+        out = std::make_shared<payload<float>>(output, output + n);
+      }
+      route(link_kind::activation, a.stage + 1, r.round, a.micro_batch, r.B, r.T, r.chunk,
+            std::move(out));
     }
-    if (plan_.eval) compute_->release(r.chunk, r.id);
+    if (plan_.eval) chunks_->release(r.chunk, r.id);
   }
 
   void begin_backward(running_action& r, engine::grad_block_fn on_block) {
     const auto& a = r.a;
-    std::tie(r.B, r.T) = compute_->shape(r.chunk, r.id);
+    std::tie(r.B, r.T) = chunks_->shape(r.chunk, r.id);
     if (a.stage != last_stage()) {
       auto m = take_link(link_kind::gradient, a.stage, r.round, a.micro_batch);
-      r.dout = m.data;
+      r.dout = m.data;  // null for device chunks: the gradient is in their slot
       r.flow = m.flow_id;
     }
-    if (a.stage > 0)
+    if (a.stage > 0 && chunks_->host_payloads())
       r.din = std::make_shared<payload<float>>(std::size_t(r.B) * std::size_t(r.T) *
                                                std::size_t(cfg_.model.width));
     const float* dptr = r.dout ? r.dout->data() : nullptr;
     float* iptr = r.din ? r.din->data() : nullptr;
     r.pass = plan_.plan->split_backward
-                 ? compute_->backward_input(r.chunk, r.id, dptr, iptr)
-                 : compute_->backward(r.chunk, r.id, dptr, iptr, std::move(on_block));
+                 ? chunks_->backward_input(r.chunk, r.id, dptr, iptr)
+                 : chunks_->backward(r.chunk, r.id, dptr, iptr, std::move(on_block));
   }
 
   batch_message take_batch(batch_part part, int round, int mb) {
@@ -503,41 +575,95 @@ class stage_impl : public stage_actor::base {
     return m;
   }
 
-  // ---- links (S2) -----------------------------------------------------------------------
-  void route(link_kind kind, int stage, int round, int mb, int B, int T, float_buffer data) {
+  // ---- links (S2, D1-D3) ------------------------------------------------------------------
+  // A link message waiting for its credit: with its payload (CPU chunks), or naming the chunk
+  // and micro-batch whose slot holds it (device chunks).
+  struct outgoing {
     link_message m;
-    m.header = {kind,  plan_.step,   round,      mb,
-                stage, cfg_.replica, plan_.eval, {B, T, cfg_.model.width}};
-    m.data = std::move(data);
-    m.flow_id = engine::trace::flow_id(static_cast<int>(kind), plan_.step, round, mb, stage,
-                                       cfg_.replica, plan_.eval);
-    const auto key = key_of(m.header);
-    if (cfg_.layout.rank_of(stage) == my_rank()) {  // next chunk on this rank: no link
-      m.flow_id = 0;
-      stash_links_.emplace(key, std::move(m));
+    int chunk = 0;
+    engine::micro_batch_id id;
+  };
+
+  static engine::payload_kind payload_of(link_kind kind) {
+    return kind == link_kind::activation ? engine::payload_kind::activation
+                                         : engine::payload_kind::gradient;
+  }
+
+  void route(link_kind kind, int stage, int round, int mb, int B, int T, int c, float_buffer data) {
+    outgoing o;
+    o.m.header = {kind,  plan_.step,   round,      mb,
+                  stage, cfg_.replica, plan_.eval, {B, T, cfg_.model.width}};
+    o.m.data = std::move(data);
+    o.chunk = c;
+    o.id = {round, mb};
+    const auto key = key_of(o.m.header);
+    if (cfg_.layout.rank_of(stage) == my_rank()) {  // next chunk on this rank
+      if (device()) {                               // through the rank's own link
+        put(o, my_rank());
+        arrive(o.m.header, 0, my_rank());
+      } else {  // no link: the payload is the next chunk's input
+        stash_links_.emplace(key, std::move(o.m));
+      }
       return;
     }
+    o.m.flow_id = engine::trace::flow_id(static_cast<int>(kind), plan_.step, round, mb, stage,
+                                         cfg_.replica, plan_.eval);
     if (outgoing_.produced(key)) {
-      transmit(std::move(m));
+      transmit(std::move(o));
     } else {
-      held_.emplace(key, std::move(m));
+      chunks_->hold(c, o.id);  // D2: until the credit comes
+      held_.emplace(key, std::move(o));
     }
   }
 
-  void transmit(link_message m) {
+  // Device chunks: the payload into the link to `to`, ordered after the chunk's work (D3).
+  void put(const outgoing& o, int to) {
+    const auto kind = payload_of(o.m.header.kind);
+    void* ready = chunks_->record_event(o.chunk);
+    void* sent = device_link(cfg_.device->send_links, to, "send")
+                     .send(chunks_->send_buffer(o.chunk, o.id, kind),
+                           chunks_->payload_bytes(o.chunk, o.id), ready);
+    chunks_->wait_event(o.chunk, sent);
+  }
+
+  engine::chunk_link& device_link(const std::map<int, std::shared_ptr<engine::chunk_link>>& links,
+                                  int peer, const char* what) const {
+    const auto it = links.find(peer);
+    if (it == links.end() || !it->second)
+      throw std::logic_error(who() + ": no " + what + " link with rank " + std::to_string(peer));
+    return *it->second;
+  }
+
+  void transmit(outgoing o) {
     const double t0 = cfg_.trace.now_us();
-    const int to = cfg_.layout.rank_of(m.header.stage);
-    const engine::trace::recorder::ids ids{m.header.step, m.header.micro_batch, m.header.stage,
-                                           static_cast<std::int64_t>(m.data->size() * 4)};
-    const std::uint64_t flow = m.flow_id;
-    const char* what = m.header.kind == link_kind::activation ? "activation" : "gradient";
-    caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(to)), std::move(m));
+    const int to = cfg_.layout.rank_of(o.m.header.stage);
+    std::int64_t bytes = 0;
+    if (device()) {
+      put(o, to);  // D1: the payload, then its header
+      bytes = static_cast<std::int64_t>(chunks_->payload_bytes(o.chunk, o.id));
+    } else {
+      bytes = static_cast<std::int64_t>(o.m.data->size() * 4);
+    }
+    const engine::trace::recorder::ids ids{o.m.header.step, o.m.header.micro_batch,
+                                           o.m.header.stage, bytes};
+    const std::uint64_t flow = o.m.flow_id;
+    const char* what = o.m.header.kind == link_kind::activation ? "activation" : "gradient";
+    caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(to)), std::move(o.m));
     const double t1 = cfg_.trace.now_us();
     cfg_.trace.span("send", what, t0, t1, ids);
     cfg_.trace.flow(event_kind::flow_out, flow, t0, ids);
   }
 
   void on_link(link_message m) {
+    if (device()) {
+      if (m.data)
+        throw std::logic_error(who() +
+                               ": a link message with host data (device stages move "
+                               "payloads through links)");
+      arrive(m.header, m.flow_id, sender_of(cfg_.layout, key_of(m.header)));
+      advance_if_waiting();
+      return;
+    }
     const double t0 = cfg_.trace.now_us();
     const auto key = key_of(m.header);
     const engine::trace::recorder::ids ids{m.header.step, m.header.micro_batch, m.header.stage,
@@ -549,13 +675,41 @@ class stage_impl : public stage_actor::base {
     advance_if_waiting();
   }
 
+  // Device chunks: a header arrived (or a payload went to the next chunk of this rank): receive
+  // its payload into its chunk's buffer, in arrival order (D1), ordered against the chunk's
+  // work (D3).
+  void arrive(const link_header& h, std::uint64_t flow, int from) {
+    const double t0 = cfg_.trace.now_us();
+    const int c = cfg_.layout.chunk_of(h.stage);
+    const engine::micro_batch_id id{h.round, h.micro_batch};
+    const bool activation = h.kind == link_kind::activation;
+    void* into =
+        traced_growth(c, [&] { return chunks_->receive_buffer(c, id, payload_of(h.kind)); });
+    void* received = device_link(cfg_.device->receive_links, from, "receive")
+                         .receive(into, chunks_->payload_bytes(c, id), chunks_->record_event(c));
+    chunks_->wait_event(c, received);
+    link_message stub;
+    stub.header = h;
+    stub.flow_id = flow;
+    if (!stash_links_.emplace(key_of(h), std::move(stub)).second)
+      throw std::runtime_error(std::string("duplicate ") +
+                               (activation ? "activation" : "gradient") + " message");
+    if (from != cfg_.rank)
+      cfg_.trace.span("recv", activation ? "activation" : "gradient", t0, cfg_.trace.now_us(),
+                      {h.step, h.micro_batch, h.stage,
+                       static_cast<std::int64_t>(chunks_->payload_bytes(c, id))});
+  }
+
   void on_credit(const link_credit& c) {
     const auto key = key_of(c.header);
     if (outgoing_.granted(key)) {
       auto it = held_.find(key);
-      link_message m = std::move(it->second);
+      outgoing o = std::move(it->second);
       held_.erase(it);
-      transmit(std::move(m));
+      const int chunk = o.chunk;
+      const auto id = o.id;
+      transmit(std::move(o));
+      chunks_->drop(chunk, id);
     }
   }
 
@@ -594,8 +748,10 @@ class stage_impl : public stage_actor::base {
 
   void send_bucket(int b) {
     const double t = cfg_.trace.now_us();
-    caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b,
-                                                buckets_.bucket(b).ranges, nullptr});
+    const auto& info = buckets_.bucket(b);
+    // D4: device gradients are final on the stream after the event recorded now.
+    caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b, info.ranges,
+                                                chunks_->record_event(info.chunk)});
     cfg_.trace.span("send", "bucket " + buckets_.bucket(b).name, t, cfg_.trace.now_us(),
                     {plan_.step});
   }
@@ -607,6 +763,10 @@ class stage_impl : public stage_actor::base {
   }
 
   void on_reduced(const grad_bucket_reduced& r) {
+    if (buckets_pending_ <= 0)
+      throw std::logic_error(who() + ": a reduced bucket nobody waits for");
+    // D4: the chunk's later work waits for the mean (device chunks).
+    if (r.done) chunks_->wait_event(buckets_.bucket(r.bucket).chunk, r.done);
     --buckets_pending_;
     if (zero()) {
       shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
@@ -631,50 +791,94 @@ class stage_impl : public stage_actor::base {
     if (embedding_chunk_ >= 0 && embedding_chunk_ == head_chunk_) return;
     for (int c : {embedding_chunk_, head_chunk_}) {
       if (c < 0) continue;
-      auto& st = compute_->chunk(c);
-      const auto& wte = st.parameter("transformer.wte.weight");
-      tied_.grads.push_back(st.grads() + wte.offset);
-      tied_.buckets.push_back(buckets_.bucket_containing(tied_.grads.back()));
-      tied_.numel = static_cast<std::size_t>(wte.numel);
+      for (const auto& p : chunks_->layout(c)) {
+        if (p.name != "transformer.wte.weight") continue;
+        tied_.copies.push_back({c, p.offset});
+        tied_.buckets.push_back(buckets_.bucket_containing(chunks_->gradients(c) + p.offset));
+        tied_.numel = p.numel;
+      }
     }
   }
 
   void start_tied() {
     tied_partner_.reset();
+    tied_received_ = false;
     tied_ready_ = 0;
-    tied_done_ = tied_.grads.empty();
+    tied_done_ = tied_.copies.empty();
   }
 
+  float* tied_grads(int i) {
+    const auto& t = tied_.copies.at(static_cast<std::size_t>(i));
+    return chunks_->gradients(t.chunk) + t.offset;
+  }
+
+  // A bucket is final (reduced over the replicas, if any): once every tied copy here is, they
+  // are summed (two copies), or the own copy goes to the partner rank (one).
   void bucket_final(int b) {
     if (tied_done_ || std::count(tied_.buckets.begin(), tied_.buckets.end(), b) == 0) return;
-    if (++tied_ready_ < static_cast<int>(tied_.grads.size())) return;
-    if (tied_.grads.size() == 2) {  // both copies here: sum them in place
-      float* a = tied_.grads[0];
-      float* h = tied_.grads[1];
-      for (std::size_t i = 0; i < tied_.numel; ++i) a[i] = h[i] = a[i] + h[i];
+    if (++tied_ready_ < static_cast<int>(tied_.copies.size())) return;
+    if (tied_.copies.size() == 2) {  // both copies here: a = a + h, then h = a
+      const auto& a = tied_.copies[0];
+      const auto& h = tied_.copies[1];
+      chunks_->wait_event(a.chunk, chunks_->record_event(h.chunk));
+      chunks_->add_gradients(a.chunk, a.offset, tied_grads(1), tied_.numel);
+      chunks_->wait_event(h.chunk, chunks_->record_event(a.chunk));
+      chunks_->copy_gradients(h.chunk, h.offset, tied_grads(0), tied_.numel);
       tied_done_ = true;
       return;
     }
-    const float* own = tied_.grads[0];
-    auto copy = std::make_shared<payload<float>>(own, own + tied_.numel);
+    const auto& own = tied_.copies[0];
+    float_buffer copy;
+    if (device()) {  // D5: through the tied link, then the header
+      void* sent = tied_link(cfg_.device->tied_send, "send")
+                       .send(tied_grads(0), tied_bytes(), chunks_->record_event(own.chunk));
+      chunks_->wait_event(own.chunk, sent);
+    } else {
+      const float* g = tied_grads(0);
+      copy = std::make_shared<payload<float>>(g, g + tied_.numel);
+    }
     caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, cfg_.replica, std::move(copy)});
     finish_tied();
   }
 
+  // The other copy: kept (CPU chunks: the message's payload), or received into the chunk's
+  // gradient scratch in header order (device chunks, D5); added once the own copy has left.
   void on_tied(tied_grad t) {
-    tied_partner_ = std::move(t.data);
+    if (tied_.copies.size() != 1)
+      throw std::logic_error(who() + ": a tied wte gradient for a rank without one copy");
+    if (device()) {
+      if (t.data) throw std::logic_error(who() + ": a tied wte gradient with host data");
+      const int c = tied_.copies[0].chunk;
+      void* received = tied_link(cfg_.device->tied_receive, "receive")
+                           .receive(chunks_->gradient_scratch(c, tied_.numel), tied_bytes(),
+                                    chunks_->record_event(c));
+      chunks_->wait_event(c, received);
+    } else {
+      tied_partner_ = std::move(t.data);
+    }
+    tied_received_ = true;
     finish_tied();
     if (zero()) flush_tied_waiting();
     check_grads_ready();
   }
 
   void finish_tied() {
-    if (tied_done_ || !tied_partner_ || tied_ready_ < 1) return;
-    float* own = tied_.grads[0];
+    if (tied_done_ || !tied_received_ || tied_ready_ < 1) return;
+    const auto& own = tied_.copies[0];
     // Each side computes own + other: the same float sums on both ranks (addition commutes).
-    for (std::size_t i = 0; i < tied_.numel; ++i) own[i] = own[i] + (*tied_partner_)[i];
+    const float* other =
+        device() ? chunks_->gradient_scratch(own.chunk, tied_.numel) : tied_partner_->data();
+    chunks_->add_gradients(own.chunk, own.offset, other, tied_.numel);
     tied_partner_.reset();
+    tied_received_ = false;
     tied_done_ = true;
+  }
+
+  std::size_t tied_bytes() const { return static_cast<std::size_t>(tied_.numel) * sizeof(float); }
+  engine::chunk_link& tied_link(const std::shared_ptr<engine::chunk_link>& l,
+                                const char* what) const {
+    if (!l) throw std::logic_error(who() + ": no tied wte " + what + " link");
+    return *l;
   }
 
   void finish_compute() {
@@ -693,15 +897,15 @@ class stage_impl : public stage_actor::base {
     if (!compute_done_ || grads_sent_ || buckets_pending_ > 0 || !tied_done_) return;
     grads_sent_ = true;
     const double now = cfg_.trace.now_us();
-    if (cfg_.replicas > 1 || tied_.grads.size() == 1)
+    if (cfg_.replicas > 1 || tied_.copies.size() == 1)
       cfg_.trace.span("wait", cfg_.replicas > 1 ? "dp" : "tied", dp_wait_since_, now, {plan_.step});
     double sq = 0;
     if (zero()) {
       for (double s : shard_square_sums_) sq += s;
     } else {
-      for (int c = 0; c < compute_->chunk_count(); ++c) {
-        const auto& st = compute_->chunk(c);
-        sq += engine::grad_square_sum(st, !(st.range().head && !st.range().embedding));
+      for (int c = 0; c < chunks_->chunk_count(); ++c) {
+        const auto& r = chunks_->range(c);
+        sq += chunks_->grad_square_sum(c, !(r.head && !r.embedding));
       }
     }
     caf::anon_send(wiring_.coordinator,
@@ -717,15 +921,10 @@ class stage_impl : public stage_actor::base {
     }
     const double t0 = cfg_.trace.now_us();
     double lr = engine::learning_rate(cfg_.optimizer, u.step, cfg_.total_steps);
-    for (int c = 0; c < compute_->chunk_count(); ++c) {
-      auto& st = compute_->chunk(c);
-      if (!u.skip)
-        lr = compute_->optimizer(c)
-                 .step_with_norm(st, cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm,
-                                 u.unscale)
-                 .lr;
-      st.zero_grad();
-    }
+    if (!u.skip)
+      for (int c = 0; c < chunks_->chunk_count(); ++c)
+        lr = chunks_->update(c, cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm, u.unscale);
+    chunks_->zero_grad();
     if (!u.skip) cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
     caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), lane(), lr, memory()});
     flush_trace();
@@ -733,7 +932,7 @@ class stage_impl : public stage_actor::base {
 
   // The shard updated its floats and every replica's parameters are whole again.
   void on_zero_updated(const zero_update_done& d) {
-    if (!release_grads()) compute_->zero_grad();  // ZeRO-2: zeroed when taken back (next step)
+    if (!release_grads()) chunks_->zero_grad();  // ZeRO-2: zeroed when taken back (next step)
     engine::memory_report mem = memory();
     mem.parameters += d.memory.parameters;  // ZeRO-3: the owned parameters
     mem.optimizer += d.memory.optimizer;
@@ -746,22 +945,22 @@ class stage_impl : public stage_actor::base {
   // What the stage itself holds: parameter and gradient buffers and its optimizer state. A
   // ZeRO-2 gradient buffer is released bucket by bucket: its resident pages count as buffers.
   // ZeRO-3 parameter buffers hold gathered buckets only: their peak this step counts as buffers.
-  // Released pages kept for reuse (the page pools) count as pooled.
+  // Released pages kept for reuse (the page pools) count as pooled. Device chunks: everything
+  // they allocated beyond fp32 weights, gradients and moments counts as activations.
   engine::memory_report memory() const {
     engine::memory_report m;
     m.replica = lane();
     m.rank = my_rank();
-    for (int c = 0; c < compute_->chunk_count(); ++c) {
-      const auto& st = compute_->chunk(c);
-      const auto bytes = st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
+    for (int c = 0; c < chunks_->chunk_count(); ++c) {
+      const auto bytes = chunks_->parameter_count(c) * static_cast<std::int64_t>(sizeof(float));
       if (!sharded_params()) m.parameters += bytes;  // ZeRO-3: the shard holds them
       if (release_grads())
-        m.buffers += engine::resident_bytes(st.grads(), bytes);
+        m.buffers += engine::resident_bytes(chunks_->gradients(c), bytes);
       else
         m.gradients += bytes;
     }
-    m.optimizer = compute_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
-    m.activations = compute_->activation_bytes();
+    m.optimizer = chunks_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
+    m.activations = chunks_->activation_bytes();
     if (gathers_) {
       m.buffers += gathers_->peak_bytes();  // ZeRO-3: the most gathered at once this step
       m.pooled += gathers_->pooled_bytes();
@@ -779,11 +978,11 @@ class stage_impl : public stage_actor::base {
     stage_snapshot s;
     s.rank = my_rank();
     s.replica = cfg_.replica;
-    for (int c = 0; c < compute_->chunk_count(); ++c) {
-      const auto& st = compute_->chunk(c);
-      for (const auto& p : st.parameters()) {
-        const float* v = st.params() + p.offset;
-        s.parameters.emplace_back(p.name, std::vector<float>(v, v + p.numel));
+    for (int c = 0; c < chunks_->chunk_count(); ++c) {
+      const auto values = chunks_->parameters(c);
+      for (const auto& p : chunks_->layout(c)) {
+        const auto from = values.begin() + p.offset;
+        s.parameters.emplace_back(p.name, std::vector<float>(from, from + p.numel));
       }
     }
     return s;
@@ -791,11 +990,12 @@ class stage_impl : public stage_actor::base {
 
   stage_config cfg_;
   stage_wiring wiring_;
-  std::unique_ptr<engine::stage_compute> compute_;
+  std::unique_ptr<engine::rank_chunks> chunks_;
   topology::grad_buckets buckets_;
   topology::incoming_credits incoming_;
   topology::outgoing_credits outgoing_;
-  std::map<link_key, link_message> held_, stash_links_;
+  std::map<link_key, outgoing> held_;
+  std::map<link_key, link_message> stash_links_;  // device chunks: headers, payloads in slots
   std::map<batch_key, batch_message> stash_batches_;
   step_plan plan_;
   const std::vector<engine::pipeline_action>* actions_ = nullptr;
@@ -817,19 +1017,25 @@ class stage_impl : public stage_actor::base {
   std::vector<double> shard_square_sums_;  // ZeRO: by bucket, this step
   std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
   int embedding_chunk_ = -1, head_chunk_ = -1;
+  struct tied_copy {
+    int chunk = 0;
+    std::int64_t offset = 0;
+  };
   struct {
-    std::vector<float*> grads;  // wte gradient copies on this rank (0, 1 or 2)
-    std::vector<int> buckets;   // the bucket holding each
-    std::size_t numel = 0;
+    std::vector<tied_copy> copies;  // wte gradient copies on this rank (0, 1 or 2)
+    std::vector<int> buckets;       // the bucket holding each
+    std::int64_t numel = 0;
   } tied_;
   int tied_ready_ = 0;  // copies final this step
-  bool tied_done_ = true;
-  float_buffer tied_partner_;
+  // tied_received_: the other copy is here (it may come before this rank's own backward is
+  // over; it is added after).
+  bool tied_done_ = true, tied_received_ = false;
+  float_buffer tied_partner_;  // CPU chunks: the other copy
 };
 
 }  // namespace
 
-stage_actor spawn_pipeline_stage(caf::actor_system& system, stage_config config) {
+stage_actor spawn_stage(caf::actor_system& system, stage_config config) {
   return system.spawn<stage_impl, caf::detached>(std::move(config));
 }
 
