@@ -24,6 +24,7 @@
 #include "engine/device_chunk.hpp"
 #include "engine/gpt_weights.hpp"
 #include "engine/memory_plan.hpp"
+#include "engine/support.hpp"
 #include "topology/placement.hpp"
 #include "topology/rendezvous.hpp"
 #include "topology/ucx_transport.hpp"
@@ -434,18 +435,20 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
   return std::make_unique<remote_mesh>(std::move(transport), std::move(gc));
 }
 
-// What device pipeline stages do not do yet, refused before anything is written.
-void check_device_pipeline(const engine::recipe& r, const run_options& o,
-                           const std::vector<int>& seq_lens,
-                           const std::shared_ptr<const engine::chunk_factory>& chunks) {
-  const std::string why = " (device " + r.device + ": pipelines of device stages; not built yet)";
-  if (r.parallel.zero > 0) throw engine::recipe_error("key parallel.zero: ZeRO" + why);
-  if (o.launch.world > 1)
-    throw engine::recipe_error("a job of " + std::to_string(o.launch.world) + " processes" + why);
-  if (seq_lens.size() > 1) throw engine::recipe_error("variable sequence lengths" + why);
+// What the job combines that is not built, refused before anything is written
+// (engine/support.hpp), and a chunk kind without tensor groups asked for tensor shards.
+void check_job(const engine::recipe& r, const run_options& o, const std::vector<int>& seq_lens,
+               const std::shared_ptr<const engine::chunk_factory>& chunks) {
+  engine::job_shape job;
+  job.r = &r;
+  job.processes = o.launch.world;
+  job.variable_lengths = seq_lens.size() > 1;
+  job.device_chunks = r.device == "cuda" || chunks;
+  if (chunks) job.chunk_kind = chunks->name;
+  engine::check_support(job);
   if (r.parallel.tp > 1 && chunks && !chunks->make_tensor_group)
     throw engine::recipe_error("key parallel.tp: tensor parallelism on " + chunks->name +
-                               " chunks" + why);
+                               " chunks: not built");
 }
 
 }  // namespace
@@ -461,11 +464,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   in.chunks = o.device_chunks;
-  if (r.device == "cuda" || in.chunks) check_device_pipeline(r, o, in.seq_lens, in.chunks);
-  if (r.parallel.tp > 1 && multi)
-    throw engine::recipe_error("key parallel.tp: tensor shards of a job of " +
-                               std::to_string(o.launch.world) +
-                               " processes (not built yet: the shards of a stage share a process)");
+  check_job(r, o, in.seq_lens, in.chunks);
   for (int T : in.seq_lens)
     if (T < 1 || T > r.model.context)
       throw engine::recipe_error("sequence length " + std::to_string(T) + " is outside [1, " +

@@ -11,6 +11,7 @@
 
 #include "engine/gpt_weights.hpp"
 #include "engine/schedule.hpp"
+#include "engine/support.hpp"
 
 namespace troupe::engine {
 namespace {
@@ -212,14 +213,20 @@ void require(bool ok, const std::string& key, const std::string& what) {
   if (!ok) throw recipe_error("key " + key + ": " + what);
 }
 
-void validate_precision(const recipe& r) {
-  const auto& p = r.precision;
-  require(p.dtype == "fp32" || p.dtype == "bf16" || p.dtype == "fp16", "precision.dtype",
-          "'" + p.dtype + "' is not fp32, bf16 or fp16");
+// The names the combination rules (engine/support.hpp) read.
+void validate_names(const recipe& r) {
+  require(r.precision.dtype == "fp32" || r.precision.dtype == "bf16" ||
+              r.precision.dtype == "fp16",
+          "precision.dtype", "'" + r.precision.dtype + "' is not fp32, bf16 or fp16");
   require(r.device == "cpu" || r.device == "cuda", "device",
           "'" + r.device + "' is not cpu or cuda");
-  require(p.dtype == "fp32" || r.device == "cuda", "precision.dtype",
-          p.dtype + " needs device = \"cuda\" (the CPU engines compute in fp32)");
+  const auto& attention = r.kernels.attention;
+  require(attention == "fused" || attention == "materialized", "kernels.attention",
+          "\"" + attention + "\" is not \"fused\" or \"materialized\"");
+}
+
+void validate_precision(const recipe& r) {
+  const auto& p = r.precision;
   require(p.loss_scale == "none" || p.loss_scale == "dynamic", "precision.loss_scale",
           "'" + p.loss_scale + "' is not none or dynamic");
   require(p.dtype != "fp16" || p.loss_scale == "dynamic", "precision.loss_scale",
@@ -251,8 +258,6 @@ void validate_parallel(const recipe& r) {
   } catch (const std::invalid_argument& e) {
     throw recipe_error(std::string("key ") + e.what());
   }
-  require(p.tp == 1 || p.zero == 0, "parallel.zero",
-          "ZeRO over tensor shards (parallel.tp > 1) is not built yet; use parallel.zero = 0");
   require(p.virtual_stages >= 1, "parallel.virtual_stages", "must be >= 1");
   require(p.micro_batches >= 1, "parallel.micro_batches", "must be >= 1");
   require(p.link_credits >= 0, "parallel.link_credits", "must be >= 0 (0: micro_batches)");
@@ -355,17 +360,11 @@ void validate_recipe(const recipe& r) {
     throw recipe_error(std::string("key ") + e.what());
   }
   require(r.steps > 0, "steps", "must be positive");
+  validate_names(r);
+  job_shape job;
+  job.r = &r;
+  check_support(job);  // the combinations not built (engine/support.hpp)
   validate_precision(r);
-  const auto& attention = r.kernels.attention;
-  require(attention == "fused" || attention == "materialized", "kernels.attention",
-          "\"" + attention + "\" is not \"fused\" or \"materialized\"");
-  if (r.device == "cuda" && attention == "fused") {
-    const int hs = r.model.width / r.model.heads;
-    require(hs == 16 || hs == 32 || hs == 64 || hs == 128, "model.heads",
-            "device \"cuda\": head size " + std::to_string(hs) +
-                " (width / heads); the fused GPU attention kernel takes 16, 32, 64 or 128 "
-                "(kernels.attention = \"materialized\" takes any)");
-  }
   require(r.eval_interval >= 0, "eval_interval", "must be >= 0");
   require(r.eval_batches > 0, "eval_batches", "must be positive");
   require(r.batch.micro_batch > 0, "batch.micro_batch", "must be positive");

@@ -15,6 +15,7 @@
 
 #include "actors/pipeline_run.hpp"
 #include "engine/memory_plan.hpp"
+#include "engine/support.hpp"
 #include "engine/trainer.hpp"
 #include "kernels/cpu_threads.hpp"
 #include "tools/commands.hpp"
@@ -74,6 +75,14 @@ std::function<int()> add_train_command(CLI::App& app) {
       ->check(CLI::Range(1, 1024));
   cmd->add_flag("--dry-run", opts->dry_run,
                 "Check the recipe and print the per-rank memory plan; allocate and train nothing");
+  cmd->add_flag_callback(
+      "--help-support",
+      [] {
+        std::fputs(engine::format_support_table().c_str(), stdout);
+        throw CLI::Success();
+      },
+      "Print what a job can combine on the CPU and on CUDA, and what is not built yet (a "
+      "Markdown table; docs/support.md)");
   cmd->add_flag("--report-peak-rss", opts->report_peak_rss,
                 "At the end, every process prints its peak resident memory as one JSON line on "
                 "stderr");

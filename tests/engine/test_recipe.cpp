@@ -4,6 +4,7 @@
 // load_recipe's file checks (missing recipe, missing data, init of the wrong shape).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -11,6 +12,7 @@
 #include "engine/gpu_stage.hpp"
 #include "engine/optimizer.hpp"
 #include "engine/recipe.hpp"
+#include "engine/support.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;
@@ -454,4 +456,30 @@ TEST_CASE("activation_checkpoint.mode is checked by name", "[recipe]") {
               "micro_batches = 2\n",
               {})
             .activation_checkpoint.full());
+}
+
+TEST_CASE("the support rules refuse a job naming the key, and the table lists each rule",
+          "[recipe][support]") {
+  recipe r = parse("device = \"cuda\"\n[parallel]\ndp = 2\nzero = 1\n");  // fine as a recipe
+  job_shape job;
+  job.r = &r;
+  CHECK_NOTHROW(check_support(job));
+  job.device_chunks = true;  // the stages' chunks are CUDA chunks: ZeRO is not built there
+  const auto zero = error_message<recipe_error>([&] { check_support(job); });
+  CHECK_THAT(zero, Catch::Contains("key parallel.zero") && Catch::Contains("cuda chunks") &&
+                       Catch::Contains("not built yet"));
+  check_one_line(zero);
+  r.parallel.zero = 0;
+  job.processes = 4;
+  CHECK_THAT(error_message<recipe_error>([&] { check_support(job); }),
+             Catch::Contains("a job of 4 processes on cuda chunks"));
+  job.device_chunks = false;  // on CPU chunks several processes run
+  CHECK_NOTHROW(check_support(job));
+  r.parallel.tp = 2;  // ... but not tensor shards across them
+  CHECK_THAT(error_message<recipe_error>([&] { check_support(job); }),
+             Catch::Contains("key parallel.tp") && Catch::Contains("4 processes"));
+  const std::string table = format_support_table();
+  CHECK(std::count(table.begin(), table.end(), '\n') ==
+        static_cast<std::ptrdiff_t>(support_rules().size() + 2));
+  for (const auto& rule : support_rules()) CHECK_THAT(table, Catch::Contains(rule.feature));
 }

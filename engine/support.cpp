@@ -1,0 +1,99 @@
+// See support.hpp.
+#include "engine/support.hpp"
+
+#include "engine/schedule.hpp"
+
+namespace troupe::engine {
+namespace {
+
+bool split_schedule(const recipe& r) {
+  try {
+    const auto& p = r.parallel;
+    return make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages})
+        .split_backward;
+  } catch (const std::exception&) {
+    return false;  // an unknown or impossible schedule is validate_recipe's to refuse
+  }
+}
+
+bool fused_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
+
+const std::string not_yet = "not built yet";
+
+}  // namespace
+
+const std::vector<support_rule>& support_rules() {
+  static const std::vector<support_rule> rules = {
+      {"16-bit compute (`precision.dtype` bf16 or fp16)", "precision.dtype",
+       "no: the CPU engines compute in fp32", "yes",
+       [](const job_shape& j) { return j.r->precision.dtype != "fp32" && j.r->device != "cuda"; },
+       [](const job_shape& j) {
+         return j.r->precision.dtype + " needs device = \"cuda\" (the CPU engines compute in fp32)";
+       }},
+      {"a head size other than 16, 32, 64 or 128 with `kernels.attention` \"fused\"", "model.heads",
+       "yes", "no: kernels.attention = \"materialized\" takes any head size",
+       [](const job_shape& j) {
+         return j.r->device == "cuda" && j.r->kernels.attention == "fused" &&
+                j.r->model.heads > 0 && !fused_head_size(j.r->model.width / j.r->model.heads);
+       },
+       [](const job_shape& j) {
+         return "device \"cuda\": head size " +
+                std::to_string(j.r->model.width / j.r->model.heads) +
+                " (width / heads); the fused GPU attention kernel takes 16, 32, 64 or 128 "
+                "(kernels.attention = \"materialized\" takes any)";
+       }},
+      {"ZeRO over tensor shards (`parallel.zero` > 0 with `parallel.tp` > 1)", "parallel.zero",
+       not_yet, not_yet,
+       [](const job_shape& j) { return j.r->parallel.zero > 0 && j.r->parallel.tp > 1; },
+       [](const job_shape&) {
+         return std::string(
+             "ZeRO over tensor shards (parallel.tp > 1) is not built yet; use parallel.zero = 0");
+       }},
+      {"tensor shards across processes (`parallel.tp` > 1 in a job of several processes)",
+       "parallel.tp", not_yet, not_yet,
+       [](const job_shape& j) { return j.r->parallel.tp > 1 && j.processes > 1; },
+       [](const job_shape& j) {
+         return "tensor shards of a job of " + std::to_string(j.processes) +
+                " processes (not built yet: the shards of a stage share a process)";
+       }},
+      {"ZeRO (`parallel.zero` 1, 2 or 3)", "parallel.zero", "yes", not_yet,
+       [](const job_shape& j) { return j.device_chunks && j.r->parallel.zero > 0; },
+       [](const job_shape& j) { return "ZeRO on " + j.chunk_kind + " chunks: " + not_yet; }},
+      {"a schedule that splits backward (`parallel.schedule` \"zb_h1\")", "parallel.schedule",
+       "yes", not_yet, [](const job_shape& j) { return j.device_chunks && split_schedule(*j.r); },
+       [](const job_shape& j) {
+         return "schedule " + j.r->parallel.schedule +
+                " splits backward (input, then weight gradients): not built for " + j.chunk_kind +
+                " chunks yet";
+       }},
+      {"several processes (`troupe launch`, Slurm, mpirun, torchrun-style)", "", "yes", not_yet,
+       [](const job_shape& j) { return j.device_chunks && j.processes > 1; },
+       [](const job_shape& j) {
+         return "a job of " + std::to_string(j.processes) + " processes on " + j.chunk_kind +
+                " chunks: " + not_yet;
+       }},
+      {"variable sequence lengths (micro-batches of several lengths)", "", "yes", not_yet,
+       [](const job_shape& j) { return j.device_chunks && j.variable_lengths; },
+       [](const job_shape& j) {
+         return "variable sequence lengths on " + j.chunk_kind + " chunks: " + not_yet;
+       }},
+  };
+  return rules;
+}
+
+void check_support(const job_shape& job) {
+  for (const auto& rule : support_rules()) {
+    if (!rule.refused(job)) continue;
+    throw recipe_error(rule.key.empty() ? rule.why(job) : "key " + rule.key + ": " + rule.why(job));
+  }
+}
+
+std::string format_support_table() {
+  std::string s = "| a job with | recipe key | CPU | CUDA |\n|---|---|---|---|\n";
+  for (const auto& rule : support_rules())
+    s += "| " + rule.feature + " | " + (rule.key.empty() ? "—" : "`" + rule.key + "`") + " | " +
+         rule.cpu + " | " + rule.cuda + " |\n";
+  return s;
+}
+
+}  // namespace troupe::engine
