@@ -111,7 +111,9 @@ std::int64_t tokens_per_step(const build_inputs& in) {
 
 // The links of a device pipeline, by (lane, sending rank, receiving rank): both directions
 // between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
-// share it), and, apart, between the embedding's rank and the head's for the tied wte.
+// share it), and, apart, between the embedding's rank and the head's for the tied wte. Only
+// between ranks of this process: a pair across processes has no link, and its payloads are
+// staged through host memory inside the messages.
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
 struct device_links {
   link_map pipeline, tied;
@@ -122,14 +124,17 @@ device_links make_links(const build_inputs& in) {
   const auto& L = in.layout;
   const int embedding = L.rank_of(0), head = L.rank_of(L.stage_count() - 1);
   for (int d = 0; d < in.r.parallel.dp * in.r.parallel.tp; ++d) {
+    const int replica = d / in.r.parallel.tp;
+    auto here = [&](int rank) { return in.placement.process_of_stage(replica, rank) == in.rank; };
     for (int s = 0; s + 1 < L.stage_count(); ++s) {
       const int a = L.rank_of(s), b = L.rank_of(s + 1);
+      if (!here(a) || !here(b)) continue;
       for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
         auto& l = links.pipeline[{d, from, to}];
         if (!l) l = in.chunks->make_link(from, to, d);
       }
     }
-    if (embedding == head) continue;
+    if (embedding == head || !here(embedding) || !here(head)) continue;
     for (auto [from, to] : {std::pair{embedding, head}, std::pair{head, embedding}})
       links.tied[{d, from, to}] = in.chunks->make_link(from, to, d);
   }
@@ -145,6 +150,7 @@ std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in
   dc->B = in.r.batch.micro_batch;
   dc->T = in.seq_lens.front();
   dc->slots = engine::device_stage_slots(in.r, c.rank);
+  dc->stage_buckets = in.mesh && in.r.parallel.dp > 1;  // a ring reducer across processes
   const int lane = c.replica * c.tp + c.tp_rank;
   for (const auto& [key, link] : links.pipeline) {
     const auto [d, from, to] = key;
@@ -484,8 +490,9 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   in.rank = my_rank;
   make_samplers(in);
   if (r.device == "cuda" && !in.chunks) {  // throws saying why without CUDA
-    in.chunks = std::make_shared<engine::chunk_factory>(
-        engine::cuda_chunks(engine::gpu_options(r), r.parallel.pp, r.parallel.tp));
+    // Across processes each process uses device LOCAL_RANK mod the devices it sees.
+    in.chunks = std::make_shared<engine::chunk_factory>(engine::cuda_chunks(
+        engine::gpu_options(r), r.parallel.pp, r.parallel.tp, multi ? o.launch.local_rank : -1));
   }
   // 2. Outputs (rank 0 only).
   std::optional<engine::jsonl_writer> metrics;

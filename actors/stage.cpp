@@ -108,6 +108,7 @@ class stage_impl : public stage_actor::base {
            (cfg_.tp > 1 ? " tp " + std::to_string(cfg_.tp_rank) : "");
   }
   bool device() const { return cfg_.device != nullptr; }
+  bool staged_buckets() const { return device() && cfg_.device->stage_buckets; }
   // This shard's place among all stage actors of a rank, as the coordinator counts them.
   int lane() const { return cfg_.replica * cfg_.tp + cfg_.tp_rank; }
   int last_stage() const { return cfg_.layout.stage_count() - 1; }
@@ -626,6 +627,11 @@ class stage_impl : public stage_actor::base {
     chunks_->wait_event(o.chunk, sent);
   }
 
+  static bool linked(const std::map<int, std::shared_ptr<engine::chunk_link>>& links, int peer) {
+    const auto it = links.find(peer);
+    return it != links.end() && it->second;
+  }
+
   engine::chunk_link& device_link(const std::map<int, std::shared_ptr<engine::chunk_link>>& links,
                                   int peer, const char* what) const {
     const auto it = links.find(peer);
@@ -638,9 +644,16 @@ class stage_impl : public stage_actor::base {
     const double t0 = cfg_.trace.now_us();
     const int to = cfg_.layout.rank_of(o.m.header.stage);
     std::int64_t bytes = 0;
-    if (device()) {
+    if (device() && linked(cfg_.device->send_links, to)) {
       put(o, to);  // D1: the payload, then its header
       bytes = static_cast<std::int64_t>(chunks_->payload_bytes(o.chunk, o.id));
+    } else if (device()) {  // staged: the slot's payload, copied to the host, in the message
+      bytes = static_cast<std::int64_t>(chunks_->payload_bytes(o.chunk, o.id));
+      o.m.data = std::make_shared<payload<float>>(static_cast<std::size_t>(bytes) / sizeof(float),
+                                                  payload<float>::for_overwrite);
+      chunks_->copy_to_host(o.chunk, o.m.data->data(),
+                            chunks_->send_buffer(o.chunk, o.id, payload_of(o.m.header.kind)),
+                            static_cast<std::size_t>(bytes));
     } else {
       bytes = static_cast<std::int64_t>(o.m.data->size() * 4);
     }
@@ -656,11 +669,14 @@ class stage_impl : public stage_actor::base {
 
   void on_link(link_message m) {
     if (device()) {
-      if (m.data)
-        throw std::logic_error(who() +
-                               ": a link message with host data (device stages move "
-                               "payloads through links)");
-      arrive(m.header, m.flow_id, sender_of(cfg_.layout, key_of(m.header)));
+      const int from = sender_of(cfg_.layout, key_of(m.header));
+      if (m.data && linked(cfg_.device->receive_links, from))
+        throw std::logic_error(who() + ": a link message with host data from rank " +
+                               std::to_string(from) + ", which has a link to this rank");
+      if (!m.data && !linked(cfg_.device->receive_links, from))
+        throw std::logic_error(who() + ": a link message without data from rank " +
+                               std::to_string(from) + ", which has no link to this rank");
+      arrive(m.header, m.flow_id, from, m.data);
       advance_if_waiting();
       return;
     }
@@ -678,16 +694,26 @@ class stage_impl : public stage_actor::base {
   // Device chunks: a header arrived (or a payload went to the next chunk of this rank): receive
   // its payload into its chunk's buffer, in arrival order (D1), ordered against the chunk's
   // work (D3).
-  void arrive(const link_header& h, std::uint64_t flow, int from) {
+  void arrive(const link_header& h, std::uint64_t flow, int from, const float_buffer& staged = {}) {
     const double t0 = cfg_.trace.now_us();
     const int c = cfg_.layout.chunk_of(h.stage);
     const engine::micro_batch_id id{h.round, h.micro_batch};
     const bool activation = h.kind == link_kind::activation;
     void* into =
         traced_growth(c, [&] { return chunks_->receive_buffer(c, id, payload_of(h.kind)); });
-    void* received = device_link(cfg_.device->receive_links, from, "receive")
-                         .receive(into, chunks_->payload_bytes(c, id), chunks_->record_event(c));
-    chunks_->wait_event(c, received);
+    const std::size_t bytes = chunks_->payload_bytes(c, id);
+    if (staged) {  // staged through the host by a rank in another process
+      if (staged->size() * sizeof(float) != bytes)
+        throw std::runtime_error(who() + ": a staged payload of " +
+                                 std::to_string(staged->size() * sizeof(float)) +
+                                 " bytes from rank " + std::to_string(from) + "; the chunk holds " +
+                                 std::to_string(bytes));
+      chunks_->copy_from_host(c, into, staged->data(), bytes);
+    } else {
+      void* received = device_link(cfg_.device->receive_links, from, "receive")
+                           .receive(into, bytes, chunks_->record_event(c));
+      chunks_->wait_event(c, received);
+    }
     link_message stub;
     stub.header = h;
     stub.flow_id = flow;
@@ -749,9 +775,26 @@ class stage_impl : public stage_actor::base {
   void send_bucket(int b) {
     const double t = cfg_.trace.now_us();
     const auto& info = buckets_.bucket(b);
-    // D4: device gradients are final on the stream after the event recorded now.
-    caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b, info.ranges,
-                                                chunks_->record_event(info.chunk)});
+    if (staged_buckets()) {  // host copies of the device ranges, reduced there and copied back
+      auto& host = staged_[b];
+      std::int64_t at = 0;
+      for (const auto& range : info.ranges) at += range.second;
+      host.resize(static_cast<std::size_t>(at));
+      std::vector<std::pair<float*, std::int64_t>> ranges;
+      at = 0;
+      for (const auto& [ptr, n] : info.ranges) {
+        chunks_->copy_to_host(info.chunk, host.data() + at, ptr,
+                              static_cast<std::size_t>(n) * sizeof(float));
+        ranges.emplace_back(host.data() + at, n);
+        at += n;
+      }
+      caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b,
+                                                  std::move(ranges), nullptr});
+    } else {
+      // D4: device gradients are final on the stream after the event recorded now.
+      caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b,
+                                                  info.ranges, chunks_->record_event(info.chunk)});
+    }
     cfg_.trace.span("send", "bucket " + buckets_.bucket(b).name, t, cfg_.trace.now_us(),
                     {plan_.step});
   }
@@ -765,8 +808,19 @@ class stage_impl : public stage_actor::base {
   void on_reduced(const grad_bucket_reduced& r) {
     if (buckets_pending_ <= 0)
       throw std::logic_error(who() + ": a reduced bucket nobody waits for");
-    // D4: the chunk's later work waits for the mean (device chunks).
+    // D4: the chunk's later work waits for the mean (device chunks); or the mean of the staged
+    // copies goes back to the device.
     if (r.done) chunks_->wait_event(buckets_.bucket(r.bucket).chunk, r.done);
+    if (staged_buckets()) {
+      const auto& info = buckets_.bucket(r.bucket);
+      const auto& host = staged_.at(r.bucket);
+      std::int64_t at = 0;
+      for (const auto& [ptr, n] : info.ranges) {
+        chunks_->copy_from_host(info.chunk, ptr, host.data() + at,
+                                static_cast<std::size_t>(n) * sizeof(float));
+        at += n;
+      }
+    }
     --buckets_pending_;
     if (zero()) {
       shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
@@ -829,10 +883,14 @@ class stage_impl : public stage_actor::base {
     }
     const auto& own = tied_.copies[0];
     float_buffer copy;
-    if (device()) {  // D5: through the tied link, then the header
+    if (device() && cfg_.device->tied_send) {  // D5: through the tied link, then the header
       void* sent = tied_link(cfg_.device->tied_send, "send")
                        .send(tied_grads(0), tied_bytes(), chunks_->record_event(own.chunk));
       chunks_->wait_event(own.chunk, sent);
+    } else if (device()) {  // staged through the host, inside the message
+      copy = std::make_shared<payload<float>>(static_cast<std::size_t>(tied_.numel),
+                                              payload<float>::for_overwrite);
+      chunks_->copy_to_host(own.chunk, copy->data(), tied_grads(0), tied_bytes());
     } else {
       const float* g = tied_grads(0);
       copy = std::make_shared<payload<float>>(g, g + tied_.numel);
@@ -847,12 +905,19 @@ class stage_impl : public stage_actor::base {
     if (tied_.copies.size() != 1)
       throw std::logic_error(who() + ": a tied wte gradient for a rank without one copy");
     if (device()) {
-      if (t.data) throw std::logic_error(who() + ": a tied wte gradient with host data");
       const int c = tied_.copies[0].chunk;
-      void* received = tied_link(cfg_.device->tied_receive, "receive")
-                           .receive(chunks_->gradient_scratch(c, tied_.numel), tied_bytes(),
-                                    chunks_->record_event(c));
-      chunks_->wait_event(c, received);
+      float* scratch = chunks_->gradient_scratch(c, tied_.numel);
+      if (t.data) {  // staged through the host
+        if (static_cast<std::int64_t>(t.data->size()) != tied_.numel)
+          throw std::runtime_error(who() + ": a tied wte gradient of " +
+                                   std::to_string(t.data->size()) + " values, not " +
+                                   std::to_string(tied_.numel));
+        chunks_->copy_from_host(c, scratch, t.data->data(), tied_bytes());
+      } else {
+        void* received = tied_link(cfg_.device->tied_receive, "receive")
+                             .receive(scratch, tied_bytes(), chunks_->record_event(c));
+        chunks_->wait_event(c, received);
+      }
     } else {
       tied_partner_ = std::move(t.data);
     }
@@ -995,6 +1060,7 @@ class stage_impl : public stage_actor::base {
   topology::incoming_credits incoming_;
   topology::outgoing_credits outgoing_;
   std::map<link_key, outgoing> held_;
+  std::map<int, std::vector<float>> staged_;      // by bucket: host copies (stage_buckets)
   std::map<link_key, link_message> stash_links_;  // device chunks: headers, payloads in slots
   std::map<batch_key, batch_message> stash_batches_;
   step_plan plan_;

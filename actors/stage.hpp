@@ -12,10 +12,10 @@
 // How a payload crosses a link is the chunks' kind's policy (docs/pipeline.md): CPU chunks'
 // activations and gradients travel inside the link message (in the process, or through the
 // gateway across processes); device chunks' move through the pair's chunk_link (NCCL, or a
-// device copy) while the link message carries the typed header only.
+// device copy) while the link message carries the typed header only, or, to a rank in another
+// process, are staged through host memory and travel inside the message.
 //
-// Not built yet on device chunks (pipeline_run refuses them with the reason): ZeRO,
-// split-backward (zero-bubble) schedules, variable sequence lengths, several processes.
+// What is not built yet on device chunks is refused before a job starts (engine/support.hpp).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +43,10 @@ struct device_chunks_config {
   // A rank with one copy of the tied wte (the embedding's or the head's, the other on another
   // rank): the links that carry its gradient to the other copy's rank and back.
   std::shared_ptr<engine::chunk_link> tied_send, tied_receive;
+  // A peer rank without a link (in another process): payloads and the tied wte copy are staged
+  // through host memory and travel inside the messages. stage_buckets: the replicas' reducer
+  // takes host ranges (a ring reducer across processes), so gradient buckets are staged too.
+  bool stage_buckets = false;
 };
 
 struct stage_config {

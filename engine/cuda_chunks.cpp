@@ -67,6 +67,12 @@ class cuda_chunk final : public device_chunk {
   std::int64_t device_bytes() const override { return s_.device_bytes(); }
   void* record_event() override { return s_.record_event(); }
   void wait_event(void* event) override { s_.wait_event(event); }
+  void copy_to_host(void* host, const void* memory, std::size_t bytes) override {
+    s_.copy_to_host(host, memory, bytes);
+  }
+  void copy_from_host(void* memory, const void* host, std::size_t bytes) override {
+    s_.copy_from_host(memory, host, bytes);
+  }
 
  private:
   gpu_stage s_;
@@ -213,11 +219,13 @@ class local_replica_group final : public replica_group {
 
 }  // namespace
 
-chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp) {
+chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, int local_rank) {
   const int devices = kernels::cuda_device_count();
   if (devices < 1) throw std::runtime_error("--device cuda: no usable CUDA device");
-  // Lane d * tp + j (shard j of replica d): a rank's shards on neighbouring devices.
-  auto device_of = [devices, pp, tp](int rank, int lane) {
+  // Lane d * tp + j (shard j of replica d): a rank's shards on neighbouring devices; or, in a
+  // process of a multi-process job, its local rank's device.
+  auto device_of = [devices, pp, tp, local_rank](int rank, int lane) {
+    if (local_rank >= 0) return local_rank % devices;
     return ((lane / tp * pp + rank) * tp + lane % tp) % devices;
   };
   chunk_factory f;

@@ -82,6 +82,11 @@ class device_chunk {
 
   virtual void* record_event() = 0;
   virtual void wait_event(void* event) = 0;
+  // Copies between this chunk's memory and the host (a payload staged through host memory
+  // across processes), after the chunk's work so far; they return once the host buffer holds
+  // the bytes (to_host) or may be reused (from_host), and the chunk's later work sees them.
+  virtual void copy_to_host(void* host, const void* memory, std::size_t bytes) = 0;
+  virtual void copy_from_host(void* memory, const void* host, std::size_t bytes) = 0;
 };
 
 // One direction of a link between two chunks (both ends may share the object).
@@ -146,7 +151,10 @@ struct chunk_factory {
 // when the replicas of a rank sit on distinct devices, a mean kernel when they share one device;
 // a tensor group likewise (make_device_tensor_group). Throws
 // std::runtime_error saying why in a build or on a machine without CUDA.
-chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp = 1);
+// local_rank >= 0 (a process of a multi-process job): every chunk, link and group of this
+// process on device local_rank mod the devices.
+chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp = 1,
+                          int local_rank = -1);
 // Host chunks and links: the CPU engine's arithmetic (engine::stage_compute) behind the device
 // contracts, bitwise the CPU pipeline's numbers; tensor groups are make_local_tensor_group's.
 chunk_factory host_chunks(bool recompute);

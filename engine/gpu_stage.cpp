@@ -637,6 +637,19 @@ void gpu_stage::copy(void* destination, const void* source, std::size_t bytes) {
         "cudaMemcpyAsync(device to device)");
 }
 
+void gpu_stage::copy_to_host(void* host, const void* device, std::size_t bytes) {
+  device_guard g(impl_->device);
+  check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->ctx.stream()),
+        "cudaMemcpyAsync(device to host)");
+  impl_->ctx.synchronize();
+}
+void gpu_stage::copy_from_host(void* device, const void* host, std::size_t bytes) {
+  device_guard g(impl_->device);
+  check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(host to device)");
+  impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
+}
+
 void gpu_stage::zero_grad() {
   device_guard g(impl_->device);
   zero(impl_->ctx, impl_->grads, impl_->P);

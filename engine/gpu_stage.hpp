@@ -165,6 +165,11 @@ class gpu_stage {
   void* output_gradient(int slot);
   // Copies `bytes` between device buffers of this chunk, on its stream.
   void copy(void* destination, const void* source, std::size_t bytes);
+  // Copies between this chunk's device memory and host memory, on its stream after what it has
+  // enqueued, and waits for the copy: the host buffer holds the bytes (to_host), or may be
+  // reused (from_host), when the call returns.
+  void copy_to_host(void* host, const void* device, std::size_t bytes);
+  void copy_from_host(void* device, const void* host, std::size_t bytes);
 
   void zero_grad();
   // Sum of squared gradients as held (still carrying the loss scale), in fp64. Without

@@ -18,7 +18,7 @@ struct gpu_stage::impl {
   std::vector<parameter_info> layout;
 };
 
-chunk_factory cuda_chunks(const gpu_trainer_options&, int, int) {
+chunk_factory cuda_chunks(const gpu_trainer_options&, int, int, int) {
   std::string why;
   cuda_training_available(&why);
   throw std::runtime_error("--device cuda: " + why);
@@ -50,6 +50,8 @@ const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*, const grad_block_fn&) { return nullptr; }
 void* gpu_stage::output_gradient(int) { return nullptr; }
 void gpu_stage::copy(void*, const void*, std::size_t) {}
+void gpu_stage::copy_to_host(void*, const void*, std::size_t) {}
+void gpu_stage::copy_from_host(void*, const void*, std::size_t) {}
 void gpu_stage::add_gradients(std::int64_t, const float*, std::int64_t) {}
 void gpu_stage::copy_gradients(std::int64_t, const float*, std::int64_t) {}
 float* gpu_stage::gradient_scratch(std::int64_t) { return nullptr; }

@@ -122,6 +122,12 @@ class host_chunk final : public device_chunk {
   }
   void* record_event() override { return nullptr; }
   void wait_event(void*) override {}
+  void copy_to_host(void* host, const void* memory, std::size_t bytes) override {
+    std::memcpy(host, memory, bytes);
+  }
+  void copy_from_host(void* memory, const void* host, std::size_t bytes) override {
+    std::memcpy(memory, host, bytes);
+  }
 
  private:
   struct slot_state {

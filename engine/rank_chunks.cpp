@@ -2,6 +2,7 @@
 #include "engine/rank_chunks.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -104,6 +105,12 @@ class cpu_rank_chunks final : public rank_chunks {
   }
   void* record_event(int) override { return nullptr; }
   void wait_event(int, void*) override {}
+  void copy_to_host(int, void* host, const void* memory, std::size_t bytes) override {
+    std::memcpy(host, memory, bytes);
+  }
+  void copy_from_host(int, void* memory, const void* host, std::size_t bytes) override {
+    std::memcpy(memory, host, bytes);
+  }
 
   std::int64_t optimizer_bytes() const override { return compute_.optimizer_bytes(); }
   std::int64_t activation_bytes() const override { return compute_.activation_bytes(); }
@@ -260,6 +267,12 @@ class device_rank_chunks final : public rank_chunks {
   float* gradient_scratch(int c, std::int64_t n) override { return chunk(c).gradient_scratch(n); }
   void* record_event(int c) override { return chunk(c).record_event(); }
   void wait_event(int c, void* event) override { chunk(c).wait_event(event); }
+  void copy_to_host(int c, void* host, const void* memory, std::size_t bytes) override {
+    chunk(c).copy_to_host(host, memory, bytes);
+  }
+  void copy_from_host(int c, void* memory, const void* host, std::size_t bytes) override {
+    chunk(c).copy_from_host(memory, host, bytes);
+  }
 
   std::int64_t optimizer_bytes() const override {
     std::int64_t bytes = 0;  // fp32 m and v

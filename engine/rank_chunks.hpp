@@ -107,6 +107,10 @@ class rank_chunks {
   virtual float* gradient_scratch(int c, std::int64_t n) = 0;
   virtual void* record_event(int c) = 0;
   virtual void wait_event(int c, void* event) = 0;
+  // Between c's memory and the host (payloads and buckets staged across processes): after c's
+  // work so far, done when the call returns (device_chunk::copy_to_host). CPU chunks: a copy.
+  virtual void copy_to_host(int c, void* host, const void* memory, std::size_t bytes) = 0;
+  virtual void copy_from_host(int c, void* memory, const void* host, std::size_t bytes) = 0;
 
   // ---- memory --------------------------------------------------------------------------
   virtual std::int64_t optimizer_bytes() const = 0;   // AdamW moments held here

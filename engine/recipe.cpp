@@ -215,8 +215,7 @@ void require(bool ok, const std::string& key, const std::string& what) {
 
 // The names the combination rules (engine/support.hpp) read.
 void validate_names(const recipe& r) {
-  require(r.precision.dtype == "fp32" || r.precision.dtype == "bf16" ||
-              r.precision.dtype == "fp16",
+  require(r.precision.dtype == "fp32" || r.precision.dtype == "bf16" || r.precision.dtype == "fp16",
           "precision.dtype", "'" + r.precision.dtype + "' is not fp32, bf16 or fp16");
   require(r.device == "cpu" || r.device == "cuda", "device",
           "'" + r.device + "' is not cpu or cuda");

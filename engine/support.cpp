@@ -66,12 +66,6 @@ const std::vector<support_rule>& support_rules() {
                 " splits backward (input, then weight gradients): not built for " + j.chunk_kind +
                 " chunks yet";
        }},
-      {"several processes (`troupe launch`, Slurm, mpirun, torchrun-style)", "", "yes", not_yet,
-       [](const job_shape& j) { return j.device_chunks && j.processes > 1; },
-       [](const job_shape& j) {
-         return "a job of " + std::to_string(j.processes) + " processes on " + j.chunk_kind +
-                " chunks: " + not_yet;
-       }},
       {"variable sequence lengths (micro-batches of several lengths)", "", "yes", not_yet,
        [](const job_shape& j) { return j.device_chunks && j.variable_lengths; },
        [](const job_shape& j) {

@@ -14,6 +14,7 @@
 #include <cstdio>
 
 #include "actors/pipeline_run.hpp"
+#include "engine/device_chunk.hpp"
 #include "engine/memory_plan.hpp"
 #include "engine/support.hpp"
 #include "engine/trainer.hpp"
@@ -46,6 +47,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     int threads = 0;  // 0: the cores / the stages in this process
     bool dry_run = false;
     bool report_peak_rss = false;
+    std::string test_chunks;  // "host": stages on device chunks of the host kind
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
@@ -83,6 +85,11 @@ std::function<int()> add_train_command(CLI::App& app) {
       },
       "Print what a job can combine on the CPU and on CUDA, and what is not built yet (a "
       "Markdown table; docs/support.md)");
+  cmd->add_option("--test-chunks", opts->test_chunks,
+                  "Testing: stages on device chunks of the host kind, the GPU pipeline's protocol "
+                  "(slots, links, payloads staged through host memory across processes) on the "
+                  "CPU engine's arithmetic")
+      ->check(CLI::IsMember({"host"}));
   cmd->add_flag("--report-peak-rss", opts->report_peak_rss,
                 "At the end, every process prints its peak resident memory as one JSON line on "
                 "stderr");
@@ -97,9 +104,6 @@ std::function<int()> add_train_command(CLI::App& app) {
       return exit_bad_input;
     }
     const bool gpu = r.device == "cuda";
-    // One GPU without pipeline or tensor shards: the serial trainer (gpu_trainer), else actors.
-    if (opts->engine.empty())
-      opts->engine = gpu && r.parallel.pp == 1 && r.parallel.tp == 1 ? "serial" : "actors";
     if (opts->dry_run) {
       try {
         std::fputs((gpu ? engine::format_gpu_memory_plan(r)
@@ -117,6 +121,18 @@ std::function<int()> add_train_command(CLI::App& app) {
       launch = topology::detect_launch_env(topology::current_environment());
     } catch (const topology::launch_error& e) {
       std::fprintf(stderr, "troupe train: %s\n", e.what());
+      return exit_bad_input;
+    }
+    // One GPU without pipeline or tensor shards, in one process: the serial trainer
+    // (gpu_trainer), else actors.
+    if (opts->engine.empty())
+      opts->engine = gpu && r.parallel.pp == 1 && r.parallel.tp == 1 && launch.world == 1 &&
+                             opts->test_chunks.empty()
+                         ? "serial"
+                         : "actors";
+    if (!opts->test_chunks.empty() && opts->engine == "serial") {
+      std::fprintf(stderr,
+                   "troupe train: --test-chunks needs the actor engine (--engine actors)\n");
       return exit_bad_input;
     }
     if (launch.world > 1 && opts->engine == "serial") {
@@ -144,6 +160,9 @@ std::function<int()> add_train_command(CLI::App& app) {
         o.collect_parameters = false;  // only for the weights file (output.weights)
         o.launch = launch;
         o.compute_threads = opts->threads;
+        if (opts->test_chunks == "host")
+          o.device_chunks = std::make_shared<engine::chunk_factory>(
+              engine::host_chunks(r.activation_checkpoint.full()));
         o.peer_timeout = std::chrono::milliseconds(static_cast<long>(opts->peer_timeout * 1000));
         o.rendezvous_timeout =
             std::chrono::milliseconds(static_cast<long>(opts->rendezvous_timeout * 1000));

@@ -3,7 +3,8 @@
 # configurations of the actor engine run with one process per stage (torchrun-style variables),
 # and with several stages per process, also with the update guard skipping and dynamic loss
 # scaling; every step's loss, the validation losses and the final
-# weights must be identical to the in-process run. Then failures: a killed rank is reported by
+# weights must be identical to the in-process run; likewise stages on device chunks of the host
+# kind, whose payloads cross processes staged through host memory. Then failures: a killed rank is reported by
 # rank 0 naming it within the heartbeat deadline and every process exits non-zero; a process with
 # the wrong job token or protocol version is refused and the job still completes.
 # Usage: cli_multiprocess.sh TROUPE
@@ -154,6 +155,28 @@ done
 # The update guard ran across processes: the overflowing first step was skipped there too.
 grep -q '"skipped":"non-finite gradient norm' "$tmp/pp2dp2guard/metrics.jsonl" || {
   echo "FAIL: the guard skipped nothing across processes" >&2; cat "$tmp/pp2dp2guard/metrics.jsonl" >&2; exit 1; }
+
+# Stages on device chunks of the host kind (--test-chunks host: the GPU pipeline's protocol on
+# the CPU engine's arithmetic) across processes: activations, gradients and the tied wte between
+# processes, and (DP) the gradient buckets of the ring reducer, staged through host memory inside
+# the messages; links between the ranks of one process. Identical to the one-process CPU run.
+device_layouts=(
+  "hpp2 2 --set parallel.pp=2"
+  "hdp2 2 --set parallel.dp=2"
+  "hpp2dp2 4 --set parallel.pp=2 --set parallel.dp=2"
+  "hpp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
+  "hpp4v2 2 --set parallel.pp=4 --set parallel.schedule=interleaved_1f1b --set parallel.virtual_stages=2 --set model.layers=8"
+)
+for c in "${device_layouts[@]}"; do
+  read -r -a f <<<"$c"
+  name=${f[0]} world=${f[1]}
+  "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name-one" "${f[@]:2}" \
+    >"$tmp/$name-one.log" 2>&1 || { echo "FAIL: in-process $name" >&2; cat "$tmp/$name-one.log" >&2; exit 1; }
+  run_job "$name" "$world" "${f[@]:2}" --test-chunks host
+  grep -q "device stages: host chunks" "$tmp/$name.0.log" || {
+    echo "FAIL: $name ran no device stages" >&2; cat "$tmp/$name.0.log" >&2; exit 1; }
+  compare "$name-one" "$name"
+done
 
 # ZeRO-1/2/3 at DP=2 and DP=4, with PP=1 and PP=2, over 20 steps across processes: each is
 # identical to the same job in one process, and within 1e-5 of DDP across processes. DP=3 splits
