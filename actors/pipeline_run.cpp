@@ -148,7 +148,7 @@ std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in
   auto dc = std::make_shared<device_chunks_config>();
   dc->factory = in.chunks;
   dc->B = in.r.batch.micro_batch;
-  dc->T = in.seq_lens.front();
+  dc->T = *std::max_element(in.seq_lens.begin(), in.seq_lens.end());
   dc->slots = engine::device_stage_slots(in.r, c.rank);
   dc->stage_buckets = in.mesh && in.r.parallel.dp > 1;  // a ring reducer across processes
   const int lane = c.replica * c.tp + c.tp_rank;
@@ -443,12 +443,11 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
 
 // What the job combines that is not built, refused before anything is written
 // (engine/support.hpp), and a chunk kind without tensor groups asked for tensor shards.
-void check_job(const engine::recipe& r, const run_options& o, const std::vector<int>& seq_lens,
+void check_job(const engine::recipe& r, const run_options& o,
                const std::shared_ptr<const engine::chunk_factory>& chunks) {
   engine::job_shape job;
   job.r = &r;
   job.processes = o.launch.world;
-  job.variable_lengths = seq_lens.size() > 1;
   job.device_chunks = r.device == "cuda" || chunks;
   if (chunks) job.chunk_kind = chunks->name;
   engine::check_support(job);
@@ -470,7 +469,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   in.chunks = o.device_chunks;
-  check_job(r, o, in.seq_lens, in.chunks);
+  check_job(r, o, in.chunks);
   for (int T : in.seq_lens)
     if (T < 1 || T > r.model.context)
       throw engine::recipe_error("sequence length " + std::to_string(T) + " is outside [1, " +

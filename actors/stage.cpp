@@ -699,8 +699,10 @@ class stage_impl : public stage_actor::base {
     const int c = cfg_.layout.chunk_of(h.stage);
     const engine::micro_batch_id id{h.round, h.micro_batch};
     const bool activation = h.kind == link_kind::activation;
-    void* into =
-        traced_growth(c, [&] { return chunks_->receive_buffer(c, id, payload_of(h.kind)); });
+    void* into = traced_growth(c, [&] {
+      return chunks_->receive_buffer(c, id, payload_of(h.kind), static_cast<int>(h.shape.at(0)),
+                                     static_cast<int>(h.shape.at(1)));
+    });
     const std::size_t bytes = chunks_->payload_bytes(c, id);
     if (staged) {  // staged through the host by a rank in another process
       if (staged->size() * sizeof(float) != bytes)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <map>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -23,23 +24,27 @@ class cuda_chunk final : public device_chunk {
  public:
   cuda_chunk(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options, int slots,
              int device, std::shared_ptr<device_tensor_group> group)
-      : s_(weights, B, T, options, slots, device, std::move(group)) {}
+      : s_(weights, B, T, options, slots, device, std::move(group)), T_(T) {}
 
   const stage_range& range() const override { return s_.range(); }
   int slots() const override { return s_.slots(); }
   int add_slot() override { return s_.add_slot(); }
   std::size_t activation_bytes() const override { return s_.activation_bytes(); }
   void* input(int slot) override { return s_.input(slot); }
-  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+  double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
                  float loss_scale, bool train) override {
-    return s_.forward(slot, tokens, targets, loss_scale, train);
+    lengths_[slot] = seq_len;
+    return s_.forward(slot, tokens, targets, loss_scale, train, seq_len);
   }
   const void* output(int slot) const override { return s_.output(slot); }
   void* output_gradient(int slot) override { return s_.output_gradient(slot); }
   void backward(int slot, void* dinput, const grad_block_fn& on_block_done) override {
     const void* d =
         s_.backward(slot, range().head ? nullptr : s_.output_gradient(slot), on_block_done);
-    if (d && dinput && dinput != d) s_.copy(dinput, d, activation_bytes());
+    if (d && dinput && dinput != d)
+      s_.copy(dinput, d,
+              activation_bytes() / static_cast<std::size_t>(T_) *
+                  static_cast<std::size_t>(lengths_.at(slot)));
   }
   void zero_grad() override { s_.zero_grad(); }
   double grad_square_sum(bool count_tied_copy) override {
@@ -76,6 +81,8 @@ class cuda_chunk final : public device_chunk {
 
  private:
   gpu_stage s_;
+  int T_ = 0;
+  std::map<int, int> lengths_;  // by slot: its micro-batch's sequence length
 };
 
 // A link on one device (or between devices by a staged copy): kernels::cuda's local link.

@@ -38,14 +38,17 @@ class device_chunk {
   // One more slot (its buffers allocated now); returns the new count. Slots already handed out
   // keep their buffers.
   virtual int add_slot() = 0;
-  virtual std::size_t activation_bytes() const = 0;  // B * T * width values
+  // B * T * width values: the most an activation (or its gradient) holds; a micro-batch of
+  // sequence length t uses the front B * t * width.
+  virtual std::size_t activation_bytes() const = 0;
   // A chunk without the embedding: where slot's input activation is received before forward.
   virtual void* input(int slot) = 0;
-  // Forward of one micro-batch into `slot` (tokens and targets on the host). A head chunk
-  // returns the mean loss over the counted targets (and, training, seeds backward with
-  // loss_scale); other chunks return NaN.
-  virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                         float loss_scale, bool train) = 0;
+  // Forward of one micro-batch of B x seq_len tokens (seq_len <= T) into `slot` (tokens and
+  // targets on the host); backward of the slot follows its length. A head chunk returns the
+  // mean loss over the counted targets (and, training, seeds backward with loss_scale); other
+  // chunks return NaN.
+  virtual double forward(int slot, int seq_len, const std::int32_t* tokens,
+                         const std::int32_t* targets, float loss_scale, bool train) = 0;
   // A chunk without the head: slot's output activation, valid until slot's next forward.
   virtual const void* output(int slot) const = 0;
   // A chunk without the head: where the gradient of output(slot) is received, once output(slot)

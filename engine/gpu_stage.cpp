@@ -96,7 +96,7 @@ struct gpu_stage::impl {
   virtual void add_slot() = 0;  // one more slot's buffers
   virtual void* input(int slot) = 0;
   virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                         float loss_scale, bool train) = 0;
+                         float loss_scale, bool train, int seq_len) = 0;
   virtual const void* output(int slot) const = 0;
   virtual const void* backward(int slot, const void* doutput,
                                const grad_block_fn& on_block_done) = 0;
@@ -128,7 +128,9 @@ struct gpu_stage::impl {
   tensor_shard shard;
   std::shared_ptr<device_tensor_group> group;  // a split shard's
   compute_dtype dtype = compute_dtype::fp32;
-  int B = 0, T = 0, slots = 1;
+  // T_max: what the buffers hold; T: the micro-batch being computed (its slot's, set by
+  // forward and backward).
+  int B = 0, T_max = 0, T = 0, slots = 1;
   std::size_t element_bytes = 4;  // of an activation in the compute dtype
   std::vector<parameter_info> layout;
   std::unordered_map<std::string, const parameter_info*> by_name;  // into layout
@@ -170,6 +172,7 @@ struct model_impl final : gpu_stage::impl {
     float *lnf_mean = nullptr, *lnf_rstd = nullptr;  // head
     D* dlnf = nullptr;                               // head: the gradient of ln_f's output
     std::vector<std::int32_t> tokens;                // embedding: the tokens, for dwte
+    int T = 0;                                       // its micro-batch's sequence length
   };
   int layers() const { return range.last_layer - range.first_layer; }
   bool materialized() const { return attention == attention_kernel::materialized; }
@@ -227,9 +230,9 @@ struct model_impl final : gpu_stage::impl {
     b.ln2_mean = arena.alloc<float>(N);
     b.ln2_rstd = arena.alloc<float>(N);
     if (materialized()) {
-      b.probs = arena.alloc<D>(cu::attention_probs_values(B, T, NHl()));
+      b.probs = arena.alloc<D>(cu::attention_probs_values(B, T_max, NHl()));
     } else {
-      b.lse = arena.alloc<float>(std::int64_t{B} * NHl() * T);
+      b.lse = arena.alloc<float>(std::int64_t{B} * NHl() * T_max);
     }
     return b;
   }
@@ -238,7 +241,7 @@ struct model_impl final : gpu_stage::impl {
   // device_bytes() against it.
   void allocate() override {
     const int C = config.width;
-    const std::int64_t N = std::int64_t{B} * T, NC = N * C, NCl = NC / shard.size;
+    const std::int64_t N = std::int64_t{B} * T_max, NC = N * C, NCl = NC / shard.size;
     if constexpr (!std::is_same_v<D, float>) {
       working = arena.alloc<D>(P);
       cu::convert(ctx, working, master, P);
@@ -258,9 +261,9 @@ struct model_impl final : gpu_stage::impl {
       }
     }
     if (layers() > 0 && materialized()) {
-      att_work = arena.alloc<D>(cu::attention_materialized_scratch_values(B, T, Cl(), NHl()));
+      att_work = arena.alloc<D>(cu::attention_materialized_scratch_values(B, T_max, Cl(), NHl()));
     } else if (layers() > 0) {
-      att_delta = arena.alloc<float>(cu::attention_scratch_floats(B, T, NHl()));
+      att_delta = arena.alloc<float>(cu::attention_scratch_floats(B, T_max, NHl()));
     }
     da = arena.alloc<D>(NC);
     db = arena.alloc<D>(NC);
@@ -272,7 +275,7 @@ struct model_impl final : gpu_stage::impl {
   }
 
   void alloc_slot(slot_buffers& s) {
-    const std::int64_t N = std::int64_t{B} * T, NC = N * config.width;
+    const std::int64_t N = std::int64_t{B} * T_max, NC = N * config.width;
     s.input = arena.alloc<D>(NC);
     for (int l = 0; l < layers(); ++l) {
       if (!recompute) s.blocks.push_back(alloc_block(N, NC));
@@ -356,8 +359,14 @@ struct model_impl final : gpu_stage::impl {
   }
 
   double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                 float loss_scale, bool train) override {
+                 float loss_scale, bool train, int seq_len) override {
     check_slot(slot);
+    if (seq_len < 1 || seq_len > T_max)
+      throw std::invalid_argument("gpu_stage: a micro-batch of sequence length " +
+                                  std::to_string(seq_len) + " (the chunk holds 1 to " +
+                                  std::to_string(T_max) + ")");
+    T = seq_len;
+    slot_state[static_cast<std::size_t>(slot)].T = seq_len;
     const int C = config.width, V = config.vocab_size, Vp = config.padded_vocab_size;
     const int N = B * T;
     auto& s = slot_state[static_cast<std::size_t>(slot)];
@@ -435,6 +444,8 @@ struct model_impl final : gpu_stage::impl {
       ++block;
     };
     check_slot(slot);
+    T = slot_state[static_cast<std::size_t>(slot)].T;
+    if (T < 1) throw std::logic_error("gpu_stage: backward of a slot without forward");
     const int C = config.width, Cl = this->Cl();
     const int N = B * T;
     const std::int64_t NC = std::int64_t{N} * C, NCl = std::int64_t{N} * Cl;
@@ -573,7 +584,7 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   if (shard.split()) s.group = std::move(group);
   s.dtype = options.dtype;
   s.B = B;
-  s.T = T;
+  s.T_max = s.T = T;
   s.slots = slots;
   s.element_bytes = options.dtype == compute_dtype::fp32 ? 4 : 2;
   s.recompute = options.recompute;
@@ -611,7 +622,7 @@ int gpu_stage::add_slot() {
   return impl_->slots;
 }
 std::size_t gpu_stage::activation_bytes() const {
-  return static_cast<std::size_t>(impl_->B) * static_cast<std::size_t>(impl_->T) *
+  return static_cast<std::size_t>(impl_->B) * static_cast<std::size_t>(impl_->T_max) *
          static_cast<std::size_t>(impl_->config.width) * impl_->element_bytes;
 }
 
@@ -620,9 +631,10 @@ void* gpu_stage::input(int slot) {
   return impl_->input(slot);
 }
 double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                          float loss_scale, bool train) {
+                          float loss_scale, bool train, int seq_len) {
   device_guard g(impl_->device);
-  return impl_->forward(slot, tokens, targets, loss_scale, train);
+  return impl_->forward(slot, tokens, targets, loss_scale, train,
+                        seq_len > 0 ? seq_len : impl_->T_max);
 }
 const void* gpu_stage::output(int slot) const { return impl_->output(slot); }
 const void* gpu_stage::backward(int slot, const void* doutput, const grad_block_fn& on_block_done) {

@@ -139,7 +139,8 @@ class gpu_stage {
   int slots() const;
   // One more slot, its buffers allocated now (cudaMalloc); returns the new count.
   int add_slot();
-  // Bytes of one activation (or activation gradient) between chunks: B * T * width values.
+  // Bytes of one activation (or activation gradient) between chunks: B * T * width values
+  // (a micro-batch of a shorter sequence length uses the front B * seq_len * width).
   std::size_t activation_bytes() const;
 
   // A chunk without the embedding: the device buffer that receives `slot`'s input activation
@@ -149,8 +150,10 @@ class gpu_stage {
   // the embedding (checked against the vocabulary); targets: host, for a head chunk. A head
   // chunk returns the mean loss (unscaled) over the counted targets and, when `train`, leaves
   // the loss gradient seeded with loss_scale ready for backward; other chunks return NaN.
+  // seq_len (0: the chunk's T) may be shorter than the chunk's T: the micro-batch's B x seq_len
+  // tokens use the front of the slot's buffers, and backward follows its length.
   double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                 float loss_scale = 1.0f, bool train = true);
+                 float loss_scale = 1.0f, bool train = true, int seq_len = 0);
   // A chunk without the head: slot's output activation (device), valid until slot's next forward.
   const void* output(int slot) const;
   // Backward of slot's micro-batch; its weight gradients accumulate. doutput: the gradient of

@@ -45,7 +45,9 @@ int gpu_stage::add_slot() { return 0; }
 int gpu_stage::slots() const { return 0; }
 std::size_t gpu_stage::activation_bytes() const { return 0; }
 void* gpu_stage::input(int) { return nullptr; }
-double gpu_stage::forward(int, const std::int32_t*, const std::int32_t*, float, bool) { return 0; }
+double gpu_stage::forward(int, const std::int32_t*, const std::int32_t*, float, bool, int) {
+  return 0;
+}
 const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*, const grad_block_fn&) { return nullptr; }
 void* gpu_stage::output_gradient(int) { return nullptr; }

@@ -47,15 +47,20 @@ class host_chunk final : public device_chunk {
     if (range().embedding) throw std::logic_error("host_chunk: the embedding chunk takes tokens");
     return at(slot).input.data();
   }
-  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+  double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
                  float loss_scale, bool train) override {
     auto& s = at(slot);
+    if (seq_len < 1 || seq_len > T_)
+      throw std::invalid_argument("host_chunk: a micro-batch of sequence length " +
+                                  std::to_string(seq_len) + " (the chunk holds 1 to " +
+                                  std::to_string(T_) + ")");
     if (s.live) compute_.release(0, id(slot));  // an evaluation's saved activations
+    s.T = seq_len;
     stage_compute::forward_args args;
     args.B = B_;
-    args.T = T_;
+    args.T = seq_len;
     // The passes read tokens and targets until backward: the slot keeps copies (as gpu_stage).
-    const std::size_t n = std::size_t(B_) * std::size_t(T_);
+    const std::size_t n = std::size_t(B_) * std::size_t(seq_len);
     if (range().embedding) s.tokens.assign(tokens, tokens + n);
     if (range().head) s.targets.assign(targets, targets + n);
     args.tokens = range().embedding ? s.tokens.data() : nullptr;
@@ -79,7 +84,8 @@ class host_chunk final : public device_chunk {
     float* din = range().embedding ? nullptr : static_cast<float*>(dinput);
     if (din && din == s.input.data()) din = scratch();  // input(slot) is read by this very pass
     compute_.backward(0, id(slot), dout, din, on_block_done).run();
-    if (din && din != dinput) std::memcpy(dinput, din, activation_bytes());
+    if (din && din != dinput)
+      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
     compute_.release(0, id(slot));
     s.live = false;
   }
@@ -133,6 +139,7 @@ class host_chunk final : public device_chunk {
   struct slot_state {
     std::vector<float> input, doutput;
     std::vector<std::int32_t> tokens, targets;
+    int T = 0;          // its micro-batch's sequence length
     bool live = false;  // holds a forward's saved activations
   };
   static micro_batch_id id(int slot) { return {0, slot}; }

@@ -48,7 +48,7 @@ class cpu_rank_chunks final : public rank_chunks {
   }
 
   bool host_payloads() const override { return true; }
-  void* receive_buffer(int, micro_batch_id, payload_kind) override { return nullptr; }
+  void* receive_buffer(int, micro_batch_id, payload_kind, int, int) override { return nullptr; }
   const void* send_buffer(int, micro_batch_id, payload_kind) override { return nullptr; }
   std::size_t payload_bytes(int c, micro_batch_id id) const override {
     const auto [B, T] = compute_.shape(c, id);
@@ -182,6 +182,7 @@ class device_rank_chunks final : public rank_chunks {
       slots_.emplace_back(slots);
       blocks_.push_back(stage_grad_blocks(host));
       losses_.emplace_back();
+      lengths_.emplace_back();
     }
   }
 
@@ -198,28 +199,44 @@ class device_rank_chunks final : public rank_chunks {
   std::vector<float> parameters(int c) const override { return chunk(c).parameters(); }
 
   bool host_payloads() const override { return false; }
-  void* receive_buffer(int c, micro_batch_id id, payload_kind kind) override {
-    if (kind == payload_kind::activation) return chunk(c).input(take(c, id));
+  void* receive_buffer(int c, micro_batch_id id, payload_kind kind, int B, int T) override {
+    if (kind == payload_kind::activation) {
+      check_shape(c, id, B, T);
+      const int s = take(c, id);
+      length(c)[id] = T;
+      return chunk(c).input(s);
+    }
+    if (B != B_ || T != length_of(c, id))
+      throw std::runtime_error("the gradient of " + describe(c, id) + " is " + std::to_string(B) +
+                               " x " + std::to_string(T) + " tokens; its activation was " +
+                               std::to_string(B_) + " x " + std::to_string(length_of(c, id)));
     return chunk(c).output_gradient(table(c).find(c, id));
   }
   const void* send_buffer(int c, micro_batch_id id, payload_kind kind) override {
     const int s = table(c).find(c, id);
     return kind == payload_kind::activation ? chunk(c).output(s) : chunk(c).input(s);
   }
-  std::size_t payload_bytes(int c, micro_batch_id) const override {
-    return chunk(c).activation_bytes();
+  std::size_t payload_bytes(int c, micro_batch_id id) const override {
+    return chunk(c).activation_bytes() / static_cast<std::size_t>(T_) *
+           static_cast<std::size_t>(length_of(c, id));
   }
   int slot_count(int c) const override { return chunk(c).slots(); }
   void hold(int c, micro_batch_id id) override { table(c).hold(c, id); }
   void drop(int c, micro_batch_id id) override { table(c).drop(c, id); }
 
   block_pass forward(int c, micro_batch_id id, forward_args args) override {
-    if (args.B != B_ || args.T != T_)
-      throw std::runtime_error("a micro-batch of " + std::to_string(args.B) + " x " +
-                               std::to_string(args.T) + " tokens; the device chunks hold " +
-                               std::to_string(B_) + " x " + std::to_string(T_));
+    check_shape(c, id, args.B, args.T);
     // An embedding chunk's micro-batch starts here; others when their activation arrived.
-    const int s = range(c).embedding ? take(c, id) : table(c).find(c, id);
+    int s = 0;
+    if (range(c).embedding) {
+      s = take(c, id);
+      length(c)[id] = args.T;
+    } else {
+      s = table(c).find(c, id);
+      if (length_of(c, id) != args.T)
+        throw std::logic_error(describe(c, id) + ": a forward of length " + std::to_string(args.T) +
+                               " for an activation of " + std::to_string(length_of(c, id)));
+    }
     return forward_pass(c, id, s, std::move(args));
   }
   double loss(int c, micro_batch_id id) const override {
@@ -230,7 +247,9 @@ class device_rank_chunks final : public rank_chunks {
   const float* output(int c, micro_batch_id id) const override {
     throw std::logic_error("device chunks keep " + describe(c, id) + "'s output on the device");
   }
-  std::pair<int, int> shape(int, micro_batch_id) const override { return {B_, T_}; }
+  std::pair<int, int> shape(int c, micro_batch_id id) const override {
+    return {B_, length_of(c, id)};
+  }
   block_pass backward(int c, micro_batch_id id, const float*, float*,
                       grad_block_fn on_block_done) override {
     return backward_pass(c, table(c).find(c, id), std::move(on_block_done));
@@ -246,6 +265,7 @@ class device_rank_chunks final : public rank_chunks {
   void release(int c, micro_batch_id id) override {
     losses_.at(static_cast<std::size_t>(c)).erase(id);
     table(c).drop(c, id);
+    if (!table(c).has(id)) length(c).erase(id);
   }
 
   void zero_grad() override {
@@ -298,9 +318,25 @@ class device_rank_chunks final : public rank_chunks {
     return table(c).take(c, id, [this, c] { return chunk(c).add_slot(); });
   }
 
+  // Micro-batches of B rows (the chunks') and at most T (their buffers') tokens each.
+  void check_shape(int c, micro_batch_id id, int B, int T) const {
+    if (B != B_ || T < 1 || T > T_)
+      throw std::runtime_error(describe(c, id) + ": a micro-batch of " + std::to_string(B) + " x " +
+                               std::to_string(T) + " tokens; the device chunks hold " +
+                               std::to_string(B_) + " x 1 to " + std::to_string(T_));
+  }
+  std::map<micro_batch_id, int>& length(int c) { return lengths_.at(static_cast<std::size_t>(c)); }
+  int length_of(int c, micro_batch_id id) const {
+    const auto& l = lengths_.at(static_cast<std::size_t>(c));
+    const auto it = l.find(id);
+    if (it == l.end()) throw std::logic_error("no micro-batch state for " + describe(c, id));
+    return it->second;
+  }
+
   // The device chunk runs a pass whole: one piece, no stops.
   block_pass forward_pass(int c, micro_batch_id id, int s, forward_args args) {
-    const double l = chunk(c).forward(s, args.tokens, args.targets, args.loss_scale, args.train);
+    const double l =
+        chunk(c).forward(s, args.T, args.tokens, args.targets, args.loss_scale, args.train);
     if (range(c).head) losses_.at(static_cast<std::size_t>(c))[id] = l;
     co_return;
   }
@@ -316,6 +352,7 @@ class device_rank_chunks final : public rank_chunks {
   std::vector<slot_table> slots_;
   std::vector<std::vector<grad_block>> blocks_;
   std::vector<std::map<micro_batch_id, double>> losses_;
+  std::vector<std::map<micro_batch_id, int>> lengths_;  // by chunk: each micro-batch's T
 };
 
 }  // namespace

@@ -60,10 +60,10 @@ class rank_chunks {
   // backward and keeps until release (CPU chunks: a message's payload, read in place). false:
   // they live in the chunks' buffers below and move through links.
   virtual bool host_payloads() const = 0;
-  // Device chunks: where the payload of `kind` that (c, id) receives goes: an activation into
-  // the input of id's slot (taken now), a gradient into its output's gradient. nullptr for CPU
-  // chunks.
-  virtual void* receive_buffer(int c, micro_batch_id id, payload_kind kind) = 0;
+  // Device chunks: where the payload of `kind` that (c, id) receives goes: an activation of
+  // B x T tokens into the input of id's slot (taken now), a gradient into its output's gradient.
+  // nullptr for CPU chunks.
+  virtual void* receive_buffer(int c, micro_batch_id id, payload_kind kind, int B, int T) = 0;
   // Device chunks: the payload of `kind` that (c, id) sends: its output activation (after
   // forward), or its input's gradient (after backward, written into its input). nullptr for
   // CPU chunks (the output is output(); the input's gradient is the caller's dinput).

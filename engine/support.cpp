@@ -66,11 +66,6 @@ const std::vector<support_rule>& support_rules() {
                 " splits backward (input, then weight gradients): not built for " + j.chunk_kind +
                 " chunks yet";
        }},
-      {"variable sequence lengths (micro-batches of several lengths)", "", "yes", not_yet,
-       [](const job_shape& j) { return j.device_chunks && j.variable_lengths; },
-       [](const job_shape& j) {
-         return "variable sequence lengths on " + j.chunk_kind + " chunks: " + not_yet;
-       }},
   };
   return rules;
 }

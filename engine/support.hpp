@@ -16,7 +16,6 @@ namespace troupe::engine {
 struct job_shape {
   const recipe* r = nullptr;
   int processes = 1;                // the job's processes (troupe launch, Slurm, ...)
-  bool variable_lengths = false;    // micro-batches of several sequence lengths
   bool device_chunks = false;       // stages on device chunks (device "cuda", or host test chunks)
   std::string chunk_kind = "cuda";  // the device chunks' kind
 };

@@ -5,6 +5,7 @@
 // data-parallel replicas (whose final weights must also agree bitwise) and with tensor shards;
 // what they do not take yet is refused naming the key.
 #include <cmath>
+#include <tuple>
 
 #include "engine/device_chunk.hpp"
 #include "tests/actors/actor_test_util.hpp"
@@ -131,10 +132,44 @@ TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][d
     REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
                         Catch::Contains("zb_h1") && Catch::Contains("splits backward"));
   }
-  SECTION("variable sequence lengths") {
-    run_options o = host_device(false);
-    o.seq_lens = {8, 16};
-    REQUIRE_THROWS_WITH(run_actors(r, o), Catch::Contains("variable sequence lengths"));
+}
+
+// Micro-batches of several sequence lengths: a chunk's slots hold the longest, a shorter one uses
+// their front, and its payloads and the links' transfers are its own size.
+TEST_CASE("device stages take variable sequence lengths, bitwise the CPU stages",
+          "[actors][device]") {
+  temp_dir dir;
+  engine::recipe base = tiny_recipe(dir);
+  base.steps = 4;
+  base.eval_interval = 2;
+  base.eval_batches = 2;
+  base.data.val_fraction = 0.1;
+  for (const auto& [pp, dp, m] : {std::tuple{2, 1, 4}, std::tuple{2, 2, 3}, std::tuple{1, 1, 3}}) {
+    DYNAMIC_SECTION("pp " << pp << " dp " << dp << " m " << m) {
+      engine::recipe r = base;
+      r.parallel.pp = pp;
+      r.parallel.dp = dp;
+      r.parallel.micro_batches = m;
+      run_options cpu;
+      cpu.check_replicas = false;
+      cpu.seq_lens = {16, 5, 11};
+      run_options dev = host_device(false);
+      dev.seq_lens = cpu.seq_lens;
+      const auto want = run_actors(r, cpu);
+      const auto got = run_actors(r, dev);
+      REQUIRE(got.steps.size() == want.steps.size());
+      for (std::size_t i = 0; i < got.steps.size(); ++i) {
+        INFO("step " << i + 1);
+        REQUIRE(std::isfinite(got.steps[i].loss));
+        CHECK(got.steps[i].loss == want.steps[i].loss);
+        CHECK(got.steps[i].grad_norm == want.steps[i].grad_norm);
+        CHECK(got.steps[i].val_loss == want.steps[i].val_loss);
+      }
+      for (const auto& [name, values] : want.parameters) {
+        INFO(name);
+        CHECK(got.parameters.at(name) == values);
+      }
+    }
   }
 }
 

@@ -1,8 +1,9 @@
 // The one chunk contract (engine/rank_chunks.hpp) without actors: CPU chunks and device chunks
 // (host_chunks, the device contract's host kind) driven through the same calls, two chunks of a
 // rank with two micro-batches in flight, payloads moved by the caller as a stage's links would,
-// give bitwise the same losses, gradients and updated weights; what device chunks do not do yet
-// is refused naming it; slots grow when the micro-batches in flight outnumber them.
+// give bitwise the same losses, gradients and updated weights, the two micro-batches of different
+// sequence lengths; what device chunks do not do yet is refused naming it; slots grow when the
+// micro-batches in flight outnumber them.
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -22,8 +23,8 @@ namespace {
 const gpt_config kModel{97, 128, 32, 4, 4, 64};
 constexpr int kB = 2, kT = 16;
 
-std::vector<std::int32_t> tokens(std::uint64_t salt) {
-  std::vector<std::int32_t> t(std::size_t(kB) * kT);
+std::vector<std::int32_t> tokens(std::uint64_t salt, int T = kT) {
+  std::vector<std::int32_t> t(std::size_t(kB) * static_cast<std::size_t>(T));
   for (std::size_t i = 0; i < t.size(); ++i)
     t[i] = static_cast<std::int32_t>(splitmix64(salt * 1000 + i) % kModel.vocab_size);
   return t;
@@ -35,7 +36,8 @@ struct run_result {
 };
 
 // Chunk 0 (embedding, layers 0-1) and chunk 1 (layers 2-3, head) of one rank; micro-batches 0
-// and 1 forward, then backward in reverse order (both in flight), then the update.
+// (T = 16) and 1 (T = 11) forward, then backward in reverse order (both in flight), then the
+// update.
 run_result drive(rank_chunks& rc) {
   REQUIRE(rc.chunk_count() == 2);
   const auto width = static_cast<std::size_t>(kModel.width);
@@ -44,23 +46,24 @@ run_result drive(rank_chunks& rc) {
   std::vector<std::vector<std::int32_t>> in, target;
   std::vector<std::vector<float>> dinput(2, std::vector<float>(n));
   for (int mb = 0; mb < 2; ++mb) {
-    in.push_back(tokens(static_cast<std::uint64_t>(mb) + 1));
-    target.push_back(tokens(static_cast<std::uint64_t>(mb) + 7));
+    const int T = mb == 0 ? kT : kT - 5;
+    in.push_back(tokens(static_cast<std::uint64_t>(mb) + 1, T));
+    target.push_back(tokens(static_cast<std::uint64_t>(mb) + 7, T));
     const micro_batch_id id{0, mb};
     rank_chunks::forward_args a0;
     a0.B = kB;
-    a0.T = kT;
+    a0.T = T;
     a0.tokens = in.back().data();
     rc.forward(0, id, std::move(a0)).run();
     rank_chunks::forward_args a1;
     a1.B = kB;
-    a1.T = kT;
+    a1.T = T;
     a1.targets = target.back().data();
     a1.loss_scale = 0.5f;
     if (rc.host_payloads()) {
       a1.input = rc.output(0, id);  // read in place, as from a message's payload
     } else {                        // through a "link": the sender's buffer into the receiver's
-      std::memcpy(rc.receive_buffer(1, id, payload_kind::activation),
+      std::memcpy(rc.receive_buffer(1, id, payload_kind::activation, kB, T),
                   rc.send_buffer(0, id, payload_kind::activation), rc.payload_bytes(0, id));
     }
     rc.forward(1, id, std::move(a1)).run();
@@ -70,8 +73,9 @@ run_result drive(rank_chunks& rc) {
     const micro_batch_id id{0, mb};
     auto& din = dinput[static_cast<std::size_t>(mb)];
     rc.backward(1, id, nullptr, din.data(), {}).run();
+    CHECK(rc.shape(1, id) == std::pair<int, int>{kB, mb == 0 ? kT : kT - 5});
     if (!rc.host_payloads())
-      std::memcpy(rc.receive_buffer(0, id, payload_kind::gradient),
+      std::memcpy(rc.receive_buffer(0, id, payload_kind::gradient, kB, mb == 0 ? kT : kT - 5),
                   rc.send_buffer(1, id, payload_kind::gradient), rc.payload_bytes(1, id));
     rc.backward(0, id, din.data(), nullptr, {}).run();
     rc.release(1, id);
@@ -137,14 +141,14 @@ TEST_CASE("device chunks refuse what they do not do yet, naming it", "[rank-chun
   auto device =
       make_device_rank_chunks(factory, kModel, ranges, {}, gpt2_init(5), kB, kT, 1, 0, 0, nullptr);
   const auto t = tokens(1);
-  rank_chunks::forward_args other_shape;
-  other_shape.B = kB;
-  other_shape.T = kT - 1;
-  other_shape.tokens = t.data();
+  rank_chunks::forward_args too_long;
+  too_long.B = kB;
+  too_long.T = kT + 1;
+  too_long.tokens = t.data();
   CHECK_THAT(error_message([&] {
-               device->forward(0, {0, 0}, other_shape).run();
+               device->forward(0, {0, 0}, too_long).run();
              }),
-             Catch::Contains("2 x 15") && Catch::Contains("2 x 16"));
+             Catch::Contains("2 x 17") && Catch::Contains("2 x 1 to 16"));
   rank_chunks::forward_args args;
   args.B = kB;
   args.T = kT;
