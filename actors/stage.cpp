@@ -201,10 +201,6 @@ class stage_impl : public stage_actor::base {
 
   // ---- plan ---------------------------------------------------------------------------
   void start_plan(step_plan p) {
-    if (device() && p.plan->split_backward)
-      throw std::runtime_error("schedule " + p.plan->name +
-                               " splits backward (input, then weight gradients): not built for "
-                               "device stages yet");
     plan_ = std::move(p);
     actions_ = &plan_.plan->ranks.at(static_cast<std::size_t>(my_rank()));
     cursor_ = 0;

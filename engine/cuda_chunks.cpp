@@ -31,6 +31,7 @@ class cuda_chunk final : public device_chunk {
   int add_slot() override { return s_.add_slot(); }
   std::size_t activation_bytes() const override { return s_.activation_bytes(); }
   void* input(int slot) override { return s_.input(slot); }
+  void* input_gradient(int slot) override { return s_.input_gradient(slot); }
   double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
                  float loss_scale, bool train) override {
     lengths_[slot] = seq_len;
@@ -45,6 +46,16 @@ class cuda_chunk final : public device_chunk {
       s_.copy(dinput, d,
               activation_bytes() / static_cast<std::size_t>(T_) *
                   static_cast<std::size_t>(lengths_.at(slot)));
+  }
+  void backward_input(int slot, void* dinput) override {
+    const void* d = s_.backward_input(slot, range().head ? nullptr : s_.output_gradient(slot));
+    if (d && dinput && dinput != d)
+      s_.copy(dinput, d,
+              activation_bytes() / static_cast<std::size_t>(T_) *
+                  static_cast<std::size_t>(lengths_.at(slot)));
+  }
+  void backward_weight(int slot, const grad_block_fn& on_block_done) override {
+    s_.backward_weight(slot, on_block_done);
   }
   void zero_grad() override { s_.zero_grad(); }
   double grad_square_sum(bool count_tied_copy) override {

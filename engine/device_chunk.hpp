@@ -43,6 +43,10 @@ class device_chunk {
   virtual std::size_t activation_bytes() const = 0;
   // A chunk without the embedding: where slot's input activation is received before forward.
   virtual void* input(int slot) = 0;
+  // A chunk without the embedding: where the gradient of input(slot) is written by backward (or
+  // backward_input) and sent from: input(slot) itself, unless the chunk keeps the input for a
+  // split backward's W.
+  virtual void* input_gradient(int slot) = 0;
   // Forward of one micro-batch of B x seq_len tokens (seq_len <= T) into `slot` (tokens and
   // targets on the host); backward of the slot follows its length. A head chunk returns the
   // mean loss over the counted targets (and, training, seeds backward with loss_scale); other
@@ -60,6 +64,11 @@ class device_chunk {
   // micro-batch's gradient enqueued: an event recorded then marks it final on the stream, so a
   // data-parallel reduction can start on it while backward continues on earlier blocks.
   virtual void backward(int slot, void* dinput, const grad_block_fn& on_block_done) = 0;
+  // A split backward (zero-bubble schedules): backward_input writes the input's gradient as
+  // backward does (B); backward_weight then makes the weight gradients final, calling
+  // on_block_done as backward does (W). Together backward's gradients.
+  virtual void backward_input(int slot, void* dinput) = 0;
+  virtual void backward_weight(int slot, const grad_block_fn& on_block_done) = 0;
 
   virtual void zero_grad() = 0;
   virtual double grad_square_sum(bool count_tied_copy) = 0;

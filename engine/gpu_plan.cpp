@@ -30,6 +30,7 @@ gpu_trainer_options gpu_options(const recipe& r) {
   o.recompute = r.activation_checkpoint.full();
   o.attention = parse_attention_kernel(r.kernels.attention);
   o.fast_kernels = r.kernels.fast_paths;
+  o.split_backward = splits_backward(r);
   return o;
 }
 
@@ -52,8 +53,8 @@ namespace {
 // heads and the logits are the shard's; the head adds the cross-entropy's row maxima and
 // statistics.
 std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
-                              std::int64_t d, bool recompute, attention_kernel attention, int slots,
-                              int tp) {
+                              std::int64_t d, bool recompute, attention_kernel attention,
+                              bool split_backward, int slots, int tp) {
   const std::int64_t N = std::int64_t{B} * T, NC = N * config.width, NCl = NC / tp;
   const std::int64_t layers = range.last_layer - range.first_layer;
   const std::int64_t rows = std::int64_t{B} * (config.heads / tp) * T;  // the shard's query rows
@@ -72,8 +73,12 @@ std::int64_t activation_bytes(const gpt_config& config, const stage_range& range
   // What each micro-batch in flight keeps: its input (the embedding's output or the received
   // activation), every block's output, the blocks' internals unless recomputed, and on a head
   // chunk ln_f's statistics and the gradient of its output.
+  // A split backward's slot keeps, per layer, its four linears' output gradients (2 NC + 7 NC /
+  // tp), and the embedding's output gradient, or (no embedding) the input's gradient apart from
+  // the input.
+  const std::int64_t deferred = split_backward ? layers * (2 * NC + 7 * NCl) * d + NC * d : 0;
   const std::int64_t per_slot = NC * d + layers * NC * d + (recompute ? 0 : layers * internals) +
-                                (range.head ? 2 * N * 4 + NC * d : 0);
+                                (range.head ? 2 * N * 4 + NC * d : 0) + deferred;
   const std::int64_t head = N * 4                                        // targets
                             + NC * d                                     // ln_f's output
                             + N * (config.padded_vocab_size / tp) * d    // logits
@@ -95,10 +100,10 @@ gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_rang
   const std::int64_t P = layout.empty() ? 0 : layout.back().offset + layout.back().numel;
   gpu_memory_plan plan;
   plan.model_state = 4 * P * 4 + (d == 2 ? 2 * P : 0);
-  plan.activations_without_recompute =
-      activation_bytes(config, range, B, T, d, false, options.attention, slots, tp);
-  plan.activations =
-      activation_bytes(config, range, B, T, d, options.recompute, options.attention, slots, tp);
+  plan.activations_without_recompute = activation_bytes(
+      config, range, B, T, d, false, options.attention, options.split_backward, slots, tp);
+  plan.activations = activation_bytes(config, range, B, T, d, options.recompute, options.attention,
+                                      options.split_backward, slots, tp);
   return plan;
 }
 

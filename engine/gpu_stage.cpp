@@ -95,11 +95,15 @@ struct gpu_stage::impl {
   virtual void allocate() = 0;
   virtual void add_slot() = 0;  // one more slot's buffers
   virtual void* input(int slot) = 0;
+  virtual void* input_gradient(int slot) = 0;
   virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                          float loss_scale, bool train, int seq_len) = 0;
   virtual const void* output(int slot) const = 0;
-  virtual const void* backward(int slot, const void* doutput,
-                               const grad_block_fn& on_block_done) = 0;
+  // input_only (a split backward's B): the weight gradients of the linears and the embedding
+  // are left to backward_weight (W), what they need kept in the slot.
+  virtual const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done,
+                               bool input_only) = 0;
+  virtual void backward_weight(int slot, const grad_block_fn& on_block_done) = 0;
   // AdamW on every parameter; the working copy, if any, receives the new weights.
   virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
 
@@ -146,6 +150,7 @@ struct gpu_stage::impl {
   float* scratch = nullptr;  // gradient_scratch()
   std::int64_t scratch_floats = 0;
   bool recompute = false;
+  bool split_backward = false;  // slots keep what a split backward's W needs
   attention_kernel attention = attention_kernel::fused;
 };
 
@@ -173,6 +178,14 @@ struct model_impl final : gpu_stage::impl {
     D* dlnf = nullptr;                               // head: the gradient of ln_f's output
     std::vector<std::int32_t> tokens;                // embedding: the tokens, for dwte
     int T = 0;                                       // its micro-batch's sequence length
+    // Split backward: per layer, the output gradients of its four linears, kept from B for W;
+    // and the embedding's output gradient.
+    struct deferred {
+      D *dres = nullptr, *dfc = nullptr, *dmid = nullptr, *dqkv = nullptr;
+    };
+    std::vector<deferred> wgrad;
+    D* demb = nullptr;
+    D* dinput = nullptr;  // split backward, a chunk without the embedding: the input's gradient
   };
   int layers() const { return range.last_layer - range.first_layer; }
   bool materialized() const { return attention == attention_kernel::materialized; }
@@ -276,11 +289,22 @@ struct model_impl final : gpu_stage::impl {
 
   void alloc_slot(slot_buffers& s) {
     const std::int64_t N = std::int64_t{B} * T_max, NC = N * config.width;
+    const std::int64_t NCl = NC / shard.size;
     s.input = arena.alloc<D>(NC);
     for (int l = 0; l < layers(); ++l) {
       if (!recompute) s.blocks.push_back(alloc_block(N, NC));
       s.out.push_back(arena.alloc<D>(NC));
+      if (split_backward) {
+        typename slot_buffers::deferred w;
+        w.dres = arena.alloc<D>(NC);
+        w.dfc = arena.alloc<D>(4 * NCl);
+        w.dmid = arena.alloc<D>(NC);
+        w.dqkv = arena.alloc<D>(3 * NCl);
+        s.wgrad.push_back(w);
+      }
     }
+    if (split_backward && range.embedding) s.demb = arena.alloc<D>(NC);
+    if (split_backward && !range.embedding) s.dinput = arena.alloc<D>(NC);
     if (range.head) {
       s.lnf_mean = arena.alloc<float>(N);
       s.lnf_rstd = arena.alloc<float>(N);
@@ -349,6 +373,12 @@ struct model_impl final : gpu_stage::impl {
     if (range.embedding)
       throw std::logic_error("gpu_stage: a chunk with the embedding takes tokens, not an input");
     return slot_state[static_cast<std::size_t>(slot)].input;
+  }
+
+  void* input_gradient(int slot) override {
+    void* in = input(slot);
+    const auto& s = slot_state[static_cast<std::size_t>(slot)];
+    return split_backward ? static_cast<void*>(s.dinput) : in;
   }
 
   const void* output(int slot) const override {
@@ -436,11 +466,15 @@ struct model_impl final : gpu_stage::impl {
                                                      losses, N, v, ignore_index, count, loss_scale);
   }
 
-  const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done) override {
-    // stage_grad_blocks' order: the head, the layers from last to first, the embedding.
+  const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done,
+                       bool input_only) override {
+    if (input_only && !split_backward)
+      throw std::logic_error("gpu_stage: a split backward in a chunk made without split_backward");
+    // stage_grad_blocks' order: the head, the layers from last to first, the embedding. A split
+    // backward's B makes no block final (W does).
     int block = 0;
     auto done = [&] {
-      if (on_block_done) on_block_done(block);
+      if (on_block_done && !input_only) on_block_done(block);
       ++block;
     };
     check_slot(slot);
@@ -469,30 +503,41 @@ struct model_impl final : gpu_stage::impl {
       const auto& L = internals(slot, l);
       const D* in = block_input(slot, l);
       const std::string p = block_prefix(range.first_layer + l);
+      // B: the four linears' input gradients only; their output gradients kept for W (the
+      // layernorms' weight gradients are B's).
+      typename slot_buffers::deferred w;
+      if (input_only) {
+        w = s.wgrad[static_cast<std::size_t>(l)];
+        copy(ctx, w.dres, dres, NC);
+      }
+      auto G_ = [&](const std::string& name) { return input_only ? nullptr : G(name); };
+      D* dfc_ = input_only ? w.dfc : dfc;
+      D* dqkv_ = input_only ? w.dqkv : dqkv;
       zero(ctx, dfch_gelu, 4 * NCl);
-      cu::linear_backward(ctx, dfch_gelu, G(p + "mlp.c_proj.weight"), G(p + "mlp.c_proj.bias"),
+      cu::linear_backward(ctx, dfch_gelu, G_(p + "mlp.c_proj.weight"), G_(p + "mlp.c_proj.bias"),
                           dres, L.fch_gelu, W(p + "mlp.c_proj.weight"), N, 4 * Cl, C);
-      zero(ctx, dfc, 4 * NCl);
-      cu::gelu_backward(ctx, dfc, L.fch, dfch_gelu, 4 * NCl);
+      zero(ctx, dfc_, 4 * NCl);
+      cu::gelu_backward(ctx, dfc_, L.fch, dfch_gelu, 4 * NCl);
       zero(ctx, dln, NC);
-      cu::linear_backward(ctx, dln, G(p + "mlp.c_fc.weight"), G(p + "mlp.c_fc.bias"), dfc, L.ln2,
+      cu::linear_backward(ctx, dln, G_(p + "mlp.c_fc.weight"), G_(p + "mlp.c_fc.bias"), dfc_, L.ln2,
                           W(p + "mlp.c_fc.weight"), N, C, 4 * Cl);
       all_reduce(dln, NC);  // ln_2's output feeds every shard's c_fc
       copy(ctx, dmid, dres, NC);
       cu::layernorm_backward(ctx, dmid, G(p + "ln_2.weight"), G(p + "ln_2.bias"), dln, L.res2,
                              F(p + "ln_2.weight"), L.ln2_mean, L.ln2_rstd, N, C);
+      if (input_only) copy(ctx, w.dmid, dmid, NC);
       zero(ctx, datty, NCl);
-      cu::linear_backward(ctx, datty, G(p + "attn.c_proj.weight"), G(p + "attn.c_proj.bias"), dmid,
-                          L.atty, W(p + "attn.c_proj.weight"), N, Cl, C);
-      zero(ctx, dqkv, 3 * NCl);
+      cu::linear_backward(ctx, datty, G_(p + "attn.c_proj.weight"), G_(p + "attn.c_proj.bias"),
+                          dmid, L.atty, W(p + "attn.c_proj.weight"), N, Cl, C);
+      zero(ctx, dqkv_, 3 * NCl);
       if (materialized()) {
-        cu::attention_materialized_backward(ctx, dqkv, datty, L.qkv, L.probs, att_work, B, T, Cl,
+        cu::attention_materialized_backward(ctx, dqkv_, datty, L.qkv, L.probs, att_work, B, T, Cl,
                                             NHl());
       } else {
-        cu::attention_backward(ctx, dqkv, datty, L.qkv, L.atty, L.lse, att_delta, B, T, Cl, NHl());
+        cu::attention_backward(ctx, dqkv_, datty, L.qkv, L.atty, L.lse, att_delta, B, T, Cl, NHl());
       }
       zero(ctx, dln, NC);
-      cu::linear_backward(ctx, dln, G(p + "attn.c_attn.weight"), G(p + "attn.c_attn.bias"), dqkv,
+      cu::linear_backward(ctx, dln, G_(p + "attn.c_attn.weight"), G_(p + "attn.c_attn.bias"), dqkv_,
                           L.ln1, W(p + "attn.c_attn.weight"), N, C, 3 * Cl);
       all_reduce(dln, NC);  // ln_1's output feeds every shard's c_attn
       copy(ctx, dres, dmid, NC);
@@ -501,15 +546,58 @@ struct model_impl final : gpu_stage::impl {
       done();
     }
     if (!range.embedding) return dres;
+    if (input_only) {  // the embedding's weight gradients are W's
+      copy(ctx, s.demb, dres, NC);
+      return nullptr;
+    }
+    embedding_backward(s, dres);
+    done();
+    return nullptr;
+  }
+
+  void embedding_backward(const slot_buffers& s, const D* dout) {
+    const int N = B * T;
     if (split()) {  // the shard's rows of wte only
       groups.build(ctx, s.tokens.data(), N, shard.rank * Vl(), Vl());
     } else {
       groups.build(ctx, s.tokens.data(), N);
     }
-    cu::embedding_backward(ctx, G("transformer.wte.weight"), G("transformer.wpe.weight"), dres,
-                           groups, B, T, C);
+    cu::embedding_backward(ctx, G("transformer.wte.weight"), G("transformer.wpe.weight"), dout,
+                           groups, B, T, config.width);
+  }
+
+  // W of a split backward: the weight gradients B left, from what it kept; blocks final in
+  // stage_grad_blocks' order, as backward makes them.
+  void backward_weight(int slot, const grad_block_fn& on_block_done) override {
+    if (!split_backward)
+      throw std::logic_error("gpu_stage: a split backward in a chunk made without split_backward");
+    check_slot(slot);
+    auto& s = slot_state[static_cast<std::size_t>(slot)];
+    T = s.T;
+    const int C = config.width, Cl = this->Cl(), N = B * T;
+    int block = 0;
+    auto done = [&] {
+      if (on_block_done) on_block_done(block);
+      ++block;
+    };
+    if (range.head) done();  // ln_f's gradients are B's, the head's wte copy forward's
+    for (int l = layers() - 1; l >= 0; --l) {
+      const auto& L = internals(slot, l);
+      const auto& w = s.wgrad[static_cast<std::size_t>(l)];
+      const std::string p = block_prefix(range.first_layer + l);
+      cu::linear_backward<D>(ctx, nullptr, G(p + "mlp.c_proj.weight"), G(p + "mlp.c_proj.bias"),
+                             w.dres, L.fch_gelu, W(p + "mlp.c_proj.weight"), N, 4 * Cl, C);
+      cu::linear_backward<D>(ctx, nullptr, G(p + "mlp.c_fc.weight"), G(p + "mlp.c_fc.bias"), w.dfc,
+                             L.ln2, W(p + "mlp.c_fc.weight"), N, C, 4 * Cl);
+      cu::linear_backward<D>(ctx, nullptr, G(p + "attn.c_proj.weight"), G(p + "attn.c_proj.bias"),
+                             w.dmid, L.atty, W(p + "attn.c_proj.weight"), N, Cl, C);
+      cu::linear_backward<D>(ctx, nullptr, G(p + "attn.c_attn.weight"), G(p + "attn.c_attn.bias"),
+                             w.dqkv, L.ln1, W(p + "attn.c_attn.weight"), N, C, 3 * Cl);
+      done();
+    }
+    if (!range.embedding) return;
+    embedding_backward(s, s.demb);
     done();
-    return nullptr;
   }
 
   void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
@@ -589,6 +677,11 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   s.element_bytes = options.dtype == compute_dtype::fp32 ? 4 : 2;
   s.recompute = options.recompute;
   s.attention = options.attention;
+  s.split_backward = options.split_backward;
+  if (options.split_backward && options.recompute)
+    throw std::invalid_argument(
+        "gpu_stage: activation checkpointing with a split backward is not built (W would "
+        "recompute the first block from an input B has overwritten with its gradient)");
   s.ctx.set_fast_kernels(options.fast_kernels);
   s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
@@ -630,6 +723,10 @@ void* gpu_stage::input(int slot) {
   device_guard g(impl_->device);
   return impl_->input(slot);
 }
+void* gpu_stage::input_gradient(int slot) {
+  device_guard g(impl_->device);
+  return impl_->input_gradient(slot);
+}
 double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                           float loss_scale, bool train, int seq_len) {
   device_guard g(impl_->device);
@@ -639,7 +736,15 @@ double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32
 const void* gpu_stage::output(int slot) const { return impl_->output(slot); }
 const void* gpu_stage::backward(int slot, const void* doutput, const grad_block_fn& on_block_done) {
   device_guard g(impl_->device);
-  return impl_->backward(slot, doutput, on_block_done);
+  return impl_->backward(slot, doutput, on_block_done, false);
+}
+const void* gpu_stage::backward_input(int slot, const void* doutput) {
+  device_guard g(impl_->device);
+  return impl_->backward(slot, doutput, {}, true);
+}
+void gpu_stage::backward_weight(int slot, const grad_block_fn& on_block_done) {
+  device_guard g(impl_->device);
+  impl_->backward_weight(slot, on_block_done);
 }
 
 void* gpu_stage::output_gradient(int slot) { return const_cast<void*>(impl_->output(slot)); }

@@ -63,6 +63,9 @@ struct gpu_trainer_options {
   // The newer kernels of the rest of the step (kernels::cuda::context::set_fast_kernels:
   // 128-bit layernorm, one AdamW launch over the flat buffers), within rounding of the others.
   bool fast_kernels = false;
+  // Slots keep what a split backward's W needs (a zero-bubble schedule): per layer the output
+  // gradients of its four linears, and the embedding's. Not with recompute.
+  bool split_backward = false;
 };
 
 struct recipe;
@@ -154,6 +157,9 @@ class gpu_stage {
   // tokens use the front of the slot's buffers, and backward follows its length.
   double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                  float loss_scale = 1.0f, bool train = true, int seq_len = 0);
+  // A chunk without the embedding: where the gradient of input(slot) goes (input(slot) itself,
+  // or, for a split backward, a buffer of its own: W reads the input after B).
+  void* input_gradient(int slot);
   // A chunk without the head: slot's output activation (device), valid until slot's next forward.
   const void* output(int slot) const;
   // Backward of slot's micro-batch; its weight gradients accumulate. doutput: the gradient of
@@ -161,6 +167,12 @@ class gpu_stage {
   // (device, valid until the next backward) for a chunk without the embedding, else nullptr.
   // on_block_done(i) runs once block i of stage_grad_blocks has its gradient enqueued.
   const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done = {});
+  // A split backward (zero-bubble schedules; a chunk made with options.split_backward): B is
+  // backward_input, the same input gradient as backward with the layernorms' weight gradients,
+  // the linears' and the embedding's left to backward_weight (W), which makes the blocks final
+  // in backward's order. Together bitwise backward's gradients.
+  const void* backward_input(int slot, const void* doutput);
+  void backward_weight(int slot, const grad_block_fn& on_block_done = {});
   // A chunk without the head: where a link may receive the gradient of output(slot), once
   // output(slot) has been sent: output(slot) itself. backward(slot, ...) reads the gradient
   // before anything writes that buffer again (a recomputed last block), and nothing else reads

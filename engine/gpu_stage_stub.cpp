@@ -45,11 +45,14 @@ int gpu_stage::add_slot() { return 0; }
 int gpu_stage::slots() const { return 0; }
 std::size_t gpu_stage::activation_bytes() const { return 0; }
 void* gpu_stage::input(int) { return nullptr; }
+void* gpu_stage::input_gradient(int) { return nullptr; }
 double gpu_stage::forward(int, const std::int32_t*, const std::int32_t*, float, bool, int) {
   return 0;
 }
 const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*, const grad_block_fn&) { return nullptr; }
+const void* gpu_stage::backward_input(int, const void*) { return nullptr; }
+void gpu_stage::backward_weight(int, const grad_block_fn&) {}
 void* gpu_stage::output_gradient(int) { return nullptr; }
 void gpu_stage::copy(void*, const void*, std::size_t) {}
 void gpu_stage::copy_to_host(void*, const void*, std::size_t) {}

@@ -36,6 +36,7 @@ class host_chunk final : public device_chunk {
     auto& s = slots_.emplace_back();
     const std::size_t n = activation_bytes() / sizeof(float);
     if (!range().embedding) s.input.assign(n, 0.0f);
+    if (!range().embedding) s.dinput.assign(n, 0.0f);
     if (!range().head) s.doutput.assign(n, 0.0f);
     return slots();
   }
@@ -46,6 +47,11 @@ class host_chunk final : public device_chunk {
   void* input(int slot) override {
     if (range().embedding) throw std::logic_error("host_chunk: the embedding chunk takes tokens");
     return at(slot).input.data();
+  }
+  // Apart from the input: a split backward's W reads the input after B.
+  void* input_gradient(int slot) override {
+    if (range().embedding) throw std::logic_error("host_chunk: the embedding chunk takes tokens");
+    return at(slot).dinput.data();
   }
   double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
                  float loss_scale, bool train) override {
@@ -86,6 +92,23 @@ class host_chunk final : public device_chunk {
     compute_.backward(0, id(slot), dout, din, on_block_done).run();
     if (din && din != dinput)
       std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
+    compute_.release(0, id(slot));
+    s.live = false;
+  }
+  void backward_input(int slot, void* dinput) override {
+    auto& s = at(slot);
+    if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
+    const float* dout = range().head ? nullptr : s.doutput.data();
+    float* din = range().embedding ? nullptr : static_cast<float*>(dinput);
+    if (din && din == s.input.data()) din = scratch();  // input(slot) is read by this very pass
+    compute_.backward_input(0, id(slot), dout, din).run();
+    if (din && din != dinput)
+      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
+  }
+  void backward_weight(int slot, const grad_block_fn& on_block_done) override {
+    auto& s = at(slot);
+    if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
+    compute_.backward_weight(0, id(slot), on_block_done);
     compute_.release(0, id(slot));
     s.live = false;
   }
@@ -137,7 +160,7 @@ class host_chunk final : public device_chunk {
 
  private:
   struct slot_state {
-    std::vector<float> input, doutput;
+    std::vector<float> input, dinput, doutput;
     std::vector<std::int32_t> tokens, targets;
     int T = 0;          // its micro-batch's sequence length
     bool live = false;  // holds a forward's saved activations

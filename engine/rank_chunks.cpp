@@ -214,7 +214,7 @@ class device_rank_chunks final : public rank_chunks {
   }
   const void* send_buffer(int c, micro_batch_id id, payload_kind kind) override {
     const int s = table(c).find(c, id);
-    return kind == payload_kind::activation ? chunk(c).output(s) : chunk(c).input(s);
+    return kind == payload_kind::activation ? chunk(c).output(s) : chunk(c).input_gradient(s);
   }
   std::size_t payload_bytes(int c, micro_batch_id id) const override {
     return chunk(c).activation_bytes() / static_cast<std::size_t>(T_) *
@@ -255,12 +255,10 @@ class device_rank_chunks final : public rank_chunks {
     return backward_pass(c, table(c).find(c, id), std::move(on_block_done));
   }
   block_pass backward_input(int c, micro_batch_id id, const float*, float*) override {
-    throw std::runtime_error("split backward (input, then weight gradients) of " + describe(c, id) +
-                             ": not built for device chunks yet");
+    return backward_input_pass(c, table(c).find(c, id));
   }
-  void backward_weight(int c, micro_batch_id id, const grad_block_fn&) override {
-    throw std::runtime_error("split backward (input, then weight gradients) of " + describe(c, id) +
-                             ": not built for device chunks yet");
+  void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) override {
+    chunk(c).backward_weight(table(c).find(c, id), on_block_done);
   }
   void release(int c, micro_batch_id id) override {
     losses_.at(static_cast<std::size_t>(c)).erase(id);
@@ -340,9 +338,14 @@ class device_rank_chunks final : public rank_chunks {
     if (range(c).head) losses_.at(static_cast<std::size_t>(c))[id] = l;
     co_return;
   }
+  block_pass backward_input_pass(int c, int s) {
+    auto& ch = chunk(c);
+    ch.backward_input(s, range(c).embedding ? nullptr : ch.input_gradient(s));
+    co_return;
+  }
   block_pass backward_pass(int c, int s, grad_block_fn on_block_done) {
     auto& ch = chunk(c);
-    ch.backward(s, range(c).embedding ? nullptr : ch.input(s), on_block_done);
+    ch.backward(s, range(c).embedding ? nullptr : ch.input_gradient(s), on_block_done);
     co_return;
   }
 

@@ -87,7 +87,8 @@ class rank_chunks {
   // doutput, dinput: host buffers for CPU chunks; ignored by device chunks (their slot's).
   virtual block_pass backward(int c, micro_batch_id id, const float* doutput, float* dinput,
                               grad_block_fn on_block_done) = 0;
-  // Split backward (B, then W): CPU chunks; device chunks throw saying it is not built.
+  // Split backward (B, then W): the input's gradient, then the weight gradients; together
+  // backward's. Device chunks: chunks made for a schedule that splits backward.
   virtual block_pass backward_input(int c, micro_batch_id id, const float* doutput,
                                     float* dinput) = 0;
   virtual void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) = 0;

@@ -352,6 +352,16 @@ recipe load_recipe(const std::filesystem::path& path, const std::vector<std::str
   return r;
 }
 
+bool splits_backward(const recipe& r) {
+  try {
+    const auto& p = r.parallel;
+    return make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages})
+        .split_backward;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 void validate_recipe(const recipe& r) {
   try {
     r.model.validate();

@@ -120,6 +120,9 @@ recipe parse_recipe(std::string_view toml_text, const std::string& source,
 
 // Checks everything that does not need the file system; throws recipe_error.
 void validate_recipe(const recipe& r);
+// Whether the recipe's schedule splits backward (input, then weight gradients: zb_h1); false
+// for a schedule that cannot be made (validate_recipe names it).
+bool splits_backward(const recipe& r);
 // Checks input files exist and match the model; throws recipe_error.
 void check_recipe_inputs(const recipe& r);
 

@@ -1,20 +1,8 @@
 // See support.hpp.
 #include "engine/support.hpp"
 
-#include "engine/schedule.hpp"
-
 namespace troupe::engine {
 namespace {
-
-bool split_schedule(const recipe& r) {
-  try {
-    const auto& p = r.parallel;
-    return make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages})
-        .split_backward;
-  } catch (const std::exception&) {
-    return false;  // an unknown or impossible schedule is validate_recipe's to refuse
-  }
-}
 
 bool fused_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
 
@@ -59,12 +47,15 @@ const std::vector<support_rule>& support_rules() {
       {"ZeRO (`parallel.zero` 1, 2 or 3)", "parallel.zero", "yes", not_yet,
        [](const job_shape& j) { return j.device_chunks && j.r->parallel.zero > 0; },
        [](const job_shape& j) { return "ZeRO on " + j.chunk_kind + " chunks: " + not_yet; }},
-      {"a schedule that splits backward (`parallel.schedule` \"zb_h1\")", "parallel.schedule",
-       "yes", not_yet, [](const job_shape& j) { return j.device_chunks && split_schedule(*j.r); },
+      {"a schedule that splits backward (`parallel.schedule` \"zb_h1\") with activation "
+       "checkpointing",
+       "activation_checkpoint.mode", "yes", not_yet,
        [](const job_shape& j) {
-         return "schedule " + j.r->parallel.schedule +
-                " splits backward (input, then weight gradients): not built for " + j.chunk_kind +
-                " chunks yet";
+         return j.device_chunks && j.r->activation_checkpoint.full() && splits_backward(*j.r);
+       },
+       [](const job_shape& j) {
+         return "\"full\" with schedule " + j.r->parallel.schedule +
+                ", which splits backward, on " + j.chunk_kind + " chunks: " + not_yet;
        }},
   };
   return rules;

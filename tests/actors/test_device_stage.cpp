@@ -57,6 +57,10 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=2 x TP=2 1F1B, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 1, 1, 2},
       {"PP=2 x DP=2 x TP=2 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 2, 1, 2},
       {"PP=3 x TP=2 GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 1, 1, 2},
+      // A split backward (ZB-H1): B, then W on the devices, slots held until W.
+      {"PP=2 ZB-H1", 2, 1, 4, "zb_h1", 1, false},
+      {"PP=2 x DP=2 ZB-H1, grad_accum 2", 2, 1, 4, "zb_h1", 2, false, 2},
+      {"PP=2 x TP=2 ZB-H1", 2, 1, 4, "zb_h1", 1, false, 1, 1, 2},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -125,12 +129,14 @@ TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][d
     r.parallel.zero = 1;
     REQUIRE_THROWS_WITH(run_actors(r, host_device(false)), Catch::Contains("key parallel.zero"));
   }
-  SECTION("a schedule that splits backward") {
+  SECTION("a schedule that splits backward, with activation checkpointing") {
     r.parallel.pp = 2;
     r.parallel.micro_batches = 4;
     r.parallel.schedule = "zb_h1";
-    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
-                        Catch::Contains("zb_h1") && Catch::Contains("splits backward"));
+    r.activation_checkpoint.mode = "full";
+    REQUIRE_THROWS_WITH(run_actors(r, host_device(true)),
+                        Catch::Contains("key activation_checkpoint.mode") &&
+                            Catch::Contains("zb_h1") && Catch::Contains("splits backward"));
   }
 }
 

@@ -14,7 +14,8 @@
 #    checkpointing within the bf16 ones; fp32 PP=2 x DP=2 (gradient buckets averaged on the
 #    device while backward goes on) within the fp32 tolerances of the CPU serial loop over the
 #    same DP=2 step; fp32 PP=2 x TP=2 (tensor shards of each rank summed by their group on the
-#    device) within the fp32 tolerances of the CPU.
+#    device) within the fp32 tolerances of the CPU; fp32 PP=2 ZB-H1 (split backward on the
+#    device) within the fp32 ones, and in bf16 with materialized attention within the bf16 ones.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -66,6 +67,9 @@ grep -q "device stages: cuda chunks" "$tmp/gpupp2.out" || { echo "FAIL: pp 2 ran
 run cpudp --engine serial --set parallel.dp=2
 run gpudp --device cuda --set parallel.pp=2 --set parallel.dp=2
 run gputp --device cuda --set parallel.pp=2 --set parallel.tp=2
+run gpuzb --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1
+run gpuzbmp --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1 \
+  --set kernels.attention=materialized --set precision.dtype=bf16
 run fp16 --device cuda --set precision.dtype=fp16 --set precision.loss_scale=dynamic \
   --set precision.init_scale=1099511627776 --set precision.backoff_factor=0.0009765625 \
   --set steps=20
@@ -91,6 +95,8 @@ close(cpu, rows("gpupp2"), 1e-4, 1e-3, "fp32 GPU pipeline (pp 2) vs CPU")
 close(cpu, rows("gpuvpp"), 5e-2, 2e-1, "bf16 GPU interleaved pipeline vs CPU")
 close(rows("cpudp"), rows("gpudp"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 vs CPU")
 close(cpu, rows("gputp"), 1e-4, 1e-3, "fp32 GPU PP=2 x TP=2 vs CPU")
+close(cpu, rows("gpuzb"), 1e-4, 1e-3, "fp32 GPU PP=2 ZB-H1 (split backward) vs CPU")
+close(cpu, rows("gpuzbmp"), 5e-2, 2e-1, "bf16 GPU PP=2 ZB-H1, materialized attention, vs CPU")
 close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
 assert os.path.getsize(f"{tmp}/gpu32/final.safetensors") == os.path.getsize(f"{tmp}/cpu/final.safetensors")
 assert [r["loss"] for r in g16] == [r["loss"] for r in g16ac], "checkpointing changed bf16 losses"

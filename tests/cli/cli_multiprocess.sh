@@ -166,6 +166,7 @@ device_layouts=(
   "hpp2dp2 4 --set parallel.pp=2 --set parallel.dp=2"
   "hpp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
   "hpp4v2 2 --set parallel.pp=4 --set parallel.schedule=interleaved_1f1b --set parallel.virtual_stages=2 --set model.layers=8"
+  "hpp2dp2zb 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.schedule=zb_h1 --set batch.grad_accum=2"
 )
 for c in "${device_layouts[@]}"; do
   read -r -a f <<<"$c"
