@@ -143,19 +143,10 @@ struct shapes {
             Tn * std::int64_t{hs},
             TT};
   }
-  // Y[T, hs] = alpha X[T, T] A[T, hs] per pair (O = P v: a = v, b = P).
-  gemm_shape rows_times_values(float alpha) const {
-    return {false,   false,
-            hs,      Tn,
-            Tn,      hs,
-            Tn,      hs,
-            alpha,   0.0f,
-            int(BH), Tn * std::int64_t{hs},
-            TT,      Tn * std::int64_t{hs}};
-  }
-  // Y[T, hs] = alpha X[T, T]ᵀ A[T, hs] per pair (dV = Pᵀ dO: a = dO, b = P).
-  gemm_shape columns_times_values(float alpha) const {
-    return {false,   true,
+  // Y[T, hs] = alpha op(X)[T, T] A[T, hs] per pair, op(X) = X (O = P v: a = v, b = P) or, with
+  // transpose_x, Xᵀ (dV = Pᵀ dO: a = dO, b = P).
+  gemm_shape times_values(float alpha, bool transpose_x) const {
+    return {false,   transpose_x,
             hs,      Tn,
             Tn,      hs,
             Tn,      hs,
@@ -212,7 +203,7 @@ void attention_materialized_forward(const context& ctx, T* out, T* probs, T* scr
   causal_softmax_forward_kernel<T>
       <<<softmax_blocks(rows), kThreads, 0, ctx.stream()>>>(probs, rows, Tn);
   check_launch("causal_softmax_forward_kernel");
-  gemm<T, T>(ctx, s.rows_times_values(1.0f), v, probs, o);
+  gemm<T, T>(ctx, s.times_values(1.0f, false), v, probs, o);
   merge_heads<T, false>(ctx, out, o, s, 1);
 }
 
@@ -233,14 +224,14 @@ void attention_materialized_backward(const context& ctx, T* dqkv, const T* dout,
   T* datt = dv + s.NC;
   split_heads(ctx, q, qkv, s, 3);
   split_heads(ctx, dO, dout, s, 1);
-  gemm<T, T>(ctx, s.scores(1.0f), v, dO, datt);                  // dP = dO vᵀ
-  gemm<T, T>(ctx, s.columns_times_values(1.0f), dO, probs, dv);  // dV = Pᵀ dO
+  gemm<T, T>(ctx, s.scores(1.0f), v, dO, datt);                // dP = dO vᵀ
+  gemm<T, T>(ctx, s.times_values(1.0f, true), dO, probs, dv);  // dV = Pᵀ dO
   const std::int64_t rows = s.BH * Tn;
   causal_softmax_backward_kernel<T>
       <<<softmax_blocks(rows), kThreads, 0, ctx.stream()>>>(datt, probs, rows, Tn);
   check_launch("causal_softmax_backward_kernel");
-  gemm<T, T>(ctx, s.rows_times_values(scale), k, datt, dq);     // dQ = scale dS k
-  gemm<T, T>(ctx, s.columns_times_values(scale), q, datt, dk);  // dK = scale dSᵀ q
+  gemm<T, T>(ctx, s.times_values(scale, false), k, datt, dq);  // dQ = scale dS k
+  gemm<T, T>(ctx, s.times_values(scale, true), q, datt, dk);   // dK = scale dSᵀ q
   merge_heads<T, true>(ctx, dqkv, dq, s, 3);
 }
 

@@ -31,6 +31,31 @@ run_options host_device(bool recompute) {
   return o;
 }
 
+// Every step's loss, gradient norm and validation loss, and the final weights, bitwise equal;
+// returns the validations counted.
+int same_run(const run_result& got, const run_result& want) {
+  REQUIRE(got.steps.size() == want.steps.size());
+  int evaluated = 0;
+  for (std::size_t i = 0; i < got.steps.size(); ++i) {
+    INFO("step " << i + 1);
+    REQUIRE(std::isfinite(got.steps[i].loss));
+    CHECK(got.steps[i].loss == want.steps[i].loss);
+    CHECK(got.steps[i].grad_norm == want.steps[i].grad_norm);
+    REQUIRE(got.steps[i].val_loss.has_value() == want.steps[i].val_loss.has_value());
+    if (got.steps[i].val_loss) {
+      CHECK(*got.steps[i].val_loss == *want.steps[i].val_loss);
+      ++evaluated;
+    }
+  }
+  REQUIRE(got.parameters.size() == want.parameters.size());
+  for (const auto& [name, values] : want.parameters) {
+    INFO(name);
+    REQUIRE(got.parameters.count(name) == 1);
+    CHECK(got.parameters.at(name) == values);
+  }
+  return evaluated;
+}
+
 TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors][device]") {
   temp_dir dir;
   engine::recipe base = tiny_recipe(dir);
@@ -78,26 +103,7 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       cpu.check_replicas = false;
       const auto want = run_actors(r, cpu);
       const auto got = run_actors(r, host_device(c.recompute));
-      REQUIRE(got.steps.size() == want.steps.size());
-      int evaluated = 0;
-      for (std::size_t i = 0; i < got.steps.size(); ++i) {
-        INFO("step " << i + 1);
-        REQUIRE(std::isfinite(got.steps[i].loss));
-        CHECK(got.steps[i].loss == want.steps[i].loss);
-        CHECK(got.steps[i].grad_norm == want.steps[i].grad_norm);
-        REQUIRE(got.steps[i].val_loss.has_value() == want.steps[i].val_loss.has_value());
-        if (got.steps[i].val_loss) {
-          CHECK(*got.steps[i].val_loss == *want.steps[i].val_loss);
-          ++evaluated;
-        }
-      }
-      CHECK(evaluated == 2);
-      REQUIRE(got.parameters.size() == want.parameters.size());
-      for (const auto& [name, values] : want.parameters) {
-        INFO(name);
-        REQUIRE(got.parameters.count(name) == 1);
-        CHECK(got.parameters.at(name) == values);
-      }
+      CHECK(same_run(got, want) == 2);  // two validations
     }
   }
 }
@@ -163,18 +169,7 @@ TEST_CASE("device stages take variable sequence lengths, bitwise the CPU stages"
       dev.seq_lens = cpu.seq_lens;
       const auto want = run_actors(r, cpu);
       const auto got = run_actors(r, dev);
-      REQUIRE(got.steps.size() == want.steps.size());
-      for (std::size_t i = 0; i < got.steps.size(); ++i) {
-        INFO("step " << i + 1);
-        REQUIRE(std::isfinite(got.steps[i].loss));
-        CHECK(got.steps[i].loss == want.steps[i].loss);
-        CHECK(got.steps[i].grad_norm == want.steps[i].grad_norm);
-        CHECK(got.steps[i].val_loss == want.steps[i].val_loss);
-      }
-      for (const auto& [name, values] : want.parameters) {
-        INFO(name);
-        CHECK(got.parameters.at(name) == values);
-      }
+      same_run(got, want);
     }
   }
 }

@@ -137,14 +137,15 @@ configs=(
   "pp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
   "pp2dp2guard 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 --set precision.loss_scale=dynamic --set precision.init_scale=1e40 --set precision.backoff_factor=1e-4 --set guard.window=2 --set guard.grad_norm_zscore=0.5"
 )
-# same_as_one_process NAME WORLD ARGS...: the job in one process, then as WORLD processes;
-# both must give identical losses, validation losses and weights.
+# same_as_one_process NAME WORLD ARGS...: the job in one process, then as WORLD processes (with
+# multi_args added); both must give identical losses, validation losses and weights.
+multi_args=()
 same_as_one_process() {
   local name=$1 world=$2
   shift 2
   "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name-one" "$@" \
     >"$tmp/$name-one.log" 2>&1 || { echo "FAIL: in-process $name" >&2; cat "$tmp/$name-one.log" >&2; exit 1; }
-  run_job "$name" "$world" "$@"
+  run_job "$name" "$world" "$@" "${multi_args[@]}"
   compare "$name-one" "$name"
 }
 
@@ -168,16 +169,14 @@ device_layouts=(
   "hpp4v2 2 --set parallel.pp=4 --set parallel.schedule=interleaved_1f1b --set parallel.virtual_stages=2 --set model.layers=8"
   "hpp2dp2zb 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.schedule=zb_h1 --set batch.grad_accum=2"
 )
+multi_args=(--test-chunks host)
 for c in "${device_layouts[@]}"; do
   read -r -a f <<<"$c"
-  name=${f[0]} world=${f[1]}
-  "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$name-one" "${f[@]:2}" \
-    >"$tmp/$name-one.log" 2>&1 || { echo "FAIL: in-process $name" >&2; cat "$tmp/$name-one.log" >&2; exit 1; }
-  run_job "$name" "$world" "${f[@]:2}" --test-chunks host
-  grep -q "device stages: host chunks" "$tmp/$name.0.log" || {
-    echo "FAIL: $name ran no device stages" >&2; cat "$tmp/$name.0.log" >&2; exit 1; }
-  compare "$name-one" "$name"
+  same_as_one_process "${f[@]}"
+  grep -q "device stages: host chunks" "$tmp/${f[0]}.0.log" || {
+    echo "FAIL: ${f[0]} ran no device stages" >&2; cat "$tmp/${f[0]}.0.log" >&2; exit 1; }
 done
+multi_args=()
 
 # ZeRO-1/2/3 at DP=2 and DP=4, with PP=1 and PP=2, over 20 steps across processes: each is
 # identical to the same job in one process, and within 1e-5 of DDP across processes. DP=3 splits

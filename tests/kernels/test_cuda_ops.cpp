@@ -19,74 +19,50 @@
 
 using namespace cuda_test;
 
+// Layernorm against the CPU: the warp-per-row kernels, and the fast kernels' (128-bit loads, a row
+// in registers) where the row fits them (C 768: 3 vectors a lane in bf16 and fp16, 6 in fp32;
+// C 512) and the warp-per-row ones where it does not (C 100); outputs poisoned with NaN, dinp
+// accumulated onto 0.5, the backward repeated bitwise.
 TEMPLATE_TEST_CASE("layernorm on the GPU matches the CPU reference", "[gpu]", float, bf16, fp16) {
-  const int N = 37, C = 768;
-  const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 1, -2, 2));
-  const auto w = random_values(C, 2, 0.5f, 1.5f), b = random_values(C, 3);
-  const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 4));
-  std::vector<float> y(x.size()), mean(N), rstd(N), dx(x.size(), 0.0f), dw(C, 0.0f), db(C, 0.0f);
-  cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
-  cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
-                          mean.data(), rstd.data(), N, C);
-  cu::context ctx;
-  device_array<TestType> gx(x), gy(x.size()), gdy(dy), gdx(std::vector<float>(x.size(), 0.0f));
-  device_array<float> gw(w), gb(b), gmean(N), grstd(N), gdw(std::vector<float>(C, 0.0f)),
-      gdb(std::vector<float>(C, 0.0f));
-  cu::layernorm_forward(ctx, gy.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), N,
-                        C);
-  cu::layernorm_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(),
-                         gmean.get(), grstd.get(), N, C);
-  ctx.synchronize();
-  check_close<TestType>(gy.host(), y, "out");
-  check_close<float>(gmean.host(), mean, "mean");
-  check_close<float>(grstd.host(), rstd, "rstd", 1e-4);
-  check_close<TestType>(gdx.host(), dx, "dinp", 1e-4);
-  check_close<TestType>(gdw.host(), dw, "dweight", 1e-4);
-  check_close<TestType>(gdb.host(), db, "dbias", 1e-4);
-}
-
-// The fast kernels' layernorm (128-bit loads, a row in registers) where the row fits it (C 768:
-// 3 vectors a lane in bf16 and fp16, 6 in fp32; C 512) and the warp-per-row kernel where it does
-// not (C 100), against the CPU; outputs poisoned with NaN, dinp accumulated onto 0.5.
-TEMPLATE_TEST_CASE("layernorm with the fast kernels matches the CPU reference", "[gpu]", float,
-                   bf16, fp16) {
-  for (const int C : {768, 512, 100}) {
-    const int N = 41;
-    INFO("C = " << C);
-    const auto n = static_cast<std::size_t>(N) * C;
-    const auto x = rounded<TestType>(random_values(n, 5, -2, 2));
-    const auto w = random_values(C, 6, 0.5f, 1.5f), b = random_values(C, 7);
-    const auto dy = rounded<TestType>(random_values(n, 8));
-    std::vector<float> y(n), mean(N), rstd(N), dx(n, 0.5f), dw(C, 0.0f), db(C, 0.0f);
-    cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
-    cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
-                            mean.data(), rstd.data(), N, C);
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    cu::context ctx;
-    ctx.set_fast_kernels(true);
-    device_array<TestType> gx(x), gy(std::vector<float>(n, nan)), gdy(dy),
-        gdx(std::vector<float>(n, 0.5f));
-    device_array<float> gw(w), gb(b), gmean(std::vector<float>(N, nan)),
-        grstd(std::vector<float>(N, nan)), gdw(std::vector<float>(C, 0.0f)),
-        gdb(std::vector<float>(C, 0.0f));
-    cu::layernorm_forward(ctx, gy.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(), N,
-                          C);
-    cu::layernorm_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(),
-                           gmean.get(), grstd.get(), N, C);
-    ctx.synchronize();
-    check_close<TestType>(gy.host(), y, "out");
-    check_close<float>(gmean.host(), mean, "mean");
-    check_close<float>(grstd.host(), rstd, "rstd", 1e-4);
-    check_close<TestType>(gdx.host(), dx, "dinp (accumulated onto 0.5)", 1e-4);
-    check_close<TestType>(gdw.host(), dw, "dweight", 1e-4);
-    check_close<TestType>(gdb.host(), db, "dbias", 1e-4);
-    // Deterministic: the same backward again gives the same bits.
-    device_array<TestType> again(std::vector<float>(n, 0.5f));
-    cu::layernorm_backward<TestType>(ctx, again.get(), nullptr, nullptr, gdy.get(), gx.get(),
-                                     gw.get(), gmean.get(), grstd.get(), N, C);
-    ctx.synchronize();
-    CHECK(again.host() == gdx.host());
-  }
+  for (const bool fast : {false, true})
+    for (const int C : {768, 512, 100}) {
+      const int N = 41;
+      INFO("C = " << C << (fast ? ", fast kernels" : ""));
+      const auto n = static_cast<std::size_t>(N) * C;
+      const auto x = rounded<TestType>(random_values(n, 5, -2, 2));
+      const auto w = random_values(C, 6, 0.5f, 1.5f), b = random_values(C, 7);
+      const auto dy = rounded<TestType>(random_values(n, 8));
+      std::vector<float> y(n), mean(N), rstd(N), dx(n, 0.5f), dw(C, 0.0f), db(C, 0.0f);
+      cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N,
+                             C);
+      cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
+                              mean.data(), rstd.data(), N, C);
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      cu::context ctx;
+      ctx.set_fast_kernels(fast);
+      device_array<TestType> gx(x), gy(std::vector<float>(n, nan)), gdy(dy),
+          gdx(std::vector<float>(n, 0.5f));
+      device_array<float> gw(w), gb(b), gmean(std::vector<float>(N, nan)),
+          grstd(std::vector<float>(N, nan)), gdw(std::vector<float>(C, 0.0f)),
+          gdb(std::vector<float>(C, 0.0f));
+      cu::layernorm_forward(ctx, gy.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(),
+                            N, C);
+      cu::layernorm_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(),
+                             gmean.get(), grstd.get(), N, C);
+      ctx.synchronize();
+      check_close<TestType>(gy.host(), y, "out");
+      check_close<float>(gmean.host(), mean, "mean");
+      check_close<float>(grstd.host(), rstd, "rstd", 1e-4);
+      check_close<TestType>(gdx.host(), dx, "dinp (accumulated onto 0.5)", 1e-4);
+      check_close<TestType>(gdw.host(), dw, "dweight", 1e-4);
+      check_close<TestType>(gdb.host(), db, "dbias", 1e-4);
+      // Deterministic: the same backward again gives the same bits.
+      device_array<TestType> again(std::vector<float>(n, 0.5f));
+      cu::layernorm_backward<TestType>(ctx, again.get(), nullptr, nullptr, gdy.get(), gx.get(),
+                                       gw.get(), gmean.get(), grstd.get(), N, C);
+      ctx.synchronize();
+      CHECK(again.host() == gdx.host());
+    }
 }
 
 TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[gpu]", float, bf16,
