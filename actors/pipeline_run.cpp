@@ -148,7 +148,8 @@ std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in
   auto dc = std::make_shared<device_chunks_config>();
   dc->factory = in.chunks;
   dc->B = in.r.batch.micro_batch;
-  dc->T = *std::max_element(in.seq_lens.begin(), in.seq_lens.end());
+  // The longest micro-batch: of the training lengths, and evaluation's (batch.seq_len).
+  dc->T = std::max(*std::max_element(in.seq_lens.begin(), in.seq_lens.end()), in.r.batch.seq_len);
   dc->slots = engine::device_stage_slots(in.r, c.rank);
   dc->stage_buckets = in.mesh && in.r.parallel.dp > 1;  // a ring reducer across processes
   const int lane = c.replica * c.tp + c.tp_rank;
@@ -490,8 +491,10 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   make_samplers(in);
   if (r.device == "cuda" && !in.chunks) {  // throws saying why without CUDA
     // Across processes each process uses device LOCAL_RANK mod the devices it sees.
+    auto options = engine::gpu_options(r);
+    options.split_backward = engine::splits_backward(r);  // a zero-bubble schedule's B and W
     in.chunks = std::make_shared<engine::chunk_factory>(engine::cuda_chunks(
-        engine::gpu_options(r), r.parallel.pp, r.parallel.tp, multi ? o.launch.local_rank : -1));
+        options, r.parallel.pp, r.parallel.tp, multi ? o.launch.local_rank : -1));
   }
   // 2. Outputs (rank 0 only).
   std::optional<engine::jsonl_writer> metrics;

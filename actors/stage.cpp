@@ -43,6 +43,7 @@
 #include <stdexcept>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "actors/error_text.hpp"
 #include "actors/stage_links.hpp"
@@ -645,8 +646,9 @@ class stage_impl : public stage_actor::base {
       bytes = static_cast<std::int64_t>(chunks_->payload_bytes(o.chunk, o.id));
     } else if (device()) {  // staged: the slot's payload, copied to the host, in the message
       bytes = static_cast<std::int64_t>(chunks_->payload_bytes(o.chunk, o.id));
-      o.m.data = std::make_shared<payload<float>>(static_cast<std::size_t>(bytes) / sizeof(float),
-                                                  payload<float>::for_overwrite);
+      o.m.data = std::make_shared<payload<float>>(
+          (static_cast<std::size_t>(bytes) + sizeof(float) - 1) / sizeof(float),
+          payload<float>::for_overwrite);  // whole floats: a 16-bit payload may end in a half
       chunks_->copy_to_host(o.chunk, o.m.data->data(),
                             chunks_->send_buffer(o.chunk, o.id, payload_of(o.m.header.kind)),
                             static_cast<std::size_t>(bytes));
@@ -701,7 +703,7 @@ class stage_impl : public stage_actor::base {
     });
     const std::size_t bytes = chunks_->payload_bytes(c, id);
     if (staged) {  // staged through the host by a rank in another process
-      if (staged->size() * sizeof(float) != bytes)
+      if (staged->size() != (bytes + sizeof(float) - 1) / sizeof(float))
         throw std::runtime_error(who() + ": a staged payload of " +
                                  std::to_string(staged->size() * sizeof(float)) +
                                  " bytes from rank " + std::to_string(from) + "; the chunk holds " +
@@ -843,17 +845,21 @@ class stage_impl : public stage_actor::base {
     if (embedding_chunk_ >= 0 && embedding_chunk_ == head_chunk_) return;
     for (int c : {embedding_chunk_, head_chunk_}) {
       if (c < 0) continue;
-      for (const auto& p : chunks_->layout(c)) {
-        if (p.name != "transformer.wte.weight") continue;
-        tied_.copies.push_back({c, p.offset});
-        tied_.buckets.push_back(buckets_.bucket_containing(chunks_->gradients(c) + p.offset));
-        tied_.numel = p.numel;
-      }
+      const auto& layout = chunks_->layout(c);
+      const auto p = std::find_if(layout.begin(), layout.end(), [](const auto& info) {
+        return info.name == "transformer.wte.weight";
+      });
+      if (p == layout.end())
+        throw std::logic_error(who() + ": chunk " + std::to_string(c) + " has no wte");
+      tied_.copies.push_back({c, p->offset});
+      tied_.buckets.push_back(buckets_.bucket_containing(chunks_->gradients(c) + p->offset));
+      tied_.numel = p->numel;
     }
   }
 
   void start_tied() {
     tied_partner_.reset();
+    tied_sent_ = nullptr;
     tied_received_ = false;
     tied_ready_ = 0;
     tied_done_ = tied_.copies.empty();
@@ -882,9 +888,10 @@ class stage_impl : public stage_actor::base {
     const auto& own = tied_.copies[0];
     float_buffer copy;
     if (device() && cfg_.device->tied_send) {  // D5: through the tied link, then the header
-      void* sent = tied_link(cfg_.device->tied_send, "send")
+      // The own copy changes only after the send has read it (finish_tied waits for it); the
+      // rest of the chunk's work does not wait.
+      tied_sent_ = tied_link(cfg_.device->tied_send, "send")
                        .send(tied_grads(0), tied_bytes(), chunks_->record_event(own.chunk));
-      chunks_->wait_event(own.chunk, sent);
     } else if (device()) {  // staged through the host, inside the message
       copy = std::make_shared<payload<float>>(static_cast<std::size_t>(tied_.numel),
                                               payload<float>::for_overwrite);
@@ -931,6 +938,7 @@ class stage_impl : public stage_actor::base {
     // Each side computes own + other: the same float sums on both ranks (addition commutes).
     const float* other =
         device() ? chunks_->gradient_scratch(own.chunk, tied_.numel) : tied_partner_->data();
+    if (tied_sent_) chunks_->wait_event(own.chunk, std::exchange(tied_sent_, nullptr));
     chunks_->add_gradients(own.chunk, own.offset, other, tied_.numel);
     tied_partner_.reset();
     tied_received_ = false;
@@ -1095,6 +1103,7 @@ class stage_impl : public stage_actor::base {
   // over; it is added after).
   bool tied_done_ = true, tied_received_ = false;
   float_buffer tied_partner_;  // CPU chunks: the other copy
+  void* tied_sent_ = nullptr;  // device chunks: the event after which the own copy was sent
 };
 
 }  // namespace

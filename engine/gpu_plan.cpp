@@ -30,7 +30,6 @@ gpu_trainer_options gpu_options(const recipe& r) {
   o.recompute = r.activation_checkpoint.full();
   o.attention = parse_attention_kernel(r.kernels.attention);
   o.fast_kernels = r.kernels.fast_paths;
-  o.split_backward = splits_backward(r);
   return o;
 }
 

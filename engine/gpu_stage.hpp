@@ -70,7 +70,8 @@ struct gpu_trainer_options {
 
 struct recipe;
 // The options of a recipe's GPU chunks: precision.dtype, activation_checkpoint.mode,
-// kernels.attention and kernels.fast_paths (the recipe validated).
+// kernels.attention and kernels.fast_paths (the recipe validated); split_backward is the
+// pipeline's to set (its schedule's).
 gpu_trainer_options gpu_options(const recipe& r);
 
 // Device time of one family of ops (gpu_stage::take_kernel_times).

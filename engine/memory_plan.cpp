@@ -199,8 +199,11 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
 
 std::string format_gpu_memory_plan(const recipe& r) {
   validate_recipe(r);
-  const gpu_trainer_options o = gpu_options(r);
-  if (r.parallel.pp > 1 || r.parallel.tp > 1) return format_gpu_pipeline_plan(r, o);
+  gpu_trainer_options o = gpu_options(r);
+  if (r.parallel.pp > 1 || r.parallel.tp > 1) {  // device stages: the schedule may split backward
+    o.split_backward = splits_backward(r);
+    return format_gpu_pipeline_plan(r, o);
+  }
   const gpu_memory_plan p = plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, o);
   const std::int64_t P = r.model.parameter_count();
   std::string s =

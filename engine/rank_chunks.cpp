@@ -150,17 +150,18 @@ class slot_table {
     of_.emplace(id, s);
     return s;
   }
-  bool has(micro_batch_id id) const { return of_.count(id) > 0; }
   int find(int c, micro_batch_id id) const {
     const auto it = of_.find(id);
     if (it == of_.end()) throw std::logic_error("no slot for " + describe(c, id));
     return it->second;
   }
   void hold(int c, micro_batch_id id) { ++holds_.at(static_cast<std::size_t>(find(c, id))); }
-  void drop(int c, micro_batch_id id) {
+  // Whether this freed the slot.
+  bool drop(int c, micro_batch_id id) {
     const int s = find(c, id);
-    if (--holds_.at(static_cast<std::size_t>(s)) > 0) return;
+    if (--holds_.at(static_cast<std::size_t>(s)) > 0) return false;
     of_.erase(id);
+    return true;
   }
 
  private:
@@ -222,7 +223,9 @@ class device_rank_chunks final : public rank_chunks {
   }
   int slot_count(int c) const override { return chunk(c).slots(); }
   void hold(int c, micro_batch_id id) override { table(c).hold(c, id); }
-  void drop(int c, micro_batch_id id) override { table(c).drop(c, id); }
+  void drop(int c, micro_batch_id id) override {
+    if (table(c).drop(c, id)) length(c).erase(id);
+  }
 
   block_pass forward(int c, micro_batch_id id, forward_args args) override {
     check_shape(c, id, args.B, args.T);
@@ -262,8 +265,7 @@ class device_rank_chunks final : public rank_chunks {
   }
   void release(int c, micro_batch_id id) override {
     losses_.at(static_cast<std::size_t>(c)).erase(id);
-    table(c).drop(c, id);
-    if (!table(c).has(id)) length(c).erase(id);
+    if (table(c).drop(c, id)) length(c).erase(id);
   }
 
   void zero_grad() override {

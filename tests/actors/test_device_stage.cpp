@@ -146,8 +146,9 @@ TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][d
   }
 }
 
-// Micro-batches of several sequence lengths: a chunk's slots hold the longest, a shorter one uses
-// their front, and its payloads and the links' transfers are its own size.
+// Micro-batches of several sequence lengths: a chunk's slots hold the longest (evaluation's
+// here), a shorter one uses their front, and its payloads and the links' transfers are its own
+// size.
 TEST_CASE("device stages take variable sequence lengths, bitwise the CPU stages",
           "[actors][device]") {
   temp_dir dir;
@@ -156,6 +157,7 @@ TEST_CASE("device stages take variable sequence lengths, bitwise the CPU stages"
   base.eval_interval = 2;
   base.eval_batches = 2;
   base.data.val_fraction = 0.1;
+  base.batch.seq_len = 24;  // evaluation's micro-batches, longer than any training one
   for (const auto& [pp, dp, m] : {std::tuple{2, 1, 4}, std::tuple{2, 2, 3}, std::tuple{1, 1, 3}}) {
     DYNAMIC_SECTION("pp " << pp << " dp " << dp << " m " << m) {
       engine::recipe r = base;
