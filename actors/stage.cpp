@@ -27,11 +27,10 @@
 //      chunk's work so far (record_event) and the chunk's later work waits for the link's.
 //  D4. A gradient bucket goes to the reducer with an event recorded right after its last block
 //      was enqueued; the chunk's work after grad_bucket_reduced waits for the mean's event.
-//  D5. The tied wte: a rank with one copy sends it through its tied link right before the
-//      tied_grad header (no data) leaves, and its own copy changes only after the send read it;
-//      the partner receives it into its chunk's gradient scratch when the header arrives and
-//      adds it once its own copy has left. The scratch is free again by then: the next step's
-//      copy comes after this step's update.
+//  D5. The tied wte (topology/tied_wte.hpp): a rank with one copy sends it through its tied link
+//      right before the tied_grad header (no data) leaves, and its own copy changes only after
+//      the send read it; the partner receives it into its chunk's gradient scratch when the
+//      header arrives and adds it once its own copy has left.
 #include "actors/stage.hpp"
 
 #include <algorithm>
@@ -53,6 +52,7 @@
 #include "topology/grad_buckets.hpp"
 #include "topology/link_credits.hpp"
 #include "topology/param_gathers.hpp"
+#include "topology/tied_wte.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -93,7 +93,7 @@ class stage_impl : public stage_actor::base {
         [this](link_credit& c) { on_credit(c); },
         [this](batch_message& b) { on_batch(std::move(b)); },
         [this](grad_bucket_reduced& r) { on_reduced(r); },
-        [this](tied_grad& t) { on_tied(std::move(t)); },
+        [this](tied_grad& t) { on_tied(t); },
         [this](apply_update& u) { on_update(u); },
         [this](zero_update_done& d) { on_zero_updated(d); },
         [this](zero_gathered& g) { on_gathered(g); },
@@ -191,7 +191,9 @@ class stage_impl : public stage_actor::base {
       for (int c = 0; c < chunks_->chunk_count(); ++c) stages.push_back(&host(c));
       buckets_.build(stages, cfg_.bucket_layers);
     }
-    find_tied_copies();
+    tied_ = topology::tied_wte(*chunks_, buckets_, embedding_chunk_, head_chunk_,
+                               device() ? cfg_.device->tied_send : nullptr,
+                               device() ? cfg_.device->tied_receive : nullptr, who());
     if (release_grads()) {
       std::int64_t bytes = 0;
       for (int c = 0; c < chunks_->chunk_count(); ++c)
@@ -216,7 +218,7 @@ class stage_impl : public stage_actor::base {
       buckets_pending_ = cfg_.replicas > 1 || zero() ? buckets_.size() : 0;
       shard_square_sums_.assign(static_cast<std::size_t>(buckets_.size()), 0.0);
       tied_waiting_.clear();
-      start_tied();
+      tied_.start();
       find_last_weight_actions();
     }
     if (gathering()) start_gathers();
@@ -755,8 +757,7 @@ class stage_impl : public stage_actor::base {
     const auto b = buckets_.block_done(chunk, block);
     if (!b) return;
     if (zero()) {  // S5
-      const bool tied = std::count(tied_.buckets.begin(), tied_.buckets.end(), *b) > 0;
-      if (tied && !tied_done_) {
+      if (tied_.holds(*b) && !tied_.done()) {
         tied_waiting_.push_back(*b);
         bucket_final(*b);
         flush_tied_waiting();
@@ -800,7 +801,7 @@ class stage_impl : public stage_actor::base {
   }
 
   void flush_tied_waiting() {
-    if (!tied_done_) return;
+    if (!tied_.done()) return;
     for (int b : tied_waiting_) send_bucket(b);
     tied_waiting_.clear();
   }
@@ -839,117 +840,16 @@ class stage_impl : public stage_actor::base {
     check_grads_ready();
   }
 
-  // The tied wte copies this rank must sync, fixed at init: none when it holds no copy or one
-  // chunk with both ends; one (exchanged with the partner rank); or two (summed here).
-  void find_tied_copies() {
-    if (embedding_chunk_ >= 0 && embedding_chunk_ == head_chunk_) return;
-    for (int c : {embedding_chunk_, head_chunk_}) {
-      if (c < 0) continue;
-      const auto& layout = chunks_->layout(c);
-      const auto p = std::find_if(layout.begin(), layout.end(), [](const auto& info) {
-        return info.name == "transformer.wte.weight";
-      });
-      if (p == layout.end())
-        throw std::logic_error(who() + ": chunk " + std::to_string(c) + " has no wte");
-      tied_.copies.push_back({c, p->offset});
-      tied_.buckets.push_back(buckets_.bucket_containing(chunks_->gradients(c) + p->offset));
-      tied_.numel = p->numel;
-    }
-  }
-
-  void start_tied() {
-    tied_partner_.reset();
-    tied_sent_ = nullptr;
-    tied_received_ = false;
-    tied_ready_ = 0;
-    tied_done_ = tied_.copies.empty();
-  }
-
-  float* tied_grads(int i) {
-    const auto& t = tied_.copies.at(static_cast<std::size_t>(i));
-    return chunks_->gradients(t.chunk) + t.offset;
-  }
-
-  // A bucket is final (reduced over the replicas, if any): once every tied copy here is, they
-  // are summed (two copies), or the own copy goes to the partner rank (one).
+  // A bucket is final (reduced over the replicas, if any): the tied wte's exchange may start.
   void bucket_final(int b) {
-    if (tied_done_ || std::count(tied_.buckets.begin(), tied_.buckets.end(), b) == 0) return;
-    if (++tied_ready_ < static_cast<int>(tied_.copies.size())) return;
-    if (tied_.copies.size() == 2) {  // both copies here: a = a + h, then h = a
-      const auto& a = tied_.copies[0];
-      const auto& h = tied_.copies[1];
-      chunks_->wait_event(a.chunk, chunks_->record_event(h.chunk));
-      chunks_->add_gradients(a.chunk, a.offset, tied_grads(1), tied_.numel);
-      chunks_->wait_event(h.chunk, chunks_->record_event(a.chunk));
-      chunks_->copy_gradients(h.chunk, h.offset, tied_grads(0), tied_.numel);
-      tied_done_ = true;
-      return;
-    }
-    const auto& own = tied_.copies[0];
-    float_buffer copy;
-    if (device() && cfg_.device->tied_send) {  // D5: through the tied link, then the header
-      // The own copy changes only after the send has read it (finish_tied waits for it); the
-      // rest of the chunk's work does not wait.
-      tied_sent_ = tied_link(cfg_.device->tied_send, "send")
-                       .send(tied_grads(0), tied_bytes(), chunks_->record_event(own.chunk));
-    } else if (device()) {  // staged through the host, inside the message
-      copy = std::make_shared<payload<float>>(static_cast<std::size_t>(tied_.numel),
-                                              payload<float>::for_overwrite);
-      chunks_->copy_to_host(own.chunk, copy->data(), tied_grads(0), tied_bytes());
-    } else {
-      const float* g = tied_grads(0);
-      copy = std::make_shared<payload<float>>(g, g + tied_.numel);
-    }
-    caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, cfg_.replica, std::move(copy)});
-    finish_tied();
+    if (auto copy = tied_.bucket_final(b))
+      caf::anon_send(wiring_.tied_partner, tied_grad{plan_.step, cfg_.replica, std::move(*copy)});
   }
 
-  // The other copy: kept (CPU chunks: the message's payload), or received into the chunk's
-  // gradient scratch in header order (device chunks, D5); added once the own copy has left.
-  void on_tied(tied_grad t) {
-    if (tied_.copies.size() != 1)
-      throw std::logic_error(who() + ": a tied wte gradient for a rank without one copy");
-    if (device()) {
-      const int c = tied_.copies[0].chunk;
-      float* scratch = chunks_->gradient_scratch(c, tied_.numel);
-      if (t.data) {  // staged through the host
-        if (static_cast<std::int64_t>(t.data->size()) != tied_.numel)
-          throw std::runtime_error(who() + ": a tied wte gradient of " +
-                                   std::to_string(t.data->size()) + " values, not " +
-                                   std::to_string(tied_.numel));
-        chunks_->copy_from_host(c, scratch, t.data->data(), tied_bytes());
-      } else {
-        void* received = tied_link(cfg_.device->tied_receive, "receive")
-                             .receive(scratch, tied_bytes(), chunks_->record_event(c));
-        chunks_->wait_event(c, received);
-      }
-    } else {
-      tied_partner_ = std::move(t.data);
-    }
-    tied_received_ = true;
-    finish_tied();
+  void on_tied(const tied_grad& t) {
+    tied_.received(t.data);
     if (zero()) flush_tied_waiting();
     check_grads_ready();
-  }
-
-  void finish_tied() {
-    if (tied_done_ || !tied_received_ || tied_ready_ < 1) return;
-    const auto& own = tied_.copies[0];
-    // Each side computes own + other: the same float sums on both ranks (addition commutes).
-    const float* other =
-        device() ? chunks_->gradient_scratch(own.chunk, tied_.numel) : tied_partner_->data();
-    if (tied_sent_) chunks_->wait_event(own.chunk, std::exchange(tied_sent_, nullptr));
-    chunks_->add_gradients(own.chunk, own.offset, other, tied_.numel);
-    tied_partner_.reset();
-    tied_received_ = false;
-    tied_done_ = true;
-  }
-
-  std::size_t tied_bytes() const { return static_cast<std::size_t>(tied_.numel) * sizeof(float); }
-  engine::chunk_link& tied_link(const std::shared_ptr<engine::chunk_link>& l,
-                                const char* what) const {
-    if (!l) throw std::logic_error(who() + ": no tied wte " + what + " link");
-    return *l;
   }
 
   void finish_compute() {
@@ -965,10 +865,10 @@ class stage_impl : public stage_actor::base {
   }
 
   void check_grads_ready() {
-    if (!compute_done_ || grads_sent_ || buckets_pending_ > 0 || !tied_done_) return;
+    if (!compute_done_ || grads_sent_ || buckets_pending_ > 0 || !tied_.done()) return;
     grads_sent_ = true;
     const double now = cfg_.trace.now_us();
-    if (cfg_.replicas > 1 || tied_.copies.size() == 1)
+    if (cfg_.replicas > 1 || tied_.copies() == 1)
       cfg_.trace.span("wait", cfg_.replicas > 1 ? "dp" : "tied", dp_wait_since_, now, {plan_.step});
     double sq = 0;
     if (zero()) {
@@ -1089,21 +989,7 @@ class stage_impl : public stage_actor::base {
   std::vector<double> shard_square_sums_;  // ZeRO: by bucket, this step
   std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
   int embedding_chunk_ = -1, head_chunk_ = -1;
-  struct tied_copy {
-    int chunk = 0;
-    std::int64_t offset = 0;
-  };
-  struct {
-    std::vector<tied_copy> copies;  // wte gradient copies on this rank (0, 1 or 2)
-    std::vector<int> buckets;       // the bucket holding each
-    std::int64_t numel = 0;
-  } tied_;
-  int tied_ready_ = 0;  // copies final this step
-  // tied_received_: the other copy is here (it may come before this rank's own backward is
-  // over; it is added after).
-  bool tied_done_ = true, tied_received_ = false;
-  float_buffer tied_partner_;  // CPU chunks: the other copy
-  void* tied_sent_ = nullptr;  // device chunks: the event after which the own copy was sent
+  topology::tied_wte tied_;  // the tied wte's copies here and their exchange
 };
 
 }  // namespace
