@@ -16,6 +16,9 @@
 #    same DP=2 step; fp32 PP=2 x TP=2 (tensor shards of each rank summed by their group on the
 #    device) within the fp32 tolerances of the CPU; fp32 PP=2 ZB-H1 (split backward on the
 #    device) within the fp32 ones, and in bf16 with materialized attention within the bf16 ones.
+#  - GPU jobs of several processes (torchrun-style variables), every process on the one GPU
+#    (LOCAL_RANK mod 1), their stages' payloads and gradient buckets staged through host memory:
+#    fp32 PP=2 as 2 processes and PP=2 x DP=2 as 4 within the fp32 tolerances of the CPU.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -50,6 +53,28 @@ run() {  # run NAME ARGS...
   fi
   grep -E "^(device|done)" "$tmp/$name.out" | sed "s/^/$name: /"
 }
+# run_job NAME WORLD ARGS...: WORLD processes of one job (torchrun-style variables), every one on
+# the machine's GPU LOCAL_RANK mod its GPUs: with one GPU they share it, and the links between
+# their stages are staged through host memory.
+run_job() {
+  local name=$1 world=$2 r rc=0 port
+  shift 2
+  port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  local job=()
+  for ((r = world - 1; r >= 0; r--)); do
+    RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=$port TROUPE_JOB_TOKEN=gpu-$name timeout 300 "$troupe" train "$recipe" \
+      "${common[@]}" "$@" --set "output.dir=$tmp/$name" --rendezvous-timeout 120 \
+      >"$tmp/$name.$r.out" 2>&1 &
+    job+=($!)
+  done
+  for p in "${job[@]}"; do wait "$p" || rc=$?; done
+  if [[ $rc -ne 0 ]]; then
+    echo "FAIL: $name: a process exited $rc: $(tail -n 3 "$tmp/$name".*.out)"
+    exit 1
+  fi
+  grep -E "^(device|done)" "$tmp/$name.0.out" | sed "s/^/$name: /"
+}
 run cpu --engine serial
 run gpu32 --device cuda
 run gpu16 --device cuda --set precision.dtype=bf16
@@ -70,6 +95,8 @@ run gputp --device cuda --set parallel.pp=2 --set parallel.tp=2
 run gpuzb --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1
 run gpuzbmp --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1 \
   --set kernels.attention=materialized --set precision.dtype=bf16
+run_job gpupp2x2 2 --device cuda --set parallel.pp=2
+run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2
 run fp16 --device cuda --set precision.dtype=fp16 --set precision.loss_scale=dynamic \
   --set precision.init_scale=1099511627776 --set precision.backoff_factor=0.0009765625 \
   --set steps=20
@@ -98,6 +125,8 @@ close(cpu, rows("gputp"), 1e-4, 1e-3, "fp32 GPU PP=2 x TP=2 vs CPU")
 close(cpu, rows("gpuzb"), 1e-4, 1e-3, "fp32 GPU PP=2 ZB-H1 (split backward) vs CPU")
 close(cpu, rows("gpuzbmp"), 5e-2, 2e-1, "bf16 GPU PP=2 ZB-H1, materialized attention, vs CPU")
 close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
+close(cpu, rows("gpupp2x2"), 1e-4, 1e-3, "fp32 GPU PP=2 as 2 processes vs CPU")
+close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")
 assert os.path.getsize(f"{tmp}/gpu32/final.safetensors") == os.path.getsize(f"{tmp}/cpu/final.safetensors")
 assert [r["loss"] for r in g16] == [r["loss"] for r in g16ac], "checkpointing changed bf16 losses"
 close(cpu, g16, 5e-2, 2e-1, "bf16 GPU vs CPU")
