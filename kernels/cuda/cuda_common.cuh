@@ -86,6 +86,9 @@ struct gemm_shape {
 template <class TA, class TD>
 void gemm(const context& ctx, const gemm_shape& shape, const TA* a, const TA* b, TD* d);
 
+// Frees a context's timer (op_timing.cu, where op_timer is defined).
+void delete_op_timer(op_timer* timer) noexcept;
+
 // Brackets one op with the context's timing events while timing is on (context::set_timing);
 // nothing otherwise. Declared first thing in each public op.
 class timed_op {
