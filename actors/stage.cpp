@@ -52,6 +52,7 @@
 #include "topology/grad_buckets.hpp"
 #include "topology/link_credits.hpp"
 #include "topology/param_gathers.hpp"
+#include "topology/payload_links.hpp"
 #include "topology/tied_wte.hpp"
 
 namespace troupe::actors {
@@ -191,6 +192,9 @@ class stage_impl : public stage_actor::base {
       for (int c = 0; c < chunks_->chunk_count(); ++c) stages.push_back(&host(c));
       buckets_.build(stages, cfg_.bucket_layers);
     }
+    links_ = device() ? topology::payload_links(*chunks_, cfg_.device->send_links,
+                                                cfg_.device->receive_links, who())
+                      : topology::payload_links(*chunks_, {}, {}, who());
     tied_ = topology::tied_wte(*chunks_, buckets_, embedding_chunk_, head_chunk_,
                                device() ? cfg_.device->tied_send : nullptr,
                                device() ? cfg_.device->tied_receive : nullptr, who());
@@ -599,8 +603,8 @@ class stage_impl : public stage_actor::base {
     const auto key = key_of(o.m.header);
     if (cfg_.layout.rank_of(stage) == my_rank()) {  // next chunk on this rank
       if (device()) {                               // through the rank's own link
-        put(o, my_rank());
-        arrive(o.m.header, 0, my_rank());
+        links_.send(o.chunk, o.id, payload_of(kind), my_rank(), nullptr);
+        arrive(o.m.header, 0, my_rank(), nullptr);
       } else {  // no link: the payload is the next chunk's input
         stash_links_.emplace(key, std::move(o.m));
       }
@@ -616,47 +620,13 @@ class stage_impl : public stage_actor::base {
     }
   }
 
-  // Device chunks: the payload into the link to `to`, ordered after the chunk's work (D3).
-  void put(const outgoing& o, int to) {
-    const auto kind = payload_of(o.m.header.kind);
-    void* ready = chunks_->record_event(o.chunk);
-    void* sent = device_link(cfg_.device->send_links, to, "send")
-                     .send(chunks_->send_buffer(o.chunk, o.id, kind),
-                           chunks_->payload_bytes(o.chunk, o.id), ready);
-    chunks_->wait_event(o.chunk, sent);
-  }
-
-  static bool linked(const std::map<int, std::shared_ptr<engine::chunk_link>>& links, int peer) {
-    const auto it = links.find(peer);
-    return it != links.end() && it->second;
-  }
-
-  engine::chunk_link& device_link(const std::map<int, std::shared_ptr<engine::chunk_link>>& links,
-                                  int peer, const char* what) const {
-    const auto it = links.find(peer);
-    if (it == links.end() || !it->second)
-      throw std::logic_error(who() + ": no " + what + " link with rank " + std::to_string(peer));
-    return *it->second;
-  }
-
   void transmit(outgoing o) {
     const double t0 = cfg_.trace.now_us();
     const int to = cfg_.layout.rank_of(o.m.header.stage);
-    std::int64_t bytes = 0;
-    if (device() && linked(cfg_.device->send_links, to)) {
-      put(o, to);  // D1: the payload, then its header
-      bytes = static_cast<std::int64_t>(chunks_->payload_bytes(o.chunk, o.id));
-    } else if (device()) {  // staged: the slot's payload, copied to the host, in the message
-      bytes = static_cast<std::int64_t>(chunks_->payload_bytes(o.chunk, o.id));
-      o.m.data = std::make_shared<payload<float>>(
-          (static_cast<std::size_t>(bytes) + sizeof(float) - 1) / sizeof(float),
-          payload<float>::for_overwrite);  // whole floats: a 16-bit payload may end in a half
-      chunks_->copy_to_host(o.chunk, o.m.data->data(),
-                            chunks_->send_buffer(o.chunk, o.id, payload_of(o.m.header.kind)),
-                            static_cast<std::size_t>(bytes));
-    } else {
-      bytes = static_cast<std::int64_t>(o.m.data->size() * 4);
-    }
+    const auto bytes = static_cast<std::int64_t>(device() ? chunks_->payload_bytes(o.chunk, o.id)
+                                                          : o.m.data->size() * sizeof(float));
+    // D1: the payload (into its link, or into the message), then its header.
+    o.m.data = links_.send(o.chunk, o.id, payload_of(o.m.header.kind), to, std::move(o.m.data));
     const engine::trace::recorder::ids ids{o.m.header.step, o.m.header.micro_batch,
                                            o.m.header.stage, bytes};
     const std::uint64_t flow = o.m.flow_id;
@@ -669,14 +639,7 @@ class stage_impl : public stage_actor::base {
 
   void on_link(link_message m) {
     if (device()) {
-      const int from = sender_of(cfg_.layout, key_of(m.header));
-      if (m.data && linked(cfg_.device->receive_links, from))
-        throw std::logic_error(who() + ": a link message with host data from rank " +
-                               std::to_string(from) + ", which has a link to this rank");
-      if (!m.data && !linked(cfg_.device->receive_links, from))
-        throw std::logic_error(who() + ": a link message without data from rank " +
-                               std::to_string(from) + ", which has no link to this rank");
-      arrive(m.header, m.flow_id, from, m.data);
+      arrive(m.header, m.flow_id, sender_of(cfg_.layout, key_of(m.header)), m.data);
       advance_if_waiting();
       return;
     }
@@ -691,31 +654,19 @@ class stage_impl : public stage_actor::base {
     advance_if_waiting();
   }
 
-  // Device chunks: a header arrived (or a payload went to the next chunk of this rank): receive
-  // its payload into its chunk's buffer, in arrival order (D1), ordered against the chunk's
-  // work (D3).
-  void arrive(const link_header& h, std::uint64_t flow, int from, const float_buffer& staged = {}) {
+  // Device chunks: a header arrived (or a payload went to the next chunk of this rank): its
+  // payload into its chunk's buffer (payload_links), in arrival order (D1), then the header
+  // waits in the stash for its action.
+  void arrive(const link_header& h, std::uint64_t flow, int from, const float_buffer& data) {
     const double t0 = cfg_.trace.now_us();
     const int c = cfg_.layout.chunk_of(h.stage);
     const engine::micro_batch_id id{h.round, h.micro_batch};
     const bool activation = h.kind == link_kind::activation;
-    void* into = traced_growth(c, [&] {
-      return chunks_->receive_buffer(c, id, payload_of(h.kind), static_cast<int>(h.shape.at(0)),
-                                     static_cast<int>(h.shape.at(1)));
+    traced_growth(c, [&] {
+      links_.receive(c, id, payload_of(h.kind), static_cast<int>(h.shape.at(0)),
+                     static_cast<int>(h.shape.at(1)), from, data);
+      return 0;
     });
-    const std::size_t bytes = chunks_->payload_bytes(c, id);
-    if (staged) {  // staged through the host by a rank in another process
-      if (staged->size() != (bytes + sizeof(float) - 1) / sizeof(float))
-        throw std::runtime_error(who() + ": a staged payload of " +
-                                 std::to_string(staged->size() * sizeof(float)) +
-                                 " bytes from rank " + std::to_string(from) + "; the chunk holds " +
-                                 std::to_string(bytes));
-      chunks_->copy_from_host(c, into, staged->data(), bytes);
-    } else {
-      void* received = device_link(cfg_.device->receive_links, from, "receive")
-                           .receive(into, bytes, chunks_->record_event(c));
-      chunks_->wait_event(c, received);
-    }
     link_message stub;
     stub.header = h;
     stub.flow_id = flow;
@@ -966,6 +917,7 @@ class stage_impl : public stage_actor::base {
   topology::incoming_credits incoming_;
   topology::outgoing_credits outgoing_;
   std::map<link_key, outgoing> held_;
+  topology::payload_links links_;                 // device chunks: how payloads cross to each peer
   std::map<int, std::vector<float>> staged_;      // by bucket: host copies (stage_buckets)
   std::map<link_key, link_message> stash_links_;  // device chunks: headers, payloads in slots
   std::map<batch_key, batch_message> stash_batches_;
