@@ -603,8 +603,16 @@ struct model_impl final : gpu_stage::impl {
   void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
     if (ctx.fast_kernels()) {  // one launch over the flat buffers
       if (adamw_table.count() == 0) {
+        // The layout's parameters, and the alignment gaps between them (zero in every buffer, so
+        // AdamW keeps them zero) as segments without decay: the segments tile [0, P).
         std::vector<cu::adamw_segments::segment> segments;
-        for (const auto& p : layout) segments.push_back({p.offset, p.numel, p.decay});
+        std::int64_t at = 0;
+        for (const auto& p : layout) {
+          if (p.offset > at) segments.push_back({at, p.offset - at, false});
+          segments.push_back({p.offset, p.numel, p.decay});
+          at = p.offset + p.numel;
+        }
+        if (P > at) segments.push_back({at, P - at, false});
         adamw_table.upload(ctx, segments);
       }
       if constexpr (std::is_same_v<D, float>) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -161,23 +162,30 @@ void adamw_segments::upload(const context& ctx, const std::vector<segment>& segm
                                   std::to_string(at));
     at += s.numel;
   }
-  count_ = static_cast<int>(segments.size());
-  total_ = at;
-  // [starts: count + 1 int64][decay: count bytes]
+  // [starts: count + 1 int64][decay: count bytes], built apart and taken only once on the
+  // device: a failure leaves the table as it was.
   const std::size_t bytes = (segments.size() + 1) * sizeof(std::int64_t) + segments.size();
-  host_.assign(bytes, 0);
-  auto* starts = reinterpret_cast<std::int64_t*>(host_.data());
-  auto* decay = host_.data() + (segments.size() + 1) * sizeof(std::int64_t);
+  std::vector<unsigned char> host(bytes, 0);
+  auto* starts = reinterpret_cast<std::int64_t*>(host.data());
+  auto* decay = host.data() + (segments.size() + 1) * sizeof(std::int64_t);
   for (std::size_t i = 0; i < segments.size(); ++i) {
     starts[i] = segments[i].offset;
     decay[i] = segments[i].decay ? 1 : 0;
   }
-  starts[segments.size()] = total_;
-  if (device_) check(cudaFree(device_), "cudaFree(adamw_segments)");
-  device_ = nullptr;
-  check(cudaMalloc(&device_, bytes), "cudaMalloc(adamw_segments)");
-  check(cudaMemcpyAsync(device_, host_.data(), bytes, cudaMemcpyHostToDevice, ctx.stream()),
-        "cudaMemcpyAsync(adamw_segments)");
+  starts[segments.size()] = at;
+  void* device = nullptr;
+  check(cudaMalloc(&device, bytes), "cudaMalloc(adamw_segments)");
+  if (const cudaError_t e =
+          cudaMemcpyAsync(device, host.data(), bytes, cudaMemcpyHostToDevice, ctx.stream());
+      e != cudaSuccess) {
+    cudaFree(device);
+    check(e, "cudaMemcpyAsync(adamw_segments)");
+  }
+  if (device_) cudaFree(device_);  // waits for the launches that read it
+  device_ = device;
+  host_ = std::move(host);  // kept until the asynchronous copy has read it
+  count_ = static_cast<int>(segments.size());
+  total_ = at;
 }
 
 const std::int64_t* adamw_segments::starts() const {
