@@ -84,26 +84,16 @@ class host_chunk final : public device_chunk {
     return at(slot).doutput.data();
   }
   void backward(int slot, void* dinput, const grad_block_fn& on_block_done) override {
-    auto& s = at(slot);
-    if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
-    const float* dout = range().head ? nullptr : s.doutput.data();
-    float* din = range().embedding ? nullptr : static_cast<float*>(dinput);
-    if (din && din == s.input.data()) din = scratch();  // input(slot) is read by this very pass
-    compute_.backward(0, id(slot), dout, din, on_block_done).run();
-    if (din && din != dinput)
-      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
+    input_pass(slot, dinput, [&](const float* dout, float* din) {
+      compute_.backward(0, id(slot), dout, din, on_block_done).run();
+    });
     compute_.release(0, id(slot));
-    s.live = false;
+    at(slot).live = false;
   }
   void backward_input(int slot, void* dinput) override {
-    auto& s = at(slot);
-    if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
-    const float* dout = range().head ? nullptr : s.doutput.data();
-    float* din = range().embedding ? nullptr : static_cast<float*>(dinput);
-    if (din && din == s.input.data()) din = scratch();  // input(slot) is read by this very pass
-    compute_.backward_input(0, id(slot), dout, din).run();
-    if (din && din != dinput)
-      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
+    input_pass(slot, dinput, [&](const float* dout, float* din) {
+      compute_.backward_input(0, id(slot), dout, din).run();
+    });
   }
   void backward_weight(int slot, const grad_block_fn& on_block_done) override {
     auto& s = at(slot);
@@ -176,9 +166,21 @@ class host_chunk final : public device_chunk {
       throw std::out_of_range("host_chunk: gradients outside the layout");
     return compute_.chunk(0).grads() + at;
   }
-  float* scratch() {
-    scratch_.resize(activation_bytes() / sizeof(float));
-    return scratch_.data();
+  // Runs a backward pass of slot's micro-batch, pass(doutput, dinput), writing the input's
+  // gradient to `dinput`: through a scratch when that is input(slot), which the pass reads.
+  template <class Pass>
+  void input_pass(int slot, void* dinput, Pass&& pass) {
+    auto& s = at(slot);
+    if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
+    const float* dout = range().head ? nullptr : s.doutput.data();
+    float* din = range().embedding ? nullptr : static_cast<float*>(dinput);
+    if (din && din == s.input.data()) {
+      scratch_.resize(activation_bytes() / sizeof(float));
+      din = scratch_.data();
+    }
+    pass(dout, din);
+    if (din && din != dinput)
+      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
   }
 
   mutable stage_compute compute_;

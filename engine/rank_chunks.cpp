@@ -116,7 +116,7 @@ class cpu_rank_chunks final : public rank_chunks {
   std::int64_t activation_bytes() const override { return compute_.activation_bytes(); }
 
  private:
-  const gpt_stage& stage(int c) const { return const_cast<stage_compute&>(compute_).chunk(c); }
+  const gpt_stage& stage(int c) const { return compute_.chunk(c); }
   float* span(int c, std::int64_t at, std::int64_t n) {
     if (at < 0 || n < 0 || at + n > parameter_count(c))
       throw std::out_of_range("chunk " + std::to_string(c) + ": gradients outside the layout");

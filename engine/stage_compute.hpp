@@ -43,6 +43,7 @@ class stage_compute {
 
   int chunk_count() const { return static_cast<int>(chunks_.size()); }
   gpt_stage& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
+  const gpt_stage& chunk(int c) const { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
   adamw_optimizer& optimizer(int c);  // throws std::logic_error without optimizer state
   std::int64_t optimizer_bytes() const;
   // What the rank's activations take: every gpt_activations it allocated (in flight or pooled
