@@ -82,21 +82,6 @@ machine() {
   nproc
 }
 
-# The benchmark's JSON as lines: tokens/s, MFU and the ratio to each peer.
-bench_summary() {
-  python3 - "$1" <<'PY' || true
-import json, sys
-r = json.load(open(sys.argv[1]))
-t = r["troupe"]
-print(f"troupe {t['tokens_per_s']:.0f} tok/s, {t['step_ms_median']:.1f} ms/step, MFU {100*t['mfu']:.1f}%")
-for p in r.get("peers", []):
-    if "tokens_per_s" in p:
-        print(f"{p['name']}: {p['tokens_per_s']:.0f} tok/s, MFU {100*p['mfu']:.1f}%, troupe/peer {p['ratio']:.2f}x")
-    else:
-        print(f"{p['name']}: {p['error']}")
-PY
-}
-
 pack() {
   local programs=(tools/troupe tests/kernels/test_cuda_ops tests/kernels/test_nccl_group
                   tests/engine/test_gpu_trainer)

@@ -32,4 +32,12 @@ if [ ! -f "$build/build.ninja" ]; then
 elif [ -n "${MESON_ARGS:-}" ]; then
   meson configure "$build" ${MESON_ARGS} >&2
 fi
+# Meson does not give nvcc's objects their header dependencies here: when a header a CUDA
+# source includes is newer than the last build, rebuild every CUDA object (ccache makes the
+# unchanged ones cheap), or an object keeps an old layout of a class the others changed.
+stamp="$build/.cuda-headers-built"
+if [ -f "$stamp" ] && [ -n "$(find kernels engine -name '*.hpp' -newer "$stamp" -o -name '*.cuh' -newer "$stamp" | head -1)" ]; then
+  touch kernels/cuda/*.cu
+fi
 ninja -C "$build" >&2
+touch "$stamp"
