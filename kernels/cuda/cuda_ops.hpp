@@ -81,8 +81,7 @@ class context {
   void set_timing(bool on);
 
   // The newer kernels where they apply: 128-bit layernorm forward and backward, and
-  // adamw_update_flat's single launch. Off by default: they stay selectable, not the default,
-  // until the `gpu` suite has passed with them on a GPU (docs/gpu.md).
+  // adamw_update_flat's single launch (recipe key kernels.fast_paths). Off by default.
   void set_fast_kernels(bool on) { fast_kernels_ = on; }
   bool fast_kernels() const { return fast_kernels_; }
   // The families' times since timing was turned on or last taken (those with calls), after
