@@ -582,6 +582,9 @@ struct model_impl final : gpu_stage::impl {
     };
     if (range.head) done();  // ln_f's gradients are B's, the head's wte copy forward's
     for (int l = layers() - 1; l >= 0; --l) {
+      // Recompute: the block's internals again, from its input (kept: B wrote the input's
+      // gradient apart), unless the shared scratch still holds them.
+      if (recompute && (held_slot != slot || held_layer != l)) block_forward(slot, l);
       const auto& L = internals(slot, l);
       const auto& w = s.wgrad[static_cast<std::size_t>(l)];
       const std::string p = block_prefix(range.first_layer + l);
@@ -686,10 +689,6 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   s.recompute = options.recompute;
   s.attention = options.attention;
   s.split_backward = options.split_backward;
-  if (options.split_backward && options.recompute)
-    throw std::invalid_argument(
-        "gpu_stage: activation checkpointing with a split backward is not built (W would "
-        "recompute the first block from an input B has overwritten with its gradient)");
   s.ctx.set_fast_kernels(options.fast_kernels);
   s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);

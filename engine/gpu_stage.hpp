@@ -64,7 +64,8 @@ struct gpu_trainer_options {
   // 128-bit layernorm, one AdamW launch over the flat buffers), within rounding of the others.
   bool fast_kernels = false;
   // Slots keep what a split backward's W needs (a zero-bubble schedule): per layer the output
-  // gradients of its four linears, and the embedding's. Not with recompute.
+  // gradients of its four linears, and the embedding's. With recompute, W recomputes each
+  // block's internals from its kept input, as backward does.
   bool split_backward = false;
 };
 

@@ -47,16 +47,6 @@ const std::vector<support_rule>& support_rules() {
       {"ZeRO (`parallel.zero` 1, 2 or 3)", "parallel.zero", "yes", not_yet,
        [](const job_shape& j) { return j.device_chunks && j.r->parallel.zero > 0; },
        [](const job_shape& j) { return "ZeRO on " + j.chunk_kind + " chunks: " + not_yet; }},
-      {"a schedule that splits backward (`parallel.schedule` \"zb_h1\") with activation "
-       "checkpointing",
-       "activation_checkpoint.mode", "yes", not_yet,
-       [](const job_shape& j) {
-         return j.device_chunks && j.r->activation_checkpoint.full() && splits_backward(*j.r);
-       },
-       [](const job_shape& j) {
-         return "\"full\" with schedule " + j.r->parallel.schedule +
-                ", which splits backward, on " + j.chunk_kind + " chunks: " + not_yet;
-       }},
   };
   return rules;
 }

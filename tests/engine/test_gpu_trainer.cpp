@@ -287,52 +287,57 @@ TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the 
 // A split backward (zero-bubble schedules) on a GPU chunk: B for two micro-batches in flight,
 // then their W, gives bitwise the whole backward's gradients, makes the same blocks final in the
 // same order, and allocates what plan_gpu_stage_memory says. Chunks of the whole model and of a
-// pipeline's last rank (whose input's gradient B writes apart from its input).
+// pipeline's last rank (whose input's gradient B writes apart from its input); and with
+// activation checkpointing, where B and W each recompute the blocks' internals.
 TEST_CASE("a split backward on the GPU is the whole backward, bitwise", "[gpu][trainer]") {
   for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16})
     for (auto attention : {attention_kernel::fused, attention_kernel::materialized})
-      for (const auto& range : {stage_range::whole(kConfig), partition_layers(kConfig, 2)[1]}) {
-        INFO(compute_dtype_name(dtype) << ", " << attention_kernel_name(attention)
-                                       << " attention, embedding " << range.embedding);
-        gpt_stage host(kConfig, range);
-        host.init_gpt2(3);
-        gpu_trainer_options whole_options{dtype, false, attention};
-        gpu_trainer_options split_options = whole_options;
-        split_options.split_backward = true;
-        gpu_stage whole(host, kB, kT, whole_options, 2);
-        gpu_stage split(host, kB, kT, split_options, 2);
-        CHECK(split.device_bytes() ==
-              plan_gpu_stage_memory(kConfig, range, kB, kT, split_options, 2).total());
-        // An input activation in the chunk's dtype: small fp32 values, or bf16 bit patterns of
-        // values in [2^-7, 2^-6).
-        std::vector<unsigned char> input(whole.activation_bytes());
-        for (std::size_t i = 0; i + 4 <= input.size(); i += 4) {
-          const float f = static_cast<float>(static_cast<int>(splitmix64(i) % 2001) - 1000) * 1e-3f;
-          const std::uint16_t h = static_cast<std::uint16_t>(0x3C00 | (splitmix64(i) % 128));
-          if (dtype == compute_dtype::fp32) {
-            std::memcpy(&input[i], &f, 4);
-          } else {
-            std::memcpy(&input[i], &h, 2);
-            std::memcpy(&input[i + 2], &h, 2);
+      for (const auto& range : {stage_range::whole(kConfig), partition_layers(kConfig, 2)[1]})
+        for (bool recompute : {false, true}) {
+          INFO(compute_dtype_name(dtype)
+               << ", " << attention_kernel_name(attention) << " attention, embedding "
+               << range.embedding << ", recompute " << recompute);
+          gpt_stage host(kConfig, range);
+          host.init_gpt2(3);
+          gpu_trainer_options whole_options{dtype, false, attention};
+          gpu_trainer_options split_options = whole_options;
+          split_options.split_backward = true;
+          split_options.recompute = recompute;
+          gpu_stage whole(host, kB, kT, whole_options, 2);
+          gpu_stage split(host, kB, kT, split_options, 2);
+          CHECK(split.device_bytes() ==
+                plan_gpu_stage_memory(kConfig, range, kB, kT, split_options, 2).total());
+          // An input activation in the chunk's dtype: small fp32 values, or bf16 bit patterns of
+          // values in [2^-7, 2^-6).
+          std::vector<unsigned char> input(whole.activation_bytes());
+          for (std::size_t i = 0; i + 4 <= input.size(); i += 4) {
+            const float f =
+                static_cast<float>(static_cast<int>(splitmix64(i) % 2001) - 1000) * 1e-3f;
+            const std::uint16_t h = static_cast<std::uint16_t>(0x3C00 | (splitmix64(i) % 128));
+            if (dtype == compute_dtype::fp32) {
+              std::memcpy(&input[i], &f, 4);
+            } else {
+              std::memcpy(&input[i], &h, 2);
+              std::memcpy(&input[i + 2], &h, 2);
+            }
           }
-        }
-        std::vector<int> whole_blocks, split_blocks;
-        for (int slot = 0; slot < 2; ++slot) {
-          const auto b = make_batch(static_cast<std::uint64_t>(slot) + 11);
-          for (auto* g : {&whole, &split}) {
-            if (!range.embedding)
-              g->copy_from_host(g->input(slot), input.data(), g->activation_bytes());
-            g->forward(slot, b.inputs.data(), b.targets.data(), 4.0f);
+          std::vector<int> whole_blocks, split_blocks;
+          for (int slot = 0; slot < 2; ++slot) {
+            const auto b = make_batch(static_cast<std::uint64_t>(slot) + 11);
+            for (auto* g : {&whole, &split}) {
+              if (!range.embedding)
+                g->copy_from_host(g->input(slot), input.data(), g->activation_bytes());
+              g->forward(slot, b.inputs.data(), b.targets.data(), 4.0f);
+            }
           }
+          for (int slot : {1, 0})
+            whole.backward(slot, nullptr, [&](int block) { whole_blocks.push_back(block); });
+          for (int slot : {1, 0}) split.backward_input(slot, nullptr);
+          for (int slot : {1, 0})
+            split.backward_weight(slot, [&](int block) { split_blocks.push_back(block); });
+          CHECK(split_blocks == whole_blocks);
+          CHECK(split.gradients() == whole.gradients());
         }
-        for (int slot : {1, 0})
-          whole.backward(slot, nullptr, [&](int block) { whole_blocks.push_back(block); });
-        for (int slot : {1, 0}) split.backward_input(slot, nullptr);
-        for (int slot : {1, 0})
-          split.backward_weight(slot, [&](int block) { split_blocks.push_back(block); });
-        CHECK(split_blocks == whole_blocks);
-        CHECK(split.gradients() == whole.gradients());
-      }
 }
 
 TEST_CASE("the GPU trainer starts from given host weights, evaluates and hands weights back",
