@@ -135,9 +135,8 @@ class stage_impl : public stage_actor::base {
       }
       std::int64_t bytes = 0;
       for (int c = 0; c < chunks_->chunk_count(); ++c) {
-        auto& st = host(c);
-        engine::release_zeroed(st.params(), st.parameter_count());
-        bytes += st.parameter_count() * static_cast<std::int64_t>(sizeof(float));
+        engine::release_zeroed(chunks_->host_parameters(c), chunks_->parameter_count(c));
+        bytes += chunks_->parameter_count(c) * static_cast<std::int64_t>(sizeof(float));
       }
       gathers_ = std::make_unique<topology::param_gathers>(buckets_, bytes);
     }
@@ -145,10 +144,10 @@ class stage_impl : public stage_actor::base {
   }
   int my_rank() const { return cfg_.rank; }
 
-  // The chunks' host gpt_stage (CPU chunks: what ZeRO works on).
+  // The chunks' host gpt_stage (CPU chunks: where ZeRO-3's passes stop for gathers).
   engine::gpt_stage& host(int c) {
     auto* st = chunks_->host_stage(c);
-    if (!st) throw std::logic_error(who() + ": ZeRO needs CPU chunks");
+    if (!st) throw std::logic_error(who() + ": ZeRO-3 needs CPU chunks");
     return *st;
   }
 
@@ -163,10 +162,13 @@ class stage_impl : public stage_actor::base {
     };
     const engine::tensor_shard shard{cfg_.tp_rank, cfg_.tp};
     if (device()) {
-      if (zero()) throw std::runtime_error("ZeRO on device chunks: not built yet");
+      // ZeRO-1/2: the shard actor holds the moments and updates in host memory (the chunks'
+      // host copies); ZeRO-3 needs passes that stop for gathers, which device chunks do not.
+      if (sharded_params()) throw std::logic_error(who() + ": ZeRO-3 on device chunks");
       const auto& d = *cfg_.device;
       chunks_ = engine::make_device_rank_chunks(*d.factory, cfg_.model, ranges, shard, init, d.B,
-                                                d.T, d.slots, cfg_.rank, lane(), cfg_.tp_member);
+                                                d.T, d.slots, cfg_.rank, lane(), cfg_.tp_member,
+                                                /*optimizer_state=*/!zero());
     } else {
       auto group = std::dynamic_pointer_cast<engine::tensor_group>(cfg_.tp_member);
       if (cfg_.tp_member && !group)
@@ -179,19 +181,7 @@ class stage_impl : public stage_actor::base {
       if (r.embedding) embedding_chunk_ = c;
       if (r.head) head_chunk_ = c;
     }
-    if (device()) {  // buckets over the chunks' gradients on the device
-      std::vector<std::vector<engine::grad_block>> blocks;
-      std::vector<float*> grads;
-      for (int c = 0; c < chunks_->chunk_count(); ++c) {
-        blocks.push_back(chunks_->grad_blocks(c));
-        grads.push_back(chunks_->gradients(c));
-      }
-      buckets_.build(blocks, grads, cfg_.bucket_layers);
-    } else {  // with the host views ZeRO's shards need
-      std::vector<engine::gpt_stage*> stages;
-      for (int c = 0; c < chunks_->chunk_count(); ++c) stages.push_back(&host(c));
-      buckets_.build(stages, cfg_.bucket_layers);
-    }
+    buckets_.build(*chunks_, cfg_.bucket_layers, zero());  // ZeRO: with the chunks' host buffers
     links_ = device() ? topology::payload_links(*chunks_, cfg_.device->send_links,
                                                 cfg_.device->receive_links, who())
                       : topology::payload_links(*chunks_, {}, {}, who());
@@ -240,9 +230,10 @@ class stage_impl : public stage_actor::base {
 
   void take_back_grads() {
     for (int c = 0; c < chunks_->chunk_count(); ++c) {
-      auto& st = host(c);
-      grad_pool_->acquire(st.grads(), st.parameter_count());
-      st.zero_grad();
+      float* g = chunks_->host_gradients(c);
+      const auto n = chunks_->parameter_count(c);
+      grad_pool_->acquire(g, n);
+      std::fill(g, g + n, 0.0f);
     }
   }
 
@@ -727,7 +718,14 @@ class stage_impl : public stage_actor::base {
   void send_bucket(int b) {
     const double t = cfg_.trace.now_us();
     const auto& info = buckets_.bucket(b);
-    if (staged_buckets()) {  // host copies of the device ranges, reduced there and copied back
+    if (zero()) {  // the shard works on the chunks' host buffers (device chunks: copied there)
+      const float* base = chunks_->gradients(info.chunk);
+      for (const auto& [ptr, n] : info.ranges)
+        chunks_->gradients_to_host(info.chunk, ptr - base, n);
+      caf::anon_send(wiring_.reducer, grad_bucket{plan_.step, my_rank(), cfg_.replica, b,
+                                                  buckets_.shard_grad_ranges(b), nullptr});
+    } else if (staged_buckets()) {  // host copies of the device ranges, reduced there and copied
+                                    // back
       auto& host = staged_[b];
       std::int64_t at = 0;
       for (const auto& range : info.ranges) at += range.second;
@@ -763,7 +761,7 @@ class stage_impl : public stage_actor::base {
     // D4: the chunk's later work waits for the mean (device chunks); or the mean of the staged
     // copies goes back to the device.
     if (r.done) chunks_->wait_event(buckets_.bucket(r.bucket).chunk, r.done);
-    if (staged_buckets()) {
+    if (staged_buckets() && !zero()) {
       const auto& info = buckets_.bucket(r.bucket);
       const auto& host = staged_.at(r.bucket);
       std::int64_t at = 0;
@@ -776,9 +774,9 @@ class stage_impl : public stage_actor::base {
     --buckets_pending_;
     if (zero()) {
       shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
-      // ZeRO-2: the shard copied its chunk; the whole bucket's pages go to the pool.
+      // ZeRO-2: the shard copied its chunk; the whole bucket's host pages go to the pool.
       if (release_grads()) {
-        for (const auto& [ptr, n] : buckets_.bucket(r.bucket).ranges) {
+        for (const auto& [ptr, n] : buckets_.shard_grad_ranges(r.bucket)) {
           if (pool_grads())
             grad_pool_->release(ptr, n);
           else
@@ -852,9 +850,16 @@ class stage_impl : public stage_actor::base {
     flush_trace();
   }
 
-  // The shard updated its floats and every replica's parameters are whole again.
+  // The shard updated its floats and every replica's parameters are whole again (in the host
+  // buffers: device chunks load them).
   void on_zero_updated(const zero_update_done& d) {
-    if (!release_grads()) chunks_->zero_grad();  // ZeRO-2: zeroed when taken back (next step)
+    if (device()) {
+      for (int c = 0; c < chunks_->chunk_count(); ++c)
+        chunks_->parameters_from_host(c, 0, chunks_->parameter_count(c));
+      chunks_->zero_grad();
+    } else if (!release_grads()) {
+      chunks_->zero_grad();  // ZeRO-2: zeroed when taken back (next step)
+    }
     engine::memory_report mem = memory();
     mem.parameters += d.memory.parameters;  // ZeRO-3: the owned parameters
     mem.optimizer += d.memory.optimizer;
@@ -868,18 +873,22 @@ class stage_impl : public stage_actor::base {
   // ZeRO-2 gradient buffer is released bucket by bucket: its resident pages count as buffers.
   // ZeRO-3 parameter buffers hold gathered buckets only: their peak this step counts as buffers.
   // Released pages kept for reuse (the page pools) count as pooled. Device chunks: everything
-  // they allocated beyond fp32 weights, gradients and moments counts as activations.
-  engine::memory_report memory() const {
+  // they allocated beyond fp32 weights, gradients and moments counts as activations; with ZeRO,
+  // the host copies the shard works on count as buffers.
+  engine::memory_report memory() {
     engine::memory_report m;
     m.replica = lane();
     m.rank = my_rank();
     for (int c = 0; c < chunks_->chunk_count(); ++c) {
       const auto bytes = chunks_->parameter_count(c) * static_cast<std::int64_t>(sizeof(float));
       if (!sharded_params()) m.parameters += bytes;  // ZeRO-3: the shard holds them
-      if (release_grads())
+      if (release_grads() && !device())
         m.buffers += engine::resident_bytes(chunks_->gradients(c), bytes);
       else
         m.gradients += bytes;
+      if (zero() && device())
+        m.buffers += engine::resident_bytes(chunks_->host_parameters(c), bytes) +
+                     engine::resident_bytes(chunks_->host_gradients(c), bytes);
     }
     m.optimizer = chunks_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
     m.activations = chunks_->activation_bytes();

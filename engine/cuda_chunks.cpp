@@ -80,7 +80,11 @@ class cuda_chunk final : public device_chunk {
   std::int64_t parameter_count() const override { return s_.parameter_count(); }
   const std::vector<parameter_info>& layout() const override { return s_.layout(); }
   std::vector<float> parameters() const override { return s_.parameters(); }
+  void load_parameters(std::int64_t at, const float* host, std::int64_t n) override {
+    s_.load_parameters(at, host, n);
+  }
   std::int64_t device_bytes() const override { return s_.device_bytes(); }
+  std::int64_t optimizer_bytes() const override { return s_.optimizer_bytes(); }
   void* record_event() override { return s_.record_event(); }
   void wait_event(void* event) override { s_.wait_event(event); }
   void copy_to_host(void* host, const void* memory, std::size_t bytes) override {
@@ -248,13 +252,15 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
   };
   chunk_factory f;
   f.name = "cuda";
-  f.make_chunk = [options, device_of](
-                     const gpt_stage& weights, int B, int T, int slots, int rank, int lane,
-                     std::shared_ptr<group_member> member) -> std::unique_ptr<device_chunk> {
+  f.make_chunk = [options, device_of](const gpt_stage& weights, int B, int T, int slots, int rank,
+                                      int lane, std::shared_ptr<group_member> member,
+                                      bool optimizer_state) -> std::unique_ptr<device_chunk> {
     auto group = std::dynamic_pointer_cast<device_tensor_group>(member);
     if (member && !group)
       throw std::logic_error("cuda_chunks: a tensor group member of another kind");
-    return std::make_unique<cuda_chunk>(weights, B, T, options, slots, device_of(rank, lane),
+    auto o = options;
+    o.optimizer_state = optimizer_state;
+    return std::make_unique<cuda_chunk>(weights, B, T, o, slots, device_of(rank, lane),
                                         std::move(group));
   };
   f.make_link = [device_of](int from, int to, int lane) -> std::shared_ptr<chunk_link> {

@@ -90,7 +90,11 @@ class device_chunk {
   virtual std::int64_t parameter_count() const = 0;
   virtual const std::vector<parameter_info>& layout() const = 0;
   virtual std::vector<float> parameters() const = 0;  // the master weights, on the host
-  virtual std::int64_t device_bytes() const = 0;      // what the chunk allocated
+  // Master weights [at, at + n) of the layout from n host floats (and the 16-bit copy the
+  // passes read), after the chunk's work so far; the host buffer may be reused on return.
+  virtual void load_parameters(std::int64_t at, const float* host, std::int64_t n) = 0;
+  virtual std::int64_t device_bytes() const = 0;     // what the chunk allocated
+  virtual std::int64_t optimizer_bytes() const = 0;  // of which AdamW moments
 
   virtual void* record_event() = 0;
   virtual void wait_event(void* event) = 0;
@@ -138,10 +142,11 @@ struct chunk_factory {
   // The chunk of `weights` (a tensor shard's slice when weights.shard() is split) for
   // micro-batches of B x T with `slots` in flight, for pipeline rank `rank` of lane `lane`.
   // tp_member: the shard's member of its (replica, rank) tensor group (make_tensor_group's),
-  // null without tensor parallelism.
-  std::function<std::unique_ptr<device_chunk>(const gpt_stage& weights, int B, int T, int slots,
-                                              int rank, int lane,
-                                              std::shared_ptr<group_member> tp_member)>
+  // null without tensor parallelism. Without optimizer_state the chunk holds no AdamW moments
+  // (ZeRO: its shards do) and update throws.
+  std::function<std::unique_ptr<device_chunk>(
+      const gpt_stage& weights, int B, int T, int slots, int rank, int lane,
+      std::shared_ptr<group_member> tp_member, bool optimizer_state)>
       make_chunk;
   // The link carrying payloads from pipeline rank `from` to rank `to` of one lane (from may
   // equal to: chunks of one rank). One object serves both ends.

@@ -98,7 +98,7 @@ gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_rang
   const auto layout = stage_parameter_layout(config, range, {0, tp});
   const std::int64_t P = layout.empty() ? 0 : layout.back().offset + layout.back().numel;
   gpu_memory_plan plan;
-  plan.model_state = 4 * P * 4 + (d == 2 ? 2 * P : 0);
+  plan.model_state = (options.optimizer_state ? 4 : 2) * P * 4 + (d == 2 ? 2 * P : 0);
   plan.activations_without_recompute = activation_bytes(
       config, range, B, T, d, false, options.attention, options.split_backward, slots, tp);
   plan.activations = activation_bytes(config, range, B, T, d, options.recompute, options.attention,

@@ -106,6 +106,8 @@ struct gpu_stage::impl {
   virtual void backward_weight(int slot, const grad_block_fn& on_block_done) = 0;
   // AdamW on every parameter; the working copy, if any, receives the new weights.
   virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
+  // The 16-bit copy of master weights [at, at + n), after they changed (nothing for fp32).
+  virtual void refresh_working(std::int64_t at, std::int64_t n) = 0;
 
   const parameter_info& param(const std::string& name) const {
     const auto it = by_name.find(name);
@@ -603,7 +605,12 @@ struct model_impl final : gpu_stage::impl {
     done();
   }
 
+  void refresh_working(std::int64_t at, std::int64_t n) override {
+    if constexpr (!std::is_same_v<D, float>) cu::convert(ctx, working + at, master + at, n);
+  }
+
   void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
+    if (!m) throw std::logic_error("gpu_stage: AdamW in a chunk made without optimizer state");
     if (ctx.fast_kernels()) {  // one launch over the flat buffers
       if (adamw_table.count() == 0) {
         // The layout's parameters, and the alignment gaps between them (zero in every buffer, so
@@ -695,16 +702,20 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   s.P = weights.parameter_count();
   s.master = s.arena.alloc<float>(s.P);
   s.grads = s.arena.alloc<float>(s.P);
-  s.m = s.arena.alloc<float>(s.P);
-  s.v = s.arena.alloc<float>(s.P);
+  if (options.optimizer_state) {
+    s.m = s.arena.alloc<float>(s.P);
+    s.v = s.arena.alloc<float>(s.P);
+  }
   // On the chunk's stream: a plain cudaMemcpy from pageable memory may return before its DMA
   // lands, and the non-blocking stream would not wait for it (the bf16 convert reads master).
   check(cudaMemcpyAsync(s.master, weights.params(), static_cast<std::size_t>(s.P) * sizeof(float),
                         cudaMemcpyHostToDevice, s.ctx.stream()),
         "cudaMemcpyAsync(parameters)");
   zero(s.ctx, s.grads, s.P);
-  zero(s.ctx, s.m, s.P);
-  zero(s.ctx, s.v, s.P);
+  if (s.m) {
+    zero(s.ctx, s.m, s.P);
+    zero(s.ctx, s.v, s.P);
+  }
   s.allocate();
   s.ctx.synchronize();
 }
@@ -874,7 +885,21 @@ void gpu_stage::copy_parameters_to(gpt_stage& host) const {
         "cudaMemcpy(to host)");
 }
 
+void gpu_stage::load_parameters(std::int64_t at, const float* host, std::int64_t n) {
+  if (at < 0 || n < 0 || at + n > impl_->P)
+    throw std::out_of_range("gpu_stage: parameters outside the layout");
+  device_guard g(impl_->device);
+  check(cudaMemcpyAsync(impl_->master + at, host, static_cast<std::size_t>(n) * sizeof(float),
+                        cudaMemcpyHostToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(parameters)");
+  impl_->refresh_working(at, n);
+  impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
+}
+
 std::int64_t gpu_stage::device_bytes() const { return impl_->arena.bytes(); }
+std::int64_t gpu_stage::optimizer_bytes() const {
+  return impl_->m ? 2 * impl_->P * static_cast<std::int64_t>(sizeof(float)) : 0;
+}
 std::string gpu_stage::device_name() const { return kernels::cuda_device_name(impl_->device); }
 void* gpu_stage::stream() const { return impl_->ctx.stream(); }
 void* gpu_stage::record_event() {

@@ -67,6 +67,8 @@ struct gpu_trainer_options {
   // gradients of its four linears, and the embedding's. With recompute, W recomputes each
   // block's internals from its kept input, as backward does.
   bool split_backward = false;
+  // false: no AdamW moments on the device (ZeRO: its shards hold them); adamw throws.
+  bool optimizer_state = true;
 };
 
 struct recipe;
@@ -215,8 +217,12 @@ class gpu_stage {
   float* gradient_scratch(std::int64_t n);
   // The master weights into a host stage of the same range (to save them).
   void copy_parameters_to(gpt_stage& host) const;
+  // Master weights [at, at + n) of the layout from host floats, and the 16-bit copy of them,
+  // on the stream after what it has enqueued; the host buffer may be reused on return.
+  void load_parameters(std::int64_t at, const float* host, std::int64_t n);
 
-  std::int64_t device_bytes() const;  // everything this chunk allocated on the device
+  std::int64_t device_bytes() const;     // everything this chunk allocated on the device
+  std::int64_t optimizer_bytes() const;  // of which AdamW moments (0 without optimizer_state)
   std::string device_name() const;
   void* stream() const;  // the cudaStream_t everything is enqueued on
   // A cudaEvent_t recorded now on the stream, after everything enqueued so far (for a link's

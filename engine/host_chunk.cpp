@@ -17,9 +17,9 @@ namespace {
 class host_chunk final : public device_chunk {
  public:
   host_chunk(const gpt_stage& weights, int B, int T, int slots, bool recompute,
-             std::shared_ptr<tensor_group> group)
-      : compute_(weights.config(), {weights.range()}, /*optimizer_state=*/true, recompute,
-                 weights.shard(), std::move(group)),
+             std::shared_ptr<tensor_group> group, bool optimizer_state)
+      : compute_(weights.config(), {weights.range()}, optimizer_state, recompute, weights.shard(),
+                 std::move(group)),
         B_(B),
         T_(T) {
     if (slots < 1) throw std::invalid_argument("host_chunk: at least one slot");
@@ -134,11 +134,18 @@ class host_chunk final : public device_chunk {
     const auto& st = compute_.chunk(0);
     return {st.params(), st.params() + st.parameter_count()};
   }
+  void load_parameters(std::int64_t at, const float* host, std::int64_t n) override {
+    if (at < 0 || n < 0 || at + n > parameter_count())
+      throw std::out_of_range("host_chunk: parameters outside the layout");
+    std::memmove(compute_.chunk(0).params() + at, host,
+                 static_cast<std::size_t>(n) * sizeof(float));
+  }
   std::int64_t device_bytes() const override {
-    return 4 * parameter_count() * static_cast<std::int64_t>(sizeof(float)) +
+    return 2 * parameter_count() * static_cast<std::int64_t>(sizeof(float)) + optimizer_bytes() +
            compute_.activation_bytes() +
            static_cast<std::int64_t>(received_.size() * sizeof(float));
   }
+  std::int64_t optimizer_bytes() const override { return compute_.optimizer_bytes(); }
   void* record_event() override { return nullptr; }
   void wait_event(void*) override {}
   void copy_to_host(void* host, const void* memory, std::size_t bytes) override {
@@ -229,13 +236,14 @@ class host_link final : public chunk_link {
 chunk_factory host_chunks(bool recompute) {
   chunk_factory f;
   f.name = "host";
-  f.make_chunk = [recompute](
-                     const gpt_stage& weights, int B, int T, int slots, int, int,
-                     std::shared_ptr<group_member> member) -> std::unique_ptr<device_chunk> {
+  f.make_chunk = [recompute](const gpt_stage& weights, int B, int T, int slots, int, int,
+                             std::shared_ptr<group_member> member,
+                             bool optimizer_state) -> std::unique_ptr<device_chunk> {
     auto group = std::dynamic_pointer_cast<tensor_group>(member);
     if (member && !group)
       throw std::logic_error("host_chunks: a tensor group member of another kind");
-    return std::make_unique<host_chunk>(weights, B, T, slots, recompute, std::move(group));
+    return std::make_unique<host_chunk>(weights, B, T, slots, recompute, std::move(group),
+                                        optimizer_state);
   };
   f.make_link = [](int from, int to, int) -> std::shared_ptr<chunk_link> {
     return std::make_shared<host_link>(from, to);

@@ -140,8 +140,11 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                   (tp > 1 ? " of " + std::to_string(tp) + " tensor shards (one shard's figures)"
                           : std::string()) +
                   " (" + r.precision.dtype + " compute, " + r.kernels.attention +
-                  " attention, fp32 master weights, gradients and AdamW moments), micro-batch " +
-                  std::to_string(r.batch.micro_batch) + " x " + std::to_string(r.batch.seq_len) +
+                  " attention, fp32 master weights, gradients" +
+                  (o.optimizer_state ? " and AdamW moments"
+                                     : "; AdamW moments in ZeRO's shards, in host memory") +
+                  "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
+                  std::to_string(r.batch.seq_len) +
                   " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
                   "adds one when an activation arrives ahead under its link credit):\n";
   char line[256];
@@ -200,8 +203,10 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
 std::string format_gpu_memory_plan(const recipe& r) {
   validate_recipe(r);
   gpu_trainer_options o = gpu_options(r);
-  if (r.parallel.pp > 1 || r.parallel.tp > 1) {  // device stages: the schedule may split backward
+  // Device stages: the schedule may split backward; ZeRO's shards hold the moments.
+  if (r.parallel.pp > 1 || r.parallel.tp > 1 || r.parallel.zero > 0) {
     o.split_backward = splits_backward(r);
+    o.optimizer_state = r.parallel.zero == 0;
     return format_gpu_pipeline_plan(r, o);
   }
   const gpu_memory_plan p = plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, o);

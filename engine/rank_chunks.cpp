@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "engine/device_chunk.hpp"
+#include "kernels/tensor.hpp"
 
 namespace troupe::engine {
 namespace {
@@ -112,6 +113,11 @@ class cpu_rank_chunks final : public rank_chunks {
     std::memcpy(memory, host, bytes);
   }
 
+  float* host_parameters(int c) override { return compute_.chunk(c).params(); }
+  float* host_gradients(int c) override { return compute_.chunk(c).grads(); }
+  void gradients_to_host(int, std::int64_t, std::int64_t) override {}
+  void parameters_from_host(int, std::int64_t, std::int64_t) override {}
+
   std::int64_t optimizer_bytes() const override { return compute_.optimizer_bytes(); }
   std::int64_t activation_bytes() const override { return compute_.activation_bytes(); }
 
@@ -174,12 +180,13 @@ class device_rank_chunks final : public rank_chunks {
   device_rank_chunks(const chunk_factory& factory, const gpt_config& model,
                      const std::vector<stage_range>& ranges, tensor_shard shard,
                      const chunk_init& init, int B, int T, int slots, int rank, int lane,
-                     std::shared_ptr<group_member> tp_member)
+                     std::shared_ptr<group_member> tp_member, bool optimizer_state)
       : kind_(factory.name), B_(B), T_(T) {
     for (const auto& range : ranges) {
       gpt_stage host(model, range, shard);
       init(host);
-      chunks_.push_back(factory.make_chunk(host, B, T, slots, rank, lane, tp_member));
+      chunks_.push_back(
+          factory.make_chunk(host, B, T, slots, rank, lane, tp_member, optimizer_state));
       slots_.emplace_back(slots);
       blocks_.push_back(stage_grad_blocks(host));
       losses_.emplace_back();
@@ -294,10 +301,33 @@ class device_rank_chunks final : public rank_chunks {
     chunk(c).copy_from_host(memory, host, bytes);
   }
 
+  float* host_parameters(int c) override {
+    auto& h = host_copy(c);
+    if (!h.params.owns_storage()) {
+      h.params = kernels::tensor::mapped_zeros({parameter_count(c)});
+      const auto values = chunk(c).parameters();
+      std::copy(values.begin(), values.end(), h.params.f32());
+    }
+    return h.params.f32();
+  }
+  float* host_gradients(int c) override {
+    auto& h = host_copy(c);
+    if (!h.grads.owns_storage()) h.grads = kernels::tensor::mapped_zeros({parameter_count(c)});
+    return h.grads.f32();
+  }
+  void gradients_to_host(int c, std::int64_t at, std::int64_t n) override {
+    check_span(c, at, n);
+    chunk(c).copy_to_host(host_gradients(c) + at, chunk(c).device_gradients() + at,
+                          static_cast<std::size_t>(n) * sizeof(float));
+  }
+  void parameters_from_host(int c, std::int64_t at, std::int64_t n) override {
+    check_span(c, at, n);
+    chunk(c).load_parameters(at, host_parameters(c) + at, n);
+  }
+
   std::int64_t optimizer_bytes() const override {
-    std::int64_t bytes = 0;  // fp32 m and v
-    for (const auto& ch : chunks_)
-      bytes += 2 * ch->parameter_count() * static_cast<std::int64_t>(sizeof(float));
+    std::int64_t bytes = 0;
+    for (const auto& ch : chunks_) bytes += ch->optimizer_bytes();
     return bytes;
   }
   // Everything the chunks allocated beyond fp32 weights, gradients and moments (16-bit weights,
@@ -306,13 +336,26 @@ class device_rank_chunks final : public rank_chunks {
     std::int64_t bytes = 0;
     for (const auto& ch : chunks_)
       bytes += std::max<std::int64_t>(
-          0, ch->device_bytes() -
-                 4 * ch->parameter_count() * static_cast<std::int64_t>(sizeof(float)));
+          0, ch->device_bytes() - ch->optimizer_bytes() -
+                 2 * ch->parameter_count() * static_cast<std::int64_t>(sizeof(float)));
     return bytes;
   }
 
  private:
   device_chunk& chunk(int c) const { return *chunks_.at(static_cast<std::size_t>(c)); }
+  struct host_buffers {
+    kernels::tensor params, grads;
+  };
+  host_buffers& host_copy(int c) {
+    if (host_.empty()) host_.resize(chunks_.size());
+    return host_.at(static_cast<std::size_t>(c));
+  }
+  void check_span(int c, std::int64_t at, std::int64_t n) const {
+    if (at < 0 || n < 0 || at + n > parameter_count(c))
+      throw std::out_of_range("chunk " + std::to_string(c) + ": floats [" + std::to_string(at) +
+                              ", " + std::to_string(at + n) + ") outside its " +
+                              std::to_string(parameter_count(c)) + " parameters");
+  }
   slot_table& table(int c) { return slots_.at(static_cast<std::size_t>(c)); }
   int take(int c, micro_batch_id id) {
     return table(c).take(c, id, [this, c] { return chunk(c).add_slot(); });
@@ -358,6 +401,7 @@ class device_rank_chunks final : public rank_chunks {
   std::vector<std::vector<grad_block>> blocks_;
   std::vector<std::map<micro_batch_id, double>> losses_;
   std::vector<std::map<micro_batch_id, int>> lengths_;  // by chunk: each micro-batch's T
+  std::vector<host_buffers> host_;                      // by chunk: ZeRO's host copies
 };
 
 }  // namespace
@@ -371,14 +415,12 @@ std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
                                            std::move(group));
 }
 
-std::unique_ptr<rank_chunks> make_device_rank_chunks(const chunk_factory& factory,
-                                                     const gpt_config& model,
-                                                     const std::vector<stage_range>& ranges,
-                                                     tensor_shard shard, const chunk_init& init,
-                                                     int B, int T, int slots, int rank, int lane,
-                                                     std::shared_ptr<group_member> tp_member) {
+std::unique_ptr<rank_chunks> make_device_rank_chunks(
+    const chunk_factory& factory, const gpt_config& model, const std::vector<stage_range>& ranges,
+    tensor_shard shard, const chunk_init& init, int B, int T, int slots, int rank, int lane,
+    std::shared_ptr<group_member> tp_member, bool optimizer_state) {
   return std::make_unique<device_rank_chunks>(factory, model, ranges, shard, init, B, T, slots,
-                                              rank, lane, std::move(tp_member));
+                                              rank, lane, std::move(tp_member), optimizer_state);
 }
 
 }  // namespace troupe::engine

@@ -113,6 +113,19 @@ class rank_chunks {
   virtual void copy_to_host(int c, void* host, const void* memory, std::size_t bytes) = 0;
   virtual void copy_from_host(int c, void* memory, const void* host, std::size_t bytes) = 0;
 
+  // ---- ZeRO: the chunks' flat buffers in host memory ---------------------------------------
+  // ZeRO's shards (actors/zero_shard.cpp) reduce, update and gather in host memory: CPU chunks'
+  // own parameter and gradient buffers; device chunks' host copies of them, in private anonymous
+  // mappings (whose pages ZeRO may release), made at the first call (the parameters copied from
+  // the chunk then).
+  virtual float* host_parameters(int c) = 0;
+  virtual float* host_gradients(int c) = 0;
+  // Device chunks: gradients [at, at + n) of c's layout into host_gradients, after c's work so
+  // far (done when the call returns); parameters [at, at + n) from host_parameters into c's
+  // weights (and their compute copy), before c's later work. Nothing for CPU chunks.
+  virtual void gradients_to_host(int c, std::int64_t at, std::int64_t n) = 0;
+  virtual void parameters_from_host(int c, std::int64_t at, std::int64_t n) = 0;
+
   // ---- memory --------------------------------------------------------------------------
   virtual std::int64_t optimizer_bytes() const = 0;   // AdamW moments held here
   virtual std::int64_t activation_bytes() const = 0;  // what the passes keep and pool
@@ -129,12 +142,11 @@ std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
                                                   std::shared_ptr<tensor_group> group = nullptr);
 
 // Device chunks made by `factory` (device_chunk.hpp) for pipeline rank `rank` of lane `lane`,
-// micro-batches of B x T, `slots` in flight to start with.
-std::unique_ptr<rank_chunks> make_device_rank_chunks(const chunk_factory& factory,
-                                                     const gpt_config& model,
-                                                     const std::vector<stage_range>& ranges,
-                                                     tensor_shard shard, const chunk_init& init,
-                                                     int B, int T, int slots, int rank, int lane,
-                                                     std::shared_ptr<group_member> tp_member);
+// micro-batches of B x T, `slots` in flight to start with; without optimizer_state they hold no
+// AdamW moments (ZeRO: its shards do) and update throws.
+std::unique_ptr<rank_chunks> make_device_rank_chunks(
+    const chunk_factory& factory, const gpt_config& model, const std::vector<stage_range>& ranges,
+    tensor_shard shard, const chunk_init& init, int B, int T, int slots, int rank, int lane,
+    std::shared_ptr<group_member> tp_member, bool optimizer_state = true);
 
 }  // namespace troupe::engine

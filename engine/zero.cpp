@@ -14,8 +14,8 @@
 
 namespace troupe::engine {
 
-bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
-                               std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
+bucket_shard make_bucket_shard(const stage_range& range, const std::vector<parameter_info>& layout,
+                               int chunk, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                int replica, int replicas, std::int64_t at) {
   bucket_shard b;
   b.chunk = chunk;
@@ -27,7 +27,7 @@ bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
   b.begin = b.numel * owned / replicas;
   b.end = b.numel * (owned + 1) / replicas;
   b.at = at;
-  const bool tied_copy = stage.range().head && !stage.range().embedding;
+  const bool tied_copy = range.head && !range.embedding;
   // Walk the concatenation: position `pos` of the bucket is flat offset range.first + k. Ranges
   // and parameters are in increasing offset order, so segments come out in `at` order.
   std::int64_t pos = 0;
@@ -35,7 +35,7 @@ bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
     const std::int64_t lo = std::max(b.begin, pos), hi = std::min(b.end, pos + n);
     if (lo < hi) {
       const std::int64_t flat_lo = offset + (lo - pos), flat_hi = offset + (hi - pos);
-      for (const auto& p : stage.parameters()) {
+      for (const auto& p : layout) {
         const std::int64_t s = std::max(flat_lo, p.offset),
                            e = std::min(flat_hi, p.offset + p.numel);
         if (s >= e) continue;

@@ -46,9 +46,15 @@ struct bucket_shard {
 // The shard of a bucket of `chunk` (ranges in increasing offset order, from
 // topology::grad_buckets) that `replica` of `replicas` owns; `at` is the shard storage used by
 // the buckets before it. Segments come from the chunk's parameter layout.
-bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
-                               std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
+bucket_shard make_bucket_shard(const stage_range& range, const std::vector<parameter_info>& layout,
+                               int chunk, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                int replica, int replicas, std::int64_t at);
+inline bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
+                                      std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
+                                      int replica, int replicas, std::int64_t at) {
+  return make_bucket_shard(stage.range(), stage.parameters(), chunk, std::move(ranges), replica,
+                           replicas, at);
+}
 
 // Where a shard's numbers live: parameters and (ZeRO-1) gradients in the rank's chunk
 // buffers, or (ZeRO-2) gradients and (ZeRO-3) parameters in the shard's own storage, indexed by

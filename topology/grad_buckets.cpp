@@ -13,14 +13,30 @@ void grad_buckets::build(const std::vector<engine::gpt_stage*>& chunks, int laye
     grads.push_back(st->grads());
   }
   build(blocks, grads, layers_per_bucket);
-  chunks_.assign(chunks.begin(), chunks.end());
+  for (auto* st : chunks)
+    sides_.push_back({st->range(), &st->parameters(), st->params(), st->grads()});
+}
+
+void grad_buckets::build(engine::rank_chunks& chunks, int layers_per_bucket, bool zero) {
+  std::vector<std::vector<engine::grad_block>> blocks;
+  std::vector<float*> grads;
+  for (int c = 0; c < chunks.chunk_count(); ++c) {
+    blocks.push_back(chunks.grad_blocks(c));
+    grads.push_back(chunks.gradients(c));
+  }
+  build(blocks, grads, layers_per_bucket);
+  if (!zero) return;
+  for (int c = 0; c < chunks.chunk_count(); ++c)
+    sides_.push_back(
+        {chunks.range(c), &chunks.layout(c), chunks.host_parameters(c), chunks.host_gradients(c)});
 }
 
 void grad_buckets::build(const std::vector<std::vector<engine::grad_block>>& chunk_blocks,
                          const std::vector<float*>& grads, int layers_per_bucket) {
   if (chunk_blocks.size() != grads.size())
     throw std::invalid_argument("grad_buckets: blocks and gradient buffers of other chunk counts");
-  chunks_.clear();
+  grad_base_ = grads;
+  sides_.clear();
   buckets_.clear();
   bucket_of_block_.clear();
   for (int c = 0; c < static_cast<int>(chunk_blocks.size()); ++c) {
@@ -68,11 +84,26 @@ int grad_buckets::bucket_of(int chunk, int block) const {
   return bucket_of_block_.at(static_cast<std::size_t>(chunk)).at(static_cast<std::size_t>(block));
 }
 
+const grad_buckets::shard_side& grad_buckets::side(int chunk) const {
+  if (sides_.empty()) throw std::logic_error("grad_buckets: built without ZeRO's side");
+  return sides_.at(static_cast<std::size_t>(chunk));
+}
+
 std::vector<std::pair<float*, std::int64_t>> grad_buckets::param_ranges(int bucket) const {
   const auto& b = this->bucket(bucket);
-  const auto* st = chunks_.at(static_cast<std::size_t>(b.chunk));
+  const auto& s = side(b.chunk);
+  const float* base = grad_base_.at(static_cast<std::size_t>(b.chunk));
   std::vector<std::pair<float*, std::int64_t>> r;
-  for (const auto& [ptr, n] : b.ranges) r.emplace_back(st->params() + (ptr - st->grads()), n);
+  for (const auto& [ptr, n] : b.ranges) r.emplace_back(s.params + (ptr - base), n);
+  return r;
+}
+
+std::vector<std::pair<float*, std::int64_t>> grad_buckets::shard_grad_ranges(int bucket) const {
+  const auto& b = this->bucket(bucket);
+  const auto& s = side(b.chunk);
+  const float* base = grad_base_.at(static_cast<std::size_t>(b.chunk));
+  std::vector<std::pair<float*, std::int64_t>> r;
+  for (const auto& [ptr, n] : b.ranges) r.emplace_back(s.grads + (ptr - base), n);
   return r;
 }
 
@@ -87,11 +118,12 @@ std::vector<engine::bucket_shard> grad_buckets::shards(int replica, int replicas
   std::vector<engine::bucket_shard> out;
   std::int64_t at = 0;
   for (const auto& info : buckets_) {
-    const auto& st = *chunks_.at(static_cast<std::size_t>(info.chunk));
+    const auto& s = side(info.chunk);
+    const float* base = grad_base_.at(static_cast<std::size_t>(info.chunk));
     std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-    for (const auto& [ptr, n] : info.ranges) ranges.emplace_back(ptr - st.grads(), n);
-    out.push_back(
-        engine::make_bucket_shard(st, info.chunk, std::move(ranges), replica, replicas, at));
+    for (const auto& [ptr, n] : info.ranges) ranges.emplace_back(ptr - base, n);
+    out.push_back(engine::make_bucket_shard(s.range, *s.layout, info.chunk, std::move(ranges),
+                                            replica, replicas, at));
     at += out.back().end - out.back().begin;
   }
   return out;
@@ -99,9 +131,9 @@ std::vector<engine::bucket_shard> grad_buckets::shards(int replica, int replicas
 
 engine::shard_views grad_buckets::views() const {
   engine::shard_views v;
-  for (const auto* st : chunks_) {
-    v.params.push_back(st->params());
-    v.grads.push_back(st->grads());
+  for (int c = 0; c < static_cast<int>(grad_base_.size()); ++c) {
+    v.params.push_back(side(c).params);
+    v.grads.push_back(side(c).grads);
   }
   return v;
 }

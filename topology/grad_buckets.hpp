@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/gpt_model.hpp"
+#include "engine/rank_chunks.hpp"
 #include "engine/zero.hpp"
 
 namespace troupe::topology {
@@ -27,8 +28,12 @@ class grad_buckets {
   // layers_per_bucket: "h.N" blocks per bucket; head and embedding blocks are buckets of
   // their own.
   void build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket);
-  // The same buckets over gradients held elsewhere (a device): chunk c's blocks (its
-  // stage_grad_blocks) at offsets of grads[c]. param_ranges, shards and views need build().
+  // The buckets of a rank's chunks, over their gradients (device memory for device chunks).
+  // With `zero`, ZeRO's side (param_ranges, shard_grad_ranges, shards, views) is the chunks'
+  // flat buffers in host memory (rank_chunks::host_parameters / host_gradients).
+  void build(engine::rank_chunks& chunks, int layers_per_bucket, bool zero);
+  // The same buckets over gradients held elsewhere: chunk c's blocks (its stage_grad_blocks) at
+  // offsets of grads[c]; no ZeRO side.
   void build(const std::vector<std::vector<engine::grad_block>>& blocks,
              const std::vector<float*>& grads, int layers_per_bucket);
   // Resets the per-step counters.
@@ -39,18 +44,28 @@ class grad_buckets {
   int size() const { return static_cast<int>(buckets_.size()); }
   // The bucket holding gradient block `block` (a stage_grad_blocks index) of `chunk`.
   int bucket_of(int chunk, int block) const;
-  // The bucket's ranges in its chunk's parameter buffer (same offsets as its gradient ranges).
+  // ZeRO's side: the bucket's ranges in its chunk's host parameter and gradient buffers (the
+  // offsets of its gradient ranges; the gradient ranges themselves for CPU chunks).
   std::vector<std::pair<float*, std::int64_t>> param_ranges(int bucket) const;
+  std::vector<std::pair<float*, std::int64_t>> shard_grad_ranges(int bucket) const;
   // The bucket whose ranges hold `grad`; throws std::logic_error if none does.
   int bucket_containing(const float* grad) const;
   // ZeRO: what `replica` of `replicas` owns of each bucket, by bucket index, packed one after the
   // other in the shard's storage (engine::make_bucket_shard).
   std::vector<engine::bucket_shard> shards(int replica, int replicas) const;
-  // The chunks' flat parameter and gradient buffers (shard_grads unset).
+  // The chunks' flat host parameter and gradient buffers (shard_grads unset).
   engine::shard_views views() const;
 
  private:
-  std::vector<const engine::gpt_stage*> chunks_;
+  // A chunk's side of ZeRO: its parameter layout and host buffers.
+  struct shard_side {
+    engine::stage_range range;
+    const std::vector<engine::parameter_info>* layout = nullptr;
+    float *params = nullptr, *grads = nullptr;
+  };
+  const shard_side& side(int chunk) const;
+  std::vector<float*> grad_base_;  // by chunk: what the bucket ranges point into
+  std::vector<shard_side> sides_;  // by chunk; empty without a ZeRO side
   std::vector<grad_bucket_info> buckets_;
   std::vector<std::vector<int>> bucket_of_block_;  // [chunk][block]
   std::vector<int> remaining_;

@@ -2,8 +2,8 @@
 // pipelines, where payloads move through links and link messages carry headers only, run on the
 // CPU engine's arithmetic. Every step's loss, the validation losses and the final weights must
 // equal the run on CPU chunks bitwise, on every schedule device stages take, with
-// data-parallel replicas (whose final weights must also agree bitwise) and with tensor shards;
-// what they do not take yet is refused naming the key.
+// data-parallel replicas (whose final weights must also agree bitwise), ZeRO-1/2 and tensor
+// shards; what they do not take yet is refused naming the key.
 #include <cmath>
 #include <tuple>
 
@@ -22,6 +22,7 @@ struct device_case {
   int dp = 1;
   int bucket_layers = 1;
   int tp = 1;
+  int zero = 0;
 };
 
 run_options host_device(bool recompute) {
@@ -89,6 +90,13 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       // W recomputes each block's internals from the input B kept.
       {"PP=2 ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true},
       {"PP=2 x DP=2 x TP=2 ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true, 2, 1, 2},
+      // ZeRO-1/2: buckets copied to the chunks' host buffers, reduce-scattered and updated by
+      // the shard actors there, the parameters loaded back after the all-gather.
+      {"DP=2 ZeRO-1", 1, 1, 2, "1f1b", 1, false, 2, 1, 1, 1},
+      {"PP=2 x DP=2 ZeRO-1, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 2, 2, 1, 1},
+      {"PP=2 x DP=3 ZeRO-2 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 3, 1, 1, 2},
+      {"PP=2 x DP=2 ZeRO-2 ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true, 2, 1, 1, 2},
+      {"DP=2 ZeRO-2, one micro-batch a step", 1, 1, 1, "1f1b", 1, false, 2, 1, 1, 2},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -102,6 +110,7 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       r.parallel.dp = c.dp;
       r.parallel.bucket_layers = c.bucket_layers;
       r.parallel.tp = c.tp;
+      r.parallel.zero = c.zero;
       run_options cpu;
       cpu.check_replicas = false;
       const auto want = run_actors(r, cpu);
@@ -133,10 +142,11 @@ TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][d
   temp_dir dir;
   engine::recipe r = tiny_recipe(dir);
   r.steps = 2;
-  SECTION("ZeRO") {
+  SECTION("ZeRO-3") {
     r.parallel.dp = 2;
-    r.parallel.zero = 1;
-    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)), Catch::Contains("key parallel.zero"));
+    r.parallel.zero = 3;
+    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
+                        Catch::Contains("key parallel.zero") && Catch::Contains("ZeRO-3"));
   }
 }
 

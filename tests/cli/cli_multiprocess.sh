@@ -160,7 +160,8 @@ grep -q '"skipped":"non-finite gradient norm' "$tmp/pp2dp2guard/metrics.jsonl" |
 # Stages on device chunks of the host kind (--test-chunks host: the GPU pipeline's protocol on
 # the CPU engine's arithmetic) across processes: activations, gradients and the tied wte between
 # processes, and (DP) the gradient buckets of the ring reducer, staged through host memory inside
-# the messages; links between the ranks of one process. Identical to the one-process CPU run.
+# the messages; links between the ranks of one process; ZeRO-1/2's shards in host memory, their
+# ring between processes. Identical to the one-process CPU run.
 device_layouts=(
   "hpp2 2 --set parallel.pp=2"
   "hdp2 2 --set parallel.dp=2"
@@ -168,6 +169,8 @@ device_layouts=(
   "hpp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
   "hpp4v2 2 --set parallel.pp=4 --set parallel.schedule=interleaved_1f1b --set parallel.virtual_stages=2 --set model.layers=8"
   "hpp2dp2zb 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.schedule=zb_h1 --set batch.grad_accum=2"
+  "hdp2z1 2 --set parallel.dp=2 --set parallel.zero=1"
+  "hpp2dp2z2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2"
 )
 multi_args=(--test-chunks host)
 for c in "${device_layouts[@]}"; do

@@ -460,15 +460,19 @@ TEST_CASE("activation_checkpoint.mode is checked by name", "[recipe]") {
 
 TEST_CASE("the support rules refuse a job naming the key, and the table lists each rule",
           "[recipe][support]") {
-  recipe r = parse("device = \"cuda\"\n[parallel]\ndp = 2\nzero = 1\n");  // fine as a recipe
+  recipe r = parse("device = \"cuda\"\n[parallel]\ndp = 2\nzero = 3\n");  // fine as a recipe
   job_shape job;
   job.r = &r;
   CHECK_NOTHROW(check_support(job));
-  job.device_chunks = true;  // the stages' chunks are CUDA chunks: ZeRO is not built there
+  job.device_chunks = true;  // the stages' chunks are CUDA chunks: ZeRO-3 is not built there
   const auto zero = error_message<recipe_error>([&] { check_support(job); });
   CHECK_THAT(zero, Catch::Contains("key parallel.zero") && Catch::Contains("cuda chunks") &&
                        Catch::Contains("not built yet"));
   check_one_line(zero);
+  for (int stage : {1, 2}) {  // ZeRO-1 and 2 are
+    r.parallel.zero = stage;
+    CHECK_NOTHROW(check_support(job));
+  }
   r.parallel.zero = 0;
   job.processes = 4;  // several processes run, device chunks' payloads staged through the host
   CHECK_NOTHROW(check_support(job));
