@@ -15,10 +15,13 @@
 #    device while backward goes on) within the fp32 tolerances of the CPU serial loop over the
 #    same DP=2 step; fp32 PP=2 x TP=2 (tensor shards of each rank summed by their group on the
 #    device) within the fp32 tolerances of the CPU; fp32 PP=2 ZB-H1 (split backward on the
-#    device) within the fp32 ones, and in bf16 with materialized attention within the bf16 ones.
+#    device) within the fp32 ones, and in bf16 with materialized attention within the bf16 ones;
+#    ZB-H1 with activation checkpointing bitwise the losses without it; fp32 ZeRO-1 (PP=2 x
+#    DP=2) and ZeRO-2 (DP=2) within the fp32 tolerances of the CPU serial DP=2 loop.
 #  - GPU jobs of several processes (torchrun-style variables), every process on the one GPU
 #    (LOCAL_RANK mod 1), their stages' payloads and gradient buckets staged through host memory:
-#    fp32 PP=2 as 2 processes and PP=2 x DP=2 as 4 within the fp32 tolerances of the CPU.
+#    fp32 PP=2 as 2 processes, PP=2 x DP=2 as 4, and PP=2 x DP=2 ZeRO-2 as 4 within the fp32
+#    tolerances of the CPU.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -95,7 +98,12 @@ run gputp --device cuda --set parallel.pp=2 --set parallel.tp=2
 run gpuzb --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1
 run gpuzbmp --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1 \
   --set kernels.attention=materialized --set precision.dtype=bf16
+run gpuzbac --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1 \
+  --set activation_checkpoint.mode=full
+run gpuz1 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1
+run gpuz2 --device cuda --engine actors --set parallel.dp=2 --set parallel.zero=2
 run_job gpupp2x2 2 --device cuda --set parallel.pp=2
+run_job gpuz2x4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2
 run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2
 run fp16 --device cuda --set precision.dtype=fp16 --set precision.loss_scale=dynamic \
   --set precision.init_scale=1099511627776 --set precision.backoff_factor=0.0009765625 \
@@ -124,6 +132,11 @@ close(rows("cpudp"), rows("gpudp"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 vs CPU")
 close(cpu, rows("gputp"), 1e-4, 1e-3, "fp32 GPU PP=2 x TP=2 vs CPU")
 close(cpu, rows("gpuzb"), 1e-4, 1e-3, "fp32 GPU PP=2 ZB-H1 (split backward) vs CPU")
 close(cpu, rows("gpuzbmp"), 5e-2, 2e-1, "bf16 GPU PP=2 ZB-H1, materialized attention, vs CPU")
+assert [r["loss"] for r in rows("gpuzb")] == [r["loss"] for r in rows("gpuzbac")], \
+    "checkpointing changed the ZB-H1 losses"
+close(rows("cpudp"), rows("gpuz1"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-1 vs CPU")
+close(rows("cpudp"), rows("gpuz2"), 1e-4, 1e-3, "fp32 GPU DP=2 ZeRO-2 vs CPU")
+close(rows("cpudp"), rows("gpuz2x4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes vs CPU")
 close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
 close(cpu, rows("gpupp2x2"), 1e-4, 1e-3, "fp32 GPU PP=2 as 2 processes vs CPU")
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")
