@@ -27,7 +27,10 @@ using clock_type = std::chrono::steady_clock;
 class coordinator_impl : public coordinator_actor::base {
  public:
   coordinator_impl(caf::actor_config& cfg, coordinator_config config)
-      : coordinator_actor::base(cfg), cfg_(std::move(config)), guard_(cfg_.guard, cfg_.scaling) {}
+      : coordinator_actor::base(cfg), cfg_(std::move(config)), guard_(cfg_.guard, cfg_.scaling) {
+    if (cfg_.guard_state) guard_.restore(*cfg_.guard_state);
+    tokens_ = cfg_.start_tokens;
+  }
 
   void on_exit() override { wiring_ = {}; }
 
@@ -40,7 +43,7 @@ class coordinator_impl : public coordinator_actor::base {
         },
         [this](start_run) {
           start_ = clock_type::now();
-          begin(0);
+          begin(cfg_.start_step);
         },
         [this](grads_ready& g) { on_grads(g); },
         [this](update_done& u) { on_updated(u); },
@@ -141,8 +144,27 @@ class coordinator_impl : public coordinator_actor::base {
                     {step_});
     if (cfg_.trace.enabled()) caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
     caf::anon_send(wiring_.client, step_report{m});
+    if (!decision_.stop && cfg_.checkpoint_every > 0 && (step_ + 1) % cfg_.checkpoint_every == 0) {
+      // The stages' state is copied before the next step begins; it is written meanwhile.
+      engine::checkpoint_state s;
+      s.step = step_ + 1;
+      s.tokens = tokens_;
+      s.micro_batches = cfg_.start_micro_batches +
+                        std::int64_t{step_ + 1 - cfg_.start_step} * cfg_.micro_batches_per_step;
+      s.guard = guard_.save();
+      request(caf::actor_cast<checkpoint_writer_actor>(wiring_.checkpointer), caf::infinite,
+              checkpoint_begin{std::move(s)})
+          .then([this](checkpoint_copied&) { next_step(); },
+                // The writer stopped: its reason reaches on_down (C3), which ends the run.
+                [](caf::error&) {});
+      return;
+    }
+    next_step();
+  }
+
+  void next_step() {
     if (decision_.stop) {
-      finish(false, engine::stop_message(m.step, decision_));
+      finish(false, engine::stop_message(step_ + 1, decision_));
     } else if (step_ + 1 < cfg_.steps) {
       begin(step_ + 1);
     } else {

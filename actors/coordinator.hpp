@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "engine/trace_recorder.hpp"
 #include "engine/update_guard.hpp"
@@ -27,6 +28,14 @@ struct coordinator_config {
   engine::trace::recorder trace;
   engine::guard_config guard;  // the update guard, which the coordinator runs (C4)
   engine::loss_scale_config scaling;
+  // Checkpoints: every `checkpoint_every` steps (0: none) through wiring.checkpointer. A resumed
+  // run starts after `start_step` steps, with the tokens, data position and guard state saved.
+  int checkpoint_every = 0;
+  int start_step = 0;
+  std::int64_t start_tokens = 0;
+  std::int64_t micro_batches_per_step = 0;  // training micro-batches of a step, all replicas
+  std::int64_t start_micro_batches = 0;
+  std::optional<engine::update_guard::state> guard_state;
 };
 
 messages::coordinator_actor spawn_coordinator(caf::actor_system& system, coordinator_config config);

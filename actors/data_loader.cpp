@@ -22,6 +22,7 @@ class loader_impl : public loader_actor::base {
     return {
         [this](loader_wiring& w) {
           wiring_ = std::move(w);
+          next_[0] = next_[1] = std::int64_t{cfg_.start_step} * per_step();
           fill(batch_part::inputs);
           fill(batch_part::targets);
         },
@@ -67,8 +68,9 @@ class loader_impl : public loader_actor::base {
     const std::int64_t step = pos / per_step(), within = pos % per_step();
     const std::size_t which = static_cast<std::size_t>(within) % cfg_.seq_lens.size();
     const int T = cfg_.seq_lens[which];
-    const std::int64_t g =
-        step * per_step() * cfg_.replicas + std::int64_t{cfg_.replica} * per_step() + within;
+    const std::int64_t g = cfg_.start_micro_batches +
+                           (step - cfg_.start_step) * per_step() * cfg_.replicas +
+                           std::int64_t{cfg_.replica} * per_step() + within;
     batch_message in;
     in.step = static_cast<int>(step);
     in.round = static_cast<int>(within / cfg_.micro_batches);

@@ -19,6 +19,10 @@ namespace troupe::actors {
 struct loader_config {
   int replica = 0, replicas = 1;
   int rounds = 1, micro_batches = 1, steps = 1;
+  // A resumed run: its first step, and the training micro-batches (all replicas) consumed
+  // before it; the sampler's stream goes on from there.
+  int start_step = 0;
+  std::int64_t start_micro_batches = 0;
   int prefetch = 2;
   int B = 1;
   // Sequence length of micro-batch (r, j): seq_lens[(r*m + j) % size]; one sampler per length.

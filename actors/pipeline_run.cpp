@@ -12,6 +12,7 @@
 
 #include <unistd.h>
 
+#include "actors/checkpoint_writer.hpp"
 #include "actors/coordinator.hpp"
 #include "actors/data_loader.hpp"
 #include "actors/dp_reducer.hpp"
@@ -41,6 +42,7 @@ namespace trace = engine::trace;
 // tensor groups, the dp lanes of a shard in their ranks' reducers.
 struct run_actors {
   caf::actor tracer, schedule, coordinator;       // local, or proxies on ranks other than 0
+  caf::actor checkpointer;                        // rank 0, with checkpoint.every > 0
   std::vector<std::vector<caf::actor>> stages;    // [lane][rank]
   std::vector<std::vector<caf::actor>> reducers;  // [replica][rank] ring reducers or zero
                                                   // shards, or [0][rank * tp + shard]
@@ -65,6 +67,9 @@ struct build_inputs {
   int rank = 0;
   remote_mesh* mesh = nullptr;                            // set when the job spans processes
   std::shared_ptr<const engine::chunk_factory> chunks{};  // device stages
+  // Resuming: the checkpoint and its trainer state.
+  std::filesystem::path resume_dir{};
+  engine::checkpoint_state resumed{};
 };
 
 trace::recorder add_track(run_actors& a, const build_inputs& in, std::string name, std::string role,
@@ -203,6 +208,10 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.layout = in.layout;
       c.seed = static_cast<std::uint64_t>(r.seed);
       c.init = r.init;
+      if (!in.resume_dir.empty()) {
+        c.init = (in.resume_dir / "model.safetensors").string();
+        c.resume = in.resume_dir.string();
+      }
       c.optimizer = r.optimizer;
       c.total_steps = r.steps;
       c.link_credits =
@@ -299,6 +308,8 @@ void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in
     c.rounds = r.batch.grad_accum;
     c.micro_batches = r.parallel.micro_batches;
     c.steps = r.steps;
+    c.start_step = in.resumed.step;
+    c.start_micro_batches = in.resumed.micro_batches;
     c.prefetch = r.parallel.prefetch;
     c.B = r.batch.micro_batch;
     c.seq_lens = in.seq_lens;
@@ -372,6 +383,11 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
   cw.loaders = a.loaders;
   cw.watched = a.all;
   cw.watched_names = a.names;
+  cw.checkpointer = a.checkpointer;
+  if (a.checkpointer) {
+    cw.watched.push_back(a.checkpointer);
+    cw.watched_names.push_back("checkpoint writer");
+  }
   caf::anon_send(a.coordinator, std::move(cw));
 }
 
@@ -468,6 +484,31 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   };
   // 1. Everything that can fail on bad input, before anything is written or spawned.
   build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
+  if (!o.resume.empty()) {
+    try {
+      in.resume_dir = engine::find_checkpoint(o.resume, say);
+      in.resumed = engine::read_checkpoint_state(in.resume_dir);
+      engine::check_hf_weights(r.model, in.resume_dir / "model.safetensors");
+    } catch (const engine::recipe_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw engine::recipe_error(e.what());
+    }
+    if (in.resumed.step >= r.steps)
+      throw engine::recipe_error("key steps: " + std::to_string(r.steps) + ", but checkpoint " +
+                                 in.resume_dir.string() + " has done " +
+                                 std::to_string(in.resumed.step) + " steps: nothing to run");
+    say("resuming from " + in.resume_dir.string() + " after step " +
+        std::to_string(in.resumed.step));
+  } else if (r.checkpoint.every > 0 && my_rank == 0) {
+    // A fresh run never writes over another run's checkpoints.
+    for (const auto& e : engine::list_checkpoints(r.checkpoint_path()))
+      if (e.committed)
+        throw engine::recipe_error("key checkpoint.dir: " + r.checkpoint_path().string() +
+                                   " holds checkpoints (newest " + e.dir.filename().string() +
+                                   "): resume them with --resume, or choose another " +
+                                   "checkpoint.dir or output.dir");
+  }
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   in.chunks = o.device_chunks;
   check_job(r, o, in.chunks);
@@ -504,7 +545,8 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     if (ec)
       throw engine::recipe_error("key output.dir: cannot create " + r.output.dir + ": " +
                                  ec.message());
-    metrics.emplace(r.metrics_path());
+    // Resuming: the metrics of the steps the checkpoint holds stay, later ones go.
+    metrics.emplace(r.metrics_path(), in.resume_dir.empty() ? -1 : in.resumed.step);
   }
   run_result res;
   res.rank = my_rank;
@@ -573,10 +615,45 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     cc.trace = add_track(a, in, "coordinator", "coordinator", -1, -1);
     cc.guard = r.guard;
     cc.scaling = r.precision.scaling();
+    cc.checkpoint_every = r.checkpoint.every;
+    cc.micro_batches_per_step = r.micro_batches_per_step();
+    if (!in.resume_dir.empty()) {
+      cc.start_step = in.resumed.step;
+      cc.start_tokens = in.resumed.tokens;
+      cc.start_micro_batches = in.resumed.micro_batches;
+      cc.guard_state = in.resumed.guard;
+    }
     a.coordinator = place(sys, a, in, pl.coordinator_id, control, "coordinator",
                           [&] { return spawn_coordinator(sys, std::move(cc)); });
     spawn_stages(sys, a, in);
     spawn_loaders(sys, a, in);
+    if (r.checkpoint.every > 0 && my_rank == control) {
+      checkpoint_writer_config wc;
+      wc.model = r.model;
+      wc.pp = r.parallel.pp;
+      wc.dp = r.parallel.dp;
+      wc.tp = r.parallel.tp;
+      wc.zero = r.parallel.zero > 0;
+      wc.root = r.checkpoint_path();
+      wc.keep = r.checkpoint.keep;
+      const auto& p = r.parallel;
+      wc.mesh = {p.pp,
+                 p.dp,
+                 p.tp,
+                 p.zero,
+                 p.virtual_stages,
+                 p.micro_batches,
+                 r.batch.grad_accum,
+                 r.batch.micro_batch};
+      wc.schedule = p.schedule;
+      wc.recipe_text = r.source_text;
+      wc.overrides = r.overrides;
+      wc.stages = a.stages;
+      wc.trace = add_track(a, in, "checkpoint writer", "checkpoint", -1, -1);
+      wc.tracer = a.tracer;
+      a.checkpointer = caf::actor_cast<caf::actor>(spawn_checkpoint_writer(sys, std::move(wc)));
+      a.local.push_back(a.checkpointer);
+    }
     wire_actors(sys, a, in, caf::actor_cast<caf::actor>(client));
     if (mesh) mesh->start(sys, caf::actor_cast<caf::actor>(client));
     const run_handles handles{a.coordinator, a.stages};
@@ -599,6 +676,13 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
             running = false;
             if (!f.ok) failure = my_rank == control ? f.message : "job ended: " + f.message;
           });
+    }
+    if (a.checkpointer) {  // every checkpoint begun is committed before the job ends
+      client->request(a.checkpointer, caf::infinite, checkpoint_flush{})
+          .receive([](bool) {},
+                   [&](caf::error& e) {
+                     if (failure.empty()) failure = "checkpoint writer: " + to_string(e);
+                   });
     }
     const bool collect = o.collect_parameters || o.check_replicas || !r.weights_path().empty();
     if (failure.empty() && my_rank == control && collect) {

@@ -56,6 +56,9 @@ struct run_options {
   topology::launch_env launch;
   std::chrono::milliseconds rendezvous_timeout{120000};
   std::chrono::milliseconds peer_timeout{10000};  // a silent peer is lost after this
+  // Resume from a checkpoint (docs/checkpoints.md): a step directory, or a checkpoint root (its
+  // newest committed checkpoint that verifies). Empty: a fresh run.
+  std::string resume;
 };
 
 struct run_result {

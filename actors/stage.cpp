@@ -99,7 +99,9 @@ class stage_impl : public stage_actor::base {
         [this](zero_update_done& d) { on_zero_updated(d); },
         [this](zero_gathered& g) { on_gathered(g); },
         [this](stage_continue) { advance(); },
-        [this](snapshot_request) -> caf::result<stage_snapshot> { return on_snapshot(); },
+        [this](snapshot_request& r) -> caf::result<stage_snapshot> {
+          return r.state ? on_state(r) : on_snapshot();
+        },
     };
   }
 
@@ -124,7 +126,22 @@ class stage_impl : public stage_actor::base {
   // ZeRO-3: with a copy of the owned parameters; the stage's parameter buffers are released
   // and hold only gathered buckets from now on.
   void send_zero_layout() {
-    zero_layout l{buckets_.shards(cfg_.replica, cfg_.replicas), buckets_.views(), {}};
+    zero_layout l{buckets_.shards(cfg_.replica, cfg_.replicas), buckets_.views(), {}, {}, {}};
+    zero_shards_ = l.buckets;
+    if (!cfg_.resume.empty()) {  // the owned moments from the checkpoint
+      for (int c = 0; c < chunks_->chunk_count(); ++c) {
+        const auto m = checkpoint_tensors(c, "exp_avg"), v = checkpoint_tensors(c, "exp_avg_sq");
+        for (const auto& b : l.buckets) {
+          for (const auto& seg : b.segments) {
+            if (seg.chunk != c) continue;
+            const auto end = static_cast<std::size_t>(seg.at + seg.numel);
+            if (l.m.size() < end) l.m.resize(end), l.v.resize(end);
+            std::copy_n(m.begin() + seg.offset, seg.numel, l.m.begin() + seg.at);
+            std::copy_n(v.begin() + seg.offset, seg.numel, l.v.begin() + seg.at);
+          }
+        }
+      }
+    }
     if (sharded_params()) {
       for (const auto& b : l.buckets) {
         for (const auto& seg : b.segments) {
@@ -143,6 +160,12 @@ class stage_impl : public stage_actor::base {
     caf::anon_send(wiring_.reducer, std::move(l));
   }
   int my_rank() const { return cfg_.rank; }
+
+  // One of the resumed checkpoint's tensor files as chunk c's flat buffer.
+  std::vector<float> checkpoint_tensors(int c, const std::string& which) const {
+    return engine::load_checkpoint_tensors(cfg_.resume, which, cfg_.model, chunks_->range(c),
+                                           {cfg_.tp_rank, cfg_.tp});
+  }
 
   // The chunks' host gpt_stage (CPU chunks: where ZeRO-3's passes stop for gathers).
   engine::gpt_stage& host(int c) {
@@ -182,6 +205,11 @@ class stage_impl : public stage_actor::base {
       if (r.head) head_chunk_ = c;
     }
     buckets_.build(*chunks_, cfg_.bucket_layers, zero());  // ZeRO: with the chunks' host buffers
+    if (!cfg_.resume.empty() && !zero()) {  // the chunks' moments from the checkpoint
+      for (int c = 0; c < chunks_->chunk_count(); ++c)
+        chunks_->load_moments(c, checkpoint_tensors(c, "exp_avg").data(),
+                              checkpoint_tensors(c, "exp_avg_sq").data());
+    }
     links_ = device() ? topology::payload_links(*chunks_, cfg_.device->send_links,
                                                 cfg_.device->receive_links, who())
                       : topology::payload_links(*chunks_, {}, {}, who());
@@ -284,6 +312,58 @@ class stage_impl : public stage_actor::base {
     }
     snapshots_waiting_.push_back(rp);
     return rp;
+  }
+
+  // A checkpoint's state (snapshot_request::state): the parameters and the AdamW moments; where
+  // the ZeRO shard holds them, as the pieces it owns. Nothing is gathered or released for it.
+  caf::result<stage_snapshot> on_state(const snapshot_request&) {
+    if (!zero()) {
+      stage_snapshot s = snapshot();
+      for (int c = 0; c < chunks_->chunk_count(); ++c) {
+        const auto [m, v] = chunks_->moments(c);
+        for (const auto& p : chunks_->layout(c)) {
+          const auto from = static_cast<std::ptrdiff_t>(p.offset), to = from + p.numel;
+          s.pieces.push_back({tensor_role::exp_avg, p.name, 0, {m.begin() + from, m.begin() + to}});
+          s.pieces.push_back(
+              {tensor_role::exp_avg_sq, p.name, 0, {v.begin() + from, v.begin() + to}});
+        }
+      }
+      return s;
+    }
+    auto rp = make_response_promise<stage_snapshot>();
+    request(wiring_.reducer, caf::infinite, zero_state_request{})
+        .then([this, rp](zero_state& z) mutable {
+          stage_snapshot s;
+          if (!sharded_params()) {
+            s = snapshot();
+          } else {
+            s.rank = my_rank();
+            s.replica = cfg_.replica;
+          }
+          for (const auto& b : zero_shards_) {
+            for (const auto& seg : b.segments) {
+              const auto& p = parameter_at(seg.chunk, seg.offset);
+              const std::int64_t offset = seg.offset - p.offset;
+              auto piece = [&](tensor_role role, const std::vector<float>& from) {
+                const auto at = static_cast<std::ptrdiff_t>(seg.at);
+                s.pieces.push_back(
+                    {role, p.name, offset, {from.begin() + at, from.begin() + at + seg.numel}});
+              };
+              piece(tensor_role::exp_avg, z.m);
+              piece(tensor_role::exp_avg_sq, z.v);
+              if (sharded_params()) piece(tensor_role::parameter, z.params);
+            }
+          }
+          rp.deliver(std::move(s));
+        });
+    return rp;
+  }
+
+  // The parameter of chunk c whose elements hold flat offset `offset`.
+  const engine::parameter_info& parameter_at(int c, std::int64_t offset) const {
+    for (const auto& p : chunks_->layout(c))
+      if (p.offset <= offset && offset < p.offset + p.numel) return p;
+    throw std::logic_error(who() + ": no parameter at offset " + std::to_string(offset));
   }
 
   void final_gathered() {
@@ -949,6 +1029,7 @@ class stage_impl : public stage_actor::base {
   int buckets_pending_ = 0;
   std::vector<double> shard_square_sums_;  // ZeRO: by bucket, this step
   std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
+  std::vector<engine::bucket_shard> zero_shards_;  // ZeRO: what this replica owns, by bucket
   int embedding_chunk_ = -1, head_chunk_ = -1;
   topology::tied_wte tied_;  // the tied wte's copies here and their exchange
 };

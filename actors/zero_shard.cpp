@@ -30,6 +30,9 @@ class zero_shard_impl : public zero_shard_actor::base {
         [this](ring_chunk& c) { on_chunk(std::move(c)); },
         [this](zero_update& u) { on_update(u); },
         [this](zero_gather& g) { on_gather(g); },
+        [this](zero_state_request) {
+          return zero_state{m_, v_, params_};
+        },
     };
   }
 
@@ -51,6 +54,13 @@ class zero_shard_impl : public zero_shard_actor::base {
     for (const auto& b : layout_.buckets) owned = std::max(owned, b.at + (b.end - b.begin));
     m_.assign(static_cast<std::size_t>(owned), 0.0f);
     v_.assign(static_cast<std::size_t>(owned), 0.0f);
+    if (!layout_.m.empty()) {  // resuming from a checkpoint
+      if (static_cast<std::int64_t>(layout_.m.size()) != owned ||
+          static_cast<std::int64_t>(layout_.v.size()) != owned)
+        throw std::logic_error("zero shard: the layout's moments do not fit its buckets");
+      m_ = std::move(layout_.m);
+      v_ = std::move(layout_.v);
+    }
     if (sharded_grads()) grads_.assign(static_cast<std::size_t>(owned), 0.0f);
     layout_.views.shard_grads = sharded_grads() ? grads_.data() : nullptr;
     if (sharded_params()) {

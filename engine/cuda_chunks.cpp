@@ -85,6 +85,8 @@ class cuda_chunk final : public device_chunk {
   }
   std::int64_t device_bytes() const override { return s_.device_bytes(); }
   std::int64_t optimizer_bytes() const override { return s_.optimizer_bytes(); }
+  std::pair<std::vector<float>, std::vector<float>> moments() override { return s_.moments(); }
+  void load_moments(const float* m, const float* v) override { s_.load_moments(m, v); }
   void* record_event() override { return s_.record_event(); }
   void wait_event(void* event) override { s_.wait_event(event); }
   void copy_to_host(void* host, const void* memory, std::size_t bytes) override {

@@ -93,6 +93,10 @@ class device_chunk {
   // Master weights [at, at + n) of the layout from n host floats (and the 16-bit copy the
   // passes read), after the chunk's work so far; the host buffer may be reused on return.
   virtual void load_parameters(std::int64_t at, const float* host, std::int64_t n) = 0;
+  // The AdamW moments (m, v) on the host, after the chunk's work so far; loading them (a chunk
+  // made with optimizer state; parameter_count() floats each).
+  virtual std::pair<std::vector<float>, std::vector<float>> moments() = 0;
+  virtual void load_moments(const float* m, const float* v) = 0;
   virtual std::int64_t device_bytes() const = 0;     // what the chunk allocated
   virtual std::int64_t optimizer_bytes() const = 0;  // of which AdamW moments
 

@@ -896,6 +896,31 @@ void gpu_stage::load_parameters(std::int64_t at, const float* host, std::int64_t
   impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
 }
 
+std::pair<std::vector<float>, std::vector<float>> gpu_stage::moments() const {
+  if (!impl_->m) throw std::logic_error("gpu_stage: no optimizer state (ZeRO holds the moments)");
+  device_guard g(impl_->device);
+  impl_->ctx.synchronize();
+  const auto n = static_cast<std::size_t>(impl_->P);
+  std::pair<std::vector<float>, std::vector<float>> out{std::vector<float>(n),
+                                                        std::vector<float>(n)};
+  check(cudaMemcpy(out.first.data(), impl_->m, n * sizeof(float), cudaMemcpyDeviceToHost),
+        "cudaMemcpy(moments)");
+  check(cudaMemcpy(out.second.data(), impl_->v, n * sizeof(float), cudaMemcpyDeviceToHost),
+        "cudaMemcpy(moments)");
+  return out;
+}
+
+void gpu_stage::load_moments(const float* m, const float* v) {
+  if (!impl_->m) throw std::logic_error("gpu_stage: no optimizer state (ZeRO holds the moments)");
+  device_guard g(impl_->device);
+  const auto bytes = static_cast<std::size_t>(impl_->P) * sizeof(float);
+  check(cudaMemcpyAsync(impl_->m, m, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(moments)");
+  check(cudaMemcpyAsync(impl_->v, v, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(moments)");
+  impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
+}
+
 std::int64_t gpu_stage::device_bytes() const { return impl_->arena.bytes(); }
 std::int64_t gpu_stage::optimizer_bytes() const {
   return impl_->m ? 2 * impl_->P * static_cast<std::int64_t>(sizeof(float)) : 0;

@@ -220,6 +220,10 @@ class gpu_stage {
   // Master weights [at, at + n) of the layout from host floats, and the 16-bit copy of them,
   // on the stream after what it has enqueued; the host buffer may be reused on return.
   void load_parameters(std::int64_t at, const float* host, std::int64_t n);
+  // The AdamW moments (m, v) copied to the host after what the stream has enqueued; loading
+  // them from host floats (parameter_count() each). Throw without optimizer state.
+  std::pair<std::vector<float>, std::vector<float>> moments() const;
+  void load_moments(const float* m, const float* v);
 
   std::int64_t device_bytes() const;     // everything this chunk allocated on the device
   std::int64_t optimizer_bytes() const;  // of which AdamW moments (0 without optimizer_state)

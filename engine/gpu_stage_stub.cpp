@@ -71,6 +71,8 @@ std::vector<float> gpu_stage::parameters() const { return {}; }
 std::vector<float> gpu_stage::gradients() const { return {}; }
 void gpu_stage::copy_parameters_to(gpt_stage&) const {}
 void gpu_stage::load_parameters(std::int64_t, const float*, std::int64_t) {}
+std::pair<std::vector<float>, std::vector<float>> gpu_stage::moments() const { return {}; }
+void gpu_stage::load_moments(const float*, const float*) {}
 std::int64_t gpu_stage::device_bytes() const { return 0; }
 std::int64_t gpu_stage::optimizer_bytes() const { return 0; }
 std::string gpu_stage::device_name() const { return {}; }

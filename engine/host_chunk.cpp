@@ -146,6 +146,16 @@ class host_chunk final : public device_chunk {
            static_cast<std::int64_t>(received_.size() * sizeof(float));
   }
   std::int64_t optimizer_bytes() const override { return compute_.optimizer_bytes(); }
+  std::pair<std::vector<float>, std::vector<float>> moments() override {
+    const auto& o = compute_.optimizer(0);
+    const float* m = o.first_moment().f32();
+    const float* v = o.second_moment().f32();
+    const auto n = static_cast<std::size_t>(o.first_moment().numel());
+    return {{m, m + n}, {v, v + n}};
+  }
+  void load_moments(const float* m, const float* v) override {
+    compute_.optimizer(0).load_moments(m, v);
+  }
   void* record_event() override { return nullptr; }
   void wait_event(void*) override {}
   void copy_to_host(void* host, const void* memory, std::size_t bytes) override {

@@ -2,15 +2,36 @@
 #include "engine/metrics.hpp"
 
 #include <cmath>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <vector>
 
 namespace troupe::engine {
 
-jsonl_writer::jsonl_writer(const std::filesystem::path& path)
-    : path_(path), out_(path, std::ios::trunc) {
+namespace {
+
+// The lines of `path` whose "step" is at most `step` (none when the file does not exist).
+std::string lines_through(const std::filesystem::path& path, int step) {
+  std::ifstream in(path);
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+        j["step"].get<int>() <= step)
+      kept += line + "\n";
+  }
+  return kept;
+}
+
+}  // namespace
+
+jsonl_writer::jsonl_writer(const std::filesystem::path& path, int keep_through_step) : path_(path) {
+  const std::string kept = keep_through_step >= 0 ? lines_through(path, keep_through_step) : "";
+  out_.open(path, std::ios::trunc);
   if (!out_) throw std::runtime_error(path.string() + ": cannot open for writing");
+  out_ << kept;
+  out_.flush();
 }
 
 void jsonl_writer::write(const step_metrics& m) {

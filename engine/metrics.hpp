@@ -48,7 +48,9 @@ struct step_metrics {
 
 class jsonl_writer {
  public:
-  explicit jsonl_writer(const std::filesystem::path& path);  // truncates; throws naming the file
+  // Truncates; throws naming the file. keep_through_step >= 0 (a resumed run): the file's lines
+  // of steps up to it stay (later ones were trained again).
+  explicit jsonl_writer(const std::filesystem::path& path, int keep_through_step = -1);
   void write(const step_metrics& m);
 
  private:

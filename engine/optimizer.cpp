@@ -1,6 +1,8 @@
 // AdamW step and learning-rate schedule. See optimizer.hpp.
 #include "engine/optimizer.hpp"
 
+#include <cstring>
+
 #include <cmath>
 #include <numbers>
 
@@ -18,6 +20,11 @@ double learning_rate(const optimizer_config& c, int step, int total_steps) {
 adamw_optimizer::adamw_optimizer(const gpt_stage& stage)
     : m_(kernels::tensor::zeros({stage.parameter_count()})),
       v_(kernels::tensor::zeros({stage.parameter_count()})) {}
+
+void adamw_optimizer::load_moments(const float* m, const float* v) {
+  std::memcpy(m_.data(), m, m_.nbytes());
+  std::memcpy(v_.data(), v, v_.nbytes());
+}
 
 double grad_square_sum(const gpt_stage& stage, bool count_tied_copy) {
   double sum = 0;

@@ -61,6 +61,8 @@ class adamw_optimizer {
 
   const kernels::tensor& first_moment() const { return m_; }
   const kernels::tensor& second_moment() const { return v_; }
+  // A checkpoint's moments, in the stage's flat layout (parameter_count floats each).
+  void load_moments(const float* m, const float* v);
 
  private:
   void update(gpt_stage& stage, const optimizer_config& config, int step, int total_steps,

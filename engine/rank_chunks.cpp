@@ -117,6 +117,16 @@ class cpu_rank_chunks final : public rank_chunks {
   float* host_gradients(int c) override { return compute_.chunk(c).grads(); }
   void gradients_to_host(int, std::int64_t, std::int64_t) override {}
   void parameters_from_host(int, std::int64_t, std::int64_t) override {}
+  std::pair<std::vector<float>, std::vector<float>> moments(int c) override {
+    const auto& o = compute_.optimizer(c);
+    const float* m = o.first_moment().f32();
+    const float* v = o.second_moment().f32();
+    const auto n = static_cast<std::size_t>(o.first_moment().numel());
+    return {{m, m + n}, {v, v + n}};
+  }
+  void load_moments(int c, const float* m, const float* v) override {
+    compute_.optimizer(c).load_moments(m, v);
+  }
 
   std::int64_t optimizer_bytes() const override { return compute_.optimizer_bytes(); }
   std::int64_t activation_bytes() const override { return compute_.activation_bytes(); }
@@ -323,6 +333,12 @@ class device_rank_chunks final : public rank_chunks {
   void parameters_from_host(int c, std::int64_t at, std::int64_t n) override {
     check_span(c, at, n);
     chunk(c).load_parameters(at, host_parameters(c) + at, n);
+  }
+  std::pair<std::vector<float>, std::vector<float>> moments(int c) override {
+    return chunk(c).moments();
+  }
+  void load_moments(int c, const float* m, const float* v) override {
+    chunk(c).load_moments(m, v);
   }
 
   std::int64_t optimizer_bytes() const override {

@@ -126,6 +126,12 @@ class rank_chunks {
   virtual void gradients_to_host(int c, std::int64_t at, std::int64_t n) = 0;
   virtual void parameters_from_host(int c, std::int64_t at, std::int64_t n) = 0;
 
+  // ---- checkpoints ---------------------------------------------------------------------------
+  // The AdamW moments (m, v) of c in its flat layout, copied to the host after c's work so far;
+  // and loading them (chunks made with optimizer state).
+  virtual std::pair<std::vector<float>, std::vector<float>> moments(int c) = 0;
+  virtual void load_moments(int c, const float* m, const float* v) = 0;
+
   // ---- memory --------------------------------------------------------------------------
   virtual std::int64_t optimizer_bytes() const = 0;   // AdamW moments held here
   virtual std::int64_t activation_bytes() const = 0;  // what the passes keep and pool

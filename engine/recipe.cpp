@@ -99,6 +99,9 @@ const std::map<std::string, field>& schema() {
       {"output.dir", nested(&recipe::output, &output_config::dir)},
       {"output.metrics", nested(&recipe::output, &output_config::metrics)},
       {"output.weights", nested(&recipe::output, &output_config::weights)},
+      {"checkpoint.every", nested(&recipe::checkpoint, &checkpoint_config::every)},
+      {"checkpoint.dir", nested(&recipe::checkpoint, &checkpoint_config::dir)},
+      {"checkpoint.keep", nested(&recipe::checkpoint, &checkpoint_config::keep)},
       {"parallel.pp", nested(&recipe::parallel, &parallel_config::pp)},
       {"parallel.dp", nested(&recipe::parallel, &parallel_config::dp)},
       {"parallel.tp", nested(&recipe::parallel, &parallel_config::tp)},
@@ -316,9 +319,15 @@ std::filesystem::path recipe::weights_path() const {
   return std::filesystem::path(output.dir) / output.weights;
 }
 
+std::filesystem::path recipe::checkpoint_path() const {
+  return std::filesystem::path(output.dir) / checkpoint.dir;  // an absolute dir replaces
+}
+
 recipe parse_recipe(std::string_view toml_text, const std::string& source,
                     const std::vector<std::string>& overrides) {
   recipe r;
+  r.source_text = toml_text;
+  r.overrides = overrides;
   toml::table table;
   try {
     table = toml::parse(toml_text, source);
@@ -405,6 +414,9 @@ void validate_recipe(const recipe& r) {
   validate_parallel(r);
   require(!r.output.dir.empty(), "output.dir", "must not be empty");
   require(!r.output.metrics.empty(), "output.metrics", "must not be empty");
+  require(r.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)");
+  require(!r.checkpoint.dir.empty(), "checkpoint.dir", "must not be empty");
+  require(r.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
 }
 
 void check_recipe_inputs(const recipe& r) {

@@ -40,6 +40,14 @@ struct output_config {
   std::string weights = "final.safetensors";
 };
 
+// Checkpoints (docs/checkpoints.md): every `every` steps (0: none) into `dir` (relative to
+// output.dir unless absolute), the newest `keep` committed ones kept.
+struct checkpoint_config {
+  int every = 0;
+  std::string dir = "checkpoints";
+  int keep = 2;
+};
+
 // How the model is spread over actors (docs/pipeline.md, docs/zero.md, docs/tensor_parallel.md).
 struct parallel_config {
   int pp = 1;                     // pipeline ranks (stage actors per replica)
@@ -100,6 +108,11 @@ struct recipe {
   guard_config guard;  // skipped updates: spikes and non-finite steps ([guard])
   activation_checkpoint_config activation_checkpoint;
   kernels_config kernels;
+  checkpoint_config checkpoint;
+  // Where the recipe came from: its TOML text and the overrides applied to it (a checkpoint
+  // keeps both, so the run it belongs to can be parsed again).
+  std::string source_text;
+  std::vector<std::string> overrides;
 
   // Micro-batches per optimizer step over all replicas: grad_accum * micro_batches * dp.
   int micro_batches_per_step() const {
@@ -107,7 +120,8 @@ struct recipe {
   }
 
   std::filesystem::path metrics_path() const;
-  std::filesystem::path weights_path() const;  // empty when output.weights == ""
+  std::filesystem::path weights_path() const;     // empty when output.weights == ""
+  std::filesystem::path checkpoint_path() const;  // checkpoint.dir under output.dir
 };
 
 // Parses the file, applies "key=value" overrides, checks types, ranges, shapes and that the

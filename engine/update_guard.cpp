@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 namespace troupe::engine {
 namespace {
@@ -33,6 +35,23 @@ double outlier_detector::update(double x) {
   next_ = (next_ + 1) % values_.size();
   if (count_ < values_.size()) ++count_;
   return z;
+}
+
+void outlier_detector::restore(const state& s) {
+  if (s.values.size() != values_.size() || s.next >= values_.size() || s.count > values_.size())
+    throw std::invalid_argument("a guard window of " + std::to_string(s.values.size()) +
+                                " steps where the recipe has " + std::to_string(values_.size()));
+  values_ = s.values;
+  next_ = s.next;
+  count_ = s.count;
+}
+
+void update_guard::restore(const state& s) {
+  loss_.restore(s.loss);
+  grad_norm_.restore(s.grad_norm);
+  scale_ = s.scale;
+  good_steps_ = s.good_steps;
+  skips_in_a_row_ = s.skips_in_a_row;
 }
 
 update_guard::update_guard(const guard_config& guard, const loss_scale_config& scaling)

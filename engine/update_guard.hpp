@@ -38,6 +38,15 @@ class outlier_detector {
   // Returns x's z-score against the window, then adds x to it (so a spike enters the window).
   double update(double x);
 
+  // What a checkpoint keeps: the window's values in slot order, the next slot, the count.
+  struct state {
+    std::vector<double> values;
+    std::size_t next = 0, count = 0;
+  };
+  state save() const { return {values_, next_, count_}; }
+  // Throws std::invalid_argument when the state's window has another size.
+  void restore(const state& s);
+
  private:
   std::vector<double> values_;
   std::size_t next_ = 0, count_ = 0;
@@ -64,6 +73,18 @@ class update_guard {
   // loss: the step's mean loss; grad_norm: the global norm of the unscaled gradients (the
   // scaled norm divided by loss_scale()). Moves the scale for the next step.
   guard_decision decide(double loss, double grad_norm);
+
+  // Everything a later decision depends on, for checkpoints: restoring it makes the guard decide
+  // the following steps as the saved one would have.
+  struct state {
+    double scale = 1;
+    int good_steps = 0, skips_in_a_row = 0;
+    outlier_detector::state loss, grad_norm;
+  };
+  state save() const {
+    return {scale_, good_steps_, skips_in_a_row_, loss_.save(), grad_norm_.save()};
+  }
+  void restore(const state& s);
 
  private:
   guard_config guard_;

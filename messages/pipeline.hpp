@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/checkpoint.hpp"
 #include "engine/metrics.hpp"
 #include "engine/schedule.hpp"
 #include "engine/trace.hpp"
@@ -151,6 +152,12 @@ struct zero_layout {
   std::vector<engine::bucket_shard> buckets;  // by bucket index
   engine::shard_views views;                  // the stage's flat buffers (shard_* unset)
   std::vector<float> params;                  // ZeRO-3: the owned parameters (by segment.at)
+  std::vector<float> m, v;  // resuming: the owned AdamW moments (by segment.at); empty: zeros
+};
+// A checkpoint: the stage asks its shard (same process) for what it owns, by segment.at.
+struct zero_state_request {};
+struct zero_state {
+  std::vector<float> m, v, params;  // params: ZeRO-3 only
 };
 // Which collective a ZeRO ring serves; each numbers its instances within a step.
 enum class zero_collective : int {
@@ -210,12 +217,40 @@ struct trace_finish {
 };
 
 // Snapshot of a stage's parameters by Hugging Face name (final weights, tests; on the wire the
-// parameter-shard message).
-struct snapshot_request {};
+// parameter-shard message). With `state` (a checkpoint at the end of `step`): the AdamW moments
+// too, and, where ZeRO shards hold them, the parameters and moments as pieces; a ZeRO-3 stage
+// gathers nothing for it.
+struct snapshot_request {
+  int step = 0;
+  bool state = false;
+};
+enum class tensor_role : int { parameter = 0, exp_avg = 1, exp_avg_sq = 2 };
+// Values [offset, offset + size) of a named tensor's flat elements (Troupe layout; a tensor
+// shard's slice).
+struct tensor_piece {
+  tensor_role role = tensor_role::parameter;
+  std::string name;
+  std::int64_t offset = 0;
+  std::vector<float> values;
+};
 struct stage_snapshot {
   int rank = 0, replica = 0;
   std::vector<std::pair<std::string, std::vector<float>>> parameters;
+  std::vector<tensor_piece> pieces;
 };
+
+// Checkpoints (docs/checkpoints.md), between actors of the control process:
+//   coordinator --checkpoint_begin--> checkpoint writer --snapshot_request{state}--> stages
+//   writer --checkpoint_copied--> coordinator (every state copied: the next step may begin),
+//   then the writer writes and commits the files while training goes on.
+struct checkpoint_begin {
+  engine::checkpoint_state state;  // the coordinator's part: step, tokens, data position, guard
+};
+struct checkpoint_copied {
+  int step = 0;
+};
+// Answered (true) once every checkpoint begun before it is committed.
+struct checkpoint_flush {};
 
 // Coordinator -> whoever started the run.
 struct step_report {

@@ -52,6 +52,11 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::actor_down)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::error_report)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::job_shutdown)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_chunk)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_state_request)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_state)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_begin)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_copied)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_flush)
 
 namespace troupe::messages {
 
@@ -74,6 +79,7 @@ struct coordinator_wiring {
   std::vector<std::vector<caf::actor>> stages;  // [replica][rank]
   std::vector<caf::actor> watched;              // every actor of the run, monitored
   std::vector<std::string> watched_names;
+  caf::actor checkpointer;  // the checkpoint writer; unset without checkpoint.every
 };
 struct start_run {};
 // A stage's note to itself: run the next action (after the mailbox had its turn).
@@ -138,7 +144,12 @@ using ring_reducer_actor =
 
 using zero_shard_actor = caf::typed_actor<caf::reacts_to<ring_wiring>, caf::reacts_to<zero_layout>,
                                           caf::reacts_to<grad_bucket>, caf::reacts_to<ring_chunk>,
-                                          caf::reacts_to<zero_update>, caf::reacts_to<zero_gather>>;
+                                          caf::reacts_to<zero_update>, caf::reacts_to<zero_gather>,
+                                          caf::replies_to<zero_state_request>::with<zero_state>>;
+
+using checkpoint_writer_actor =
+    caf::typed_actor<caf::replies_to<checkpoint_begin>::with<checkpoint_copied>,
+                     caf::replies_to<checkpoint_flush>::with<bool>>;
 
 using coordinator_actor =
     caf::typed_actor<caf::reacts_to<coordinator_wiring>, caf::reacts_to<start_run>,

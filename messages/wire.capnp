@@ -153,7 +153,17 @@ struct TiedGrad {
   data @2 :Tensor;
 }
 
-struct SnapshotRequest {}
+struct SnapshotRequest {
+  step @0 :Int32;
+  state @1 :Bool;           # a checkpoint's: moments too, pieces where ZeRO shards hold them
+}
+
+struct TensorPiece {
+  role @0 :Int32;           # messages::tensor_role
+  name @1 :Text;
+  offset @2 :Int64;
+  data @3 :Tensor;
+}
 
 struct NamedTensor {
   name @0 :Text;
@@ -164,6 +174,7 @@ struct StageSnapshot {
   rank @0 :Int32;
   replica @1 :Int32;
   parameters @2 :List(NamedTensor);
+  pieces @3 :List(TensorPiece);
 }
 
 # engine::trace::event, field by field.

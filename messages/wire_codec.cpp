@@ -363,7 +363,11 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       o.setReplica(m.replica);
       w.tensor(o.initData(), m.data, "data");
     }
-    void operator()(const snapshot_request&) { b.initSnapshotRequest(); }
+    void operator()(const snapshot_request& m) {
+      auto o = b.initSnapshotRequest();
+      o.setStep(m.step);
+      o.setState(m.state);
+    }
     void operator()(const stage_snapshot& m) {
       auto o = b.initStageSnapshot();
       o.setRank(m.rank);
@@ -376,6 +380,17 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
         w.tensor(list[i].initData(),
                  std::make_shared<payload<float>>(values.data(), values.data() + values.size()),
                  "parameters");
+      }
+      auto pieces = o.initPieces(static_cast<unsigned>(m.pieces.size()));
+      for (unsigned i = 0; i < pieces.size(); ++i) {
+        const auto& p = m.pieces[i];
+        pieces[i].setRole(static_cast<std::int32_t>(p.role));
+        pieces[i].setName(text(p.name));
+        pieces[i].setOffset(p.offset);
+        w.tensor(pieces[i].initData(),
+                 std::make_shared<payload<float>>(p.values.data(),
+                                                  p.values.data() + p.values.size()),
+                 "pieces");
       }
     }
     void operator()(const trace_batch& m) {

@@ -272,8 +272,10 @@ body reader::message(s::Envelope::Body::Reader b) {
       return tied_grad{r.getStep(), r.getReplica(),
                        at("data").tensor<float>(r.hasData(), r.getData())};
     }
-    case B::SNAPSHOT_REQUEST:
-      return snapshot_request{};
+    case B::SNAPSHOT_REQUEST: {
+      const auto r = b.getSnapshotRequest();
+      return snapshot_request{r.getStep(), r.getState()};
+    }
     case B::STAGE_SNAPSHOT: {
       const auto r = b.getStageSnapshot();
       stage_snapshot m;
@@ -286,6 +288,24 @@ body reader::message(s::Envelope::Body::Reader b) {
         auto name = at("parameters.name").str(p.hasName(), p.getName());
         const auto view = at("parameters.data").tensor<float>(p.hasData(), p.getData());
         m.parameters.emplace_back(std::move(name), std::vector<float>(view->begin(), view->end()));
+      }
+      field = "pieces";
+      const auto pieces = r.getPieces();
+      list(pieces.size());
+      for (const auto p : pieces) {
+        tensor_piece piece;
+        const int role = p.getRole();
+        field = "pieces.role";
+        if (role < 0 || role > static_cast<int>(tensor_role::exp_avg_sq))
+          fail("unknown tensor role " + std::to_string(role));
+        piece.role = static_cast<tensor_role>(role);
+        piece.name = at("pieces.name").str(p.hasName(), p.getName());
+        piece.offset = p.getOffset();
+        field = "pieces.offset";
+        if (piece.offset < 0) fail("negative offset " + std::to_string(piece.offset));
+        const auto view = at("pieces.data").tensor<float>(p.hasData(), p.getData());
+        piece.values.assign(view->begin(), view->end());
+        m.pieces.push_back(std::move(piece));
       }
       return m;
     }

@@ -25,7 +25,8 @@ namespace troupe::messages::wire {
 //    gradient bucket, 16 more; the data loader's 2 per micro-batch of a step is smaller.
 //    Shape dims and tensor pieces are far below these.
 //  - Frame. The largest of: one tensor; a stage_snapshot of the rank with most parameter bytes
-//    (plus 64 bytes of structure and the name per tensor); a trace batch at 256 bytes per event
+//    (plus 64 bytes of structure and the name per tensor; with checkpoints, its moments too and
+//    64 bytes per piece); a trace batch at 256 bytes per event
 //    (11 fields + two short strings); a plan at 16 bytes per action. Plus 64 KiB for the
 //    envelope, segment table, far pointers and strings such as error messages.
 limits limits_for(const engine::recipe& r) {
@@ -78,9 +79,14 @@ limits limits_for(const engine::recipe& r) {
   const std::int64_t buckets = m.layers + 2 * std::int64_t{par.pp} * v;
   const std::int64_t events =
       8 * (3 * v * mb * r.batch.grad_accum + v * r.eval_batches) + 2 * buckets + 16;
-  const std::int64_t list = std::max({actions, rank_params, events, std::int64_t{64}});
+  // A checkpoint's snapshot (checkpoint.every > 0) carries the moments too: three times the
+  // parameter bytes, and (ZeRO) pieces of at most one per parameter and bucket per role.
+  const std::int64_t snapshot = r.checkpoint.every > 0 ? 3 * rank_bytes : rank_bytes;
+  const std::int64_t pieces = r.checkpoint.every > 0 ? 3 * (rank_params + buckets) : rank_params;
+  const std::int64_t list = std::max({actions, pieces, events, std::int64_t{64}});
   const std::int64_t frame =
-      std::max({tensor * 4, rank_bytes, events * 256, actions * 16}) + (std::int64_t{64} << 10);
+      std::max({tensor * 4, snapshot + pieces * 64, events * 256, actions * 16}) +
+      (std::int64_t{64} << 10);
 
   limits lim;
   lim.max_frame_bytes = static_cast<std::uint64_t>(frame);

@@ -48,6 +48,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     bool dry_run = false;
     bool report_peak_rss = false;
     std::string test_chunks;  // "host": stages on device chunks of the host kind
+    std::string resume;       // with resume_given: a checkpoint dir; empty: checkpoint.dir
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
@@ -90,10 +91,16 @@ std::function<int()> add_train_command(CLI::App& app) {
                   "(slots, links, payloads staged through host memory across processes) on the "
                   "CPU engine's arithmetic")
       ->check(CLI::IsMember({"host"}));
+  auto* resume_opt =
+      cmd->add_option("--resume", opts->resume,
+                      "Continue from a checkpoint: the newest committed one that verifies under "
+                      "DIR (a checkpoint directory, or one step-N directory of it); without DIR, "
+                      "under the recipe's checkpoint.dir (docs/checkpoints.md)")
+          ->expected(0, 1);
   cmd->add_flag("--report-peak-rss", opts->report_peak_rss,
                 "At the end, every process prints its peak resident memory as one JSON line on "
                 "stderr");
-  return [opts]() -> int {
+  return [opts, resume_opt]() -> int {
     engine::recipe r;
     try {
       auto overrides = opts->overrides;
@@ -125,11 +132,20 @@ std::function<int()> add_train_command(CLI::App& app) {
     }
     // One GPU without pipeline or tensor shards, in one process: the serial trainer
     // (gpu_trainer), else actors.
+    const bool resume = resume_opt->count() > 0;
+    const bool checkpoints = resume || r.checkpoint.every > 0;
     if (opts->engine.empty())
       opts->engine = gpu && r.parallel.pp == 1 && r.parallel.tp == 1 && launch.world == 1 &&
-                             opts->test_chunks.empty()
+                             opts->test_chunks.empty() && !checkpoints
                          ? "serial"
                          : "actors";
+    if (checkpoints && opts->engine == "serial") {
+      std::fprintf(stderr,
+                   "troupe train: %s needs the actor engine (--engine actors; the serial loop "
+                   "writes no checkpoints)\n",
+                   resume ? "--resume" : "key checkpoint.every");
+      return exit_bad_input;
+    }
     if (!opts->test_chunks.empty() && opts->engine == "serial") {
       std::fprintf(stderr,
                    "troupe train: --test-chunks needs the actor engine (--engine actors)\n");
@@ -160,6 +176,7 @@ std::function<int()> add_train_command(CLI::App& app) {
         o.collect_parameters = false;  // only for the weights file (output.weights)
         o.launch = launch;
         o.compute_threads = opts->threads;
+        if (resume) o.resume = opts->resume.empty() ? r.checkpoint_path().string() : opts->resume;
         if (opts->test_chunks == "host")
           o.device_chunks = std::make_shared<engine::chunk_factory>(
               engine::host_chunks(r.activation_checkpoint.full()));

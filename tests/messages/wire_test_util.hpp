@@ -123,10 +123,15 @@ inline body sample(std::size_t kind) {
     case 11:
       return tied_grad{6, 1, floats(33, 2)};
     case 12:
-      return snapshot_request{};
+      return snapshot_request{12, true};
     case 13: {
       const auto p = floats(5, 3);
-      return stage_snapshot{1, 2, {{"transformer.wte.weight", {p->begin(), p->end()}}, {"", {}}}};
+      return stage_snapshot{
+          1,
+          2,
+          {{"transformer.wte.weight", {p->begin(), p->end()}}, {"", {}}},
+          {{tensor_role::exp_avg_sq, "transformer.wpe.weight", 1234, {p->begin(), p->end()}},
+           {tensor_role::parameter, "", 0, {}}}};
     }
     case 14: {
       engine::trace::event a{engine::trace::event_kind::span, 3, "compute", "F", 12.5, 3.25};

@@ -1,0 +1,118 @@
+// The checkpoint writer. See checkpoint_writer.hpp.
+#include "actors/checkpoint_writer.hpp"
+
+#include <chrono>
+#include <optional>
+
+#include "actors/error_text.hpp"
+
+namespace troupe::actors {
+namespace {
+
+using namespace messages;
+
+class checkpoint_writer_impl : public checkpoint_writer_actor::base {
+ public:
+  checkpoint_writer_impl(caf::actor_config& cfg, checkpoint_writer_config config)
+      : checkpoint_writer_actor::base(cfg), cfg_(std::move(config)) {}
+
+  void on_exit() override {
+    cfg_.stages.clear();
+    cfg_.tracer = nullptr;
+  }
+
+  behavior_type make_behavior() override {
+    set_exception_handler(
+        [](std::exception_ptr& e) -> caf::error { return exit_reason("checkpoint writer", e); });
+    return {
+        [this](checkpoint_begin& b) -> caf::result<checkpoint_copied> { return begin(b); },
+        [this](checkpoint_flush) -> caf::result<bool> {
+          if (!collecting_) return true;
+          auto rp = make_response_promise<bool>();
+          flushes_.push_back(rp);
+          return rp;
+        },
+    };
+  }
+
+ private:
+  caf::result<checkpoint_copied> begin(checkpoint_begin& b) {
+    if (collecting_) throw std::logic_error("checkpoint writer: a checkpoint begun during another");
+    collecting_ = true;
+    state_ = std::move(b.state);
+    state_.mesh = cfg_.mesh;
+    state_.schedule = cfg_.schedule;
+    state_.recipe_text = cfg_.recipe_text;
+    state_.overrides = cfg_.overrides;
+    assembler_.emplace(cfg_.model, cfg_.tp);
+    t0_ = cfg_.trace.now_us();
+    auto rp = make_response_promise<checkpoint_copied>();
+    // W2: replica 0's lanes, or every replica's with ZeRO.
+    const int lanes = (cfg_.zero ? cfg_.dp : 1) * cfg_.tp;
+    pending_ = lanes * cfg_.pp;
+    for (int lane = 0; lane < lanes; ++lane) {
+      for (const auto& stage : cfg_.stages.at(static_cast<std::size_t>(lane))) {
+        request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true})
+            .then(
+                [this, rp, lane](stage_snapshot& s) mutable {
+                  add(s, lane);
+                  if (--pending_ > 0) return;
+                  rp.deliver(checkpoint_copied{state_.step});
+                  write();
+                },
+                [this](caf::error& e) {
+                  quit(caf::make_error(caf::sec::runtime_error,
+                                       "checkpoint of step " + std::to_string(state_.step) +
+                                           ": a stage did not give its state: " + to_string(e)));
+                });
+      }
+    }
+    return rp;
+  }
+
+  // One stage's state into the whole tensors (W2: other replicas' parameters are the same).
+  void add(const stage_snapshot& s, int lane) {
+    const int shard = lane % cfg_.tp, replica = lane / cfg_.tp;
+    using role = engine::checkpoint_assembler::role;
+    if (replica == 0)
+      for (const auto& [name, values] : s.parameters)
+        assembler_->add(role::parameter, name, shard, 0, values.data(),
+                        static_cast<std::int64_t>(values.size()));
+    for (const auto& p : s.pieces)
+      assembler_->add(static_cast<role>(p.role), p.name, shard, p.offset, p.values.data(),
+                      static_cast<std::int64_t>(p.values.size()));
+  }
+
+  // W1: on this actor's thread; messages wait meanwhile.
+  void write() {
+    const double t_copied = cfg_.trace.now_us();
+    const auto tensors = assembler_->finish();
+    assembler_.reset();
+    engine::write_checkpoint(cfg_.root, cfg_.model, tensors, state_, cfg_.keep);
+    cfg_.trace.span("checkpoint", "write step " + std::to_string(state_.step), t_copied,
+                    cfg_.trace.now_us(), {state_.step - 1});
+    cfg_.trace.span("checkpoint", "collect", t0_, t_copied, {state_.step - 1});
+    if (cfg_.trace.enabled() && cfg_.tracer)
+      caf::anon_send(caf::actor_cast<tracer_actor>(cfg_.tracer), trace_batch{cfg_.trace.take()});
+    collecting_ = false;
+    for (auto& rp : flushes_) rp.deliver(true);  // W3
+    flushes_.clear();
+  }
+
+  checkpoint_writer_config cfg_;
+  bool collecting_ = false;
+  int pending_ = 0;
+  double t0_ = 0;
+  engine::checkpoint_state state_;
+  std::optional<engine::checkpoint_assembler> assembler_;
+  std::vector<caf::typed_response_promise<bool>> flushes_;
+};
+
+}  // namespace
+
+checkpoint_writer_actor spawn_checkpoint_writer(caf::actor_system& system,
+                                                checkpoint_writer_config config) {
+  return system.spawn<checkpoint_writer_impl, caf::detached>(std::move(config));
+}
+
+}  // namespace troupe::actors

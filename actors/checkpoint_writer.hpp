@@ -1,0 +1,42 @@
+// The checkpoint writer (docs/checkpoints.md): on checkpoint_begin from the coordinator it asks
+// the stages for their state (snapshot_request with `state`), answers checkpoint_copied once
+// every stage has answered, so the next step may begin, and then writes and commits the
+// checkpoint (engine/checkpoint.hpp) on its own thread while training goes on. A failed write
+// stops it with the error, naming the file; the coordinator, which monitors it, ends the run.
+//
+// Invariants:
+//  W1. One checkpoint at a time: the next is collected only after the previous is committed.
+//  W2. Parameters come from replica 0's lanes (the shards of a rank); moments from replica 0's
+//      lanes too, or with ZeRO from every replica (each owns a piece of each bucket).
+//  W3. checkpoint_flush is answered after every checkpoint begun before it is committed.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "engine/recipe.hpp"
+#include "engine/trace_recorder.hpp"
+#include "messages/protocols.hpp"
+
+namespace troupe::actors {
+
+struct checkpoint_writer_config {
+  engine::gpt_config model;
+  int pp = 1, dp = 1, tp = 1;
+  bool zero = false;
+  std::filesystem::path root;  // checkpoint.dir
+  int keep = 2;
+  // What every checkpoint's trainer state holds beyond the coordinator's part.
+  engine::checkpoint_mesh mesh;
+  std::string schedule, recipe_text;
+  std::vector<std::string> overrides;
+  std::vector<std::vector<caf::actor>> stages;  // [lane][rank], lane = replica * tp + shard
+  engine::trace::recorder trace;
+  caf::actor tracer;
+};
+
+messages::checkpoint_writer_actor spawn_checkpoint_writer(caf::actor_system& system,
+                                                          checkpoint_writer_config config);
+
+}  // namespace troupe::actors
