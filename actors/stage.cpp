@@ -177,7 +177,11 @@ class stage_impl : public stage_actor::base {
   void init_chunks() {
     const auto ranges = cfg_.layout.rank_chunks(cfg_.rank);
     const engine::chunk_init init = [this](engine::gpt_stage& st) {
-      if (cfg_.init.empty()) {
+      if (!cfg_.resume.empty()) {  // with the head's own copy of the tied wte, where saved
+        const auto values = engine::load_checkpoint_tensors(cfg_.resume, "model", cfg_.model,
+                                                            st.range(), st.shard());
+        std::copy(values.begin(), values.end(), st.params());
+      } else if (cfg_.init.empty()) {
         st.init_gpt2(cfg_.seed);
       } else {
         engine::load_hf_weights(st, cfg_.init);
@@ -318,14 +322,15 @@ class stage_impl : public stage_actor::base {
   // the ZeRO shard holds them, as the pieces it owns. Nothing is gathered or released for it.
   caf::result<stage_snapshot> on_state(const snapshot_request&) {
     if (!zero()) {
-      stage_snapshot s = snapshot();
+      stage_snapshot s = snapshot(true);
       for (int c = 0; c < chunks_->chunk_count(); ++c) {
         const auto [m, v] = chunks_->moments(c);
         for (const auto& p : chunks_->layout(c)) {
           const auto from = static_cast<std::ptrdiff_t>(p.offset), to = from + p.numel;
-          s.pieces.push_back({tensor_role::exp_avg, p.name, 0, {m.begin() + from, m.begin() + to}});
+          const auto name = state_name(c, p);
+          s.pieces.push_back({tensor_role::exp_avg, name, 0, {m.begin() + from, m.begin() + to}});
           s.pieces.push_back(
-              {tensor_role::exp_avg_sq, p.name, 0, {v.begin() + from, v.begin() + to}});
+              {tensor_role::exp_avg_sq, name, 0, {v.begin() + from, v.begin() + to}});
         }
       }
       return s;
@@ -335,7 +340,7 @@ class stage_impl : public stage_actor::base {
         .then([this, rp](zero_state& z) mutable {
           stage_snapshot s;
           if (!sharded_params()) {
-            s = snapshot();
+            s = snapshot(true);
           } else {
             s.rank = my_rank();
             s.replica = cfg_.replica;
@@ -344,10 +349,11 @@ class stage_impl : public stage_actor::base {
             for (const auto& seg : b.segments) {
               const auto& p = parameter_at(seg.chunk, seg.offset);
               const std::int64_t offset = seg.offset - p.offset;
+              const auto name = state_name(seg.chunk, p);
               auto piece = [&](tensor_role role, const std::vector<float>& from) {
                 const auto at = static_cast<std::ptrdiff_t>(seg.at);
                 s.pieces.push_back(
-                    {role, p.name, offset, {from.begin() + at, from.begin() + at + seg.numel}});
+                    {role, name, offset, {from.begin() + at, from.begin() + at + seg.numel}});
               };
               piece(tensor_role::exp_avg, z.m);
               piece(tensor_role::exp_avg_sq, z.v);
@@ -985,7 +991,10 @@ class stage_impl : public stage_actor::base {
       caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
   }
 
-  stage_snapshot snapshot() {
+  // state: a checkpoint's, where a head chunk's own copy of the tied wte is "lm_head.weight"
+  // (the two copies are summed in different orders over the replicas, so they may differ in
+  // their last bits, and exact resume needs both).
+  stage_snapshot snapshot(bool state = false) {
     stage_snapshot s;
     s.rank = my_rank();
     s.replica = cfg_.replica;
@@ -993,10 +1002,17 @@ class stage_impl : public stage_actor::base {
       const auto values = chunks_->parameters(c);
       for (const auto& p : chunks_->layout(c)) {
         const auto from = values.begin() + p.offset;
-        s.parameters.emplace_back(p.name, std::vector<float>(from, from + p.numel));
+        s.parameters.emplace_back(state ? state_name(c, p) : p.name,
+                                  std::vector<float>(from, from + p.numel));
       }
     }
     return s;
+  }
+  std::string state_name(int c, const engine::parameter_info& p) const {
+    const auto& r = chunks_->range(c);
+    return r.head && !r.embedding && p.name == "transformer.wte.weight"
+               ? engine::checkpoint_head_copy
+               : p.name;
   }
 
   stage_config cfg_;

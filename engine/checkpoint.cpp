@@ -182,8 +182,10 @@ checkpoint_assembler::checkpoint_assembler(const gpt_config& model, int tp)
     : model_(model), tp_(tp) {
   for (int j = 0; j < tp; ++j) {
     auto& l = layouts_.emplace_back();
-    for (const auto& p : stage_parameter_layout(model, stage_range::whole(model), {j, tp}))
+    for (const auto& p : stage_parameter_layout(model, stage_range::whole(model), {j, tp})) {
       l.emplace(p.name, p);
+      if (p.name == "transformer.wte.weight") l.emplace(checkpoint_head_copy, p);
+    }
   }
 }
 
@@ -209,8 +211,20 @@ checkpoint_tensors checkpoint_assembler::finish() const {
   checkpoint_tensors out;
   named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
   const gpt_stage whole(model_, stage_range::whole(model_));
-  for (int r = 0; r < 3; ++r) {
+  // The head's copy of wte, when any stage sent one.
+  bool head_copy = false;
+  for (const auto& [key, s] : slices_)
+    head_copy = head_copy || std::get<1>(key) == checkpoint_head_copy;
+  std::vector<parameter_info> tensors = whole.parameters();
+  if (head_copy) {
     for (const auto& p : whole.parameters()) {
+      if (p.name != "transformer.wte.weight") continue;
+      tensors.push_back(p);
+      tensors.back().name = checkpoint_head_copy;
+    }
+  }
+  for (int r = 0; r < 3; ++r) {
+    for (const auto& p : tensors) {
       auto& dst = (*maps[r])[p.name];
       dst.assign(static_cast<std::size_t>(p.numel), 0.0f);
       for (int j = 0; j < tp_; ++j) {
@@ -284,6 +298,22 @@ void write_checkpoint(const fs::path& root, const gpt_config& model,
     const std::string name = std::string(tensor_files[i]) + ".safetensors";
     save_hf_weights(whole, dir / name);
     add(name);
+  }
+  if (tensors.params.count(checkpoint_head_copy)) {  // the head's copy of wte, HF's wte layout
+    const std::string base = checkpoint_head_copy;
+    const kernels::shape_t shape = {model.vocab_size, model.width};
+    const auto bytes = static_cast<std::size_t>(model.vocab_size) * model.width * sizeof(float);
+    std::map<std::string, safetensors_tensor> out;
+    const std::pair<const char*, const named_tensors*> parts[] = {
+        {"", &tensors.params},
+        {".exp_avg", &tensors.exp_avg},
+        {".exp_avg_sq", &tensors.exp_avg_sq}};
+    for (const auto& [suffix, map] : parts) {
+      const auto& v = map->at(base);
+      out[base + suffix] = safetensors_tensor{"F32", shape, v.data(), bytes};
+    }
+    write_safetensors(dir / "lm_head.safetensors", out, {{"format", "pt"}});
+    add("lm_head.safetensors");
   }
   write_text(dir / "trainer_state.json", state_json(state).dump(1) + "\n");
   add("trainer_state.json");
@@ -421,6 +451,22 @@ std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::strin
                                            tensor_shard shard) {
   gpt_stage st(model, range, shard);
   load_hf_weights(st, dir / (which + ".safetensors"));
+  std::error_code ec;
+  if (range.head && !range.embedding && fs::exists(dir / "lm_head.safetensors", ec)) {
+    const safetensors_file file(dir / "lm_head.safetensors");
+    const std::string name =
+        std::string(checkpoint_head_copy) + (which == "model" ? "" : "." + which);
+    if (!file.contains(name)) throw ckpt_error(file.path(), "no tensor " + name);
+    const auto t = file.read_f32(name);
+    for (const auto& p : st.parameters()) {
+      if (p.name != "transformer.wte.weight") continue;
+      const std::int64_t rows = model.vocab_size * model.width;
+      if (t.numel() != rows) throw ckpt_error(file.path(), "tensor " + name + " of another shape");
+      std::vector<float> whole(static_cast<std::size_t>(kernels::shape_numel(p.full_shape)), 0.0f);
+      std::copy(t.f32(), t.f32() + rows, whole.begin());
+      take_shard(p, st.shard(), whole.data(), st.params() + p.offset);
+    }
+  }
   return {st.params(), st.params() + st.parameter_count()};
 }
 

@@ -6,6 +6,9 @@
 //   model.safetensors       fp32 master weights, Hugging Face GPT-2 names and layout
 //   exp_avg.safetensors     AdamW first moments, the same names and layout
 //   exp_avg_sq.safetensors  AdamW second moments
+//   lm_head.safetensors     when the head's chunk holds its own copy of the tied wte (a
+//                           pipeline): that copy ("lm_head.weight") and its moments, which may
+//                           differ from wte's in their last bits (summed in another order)
 //   trainer_state.json      step, tokens, data position, update guard, schedule, mesh, recipe
 //   manifest.json           magic, format version, step, and every file's size and xxh64
 // The tensors are whole-model tensors whatever the mesh that saved them, so a checkpoint loads
@@ -36,6 +39,8 @@ namespace troupe::engine {
 
 constexpr int checkpoint_format_version = 1;
 inline constexpr const char* checkpoint_magic = "troupe-checkpoint";
+// The name of a head chunk's own copy of the tied wte in checkpoint tensors.
+inline constexpr const char* checkpoint_head_copy = "lm_head.weight";
 
 // The mesh that saved a checkpoint (resume at another one reshards).
 struct checkpoint_mesh {
@@ -56,7 +61,8 @@ struct checkpoint_state {
 };
 
 // Whole-model tensors by parameter name in Troupe's layout (gpt_stage with stage_range::whole:
-// [out, in] linear weights, padded vocabulary rows), as the stages' snapshots give them.
+// [out, in] linear weights, padded vocabulary rows), as the stages' snapshots give them; and
+// optionally checkpoint_head_copy, shaped as wte.
 using named_tensors = std::map<std::string, std::vector<float>>;
 struct checkpoint_tensors {
   named_tensors params, exp_avg, exp_avg_sq;
@@ -121,7 +127,8 @@ std::filesystem::path find_checkpoint(const std::filesystem::path& where,
 checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
 
 // One of the checkpoint's tensor files ("model", "exp_avg", "exp_avg_sq") as a stage's flat
-// buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`.
+// buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`. A head range
+// without the embedding takes the head's copy of wte where the checkpoint has one.
 std::vector<float> load_checkpoint_tensors(const std::filesystem::path& dir,
                                            const std::string& which, const gpt_config& model,
                                            const stage_range& range, tensor_shard shard = {});

@@ -1,0 +1,206 @@
+// Checkpoints of the actor engine and exact resume (docs/checkpoints.md): a run that saves every
+// 3 steps and is resumed from its step-3 checkpoint ends bitwise as the run that went through:
+// every later step's loss, gradient norm and validation loss, and the final weights, on every
+// layout (pipeline, data-parallel, ZeRO-1/2/3, tensor shards, interleaving, ZB-H1, device
+// chunks of the host kind, the update guard's windows). Resumed at another mesh (resharding),
+// the run continues the same data and stays within 1e-5 of the one that went through.
+#include <cmath>
+#include <filesystem>
+
+#include "engine/checkpoint.hpp"
+#include "engine/device_chunk.hpp"
+#include "tests/actors/actor_test_util.hpp"
+
+namespace troupe::actors::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct mesh {
+  int pp = 1, dp = 1, tp = 1, zero = 0, v = 1, m = 2;
+  const char* schedule = "1f1b";
+  bool host_chunks = false;
+};
+
+engine::recipe with_mesh(engine::recipe r, const mesh& x) {
+  r.parallel.pp = x.pp;
+  r.parallel.dp = x.dp;
+  r.parallel.tp = x.tp;
+  r.parallel.zero = x.zero;
+  r.parallel.virtual_stages = x.v;
+  r.parallel.micro_batches = x.m;
+  r.parallel.schedule = x.schedule;
+  return r;
+}
+
+run_options options(const mesh& x) {
+  run_options o;
+  if (x.host_chunks)
+    o.device_chunks = std::make_shared<engine::chunk_factory>(engine::host_chunks(false));
+  return o;
+}
+
+engine::recipe base_recipe(const temp_dir& dir) {
+  engine::recipe r = tiny_recipe(dir);
+  r.model.layers = 4;
+  r.steps = 8;
+  r.eval_interval = 4;
+  r.eval_batches = 2;
+  r.data.val_fraction = 0.1;
+  r.batch.grad_accum = 1;
+  // The guard's windows fill before the checkpoint and decide after it.
+  r.guard.window = 2;
+  r.guard.loss_zscore = 50;
+  r.guard.grad_norm_zscore = 50;
+  return r;
+}
+
+// Steps after `from` (1-based step numbers), bitwise or within rel.
+void same_steps(const run_result& got, const run_result& want, int from, double rel) {
+  REQUIRE(got.steps.size() == want.steps.size() - static_cast<std::size_t>(from));
+  for (std::size_t i = 0; i < got.steps.size(); ++i) {
+    const auto& g = got.steps[i];
+    const auto& w = want.steps[i + static_cast<std::size_t>(from)];
+    INFO("step " << g.step);
+    REQUIRE(g.step == w.step);
+    CHECK(g.tokens == w.tokens);
+    if (rel == 0) {
+      CHECK(g.loss == w.loss);
+      CHECK(g.grad_norm == w.grad_norm);
+    } else {
+      CHECK(std::abs(g.loss - w.loss) <= rel * std::abs(w.loss));
+      CHECK(std::abs(g.grad_norm - w.grad_norm) <= 10 * rel * std::abs(w.grad_norm));
+    }
+    REQUIRE(g.val_loss.has_value() == w.val_loss.has_value());
+    if (g.val_loss) {
+      if (rel == 0)
+        CHECK(*g.val_loss == *w.val_loss);
+      else
+        CHECK(std::abs(*g.val_loss - *w.val_loss) <= rel * std::abs(*w.val_loss));
+    }
+  }
+}
+
+TEST_CASE("a run resumed from its checkpoint ends bitwise as the run that went through",
+          "[actors][checkpoint]") {
+  const std::vector<std::pair<const char*, mesh>> cases = {
+      {"one stage", {}},
+      {"PP=2 1F1B", {2, 1, 1, 0, 1, 4}},
+      {"PP=2 x DP=2 interleaved v=2", {2, 2, 1, 0, 2, 4, "interleaved_1f1b"}},
+      {"DP=2 ZeRO-1", {1, 2, 1, 1}},
+      {"PP=2 x DP=2 ZeRO-2 ZB-H1", {2, 2, 1, 2, 1, 4, "zb_h1"}},
+      {"PP=2 x DP=3 ZeRO-3", {2, 3, 1, 3, 1, 2}},
+      {"PP=2 x TP=2", {2, 1, 2, 0, 1, 4}},
+      {"device chunks PP=2 x DP=2", {2, 2, 1, 0, 1, 4, "1f1b", true}},
+      {"device chunks PP=2 x DP=2 ZeRO-1", {2, 2, 1, 1, 1, 4, "1f1b", true}},
+  };
+  for (const auto& [name, x] : cases) {
+    DYNAMIC_SECTION(name) {
+      temp_dir dir;
+      const engine::recipe r = with_mesh(base_recipe(dir), x);
+      const auto through = run_actors(r, options(x));
+
+      engine::recipe saving = r;
+      saving.checkpoint.every = 3;
+      saving.output.dir = (dir / "saving").string();
+      const auto saved = run_actors(saving, options(x));
+      same_steps(saved, through, 0, 0);  // checkpointing changes nothing
+      CHECK(saved.parameters == through.parameters);
+      const auto root = saving.checkpoint_path();
+      const auto all = engine::list_checkpoints(root);
+      REQUIRE(all.size() == 2);  // steps 6 and 3 (keep 2)
+      CHECK(all[0].step == 6);
+      CHECK(engine::verify_checkpoint(all[1].dir).empty());
+
+      engine::recipe resumed = saving;
+      resumed.output.dir = (dir / "resumed").string();
+      run_options o = options(x);
+      o.resume = all[1].dir.string();
+      const auto got = run_actors(resumed, o);
+      same_steps(got, through, 3, 0);
+      CHECK(got.parameters == through.parameters);
+      // It wrote its own checkpoint of step 6, bitwise the first run's.
+      const auto again = engine::list_checkpoints(resumed.checkpoint_path());
+      REQUIRE(again.size() == 1);
+      CHECK(again[0].step == 6);
+      for (const char* f : {"model.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"}) {
+        INFO(f);
+        std::ifstream a(again[0].dir / f, std::ios::binary), b(all[0].dir / f, std::ios::binary);
+        const bool same = std::string(std::istreambuf_iterator<char>(a), {}) ==
+                          std::string(std::istreambuf_iterator<char>(b), {});
+        CHECK(same);
+      }
+    }
+  }
+}
+
+TEST_CASE("a checkpoint resumes at another mesh and goes on with the same data",
+          "[actors][checkpoint]") {
+  // The same micro-batches per step at both meshes (dp x micro_batches), so the steps after the
+  // checkpoint see the same data as the run that went through.
+  const std::vector<std::tuple<const char*, mesh, mesh>> cases = {
+      {"PP=2 x DP=2 ZeRO-1 -> one stage", {2, 2, 1, 1, 1, 2}, {1, 1, 1, 0, 1, 4}},
+      {"one stage -> PP=3 x TP=2", {1, 1, 1, 0, 1, 4}, {3, 1, 2, 0, 1, 4}},
+      {"DP=2 ZeRO-3 -> DP=4 ZeRO-2", {1, 2, 1, 3, 1, 2}, {1, 4, 1, 2, 1, 1}},
+      {"PP=2 x TP=2 -> device chunks PP=2 x DP=2 ZeRO-1",
+       {2, 1, 2, 0, 1, 4},
+       {2, 2, 1, 1, 1, 2, "1f1b", true}},
+  };
+  for (const auto& [name, from, to] : cases) {
+    DYNAMIC_SECTION(name) {
+      temp_dir dir;
+      engine::recipe r = with_mesh(base_recipe(dir), from);
+      r.checkpoint.every = 3;
+      r.checkpoint.keep = 3;
+      const auto through = run_actors(r, options(from));
+      const auto step3 = engine::checkpoint_dir(r.checkpoint_path(), 3);
+      REQUIRE(engine::verify_checkpoint(step3).empty());
+
+      engine::recipe at = with_mesh(r, to);
+      at.output.dir = (dir / "resharded").string();
+      run_options o = options(to);
+      o.resume = step3.string();
+      const auto got = run_actors(at, o);
+      same_steps(got, through, 3, 1e-5);
+      // Its step-6 checkpoint holds the same tensors, within rounding.
+      const auto mine = engine::checkpoint_dir(at.checkpoint_path(), 6);
+      const auto theirs = engine::checkpoint_dir(r.checkpoint_path(), 6);
+      for (const char* f : {"model", "exp_avg"}) {
+        const auto a = engine::load_checkpoint_tensors(mine, f, at.model,
+                                                       engine::stage_range::whole(at.model));
+        const auto b = engine::load_checkpoint_tensors(theirs, f, r.model,
+                                                       engine::stage_range::whole(r.model));
+        REQUIRE(a.size() == b.size());
+        double worst = 0, largest = 0;
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          worst = std::max(worst, double(std::abs(a[i] - b[i])));
+          largest = std::max(largest, double(std::abs(b[i])));
+        }
+        INFO(f << ": largest difference " << worst << " of " << largest);
+        CHECK(worst <= 1e-4 * largest);
+      }
+    }
+  }
+}
+
+TEST_CASE("a fresh run does not write over another run's checkpoints", "[actors][checkpoint]") {
+  temp_dir dir;
+  engine::recipe r = base_recipe(dir);
+  r.steps = 3;
+  r.checkpoint.every = 3;
+  run_actors(r);
+  REQUIRE(engine::list_checkpoints(r.checkpoint_path()).size() == 1);
+  CHECK_THROWS_WITH(run_actors(r), Catch::Contains("key checkpoint.dir") &&
+                                       Catch::Contains("step-00000003") &&
+                                       Catch::Contains("--resume"));
+  run_options o;
+  o.resume = r.checkpoint_path().string();
+  CHECK_THROWS_WITH(run_actors(r, o),
+                    Catch::Contains("key steps") && Catch::Contains("nothing to run"));
+  o.resume = (dir / "nowhere").string();
+  CHECK_THROWS_WITH(run_actors(r, o),
+                    Catch::Contains("cannot resume") && Catch::Contains("nowhere"));
+}
+
+}  // namespace
+}  // namespace troupe::actors::test
