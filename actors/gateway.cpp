@@ -46,8 +46,9 @@ namespace {
 
 // Answers one request that arrived from another process, then stops.
 caf::behavior responder(caf::event_based_actor* self, std::shared_ptr<mesh_state> s,
-                        caf::actor target, int origin, std::uint32_t id, std::uint64_t corr) {
-  self->request(target, caf::infinite, snapshot_request{})
+                        caf::actor target, int origin, std::uint32_t id, std::uint64_t corr,
+                        snapshot_request request) {
+  self->request(target, caf::infinite, request)
       .then(
           [=](stage_snapshot& snap) {
             s->post(origin, wire::envelope{id, s->cfg.rank, corr, true, std::move(snap)});
@@ -288,8 +289,14 @@ class gateway_impl : public caf::blocking_actor {
                std::to_string(s_->cfg.rank));
       return;
     }
-    if (e.correlation != 0) {
-      home_system().spawn(responder, s_, it->second, peer, e.target, e.correlation);
+    if (e.correlation != 0) {  // a request: only snapshot_request is one
+      const auto* request = std::get_if<snapshot_request>(&e.message);
+      if (!request) {
+        fail_job("rank " + std::to_string(peer) + " sent " +
+                 std::string(wire::kind_name(e.message)) + " as a request");
+        return;
+      }
+      home_system().spawn(responder, s_, it->second, peer, e.target, e.correlation, *request);
       return;
     }
     std::visit([&](auto& m) { caf::anon_send(it->second, std::move(m)); }, e.message);

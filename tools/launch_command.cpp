@@ -11,6 +11,11 @@
 //   SIGTERM from the kernel (PR_SET_PDEATHSIG).
 // - The exit status is 0 if every child succeeded, else the first failing child's (128+signal
 //   for a signal), with one line on stderr naming its rank. Bad arguments exit 2 with one line.
+// - With --max-restarts R (docs/checkpoints.md): when the job fails (a child's non-zero exit or a
+//   signal; not bad input, exit 2, and not a signal the launcher was sent), every child is torn
+//   down as above and the job starts again, each child with TROUPE_RESTART_COUNT=k, so that
+//   `troupe train` resumes from its last committed checkpoint. More than R restarts within
+//   --restart-window seconds: exit 3 with a report of every failure.
 // The hidden option --program PATH runs PATH instead of this binary (tests use /bin/sh).
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -52,6 +57,8 @@ struct launch_options {
   int port = 0;
   std::string addr = "127.0.0.1";
   double grace_s = 30;
+  int max_restarts = 0;
+  double restart_window_s = 3600;
   std::string program;  // hidden: default this binary
   std::vector<std::string> command;
   CLI::App* app = nullptr;
@@ -135,6 +142,10 @@ class supervisor {
         program_(std::move(program)),
         env_base_(std::move(env_base)) {}
   int run();
+  // Why the job failed (after run() returned non-zero); whether the launcher itself was sent a
+  // signal (then nothing is restarted).
+  std::string failure() const { return "rank " + std::to_string(first_failed_) + " " + first_how_; }
+  bool interrupted() const { return interrupted_; }
 
  private:
   bool spawn(int rank, const sigset_t& child_mask);
@@ -152,6 +163,7 @@ class supervisor {
   std::vector<std::string> env_base_;
   std::vector<child> children_;
   int first_failed_ = -1, first_status_ = 0;
+  bool interrupted_ = false;
   std::string first_how_;
   std::optional<steady::time_point> term_at_, kill_at_;
 };
@@ -278,7 +290,10 @@ int supervisor::run() {
     signalfd_siginfo info;
     while (::read(sfd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
       const int sig = static_cast<int>(info.ssi_signo);
-      if (sig != SIGCHLD) signal_children(sig);
+      if (sig != SIGCHLD) {
+        interrupted_ = true;
+        signal_children(sig);
+      }
     }
     reap();
   }
@@ -312,6 +327,13 @@ int run_launch(const launch_options& o) {
     return bad_input(std::string("--grace ") + grace + " is outside 0-86400 seconds");
   }
   if (o.addr.empty()) return bad_input("--addr is empty");
+  if (o.max_restarts < 0 || o.max_restarts > 1000000)
+    return bad_input("--max-restarts " + std::to_string(o.max_restarts) + " is outside 0-1000000");
+  if (!(o.restart_window_s > 0) || o.restart_window_s > 1e9) {
+    char window[32];
+    std::snprintf(window, sizeof window, "%g", o.restart_window_s);
+    return bad_input(std::string("--restart-window ") + window + " is outside (0, 1e9] seconds");
+  }
 
   // This binary is started as /proc/self/exe (right even if its file was replaced meanwhile);
   // its path is argv[0].
@@ -323,32 +345,62 @@ int run_launch(const launch_options& o) {
     if (n <= 0) return bad_input(std::string("cannot find this binary: ") + std::strerror(errno));
     program.assign(path.data(), static_cast<std::size_t>(n));
   }
-  int port = o.port;
-  if (port == 0) {
-    std::string error;
-    port = free_port(o.addr, error);
-    if (port == 0) return bad_input("--addr " + o.addr + ": no free port: " + error);
-  }
-
-  // The children's environment: ours without what a rank gets set (RANK and LOCAL_RANK per child).
-  std::map<std::string, std::string> set = {{"TROUPE_LAUNCHER", "troupe"},
-                                            {"WORLD_SIZE", std::to_string(o.nproc)},
-                                            {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
-                                            {"MASTER_ADDR", o.addr},
-                                            {"MASTER_PORT", std::to_string(port)}};
   const auto env = topology::current_environment();
-  if (!env.count("TROUPE_JOB_TOKEN") && !env.count("TROUPE_JOB_TOKEN_FILE")) {
-    std::string token = random_token();
-    if (token.empty()) return bad_input("cannot read /dev/urandom for the job token");
-    set["TROUPE_JOB_TOKEN"] = token;
+  std::vector<std::pair<double, std::string>> failures;  // (seconds since start, what failed)
+  const auto start = steady::now();
+  for (int attempt = 0;; ++attempt) {
+    int port = o.port;
+    if (port == 0) {  // a new one for each attempt: the last one may linger in TIME_WAIT
+      std::string error;
+      port = free_port(o.addr, error);
+      if (port == 0) return bad_input("--addr " + o.addr + ": no free port: " + error);
+    }
+    // The children's environment: ours without what a rank gets set (RANK and LOCAL_RANK per
+    // child).
+    std::map<std::string, std::string> set = {{"TROUPE_LAUNCHER", "troupe"},
+                                              {"WORLD_SIZE", std::to_string(o.nproc)},
+                                              {"LOCAL_WORLD_SIZE", std::to_string(o.nproc)},
+                                              {"MASTER_ADDR", o.addr},
+                                              {"MASTER_PORT", std::to_string(port)},
+                                              {"TROUPE_RESTART_COUNT", std::to_string(attempt)}};
+    if (!env.count("TROUPE_JOB_TOKEN") && !env.count("TROUPE_JOB_TOKEN_FILE")) {
+      std::string token = random_token();
+      if (token.empty()) return bad_input("cannot read /dev/urandom for the job token");
+      set["TROUPE_JOB_TOKEN"] = token;
+    }
+    std::vector<std::string> env_base;
+    for (const auto& [k, v] : env)
+      if (!set.count(k) && k != "RANK" && k != "LOCAL_RANK") env_base.push_back(k + "=" + v);
+    for (const auto& [k, v] : set) env_base.push_back(k + "=" + v);
+    std::fflush(nullptr);  // nothing buffered may be written twice by the children
+    supervisor s(o, exec_path, program, std::move(env_base));
+    const int rc = s.run();
+    if (rc == exit_ok || o.max_restarts == 0 || s.interrupted() || rc == exit_bad_input) return rc;
+    const double now = std::chrono::duration<double>(steady::now() - start).count();
+    failures.emplace_back(now, s.failure());
+    int recent = 0;  // failures within the window, this one included
+    for (const auto& [t, what] : failures) recent += now - t <= o.restart_window_s;
+    if (recent > o.max_restarts) {
+      std::string report =
+          "troupe launch: giving up: the job failed " + std::to_string(recent) + " times within " +
+          std::to_string(static_cast<long>(o.restart_window_s)) + " s, more than --max-restarts " +
+          std::to_string(o.max_restarts) + " allows (--restart-window). Failures:";
+      for (std::size_t i = 0; i < failures.size(); ++i) {
+        char line[64];
+        std::snprintf(line, sizeof line, " attempt %zu at %.1f s: ", i + 1, failures[i].first);
+        report += line + failures[i].second + ";";
+      }
+      report +=
+          " its checkpoints stay: once the cause is fixed, `troupe train RECIPE --resume` "
+          "goes on from the last committed one (troupe ckpt ls shows them).\n";
+      std::fputs(report.c_str(), stderr);
+      return exit_restarts_exhausted;
+    }
+    std::fprintf(stderr,
+                 "troupe launch: restarting the job (restart %d; %d of at most %d within %g s) "
+                 "from its last committed checkpoint\n",
+                 attempt + 1, recent, o.max_restarts, o.restart_window_s);
   }
-  std::vector<std::string> env_base;
-  for (const auto& [k, v] : env)
-    if (!set.count(k) && k != "RANK" && k != "LOCAL_RANK") env_base.push_back(k + "=" + v);
-  for (const auto& [k, v] : set) env_base.push_back(k + "=" + v);
-  std::fflush(nullptr);  // nothing buffered may be written twice by the children
-  supervisor s(o, exec_path, std::move(program), std::move(env_base));
-  return s.run();
 }
 
 }  // namespace
@@ -364,6 +416,11 @@ std::function<int()> add_launch_command(CLI::App& app) {
   cmd->add_option("--addr", opts->addr, "Rendezvous address rank 0 binds (default 127.0.0.1)");
   cmd->add_option("--grace", opts->grace_s,
                   "Seconds the other ranks get after one fails, before SIGTERM (default 30)");
+  cmd->add_option("--max-restarts", opts->max_restarts,
+                  "When the job fails, start it again (resuming from its last committed "
+                  "checkpoint) up to this many times within --restart-window (default 0: never)");
+  cmd->add_option("--restart-window", opts->restart_window_s,
+                  "Seconds over which --max-restarts counts restarts (default 3600)");
   cmd->add_option("--program", opts->program, "Run this program instead of troupe (tests)")
       ->group("");
   cmd->add_option("command", opts->command, "The troupe command each rank runs, after --");

@@ -14,6 +14,7 @@
 #include <cstdio>
 
 #include "actors/pipeline_run.hpp"
+#include "engine/checkpoint.hpp"
 #include "engine/device_chunk.hpp"
 #include "engine/memory_plan.hpp"
 #include "engine/support.hpp"
@@ -132,7 +133,18 @@ std::function<int()> add_train_command(CLI::App& app) {
     }
     // One GPU without pipeline or tensor shards, in one process: the serial trainer
     // (gpu_trainer), else actors.
-    const bool resume = resume_opt->count() > 0;
+    bool resume = resume_opt->count() > 0;
+    // A job started again (troupe launch --max-restarts, or Slurm's --requeue) goes on from its
+    // last committed checkpoint, if it has one.
+    const auto env = topology::current_environment();
+    for (const char* key : {"TROUPE_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+      const auto it = env.find(key);
+      if (resume || it == env.end() || it->second.empty() || it->second == "0") continue;
+      for (const auto& e : engine::list_checkpoints(r.checkpoint_path())) resume |= e.committed;
+      if (resume && launch.rank == 0)
+        std::fprintf(stderr, "troupe train: restarted (%s=%s): resuming from %s\n", key,
+                     it->second.c_str(), r.checkpoint_path().c_str());
+    }
     const bool checkpoints = resume || r.checkpoint.every > 0;
     if (opts->engine.empty())
       opts->engine = gpu && r.parallel.pp == 1 && r.parallel.tp == 1 && launch.world == 1 &&

@@ -1,4 +1,4 @@
-// `troupe`: the command line. Subcommands: train, launch, bench, trace.
+// `troupe`: the command line. Subcommands: train, launch, bench, trace, sample, ckpt.
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -13,12 +13,15 @@ int main(int argc, char** argv) {
   auto bench = troupe::tools::add_bench_command(app);
   auto trace = troupe::tools::add_trace_command(app);
   auto launch = troupe::tools::add_launch_command(app);
+  auto ckpt = troupe::tools::add_ckpt_command(app);
+  auto sample = troupe::tools::add_sample_command(app);
   // An unknown first word: CLI11 would only say that a subcommand is required.
   if (argc > 1 && argv[1][0] != '-') {
     try {
       app.get_subcommand(argv[1]);
     } catch (const CLI::OptionNotFound&) {
-      std::fprintf(stderr, "troupe: unknown command '%s' (train, launch, bench or trace)\n",
+      std::fprintf(stderr,
+                   "troupe: unknown command '%s' (train, launch, bench, trace, sample or ckpt)\n",
                    argv[1]);
       return troupe::tools::exit_bad_input;
     }
@@ -39,6 +42,8 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench")) return bench();
     if (app.got_subcommand("trace")) return trace();
     if (app.got_subcommand("launch")) return launch();
+    if (app.got_subcommand("ckpt")) return ckpt();
+    if (app.got_subcommand("sample")) return sample();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "troupe: error: %s\n", e.what());
     return troupe::tools::exit_failure;

@@ -166,12 +166,12 @@ expect_bad fp16-without-scaling precision.loss_scale dynamic -- "$tmp/ok.toml" -
   --set model.width=32 --set precision.dtype=fp16
 expect_bad gpu-head-size model.heads "head size 8" -- "$tmp/ok.toml" --device cuda
 # Device stage actors (a GPU pipeline) refuse what they do not do yet, before looking for a GPU.
-# (data parallelism passes: the refusal names ZeRO, not parallel.dp)
-expect_bad gpu-pipeline-dp-zero parallel.zero "not built yet" -- "$tmp/ok.toml" --device cuda \
-  --set model.width=32 --set model.layers=2 --set parallel.pp=2 --set parallel.dp=2 \
-  --set parallel.zero=2
-expect_bad gpu-pipeline-zero parallel.zero "not built yet" -- "$tmp/ok.toml" --device cuda \
-  --set model.width=32 --engine actors --set parallel.zero=1
+# (data parallelism and ZeRO-2 pass: the refusal names ZeRO-3, not parallel.dp)
+expect_bad gpu-pipeline-dp-zero3 parallel.zero "ZeRO-3 on cuda chunks: not built yet" -- \
+  "$tmp/ok.toml" --device cuda --set model.width=32 --set model.layers=2 --set parallel.pp=2 \
+  --set parallel.dp=2 --set parallel.zero=3
+expect_bad gpu-pipeline-zero3 parallel.zero "not built yet" -- "$tmp/ok.toml" --device cuda \
+  --set model.width=32 --engine actors --set parallel.dp=2 --set parallel.zero=3
 
 # An existing output dir with a previous run's weights: a bad key leaves them untouched.
 before_failures=$failures
