@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -70,6 +72,7 @@ struct build_inputs {
   // Resuming: the checkpoint and its trainer state.
   std::filesystem::path resume_dir{};
   engine::checkpoint_state resumed{};
+  std::shared_ptr<engine::action_watchdog> watchdog{};  // this process's
 };
 
 trace::recorder add_track(run_actors& a, const build_inputs& in, std::string name, std::string role,
@@ -221,6 +224,8 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.recompute = r.activation_checkpoint.full();
       c.zero = static_cast<engine::zero_stage>(r.parallel.zero);
       c.compute_threads = compute_threads(in);
+      c.watchdog = in.watchdog;
+      if (p == in.o.test_stall_rank && lane == 0) c.test_stall_step = in.o.test_stall_step;
       std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
       if (tp > 1) name += " · tp " + std::to_string(j);
       c.trace = add_track(a, in, name, "stage", p, lane);
@@ -578,7 +583,17 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     say("rendezvous: " + std::to_string(o.launch.world) + " processes joined");
   }
 
-  // 4. The actors.
+  // 4. The actors, watched (engine/watchdog.hpp): a stage stuck in one action ends this process,
+  // which ends the job (its peers lose it) and lets a launcher restart it.
+  in.watchdog = std::make_shared<engine::action_watchdog>(
+      std::chrono::duration<double>(r.watchdog.action_timeout),
+      [multi, my_rank](const std::string& report) {
+        const std::string who = multi ? "rank " + std::to_string(my_rank) + ": " : "";
+        std::fprintf(stderr, "troupe train: %serror: watchdog: %s; ending this process\n",
+                     who.c_str(), report.c_str());
+        std::fflush(stderr);
+        std::_Exit(1);
+      });
   caf::actor_system_config cfg;
   // The scheduled (non-detached) actors are light; their worker threads must not poll and
   // steal cycles from the stages' compute threads.

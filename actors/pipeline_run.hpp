@@ -59,6 +59,9 @@ struct run_options {
   // Resume from a checkpoint (docs/checkpoints.md): a step directory, or a checkpoint root (its
   // newest committed checkpoint that verifies). Empty: a fresh run.
   std::string resume;
+  // Testing the watchdog: the first action of step test_stall_step (0-based) of the stage of
+  // pipeline rank test_stall_rank (replica 0) never ends.
+  int test_stall_rank = -1, test_stall_step = -1;
 };
 
 struct run_result {

@@ -34,12 +34,14 @@
 #include "actors/stage.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -83,6 +85,7 @@ class stage_impl : public stage_actor::base {
     set_exception_handler(
         [this](std::exception_ptr& e) -> caf::error { return exit_reason(who(), e); });
     if (!device()) kernels::set_compute_threads(cfg_.compute_threads);
+    if (cfg_.watchdog) watch_ = cfg_.watchdog->enroll(who());
     init_chunks();
     return {
         [this](stage_wiring& w) {
@@ -419,7 +422,17 @@ class stage_impl : public stage_actor::base {
       waited(a);
       begin_action(a, round, index);
     }
+    if (watch_) {
+      static const char* names[] = {"F", "B", "W"};
+      watch_->begin(std::string(names[static_cast<int>(run_->a.kind)]) + " of micro-batch " +
+                    std::to_string(run_->a.micro_batch) + " (virtual stage " +
+                    std::to_string(run_->a.stage) + ", step " + std::to_string(plan_.step + 1) +
+                    (plan_.eval ? ", evaluation" : "") + ")");
+    }
+    if (plan_.step == cfg_.test_stall_step && !plan_.eval)
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     const bool finished = drive();
+    if (watch_) watch_->end();
     compute_span();
     if (!finished) {
       wait("params");
@@ -1046,6 +1059,7 @@ class stage_impl : public stage_actor::base {
   std::vector<double> shard_square_sums_;  // ZeRO: by bucket, this step
   std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
   std::vector<engine::bucket_shard> zero_shards_;  // ZeRO: what this replica owns, by bucket
+  std::shared_ptr<engine::action_watchdog::entry> watch_;  // this stage's watchdog record
   int embedding_chunk_ = -1, head_chunk_ = -1;
   topology::tied_wte tied_;  // the tied wte's copies here and their exchange
 };

@@ -28,6 +28,7 @@
 #include "engine/pipeline_layout.hpp"
 #include "engine/tensor_group.hpp"
 #include "engine/trace_recorder.hpp"
+#include "engine/watchdog.hpp"
 #include "engine/zero.hpp"
 #include "messages/protocols.hpp"
 
@@ -78,6 +79,9 @@ struct stage_config {
   bool recompute = false;  // activation checkpointing of every block
   engine::trace::recorder trace;
   std::shared_ptr<const device_chunks_config> device;  // null: CPU chunks
+  // The process's action watchdog (engine/watchdog.hpp); null: none.
+  std::shared_ptr<engine::action_watchdog> watchdog;
+  int test_stall_step = -1;  // testing: the first action of this step never ends
 };
 
 messages::stage_actor spawn_stage(caf::actor_system& system, stage_config config);

@@ -102,6 +102,7 @@ const std::map<std::string, field>& schema() {
       {"checkpoint.every", nested(&recipe::checkpoint, &checkpoint_config::every)},
       {"checkpoint.dir", nested(&recipe::checkpoint, &checkpoint_config::dir)},
       {"checkpoint.keep", nested(&recipe::checkpoint, &checkpoint_config::keep)},
+      {"watchdog.action_timeout", nested(&recipe::watchdog, &watchdog_config::action_timeout)},
       {"parallel.pp", nested(&recipe::parallel, &parallel_config::pp)},
       {"parallel.dp", nested(&recipe::parallel, &parallel_config::dp)},
       {"parallel.tp", nested(&recipe::parallel, &parallel_config::tp)},
@@ -417,6 +418,8 @@ void validate_recipe(const recipe& r) {
   require(r.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)");
   require(!r.checkpoint.dir.empty(), "checkpoint.dir", "must not be empty");
   require(r.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
+  require(std::isfinite(r.watchdog.action_timeout) && r.watchdog.action_timeout >= 0,
+          "watchdog.action_timeout", "must be >= 0 seconds (0: no watchdog)");
 }
 
 void check_recipe_inputs(const recipe& r) {

@@ -42,6 +42,12 @@ struct output_config {
 
 // Checkpoints (docs/checkpoints.md): every `every` steps (0: none) into `dir` (relative to
 // output.dir unless absolute), the newest `keep` committed ones kept.
+// A stage stuck in one action longer than this is reported and its process ends (0: never;
+// docs/checkpoints.md, "Hangs").
+struct watchdog_config {
+  double action_timeout = 600;  // seconds
+};
+
 struct checkpoint_config {
   int every = 0;
   std::string dir = "checkpoints";
@@ -109,6 +115,7 @@ struct recipe {
   activation_checkpoint_config activation_checkpoint;
   kernels_config kernels;
   checkpoint_config checkpoint;
+  watchdog_config watchdog;
   // Where the recipe came from: its TOML text and the overrides applied to it (a checkpoint
   // keeps both, so the run it belongs to can be parsed again).
   std::string source_text;

@@ -4,7 +4,8 @@
 #      Python venv with torch/transformers from PyPI the first time; SKIP if it cannot; the cluster
 #      suite installs Debian's slurm-wlm and uses network namespaces, SKIP where it cannot);
 #   2. unit and cli suites again under AddressSanitizer + UndefinedBehaviorSanitizer;
-#   3. clang-format check of every C++ source.
+#   3. the libFuzzer targets (scripts/fuzz.sh: checkpoint reader, wire decoder), 30 s each;
+#   4. clang-format check of every C++ source.
 # Ends with one line "tests: N passed, N failed, N skipped" and a non-zero exit on any failure.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -49,6 +50,13 @@ if BUILD_DIR=build-asan MESON_ARGS="$asan_args" bash scripts/setup.sh; then
   tally "$log"
 else
   echo "sanitizer build failed"; failed=$((failed + 1)); status=1
+fi
+
+echo "== fuzz: the checkpoint reader and the wire decoder (libFuzzer, clang) =="
+if FUZZ_SECONDS=${FUZZ_SECONDS:-30} bash scripts/fuzz.sh; then
+  passed=$((passed + 1))
+else
+  echo "fuzz: failed"; failed=$((failed + 1)); status=1
 fi
 
 echo "== clang-format =="

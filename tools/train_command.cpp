@@ -50,6 +50,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     bool report_peak_rss = false;
     std::string test_chunks;  // "host": stages on device chunks of the host kind
     std::string resume;       // with resume_given: a checkpoint dir; empty: checkpoint.dir
+    std::string test_stall;   // "RANK:STEP": that stage's first action of STEP never ends
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
@@ -92,6 +93,11 @@ std::function<int()> add_train_command(CLI::App& app) {
                   "(slots, links, payloads staged through host memory across processes) on the "
                   "CPU engine's arithmetic")
       ->check(CLI::IsMember({"host"}));
+  cmd->add_option("--test-stall", opts->test_stall,
+                  "Testing the watchdog: RANK:STEP, the stage of pipeline rank RANK (replica 0) "
+                  "never finishes its first action of step STEP (1-based), unless the job was "
+                  "restarted")
+      ->group("");
   auto* resume_opt =
       cmd->add_option("--resume", opts->resume,
                       "Continue from a checkpoint: the newest committed one that verifies under "
@@ -189,6 +195,12 @@ std::function<int()> add_train_command(CLI::App& app) {
         o.launch = launch;
         o.compute_threads = opts->threads;
         if (resume) o.resume = opts->resume.empty() ? r.checkpoint_path().string() : opts->resume;
+        const auto restarted = env.find("TROUPE_RESTART_COUNT");
+        if (!opts->test_stall.empty() && (restarted == env.end() || restarted->second == "0")) {
+          const auto colon = opts->test_stall.find(':');
+          o.test_stall_rank = std::stoi(opts->test_stall.substr(0, colon));
+          o.test_stall_step = std::stoi(opts->test_stall.substr(colon + 1)) - 1;
+        }
         if (opts->test_chunks == "host")
           o.device_chunks = std::make_shared<engine::chunk_factory>(
               engine::host_chunks(r.activation_checkpoint.full()));

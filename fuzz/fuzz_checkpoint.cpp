@@ -1,0 +1,125 @@
+// libFuzzer target: the checkpoint reader (engine/checkpoint.hpp) on hostile files. A valid
+// checkpoint of a tiny model is written once; each input replaces one of its files (the first
+// byte picks which, the rest is the content), then the checkpoint is verified, its trainer state
+// read and its tensor files loaded as a stage would, and the replaced file is also parsed
+// directly, past the checksums. Every input must end in a refusal (an exception) or a load;
+// anything else (a crash, a sanitizer report) is a finding. With FUZZ_WRITE_SEEDS=DIR it writes
+// each file of the valid checkpoint, behind its selector byte, into DIR as the seed corpus.
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "engine/checkpoint.hpp"
+#include "engine/gpt_weights.hpp"
+#include "engine/safetensors.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace troupe::engine;
+
+const char* const files[] = {"manifest.json", "trainer_state.json", "model.safetensors",
+                             "exp_avg.safetensors", "lm_head.safetensors"};
+
+gpt_config model() {
+  gpt_config c;
+  c.vocab_size = 30;
+  c.padded_vocab_size = 32;
+  c.context = 8;
+  c.layers = 2;
+  c.heads = 2;
+  c.width = 8;
+  return c;
+}
+
+struct fixture {
+  fs::path root, dir, pristine;
+  fixture() {
+    char tmpl[] = "/tmp/troupe-fuzz-XXXXXX";
+    root = ::mkdtemp(tmpl);
+    const auto c = model();
+    checkpoint_tensors t;
+    gpt_stage whole(c, stage_range::whole(c));
+    named_tensors* maps[] = {&t.params, &t.exp_avg, &t.exp_avg_sq};
+    for (auto* m : maps)
+      for (const auto& p : whole.parameters()) {
+        (*m)[p.name].assign(static_cast<std::size_t>(p.numel), 0.25f);
+        if (p.name == "transformer.wte.weight") (*m)[checkpoint_head_copy] = (*m)[p.name];
+      }
+    checkpoint_state s;
+    s.step = 3;
+    s.guard.loss.values.assign(4, 1.0);
+    s.guard.grad_norm.values.assign(4, 1.0);
+    write_checkpoint(root / "pristine", c, t, s, 1);
+    pristine = checkpoint_dir(root / "pristine", 3);
+    dir = checkpoint_dir(root / "work", 3);
+  }
+  ~fixture() {
+    std::error_code ec;
+    fs::remove_all(root, ec);
+  }
+};
+
+fixture& the_fixture() {
+  static fixture f;
+  return f;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  if (const char* dir = std::getenv("FUZZ_WRITE_SEEDS")) {
+    auto& f = the_fixture();
+    for (std::size_t i = 0; i < sizeof files / sizeof *files; ++i) {
+      std::ifstream in(f.pristine / files[i], std::ios::binary);
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      std::ofstream out(std::string(dir) + "/seed-" + std::to_string(i), std::ios::binary);
+      out.put(static_cast<char>(i));
+      out << text;
+    }
+    std::exit(0);
+  }
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  if (size < 1) return 0;
+  auto& f = the_fixture();
+  std::error_code ec;
+  if (!fs::exists(f.dir / "manifest.json", ec)) {
+    fs::create_directories(f.dir.parent_path(), ec);
+    fs::copy(f.pristine, f.dir, fs::copy_options::recursive, ec);
+  }
+  const std::string name = files[data[0] % (sizeof files / sizeof *files)];
+  struct restore {  // the pristine file back for the next input
+    const fixture& f;
+    const std::string& name;
+    ~restore() {
+      std::error_code ec;
+      fs::copy_file(f.pristine / name, f.dir / name, fs::copy_options::overwrite_existing, ec);
+    }
+  } restore_after{f, name};
+  std::ofstream(f.dir / name, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(data + 1), static_cast<std::streamsize>(size - 1));
+  const auto c = model();
+  auto attempt = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const std::exception&) {
+    }
+  };
+  attempt([&] { (void)verify_checkpoint(f.dir); });
+  attempt([&] { (void)find_checkpoint(f.dir.parent_path(), {}); });
+  attempt([&] { (void)read_checkpoint_state(f.dir); });
+  attempt([&] { check_hf_weights(c, f.dir / name); });
+  attempt([&] { safetensors_file file(f.dir / name); });
+  for (const char* which : {"model", "exp_avg"})
+    for (const auto& range : {stage_range::whole(c), partition_layers(c, 2)[1]})
+      attempt([&] { (void)load_checkpoint_tensors(f.dir, which, c, range, {0, 1}); });
+  return 0;
+}
