@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/checkpoint_bench.hpp"
 #include "bench/gpu_train_step.hpp"
 #include "bench/peak_flops.hpp"
 #include "bench/peer_process.hpp"
@@ -49,6 +50,7 @@ struct bench_options {
   std::string zero_recipe = TROUPE_SOURCE_DIR "/examples/default.toml";
   std::vector<int> zero_levels = {0, 1, 2, 3};
   std::vector<int> zero_dps = {2, 4};
+  bench::checkpoint_bench_options checkpoint{TROUPE_SOURCE_DIR "/examples/default.toml"};
 };
 
 std::string find_python(const bench_options& o) {
@@ -234,6 +236,21 @@ int run_zero(const bench_options& o) {
   return exit_ok;
 }
 
+int run_checkpoint(const bench_options& o) {
+  std::vector<bench::checkpoint_case> cases;
+  try {
+    cases = bench::run_checkpoint_bench(o.checkpoint);
+  } catch (const engine::recipe_error& e) {
+    std::fprintf(stderr, "troupe bench checkpoint: %s\n", e.what());
+    return exit_bad_input;
+  }
+  std::fputs((o.json_output ? bench::checkpoint_report_json(cases) + "\n"
+                            : bench::format_checkpoint_report(cases))
+                 .c_str(),
+             stdout);
+  return exit_ok;
+}
+
 std::function<int()> add_bench_command(CLI::App& app) {
   auto opts = std::make_shared<bench_options>();
   auto* bench = app.add_subcommand("bench", "Benchmarks against peers measured in the same run");
@@ -311,6 +328,16 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 64));
   zero->add_option("--recipe", opts->zero_recipe, "Recipe (default: examples/default.toml)")
       ->check(CLI::ExistingFile);
+  auto* ckpt = bench->add_subcommand(
+      "checkpoint", "Step time with a checkpoint after every step against none; time to resume");
+  ckpt->add_flag("--json", opts->json_output, "Print one JSON report");
+  ckpt->add_option("--steps", opts->checkpoint.steps, "Steps per run of the recipe's shape")
+      ->check(CLI::Range(3, 10000));
+  ckpt->add_option("--gpt2-steps", opts->checkpoint.gpt2_steps,
+                   "Steps per run of the GPT-2 small shape (0: skip it)")
+      ->check(CLI::Range(0, 10000));
+  ckpt->add_option("--recipe", opts->checkpoint.recipe, "Recipe (default: examples/default.toml)")
+      ->check(CLI::ExistingFile);
   // Hidden (empty group): the peer process that `bench transport` starts.
   auto* peer = bench->add_subcommand("transport-peer", "The peer process of bench transport");
   peer->group("");
@@ -320,9 +347,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->required();
   peer->add_option("--warmup", opts->transport_peer.warmup, "Untimed frames (bandwidth)");
   peer->add_option("--frames", opts->transport_peer.frames, "Timed frames (bandwidth)");
-  return [opts, step, steps, warmup, pipe, transport, zero, peer]() {
+  return [opts, step, steps, warmup, pipe, transport, zero, ckpt, peer]() {
     if (pipe->parsed()) return run_pipeline(*opts);
     if (zero->parsed()) return run_zero(*opts);
+    if (ckpt->parsed()) return run_checkpoint(*opts);
     if (transport->parsed()) return run_transport(*opts);
     if (peer->parsed()) return bench::run_transport_peer(opts->transport_peer);
     if (opts->device == "cuda") {
