@@ -8,6 +8,8 @@
 //      (lanes 0..tp-1) counts its own slices, and shard 0 the replicated parameters.
 //  C5. Tensor shards compute the same loss: only shard 0 of each replica's losses count.
 //  C3. Every actor of the run is monitored; a stop before run_finished is a failure naming it.
+//  C6. With a step limit (run_until), the next step begins only below it; at it the coordinator
+//      pauses between steps (no action in flight) and tells its client.
 //  C4. The update guard (engine::update_guard) sees every step once, in step order, with the
 //      step's mean loss and the global norm of the unscaled gradients (the stages' gradients
 //      carry the loss scale the step began with); every stage gets the same decision.
@@ -15,8 +17,10 @@
 
 #include "actors/error_text.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <stdexcept>
 
 namespace troupe::actors {
 namespace {
@@ -43,7 +47,33 @@ class coordinator_impl : public coordinator_actor::base {
         },
         [this](start_run) {
           start_ = clock_type::now();
-          begin(cfg_.start_step);
+          limit_ = cfg_.step_limit < 0 ? cfg_.steps : std::min(cfg_.step_limit, cfg_.steps);
+          go_on(cfg_.start_step);
+        },
+        [this](stop_run) {
+          if (paused_at_ < 0) throw std::logic_error("coordinator: stop_run while steps run");
+          finish(true, "");
+        },
+        [this](run_until& u) {
+          limit_ = std::min(u.step, cfg_.steps);
+          if (paused_at_ >= 0) go_on(paused_at_);
+        },
+        [this](checkpoint_now) -> caf::result<checkpoint_copied> {
+          if (paused_at_ < 0)
+            throw std::logic_error("coordinator: a checkpoint asked for while steps run");
+          if (!wiring_.checkpointer)
+            throw std::logic_error("coordinator: a checkpoint asked for without a writer");
+          if (paused_at_ == checkpointed_) return checkpoint_copied{paused_at_};
+          auto rp = make_response_promise<checkpoint_copied>();
+          request(caf::actor_cast<checkpoint_writer_actor>(wiring_.checkpointer), caf::infinite,
+                  checkpoint_begin{checkpoint_state(paused_at_)})
+              .then(
+                  [this, rp](checkpoint_copied& c) mutable {
+                    checkpointed_ = c.step;
+                    rp.deliver(c);
+                  },
+                  [](caf::error&) {});
+          return rp;
         },
         [this](grads_ready& g) { on_grads(g); },
         [this](update_done& u) { on_updated(u); },
@@ -146,17 +176,15 @@ class coordinator_impl : public coordinator_actor::base {
     caf::anon_send(wiring_.client, step_report{m});
     if (!decision_.stop && cfg_.checkpoint_every > 0 && (step_ + 1) % cfg_.checkpoint_every == 0) {
       // The stages' state is copied before the next step begins; it is written meanwhile.
-      engine::checkpoint_state s;
-      s.step = step_ + 1;
-      s.tokens = tokens_;
-      s.micro_batches = cfg_.start_micro_batches +
-                        std::int64_t{step_ + 1 - cfg_.start_step} * cfg_.micro_batches_per_step;
-      s.guard = guard_.save();
       request(caf::actor_cast<checkpoint_writer_actor>(wiring_.checkpointer), caf::infinite,
-              checkpoint_begin{std::move(s)})
-          .then([this](checkpoint_copied&) { next_step(); },
-                // The writer stopped: its reason reaches on_down (C3), which ends the run.
-                [](caf::error&) {});
+              checkpoint_begin{checkpoint_state(step_ + 1)})
+          .then(
+              [this](checkpoint_copied& c) {
+                checkpointed_ = c.step;
+                next_step();
+              },
+              // The writer stopped: its reason reaches on_down (C3), which ends the run.
+              [](caf::error&) {});
       return;
     }
     next_step();
@@ -166,10 +194,32 @@ class coordinator_impl : public coordinator_actor::base {
     if (decision_.stop) {
       finish(false, engine::stop_message(step_ + 1, decision_));
     } else if (step_ + 1 < cfg_.steps) {
-      begin(step_ + 1);
+      go_on(step_ + 1);
     } else {
       finish(true, "");
     }
+  }
+
+  // Step s next, unless the limit says pause first (C6).
+  void go_on(int s) {
+    if (s >= limit_) {
+      paused_at_ = s;
+      caf::anon_send(wiring_.client, training_paused{s});
+      return;
+    }
+    paused_at_ = -1;
+    begin(s);
+  }
+
+  // What a checkpoint after `steps` steps holds of the coordinator's.
+  engine::checkpoint_state checkpoint_state(int steps) const {
+    engine::checkpoint_state s;
+    s.step = steps;
+    s.tokens = tokens_;
+    s.micro_batches = cfg_.start_micro_batches +
+                      std::int64_t{steps - cfg_.start_step} * cfg_.micro_batches_per_step;
+    s.guard = guard_.save();
+    return s;
   }
 
   void finish(bool ok, std::string message) {
@@ -200,6 +250,9 @@ class coordinator_impl : public coordinator_actor::base {
   int losses_ = 0, eval_losses_ = 0;
   std::int64_t tokens_ = 0;
   bool finished_ = false;
+  int limit_ = 0;          // steps to have done before pausing
+  int paused_at_ = -1;     // paused with this many steps done; -1: running
+  int checkpointed_ = -1;  // the steps done at the last checkpoint
 };
 
 }  // namespace

@@ -36,6 +36,8 @@ struct coordinator_config {
   std::int64_t micro_batches_per_step = 0;  // training micro-batches of a step, all replicas
   std::int64_t start_micro_batches = 0;
   std::optional<engine::update_guard::state> guard_state;
+  // Steps to run before pausing (run_until moves it); -1: every step, no pause.
+  int step_limit = -1;
 };
 
 messages::coordinator_actor spawn_coordinator(caf::actor_system& system, coordinator_config config);

@@ -480,15 +480,40 @@ void check_job(const engine::recipe& r, const run_options& o,
 
 }  // namespace
 
-run_result run_training(const engine::recipe& r, const engine::train_callbacks& cb,
-                        const run_options& o) {
-  const bool multi = o.launch.world > 1;
-  const int my_rank = multi ? o.launch.rank : 0;
-  auto say = [&](const std::string& s) {
+struct training_job::state {
+  engine::recipe r;
+  engine::train_callbacks cb;
+  run_options o;
+  bool multi = false;
+  int my_rank = 0;
+  std::unique_ptr<build_inputs> in_ptr;
+  std::optional<engine::jsonl_writer> metrics;
+  run_result res;
+  std::unique_ptr<remote_mesh> mesh;
+  run_actors a;
+  void say(const std::string& s) const {
     if (cb.on_message && my_rank == 0) cb.on_message(s);
-  };
+  }
+};
+
+training_job::training_job(engine::recipe recipe, engine::train_callbacks callbacks,
+                           run_options options)
+    : s_(std::make_unique<state>()) {
+  s_->r = std::move(recipe);
+  s_->cb = std::move(callbacks);
+  s_->o = std::move(options);
+  const auto& r = s_->r;
+  const auto& o = s_->o;
+  const bool multi = s_->multi = o.launch.world > 1;
+  const int my_rank = s_->my_rank = multi ? o.launch.rank : 0;
+  auto say = [this](const std::string& text) { s_->say(text); };
+  s_->in_ptr = std::make_unique<build_inputs>(
+      build_inputs{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()});
+  auto& in = *s_->in_ptr;
+  auto& metrics = s_->metrics;
+  auto& res = s_->res;
+  auto& mesh = s_->mesh;
   // 1. Everything that can fail on bad input, before anything is written or spawned.
-  build_inputs in{r, o, {}, engine::load_training_data(r), o.seq_lens, trace::trace_clock::now()};
   if (!o.resume.empty()) {
     try {
       in.resume_dir = engine::find_checkpoint(o.resume, say);
@@ -543,7 +568,6 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
         options, r.parallel.pp, r.parallel.tp, multi ? o.launch.local_rank : -1));
   }
   // 2. Outputs (rank 0 only).
-  std::optional<engine::jsonl_writer> metrics;
   if (my_rank == 0) {
     std::error_code ec;
     std::filesystem::create_directories(r.output.dir, ec);
@@ -553,7 +577,6 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     // Resuming: the metrics of the steps the checkpoint holds stay, later ones go.
     metrics.emplace(r.metrics_path(), in.resume_dir.empty() ? -1 : in.resumed.step);
   }
-  run_result res;
   res.rank = my_rank;
   res.summary.parameters = r.model.parameter_count();
   res.summary.unigram_entropy = engine::unigram_entropy(in.data.train, r.model.vocab_size);
@@ -575,7 +598,6 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
         (r.activation_checkpoint.full() ? ", every block recomputed" : ""));
 
   // 3. The job's processes.
-  std::unique_ptr<remote_mesh> mesh;
   if (multi) {
     mesh = join_job(r, o, in.placement);
     in.mesh = mesh.get();
@@ -594,104 +616,116 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
         std::fflush(stderr);
         std::_Exit(1);
       });
-  caf::actor_system_config cfg;
-  // The scheduled (non-detached) actors are light; their worker threads must not poll and
-  // steal cycles from the stages' compute threads.
-  cfg.set("scheduler.max-threads", 1);
-  cfg.set("work-stealing.aggressive-poll-attempts", 0);
-  cfg.set("work-stealing.moderate-poll-attempts", 0);
-  caf::actor_system sys{cfg};
-  run_actors a;
-  std::string failure;
+}
+
+training_job::~training_job() = default;
+
+void training_job::spawn(caf::actor_system& sys, const caf::actor& client) {
+  const auto& r = s_->r;
+  auto& in = *s_->in_ptr;
+  auto& a = s_->a;
+  const int my_rank = s_->my_rank;
+  auto& mesh = s_->mesh;
+  const auto& pl = in.placement;
+  const int control = topology::job_placement::control_process;
+  a.tracer = place(sys, a, in, pl.tracer_id, control, "tracer", [&] { return spawn_tracer(sys); });
+  a.schedule = place(sys, a, in, pl.schedule_id, control, "schedule", [&] {
+    return spawn_schedule_actor(
+        sys, {r.parallel.schedule,
+              {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages},
+              r.parallel.dp});
+  });
+  coordinator_config cc;
+  cc.steps = r.steps;
+  cc.rounds = r.batch.grad_accum;
+  cc.ranks = r.parallel.pp;
+  cc.replicas = r.parallel.dp * r.parallel.tp;  // lanes
+  cc.tp = r.parallel.tp;
+  cc.sharded_grads = r.parallel.zero > 0;
+  const bool has_val = !in.data.val.empty() && r.eval_interval > 0;
+  cc.eval_interval = has_val ? r.eval_interval : 0;
+  cc.eval_batches = has_val ? r.eval_batches : 0;
+  cc.tokens_per_step = tokens_per_step(in);
+  cc.flops_per_token = r.model.train_flops_per_token(r.batch.seq_len);
+  cc.trace = add_track(a, in, "coordinator", "coordinator", -1, -1);
+  cc.guard = r.guard;
+  cc.scaling = r.precision.scaling();
+  cc.checkpoint_every = r.checkpoint.every;
+  cc.step_limit = s_->o.step_limit;
+  cc.micro_batches_per_step = r.micro_batches_per_step();
+  if (!in.resume_dir.empty()) {
+    cc.start_step = in.resumed.step;
+    cc.start_tokens = in.resumed.tokens;
+    cc.start_micro_batches = in.resumed.micro_batches;
+    cc.guard_state = in.resumed.guard;
+  }
+  a.coordinator = place(sys, a, in, pl.coordinator_id, control, "coordinator",
+                        [&] { return spawn_coordinator(sys, std::move(cc)); });
+  spawn_stages(sys, a, in);
+  spawn_loaders(sys, a, in);
+  if ((r.checkpoint.every > 0 || s_->o.checkpoint_writer) && my_rank == control) {
+    checkpoint_writer_config wc;
+    wc.model = r.model;
+    wc.pp = r.parallel.pp;
+    wc.dp = r.parallel.dp;
+    wc.tp = r.parallel.tp;
+    wc.zero = r.parallel.zero > 0;
+    wc.root = r.checkpoint_path();
+    wc.keep = r.checkpoint.keep;
+    const auto& p = r.parallel;
+    wc.mesh = {p.pp,
+               p.dp,
+               p.tp,
+               p.zero,
+               p.virtual_stages,
+               p.micro_batches,
+               r.batch.grad_accum,
+               r.batch.micro_batch};
+    wc.schedule = p.schedule;
+    wc.recipe_text = r.source_text;
+    wc.overrides = r.overrides;
+    wc.stages = a.stages;
+    wc.trace = add_track(a, in, "checkpoint writer", "checkpoint", -1, -1);
+    wc.tracer = a.tracer;
+    a.checkpointer = caf::actor_cast<caf::actor>(spawn_checkpoint_writer(sys, std::move(wc)));
+    a.local.push_back(a.checkpointer);
+  }
+  wire_actors(sys, a, in, client);
+  if (mesh) mesh->start(sys, client);
+  if (my_rank == control) caf::anon_send(a.coordinator, start_run{});
+}
+
+const caf::actor& training_job::coordinator() const { return s_->a.coordinator; }
+const caf::actor& training_job::checkpointer() const { return s_->a.checkpointer; }
+const std::vector<std::vector<caf::actor>>& training_job::stages() const { return s_->a.stages; }
+bool training_job::control() const {
+  return s_->my_rank == topology::job_placement::control_process;
+}
+const engine::recipe& training_job::recipe() const { return s_->r; }
+
+void training_job::record(const engine::step_metrics& m) {
+  auto& res = s_->res;
+  if (s_->metrics) s_->metrics->write(m);
+  res.steps.push_back(m);
+  if (s_->cb.on_step) s_->cb.on_step(m);
+  res.summary.final_loss = m.loss;
+  if (m.val_loss) res.summary.final_val_loss = *m.val_loss;
+  res.summary.steps = m.step;
+  res.summary.tokens_per_s = double(m.tokens) / m.elapsed_s;
+  res.summary.seconds = m.elapsed_s;
+}
+
+std::string training_job::finish(caf::actor_system& sys, std::string failure) {
+  const auto& r = s_->r;
+  const auto& o = s_->o;
+  auto& a = s_->a;
+  auto& res = s_->res;
+  auto& mesh = s_->mesh;
+  const int my_rank = s_->my_rank;
+  const int control = topology::job_placement::control_process;
+  auto say = [this](const std::string& text) { s_->say(text); };
   {
     caf::scoped_actor client{sys};
-    const auto& pl = in.placement;
-    const int control = topology::job_placement::control_process;
-    a.tracer =
-        place(sys, a, in, pl.tracer_id, control, "tracer", [&] { return spawn_tracer(sys); });
-    a.schedule = place(sys, a, in, pl.schedule_id, control, "schedule", [&] {
-      return spawn_schedule_actor(
-          sys, {r.parallel.schedule,
-                {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages},
-                r.parallel.dp});
-    });
-    coordinator_config cc;
-    cc.steps = r.steps;
-    cc.rounds = r.batch.grad_accum;
-    cc.ranks = r.parallel.pp;
-    cc.replicas = r.parallel.dp * r.parallel.tp;  // lanes
-    cc.tp = r.parallel.tp;
-    cc.sharded_grads = r.parallel.zero > 0;
-    const bool has_val = !in.data.val.empty() && r.eval_interval > 0;
-    cc.eval_interval = has_val ? r.eval_interval : 0;
-    cc.eval_batches = has_val ? r.eval_batches : 0;
-    cc.tokens_per_step = tokens_per_step(in);
-    cc.flops_per_token = r.model.train_flops_per_token(r.batch.seq_len);
-    cc.trace = add_track(a, in, "coordinator", "coordinator", -1, -1);
-    cc.guard = r.guard;
-    cc.scaling = r.precision.scaling();
-    cc.checkpoint_every = r.checkpoint.every;
-    cc.micro_batches_per_step = r.micro_batches_per_step();
-    if (!in.resume_dir.empty()) {
-      cc.start_step = in.resumed.step;
-      cc.start_tokens = in.resumed.tokens;
-      cc.start_micro_batches = in.resumed.micro_batches;
-      cc.guard_state = in.resumed.guard;
-    }
-    a.coordinator = place(sys, a, in, pl.coordinator_id, control, "coordinator",
-                          [&] { return spawn_coordinator(sys, std::move(cc)); });
-    spawn_stages(sys, a, in);
-    spawn_loaders(sys, a, in);
-    if (r.checkpoint.every > 0 && my_rank == control) {
-      checkpoint_writer_config wc;
-      wc.model = r.model;
-      wc.pp = r.parallel.pp;
-      wc.dp = r.parallel.dp;
-      wc.tp = r.parallel.tp;
-      wc.zero = r.parallel.zero > 0;
-      wc.root = r.checkpoint_path();
-      wc.keep = r.checkpoint.keep;
-      const auto& p = r.parallel;
-      wc.mesh = {p.pp,
-                 p.dp,
-                 p.tp,
-                 p.zero,
-                 p.virtual_stages,
-                 p.micro_batches,
-                 r.batch.grad_accum,
-                 r.batch.micro_batch};
-      wc.schedule = p.schedule;
-      wc.recipe_text = r.source_text;
-      wc.overrides = r.overrides;
-      wc.stages = a.stages;
-      wc.trace = add_track(a, in, "checkpoint writer", "checkpoint", -1, -1);
-      wc.tracer = a.tracer;
-      a.checkpointer = caf::actor_cast<caf::actor>(spawn_checkpoint_writer(sys, std::move(wc)));
-      a.local.push_back(a.checkpointer);
-    }
-    wire_actors(sys, a, in, caf::actor_cast<caf::actor>(client));
-    if (mesh) mesh->start(sys, caf::actor_cast<caf::actor>(client));
-    const run_handles handles{a.coordinator, a.stages};
-    bool running = true;
-    if (my_rank == control) client->send(a.coordinator, start_run{});
-    while (running) {
-      client->receive(
-          [&](step_report& rep) {
-            metrics->write(rep.metrics);
-            res.steps.push_back(rep.metrics);
-            if (cb.on_step) cb.on_step(rep.metrics);
-            res.summary.final_loss = rep.metrics.loss;
-            if (rep.metrics.val_loss) res.summary.final_val_loss = *rep.metrics.val_loss;
-            res.summary.steps = rep.metrics.step;
-            res.summary.tokens_per_s = double(rep.metrics.tokens) / rep.metrics.elapsed_s;
-            res.summary.seconds = rep.metrics.elapsed_s;
-            if (o.after_step) o.after_step(sys, handles, rep.metrics.step);
-          },
-          [&](run_finished& f) {
-            running = false;
-            if (!f.ok) failure = my_rank == control ? f.message : "job ended: " + f.message;
-          });
-    }
     if (a.checkpointer) {  // every checkpoint begun is committed before the job ends
       client->request(a.checkpointer, caf::infinite, checkpoint_flush{})
           .receive([](bool) {},
@@ -762,11 +796,47 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     for (const auto& h : a.local) client->send_exit(h, caf::exit_reason::user_shutdown);
     for (const auto& h : a.relays) client->send_exit(h, caf::exit_reason::user_shutdown);
   }
-  if (!failure.empty()) throw std::runtime_error(failure);
-  if (my_rank != 0) return res;
+  a = {};  // the handles go, so the actor system can destroy the actors it stopped
+  if (!failure.empty() || my_rank != 0) return failure;
   write_final_weights(r, res);
   if (!r.weights_path().empty()) say("wrote " + r.weights_path().string());
-  return res;
+  return failure;
+}
+
+const run_result& training_job::result() const { return s_->res; }
+
+run_result run_training(const engine::recipe& r, const engine::train_callbacks& cb,
+                        const run_options& o) {
+  caf::actor_system_config cfg;
+  // The scheduled (non-detached) actors are light; their worker threads must not poll and
+  // steal cycles from the stages' compute threads.
+  cfg.set("scheduler.max-threads", 1);
+  cfg.set("work-stealing.aggressive-poll-attempts", 0);
+  cfg.set("work-stealing.moderate-poll-attempts", 0);
+  caf::actor_system sys{cfg};
+  training_job job(r, cb, o);  // destroyed before the system: its handles go first
+  std::string failure;
+  {
+    caf::scoped_actor client{sys};
+    job.spawn(sys, caf::actor_cast<caf::actor>(client));
+    const run_handles handles{job.coordinator(), job.stages()};
+    bool running = true;
+    while (running) {
+      client->receive(
+          [&](step_report& rep) {
+            job.record(rep.metrics);
+            if (o.after_step) o.after_step(sys, handles, rep.metrics.step);
+          },
+          [&](training_paused&) {},
+          [&](run_finished& f) {
+            running = false;
+            if (!f.ok) failure = job.control() ? f.message : "job ended: " + f.message;
+          });
+    }
+  }
+  failure = job.finish(sys, failure);
+  if (!failure.empty()) throw std::runtime_error(failure);
+  return job.result();
 }
 
 }  // namespace troupe::actors

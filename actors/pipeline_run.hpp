@@ -62,6 +62,10 @@ struct run_options {
   // Testing the watchdog: the first action of step test_stall_step (0-based) of the stage of
   // pipeline rank test_stall_rank (replica 0) never ends.
   int test_stall_rank = -1, test_stall_step = -1;
+  // An embedding's pacing: steps to run before the coordinator pauses (-1: all); and a
+  // checkpoint writer even without checkpoint.every (checkpoints taken on request).
+  int step_limit = -1;
+  bool checkpoint_writer = false;
 };
 
 struct run_result {
@@ -69,6 +73,35 @@ struct run_result {
   engine::train_summary summary;
   std::vector<engine::step_metrics> steps;
   std::map<std::string, std::vector<float>> parameters;  // replica 0, by Hugging Face name
+};
+
+// A job of this process in steps, for run_training and an embedding (include/troupe/trainer.hpp):
+//  - made: bad input throws engine::recipe_error (nothing written), the outputs are opened and a
+//    multi-process job's processes joined;
+//  - spawn: its actors in `sys`, wired, with `client` receiving step_report, training_paused and
+//    run_finished; the control process's coordinator starts;
+//  - record: each step_report's metrics into the metrics file and the result;
+//  - finish: after run_finished, every checkpoint begun is committed, the final weights (and
+//    trace) collected and written, this process's actors stopped; returns the failure, or "".
+class training_job {
+ public:
+  training_job(engine::recipe recipe, engine::train_callbacks callbacks, run_options options);
+  ~training_job();
+  training_job(const training_job&) = delete;
+  training_job& operator=(const training_job&) = delete;
+  void spawn(caf::actor_system& sys, const caf::actor& client);
+  void record(const engine::step_metrics& m);
+  std::string finish(caf::actor_system& sys, std::string failure);
+  const caf::actor& coordinator() const;
+  const caf::actor& checkpointer() const;  // unset without checkpoints
+  const std::vector<std::vector<caf::actor>>& stages() const;
+  bool control() const;  // this process runs the coordinator
+  const engine::recipe& recipe() const;
+  const run_result& result() const;
+
+ private:
+  struct state;
+  std::unique_ptr<state> s_;
 };
 
 // Throws engine::recipe_error for bad input (nothing written) and std::runtime_error naming

@@ -252,6 +252,19 @@ struct checkpoint_copied {
 // Answered (true) once every checkpoint begun before it is committed.
 struct checkpoint_flush {};
 
+// Pacing, for an embedding's trainer (include/troupe/trainer.hpp): the coordinator runs steps
+// until `step` steps are done, then pauses between steps and tells its client; a checkpoint can
+// be taken while it is paused.
+struct run_until {
+  int step = 0;
+};
+struct training_paused {
+  int step = 0;  // steps done
+};
+struct checkpoint_now {};
+// End the run while paused, as if its last step were done (the final weights are written).
+struct stop_run {};
+
 // Coordinator -> whoever started the run.
 struct step_report {
   engine::step_metrics metrics;

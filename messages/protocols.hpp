@@ -57,6 +57,10 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::zero_state)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_begin)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_copied)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_flush)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::run_until)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::training_paused)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::checkpoint_now)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stop_run)
 
 namespace troupe::messages {
 
@@ -154,6 +158,8 @@ using checkpoint_writer_actor =
 using coordinator_actor =
     caf::typed_actor<caf::reacts_to<coordinator_wiring>, caf::reacts_to<start_run>,
                      caf::reacts_to<grads_ready>, caf::reacts_to<update_done>,
-                     caf::reacts_to<eval_done>, caf::replies_to<swap_schedule>::with<swap_result>>;
+                     caf::reacts_to<eval_done>, caf::replies_to<swap_schedule>::with<swap_result>,
+                     caf::reacts_to<run_until>, caf::reacts_to<stop_run>,
+                     caf::replies_to<checkpoint_now>::with<checkpoint_copied>>;
 
 }  // namespace troupe::messages

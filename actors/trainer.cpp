@@ -1,0 +1,218 @@
+// The trainer actor of the embedding API. See include/troupe/trainer.hpp and docs/embedding.md.
+//
+// Invariants:
+//  T1. The trainer is the job's client: step reports, pauses and the run's end come to it, and
+//      only it moves the coordinator's step limit (run_until).
+//  T2. Requests that need the run paused (take_checkpoint, stop_training) wait for the pause
+//      they ask for; replies to train_steps and pause_training go out on the next pause or at
+//      the run's end, in the order they came.
+//  T3. The run's end is finished once (training_job::finish: checkpoints committed, final
+//      weights written, actors stopped), on this actor's own thread.
+#include <deque>
+#include <functional>
+#include <memory>
+
+#include "actors/pipeline_run.hpp"
+#include "engine/checkpoint.hpp"
+#include "messages/protocols.hpp"
+#include "troupe/trainer.hpp"
+
+namespace troupe {
+namespace {
+
+using namespace messages;
+
+class trainer_impl : public caf::event_based_actor {
+ public:
+  trainer_impl(caf::actor_config& cfg, std::shared_ptr<actors::training_job> job)
+      : caf::event_based_actor(cfg), job_(std::move(job)) {
+    status_.total_steps = job_->recipe().steps;
+  }
+
+  void on_exit() override {
+    subscribers_.clear();
+    job_.reset();
+  }
+
+  caf::behavior make_behavior() override {
+    job_->spawn(system(), caf::actor_cast<caf::actor>(this));
+    return {
+        [this](train_steps& t) -> caf::result<trainer_status> {
+          if (ended() || t.steps <= 0) return status_;
+          target_ = std::min(status_.total_steps, std::max(target_, status_.step) + t.steps);
+          status_.state = trainer_status::phase::running;
+          send(caf::actor_cast<caf::actor>(job_->coordinator()), run_until{target_});
+          return await_pause();
+        },
+        [this](pause_training) -> caf::result<trainer_status> {
+          if (ended() || status_.state == trainer_status::phase::paused) return status_;
+          target_ = status_.step + 1;  // the step in flight completes (T2)
+          send(caf::actor_cast<caf::actor>(job_->coordinator()), run_until{target_});
+          return await_pause();
+        },
+        [this](query_status) { return status_; },
+        [this](subscribe_steps& s) {
+          subscribers_.push_back(std::move(s.subscriber));
+          return status_;
+        },
+        [this](take_checkpoint) -> caf::result<checkpoint_result> {
+          auto rp = make_response_promise<checkpoint_result>();
+          when_paused([this, rp]() mutable {
+            if (ended()) {
+              rp.deliver(checkpoint_result{false, "", "the run has ended"});
+              return;
+            }
+            request(caf::actor_cast<caf::actor>(job_->coordinator()), caf::infinite,
+                    checkpoint_now{})
+                .then(
+                    [this, rp](checkpoint_copied& c) mutable {
+                      request(caf::actor_cast<caf::actor>(job_->checkpointer()), caf::infinite,
+                              checkpoint_flush{})
+                          .then(
+                              [this, rp, step = c.step](bool) mutable {
+                                rp.deliver(checkpoint_result{
+                                    true,
+                                    engine::checkpoint_dir(job_->recipe().checkpoint_path(), step)
+                                        .string(),
+                                    ""});
+                              },
+                              [rp](caf::error& e) mutable {
+                                rp.deliver(checkpoint_result{false, "", to_string(e)});
+                              });
+                    },
+                    [rp](caf::error& e) mutable {
+                      rp.deliver(checkpoint_result{false, "", to_string(e)});
+                    });
+          });
+          return rp;
+        },
+        [this](use_schedule& u) -> caf::result<schedule_result> {
+          auto rp = make_response_promise<schedule_result>();
+          request(caf::actor_cast<caf::actor>(job_->coordinator()), caf::infinite,
+                  swap_schedule{u.name})
+              .then(
+                  [rp](swap_result& r) mutable {
+                    rp.deliver(schedule_result{r.ok, r.message});
+                  },
+                  [rp](caf::error& e) mutable {
+                    rp.deliver(schedule_result{false, to_string(e)});
+                  });
+          return rp;
+        },
+        [this](stop_training) -> caf::result<trainer_status> {
+          auto rp = make_response_promise<trainer_status>();
+          stops_.push_back(rp);
+          if (ended()) {
+            reply_stops();
+            return rp;
+          }
+          when_paused([this] {
+            if (!ended()) send(caf::actor_cast<caf::actor>(job_->coordinator()), stop_run{});
+          });
+          return rp;
+        },
+        // The job's reports (T1).
+        [this](step_report& r) {
+          job_->record(r.metrics);
+          const auto& m = r.metrics;
+          status_.step = m.step;
+          status_.last_loss = m.loss;
+          step_event e{m.step,         m.total_steps, m.loss,     m.lr,     m.grad_norm,
+                       m.tokens_per_s, m.step_ms,     m.val_loss, m.tokens, m.skipped};
+          for (const auto& s : subscribers_) send(s, e);
+        },
+        [this](training_paused& p) {
+          status_.step = p.step;
+          status_.state = trainer_status::phase::paused;
+          answer_waiting();
+          auto actions = std::move(on_pause_);
+          on_pause_.clear();
+          for (auto& f : actions) f();
+        },
+        [this](run_finished& f) { on_finished(f); },
+    };
+  }
+
+ private:
+  bool ended() const {
+    return status_.state == trainer_status::phase::finished ||
+           status_.state == trainer_status::phase::failed;
+  }
+
+  caf::result<trainer_status> await_pause() {
+    auto rp = make_response_promise<trainer_status>();
+    waiting_.push_back(rp);
+    return rp;
+  }
+
+  void answer_waiting() {
+    for (auto& rp : waiting_) rp.deliver(status_);
+    waiting_.clear();
+  }
+
+  // Runs `f` once the run is paused (now, if it is), or has ended.
+  void when_paused(std::function<void()> f) {
+    if (ended() || status_.state == trainer_status::phase::paused) {
+      f();
+      return;
+    }
+    on_pause_.push_back(std::move(f));
+    if (target_ > status_.step + 1) {  // ask for the pause after the step in flight
+      target_ = status_.step + 1;
+      send(caf::actor_cast<caf::actor>(job_->coordinator()), run_until{target_});
+    }
+  }
+
+  void on_finished(const run_finished& f) {  // T3
+    std::string failure = f.ok ? "" : f.message;
+    try {
+      failure = job_->finish(system(), failure);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    status_.state =
+        failure.empty() ? trainer_status::phase::finished : trainer_status::phase::failed;
+    status_.error = failure;
+    answer_waiting();
+    auto actions = std::move(on_pause_);
+    on_pause_.clear();
+    for (auto& a : actions) a();
+    reply_stops();
+  }
+
+  void reply_stops() {
+    if (stops_.empty()) return;
+    for (auto& rp : stops_) rp.deliver(status_);
+    stops_.clear();
+    quit();
+  }
+
+  std::shared_ptr<actors::training_job> job_;
+  trainer_status status_;
+  int target_ = 0;  // the coordinator's step limit
+  std::vector<caf::typed_response_promise<trainer_status>> waiting_, stops_;
+  std::vector<std::function<void()>> on_pause_;
+  std::vector<caf::actor> subscribers_;
+};
+
+}  // namespace
+
+caf::expected<trainer_actor> spawn_trainer(caf::actor_system& system,
+                                           const std::string& recipe_path,
+                                           const trainer_options& options) {
+  try {
+    const auto r = engine::load_recipe(recipe_path, options.overrides);
+    actors::run_options o;
+    o.step_limit = 0;  // paused before the first step
+    o.checkpoint_writer = true;
+    o.resume = options.resume;
+    o.compute_threads = options.threads;
+    o.collect_parameters = false;
+    auto job = std::make_shared<actors::training_job>(r, engine::train_callbacks{}, o);
+    return caf::actor_cast<trainer_actor>(system.spawn<trainer_impl, caf::detached>(job));
+  } catch (const std::exception& e) {
+    return caf::make_error(caf::sec::invalid_argument, e.what());
+  }
+}
+
+}  // namespace troupe
