@@ -33,6 +33,8 @@ class coordinator_impl : public coordinator_actor::base {
   coordinator_impl(caf::actor_config& cfg, coordinator_config config)
       : coordinator_actor::base(cfg), cfg_(std::move(config)), guard_(cfg_.guard, cfg_.scaling) {
     if (cfg_.guard_state) guard_.restore(*cfg_.guard_state);
+    // run_until may come before start_run: the limit is set here, once.
+    limit_ = cfg_.step_limit < 0 ? cfg_.steps : std::min(cfg_.step_limit, cfg_.steps);
     tokens_ = cfg_.start_tokens;
   }
 
@@ -47,12 +49,11 @@ class coordinator_impl : public coordinator_actor::base {
         },
         [this](start_run) {
           start_ = clock_type::now();
-          limit_ = cfg_.step_limit < 0 ? cfg_.steps : std::min(cfg_.step_limit, cfg_.steps);
           go_on(cfg_.start_step);
         },
-        [this](stop_run) {
-          if (paused_at_ < 0) throw std::logic_error("coordinator: stop_run while steps run");
-          finish(true, "");
+        [this](stop_run) {  // now, or after the step in flight
+          stopping_ = true;
+          if (paused_at_ >= 0) finish(true, "");
         },
         [this](run_until& u) {
           limit_ = std::min(u.step, cfg_.steps);
@@ -202,6 +203,10 @@ class coordinator_impl : public coordinator_actor::base {
 
   // Step s next, unless the limit says pause first (C6).
   void go_on(int s) {
+    if (stopping_) {
+      finish(true, "");
+      return;
+    }
     if (s >= limit_) {
       paused_at_ = s;
       caf::anon_send(wiring_.client, training_paused{s});
@@ -253,6 +258,7 @@ class coordinator_impl : public coordinator_actor::base {
   int limit_ = 0;          // steps to have done before pausing
   int paused_at_ = -1;     // paused with this many steps done; -1: running
   int checkpointed_ = -1;  // the steps done at the last checkpoint
+  bool stopping_ = false;  // stop_run: end at the next step boundary
 };
 
 }  // namespace

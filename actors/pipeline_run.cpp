@@ -702,6 +702,7 @@ bool training_job::control() const {
   return s_->my_rank == topology::job_placement::control_process;
 }
 const engine::recipe& training_job::recipe() const { return s_->r; }
+int training_job::start_step() const { return s_->in_ptr->resumed.step; }
 
 void training_job::record(const engine::step_metrics& m) {
   auto& res = s_->res;

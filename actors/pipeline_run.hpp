@@ -97,6 +97,7 @@ class training_job {
   const std::vector<std::vector<caf::actor>>& stages() const;
   bool control() const;  // this process runs the coordinator
   const engine::recipe& recipe() const;
+  int start_step() const;  // the steps done before this run (a checkpoint's, resuming)
   const run_result& result() const;
 
  private:

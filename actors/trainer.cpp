@@ -27,6 +27,7 @@ class trainer_impl : public caf::event_based_actor {
   trainer_impl(caf::actor_config& cfg, std::shared_ptr<actors::training_job> job)
       : caf::event_based_actor(cfg), job_(std::move(job)) {
     status_.total_steps = job_->recipe().steps;
+    status_.step = target_ = job_->start_step();
   }
 
   void on_exit() override {
@@ -123,6 +124,9 @@ class trainer_impl : public caf::event_based_actor {
         },
         [this](training_paused& p) {
           status_.step = p.step;
+          // A pause below the limit asked for is the start's (or an earlier limit's): the
+          // coordinator goes on once it has the new limit (T2).
+          if (p.step < target_) return;
           status_.state = trainer_status::phase::paused;
           answer_waiting();
           auto actions = std::move(on_pause_);
