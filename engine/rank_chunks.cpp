@@ -337,9 +337,7 @@ class device_rank_chunks final : public rank_chunks {
   std::pair<std::vector<float>, std::vector<float>> moments(int c) override {
     return chunk(c).moments();
   }
-  void load_moments(int c, const float* m, const float* v) override {
-    chunk(c).load_moments(m, v);
-  }
+  void load_moments(int c, const float* m, const float* v) override { chunk(c).load_moments(m, v); }
 
   std::int64_t optimizer_bytes() const override {
     std::int64_t bytes = 0;

@@ -387,10 +387,10 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
         pieces[i].setRole(static_cast<std::int32_t>(p.role));
         pieces[i].setName(text(p.name));
         pieces[i].setOffset(p.offset);
-        w.tensor(pieces[i].initData(),
-                 std::make_shared<payload<float>>(p.values.data(),
-                                                  p.values.data() + p.values.size()),
-                 "pieces");
+        w.tensor(
+            pieces[i].initData(),
+            std::make_shared<payload<float>>(p.values.data(), p.values.data() + p.values.size()),
+            "pieces");
       }
     }
     void operator()(const trace_batch& m) {
