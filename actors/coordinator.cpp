@@ -66,12 +66,15 @@ class coordinator_impl : public coordinator_actor::base {
             throw std::logic_error("coordinator: a checkpoint asked for without a writer");
           if (paused_at_ == checkpointed_) return checkpoint_copied{paused_at_};
           auto rp = make_response_promise<checkpoint_copied>();
+          asked_.push_back(rp);
+          if (asked_.size() > 1) return rp;  // this step's checkpoint is on its way already
           request(caf::actor_cast<checkpoint_writer_actor>(wiring_.checkpointer), caf::infinite,
                   checkpoint_begin{checkpoint_state(paused_at_)})
               .then(
-                  [this, rp](checkpoint_copied& c) mutable {
+                  [this](checkpoint_copied& c) {
                     checkpointed_ = c.step;
-                    rp.deliver(c);
+                    for (auto& p : asked_) p.deliver(c);
+                    asked_.clear();
                   },
                   [](caf::error&) {});
           return rp;
@@ -259,6 +262,8 @@ class coordinator_impl : public coordinator_actor::base {
   int paused_at_ = -1;     // paused with this many steps done; -1: running
   int checkpointed_ = -1;  // the steps done at the last checkpoint
   bool stopping_ = false;  // stop_run: end at the next step boundary
+  // checkpoint_now requests waiting for the one checkpoint of the step paused at.
+  std::vector<caf::typed_response_promise<checkpoint_copied>> asked_;
 };
 
 }  // namespace

@@ -62,7 +62,11 @@ TEST_CASE("a trainer in the caller's actor system, driven step by step", "[train
   status = ask<trainer_status>(self, *trainer, train_steps{3});
   CHECK(status.state == phase::paused);
   CHECK(status.step == 3);
+  // Two at once: one checkpoint, both answered with it.
+  auto first = self->request(*trainer, std::chrono::seconds(120), take_checkpoint{});
   const auto ckpt = ask<checkpoint_result>(self, *trainer, take_checkpoint{});
+  first.receive([&](checkpoint_result& r) { CHECK(r.path == ckpt.path); },
+                [&](caf::error& e) { FAIL(to_string(e)); });
   REQUIRE(ckpt.ok);
   CHECK(fs::path(ckpt.path).filename() == "step-00000003");
   CHECK(engine::verify_checkpoint(ckpt.path).empty());
