@@ -53,7 +53,10 @@ std::function<int()> add_train_command(CLI::App& app) {
     std::string test_stall;   // "RANK:STEP": that stage's first action of STEP never ends
   };
   auto opts = std::make_shared<options>();
-  auto* cmd = app.add_subcommand("train", "Train a model from a recipe (one process)");
+  auto* cmd = app.add_subcommand(
+      "train",
+      "Train a model from a recipe: this process, or one process of a job started by troupe "
+      "launch, Slurm, mpirun or torchrun-style variables");
   cmd->add_option("recipe", opts->recipe, "Recipe TOML file")->required();
   cmd->add_option("--set", opts->overrides, "Override a recipe key: --set optimizer.lr=3e-4")
       ->take_all()
@@ -228,12 +231,15 @@ std::function<int()> add_train_command(CLI::App& app) {
       std::fflush(stderr);
     }
     if (quiet) return exit_ok;
-    char line[256];
+    char val[48] = "no validation";  // no validation data, or eval_interval = 0
+    if (std::isfinite(summary.final_val_loss))
+      std::snprintf(val, sizeof val, "val loss %.4f", summary.final_val_loss);
+    char line[320];
     std::snprintf(line, sizeof line,
-                  "done: %d steps in %s, %.0f tokens/s; final loss %.4f, val loss %.4f, "
+                  "done: %d steps in %s, %.0f tokens/s; final loss %.4f, %s, "
                   "corpus unigram entropy %.4f nats/token",
                   summary.steps, format_duration(summary.seconds).c_str(), summary.tokens_per_s,
-                  summary.final_loss, summary.final_val_loss, summary.unigram_entropy);
+                  summary.final_loss, val, summary.unigram_entropy);
     progress.message(line);
     progress.message("metrics: " + r.metrics_path().string());
     return exit_ok;

@@ -78,7 +78,7 @@ PY
 check_metrics "$tmp/run/metrics.jsonl" 6 3,6
 [[ -s $tmp/run/final.safetensors ]] || { echo "FAIL: no final.safetensors" >&2; exit 1; }
 [[ ! -e $tmp/run/final.safetensors.tmp ]] || { echo "FAIL: temporary weights left behind" >&2; exit 1; }
-grep -q '^done: 6 steps' "$tmp/run1.stdout" || { echo "FAIL: no summary line" >&2; exit 1; }
+grep -q '^done: 6 steps.*, val loss [0-9.]*, ' "$tmp/run1.stdout" || { echo "FAIL: no summary line" >&2; exit 1; }
 
 # The weights are a safetensors file with Hugging Face names and the real vocabulary.
 "$py" - "$tmp/run/final.safetensors" <<'PY'
@@ -102,6 +102,11 @@ PY
   exit 1
 }
 check_metrics "$tmp/run2/metrics.jsonl" 1 1
+# Without validation the summary says so (not "val loss nan").
+"$troupe" train "$tmp/recipe.toml" --set eval_interval=0 --set steps=1 \
+  --set "output.dir=$tmp/noval" >"$tmp/noval.stdout" 2>&1 || { echo "FAIL: no-validation run" >&2; exit 1; }
+grep -q '^done: 1 steps.*final loss [0-9.]*, no validation, ' "$tmp/noval.stdout" ||
+  { echo "FAIL: summary without validation: $(grep '^done' "$tmp/noval.stdout")" >&2; exit 1; }
 
 # --set steps overrides the recipe.
 "$troupe" train "$tmp/recipe.toml" --set steps=3 --set "output.dir=$tmp/run3" \
