@@ -17,11 +17,20 @@ compute_dtype parse_compute_dtype(const std::string& name) {
 attention_kernel parse_attention_kernel(const std::string& name) {
   if (name == "fused") return attention_kernel::fused;
   if (name == "materialized") return attention_kernel::materialized;
-  throw std::invalid_argument("'" + name + "' is not fused or materialized");
+  if (name == "cudnn") return attention_kernel::cudnn;
+  throw std::invalid_argument("'" + name + "' is not fused, materialized or cudnn");
 }
 
 const char* attention_kernel_name(attention_kernel kernel) {
-  return kernel == attention_kernel::materialized ? "materialized" : "fused";
+  switch (kernel) {
+    case attention_kernel::materialized:
+      return "materialized";
+    case attention_kernel::cudnn:
+      return "cudnn";
+    case attention_kernel::fused:
+      break;
+  }
+  return "fused";
 }
 
 gpu_trainer_options gpu_options(const recipe& r) {
@@ -58,12 +67,13 @@ std::int64_t activation_bytes(const gpt_config& config, const stage_range& range
   const std::int64_t layers = range.last_layer - range.first_layer;
   const std::int64_t rows = std::int64_t{B} * (config.heads / tp) * T;  // the shard's query rows
   const bool materialized = attention == attention_kernel::materialized;
-  // What a block's attention keeps for backward: each row's log-sum-exp (fused), or the [T, T]
-  // probabilities (materialized); and its scratch, shared by every block (none without blocks):
-  // delta (fused), or q, k, v, dO, dq, dk, dv and dP
-  // (kernels::cuda::attention_materialized_scratch_values).
+  // What a block's attention keeps for backward: each row's log-sum-exp (fused, cudnn), or the
+  // [T, T] probabilities (materialized); and its scratch, shared by every block (none without
+  // blocks): delta (fused), or q, k, v, dO, dq, dk, dv and dP
+  // (kernels::cuda::attention_materialized_scratch_values); cuDNN's workspace is its own, outside
+  // the arena (kernels::cuda::attention_cudnn_workspace_bytes).
   const std::int64_t attention_kept = materialized ? rows * T * d : rows * 4;
-  const std::int64_t attention_scratch = layers == 0    ? 0
+  const std::int64_t attention_scratch = layers == 0 || attention == attention_kernel::cudnn ? 0
                                          : materialized ? (7 * NCl + rows * T) * d
                                                         : rows * 4;
   // A block's internals: ln1, res2, ln2 (3 NC), the shard's qkv, atty, fch, fch_gelu (12 NC

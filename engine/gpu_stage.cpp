@@ -168,7 +168,7 @@ struct model_impl final : gpu_stage::impl {
     D *ln1 = nullptr, *qkv = nullptr, *atty = nullptr, *res2 = nullptr, *ln2 = nullptr,
       *fch = nullptr, *fch_gelu = nullptr;
     float *ln1_mean = nullptr, *ln1_rstd = nullptr, *ln2_mean = nullptr, *ln2_rstd = nullptr,
-          *lse = nullptr;  // fused attention: each query row's log-sum-exp
+          *lse = nullptr;  // fused and cudnn attention: each query row's log-sum-exp
     D* probs = nullptr;    // materialized attention: the [T, T] probabilities per head
   };
   // What one micro-batch in flight keeps from its forward for its backward.
@@ -277,7 +277,7 @@ struct model_impl final : gpu_stage::impl {
     }
     if (layers() > 0 && materialized()) {
       att_work = arena.alloc<D>(cu::attention_materialized_scratch_values(B, T_max, Cl(), NHl()));
-    } else if (layers() > 0) {
+    } else if (layers() > 0 && attention == attention_kernel::fused) {
       att_delta = arena.alloc<float>(cu::attention_scratch_floats(B, T_max, NHl()));
     }
     da = arena.alloc<D>(NC);
@@ -345,6 +345,8 @@ struct model_impl final : gpu_stage::impl {
                        C, 3 * Cl);
     if (materialized()) {
       cu::attention_materialized_forward(ctx, L.atty, L.probs, att_work, L.qkv, B, T, Cl, NHl());
+    } else if (attention == attention_kernel::cudnn) {
+      cu::attention_cudnn_forward(ctx, L.atty, L.lse, L.qkv, B, T, Cl, NHl());
     } else {
       cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, Cl, NHl());
     }
@@ -531,11 +533,14 @@ struct model_impl final : gpu_stage::impl {
       zero(ctx, datty, NCl);
       cu::linear_backward(ctx, datty, G_(p + "attn.c_proj.weight"), G_(p + "attn.c_proj.bias"),
                           dmid, L.atty, W(p + "attn.c_proj.weight"), N, Cl, C);
-      zero(ctx, dqkv_, 3 * NCl);
       if (materialized()) {
+        zero(ctx, dqkv_, 3 * NCl);
         cu::attention_materialized_backward(ctx, dqkv_, datty, L.qkv, L.probs, att_work, B, T, Cl,
                                             NHl());
+      } else if (attention == attention_kernel::cudnn) {  // writes dqkv_ whole
+        cu::attention_cudnn_backward(ctx, dqkv_, datty, L.qkv, L.atty, L.lse, B, T, Cl, NHl());
       } else {
+        zero(ctx, dqkv_, 3 * NCl);
         cu::attention_backward(ctx, dqkv_, datty, L.qkv, L.atty, L.lse, att_delta, B, T, Cl, NHl());
       }
       zero(ctx, dln, NC);

@@ -51,8 +51,10 @@ const char* compute_dtype_name(compute_dtype dtype);
 //    log-sum-exp kept for backward; head sizes 16, 32, 64 and 128.
 //  - materialized: tensor-core GEMMs (cuBLASLt) around a fused causal softmax; each layer keeps
 //    its [T, T] probabilities per head in the compute dtype for backward; any head size.
-enum class attention_kernel { fused, materialized };
-// "fused" or "materialized"; anything else throws std::invalid_argument.
+//  - cudnn: cuDNN's fused flash attention (tensor cores, loaded on first use), bf16 and fp16
+//    only; like fused, only each row's log-sum-exp kept; head sizes up to 128, multiples of 8.
+enum class attention_kernel { fused, materialized, cudnn };
+// "fused", "materialized" or "cudnn"; anything else throws std::invalid_argument.
 attention_kernel parse_attention_kernel(const std::string& name);
 const char* attention_kernel_name(attention_kernel kernel);
 

@@ -224,8 +224,9 @@ void validate_names(const recipe& r) {
   require(r.device == "cpu" || r.device == "cuda", "device",
           "'" + r.device + "' is not cpu or cuda");
   const auto& attention = r.kernels.attention;
-  require(attention == "fused" || attention == "materialized", "kernels.attention",
-          "\"" + attention + "\" is not \"fused\" or \"materialized\"");
+  require(attention == "fused" || attention == "materialized" || attention == "cudnn",
+          "kernels.attention",
+          "\"" + attention + "\" is not \"fused\", \"materialized\" or \"cudnn\"");
 }
 
 void validate_precision(const recipe& r) {

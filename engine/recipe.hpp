@@ -91,7 +91,7 @@ struct activation_checkpoint_config {
 
 // Which GPU kernels run the model (docs/recipe.md, [kernels]; device "cuda" only).
 struct kernels_config {
-  std::string attention = "fused";  // fused | materialized (engine::attention_kernel)
+  std::string attention = "fused";  // fused | materialized | cudnn (engine::attention_kernel)
   // The newer kernels of the rest of the step: 128-bit layernorm forward and backward, one
   // AdamW launch over the flat buffers (kernels::cuda::context::set_fast_kernels).
   bool fast_paths = false;

@@ -5,6 +5,8 @@ namespace troupe::engine {
 namespace {
 
 bool fused_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
+bool cudnn_head_size(int hs) { return hs > 0 && hs <= 128 && hs % 8 == 0; }
+int head_size(const job_shape& j) { return j.r->model.width / j.r->model.heads; }
 
 const std::string not_yet = "not built yet";
 
@@ -22,13 +24,34 @@ const std::vector<support_rule>& support_rules() {
        "yes", "no: kernels.attention = \"materialized\" takes any head size",
        [](const job_shape& j) {
          return j.r->device == "cuda" && j.r->kernels.attention == "fused" &&
-                j.r->model.heads > 0 && !fused_head_size(j.r->model.width / j.r->model.heads);
+                j.r->model.heads > 0 && !fused_head_size(head_size(j));
        },
        [](const job_shape& j) {
-         return "device \"cuda\": head size " +
-                std::to_string(j.r->model.width / j.r->model.heads) +
+         return "device \"cuda\": head size " + std::to_string(head_size(j)) +
                 " (width / heads); the fused GPU attention kernel takes 16, 32, 64 or 128 "
                 "(kernels.attention = \"materialized\" takes any)";
+       }},
+      {"a head size above 128 or no multiple of 8 with `kernels.attention` \"cudnn\"",
+       "model.heads", "yes", "no: kernels.attention = \"materialized\" takes any head size",
+       [](const job_shape& j) {
+         return j.r->device == "cuda" && j.r->kernels.attention == "cudnn" &&
+                j.r->model.heads > 0 && !cudnn_head_size(head_size(j));
+       },
+       [](const job_shape& j) {
+         return "device \"cuda\": head size " + std::to_string(head_size(j)) +
+                " (width / heads); cuDNN's attention takes multiples of 8 up to 128 "
+                "(kernels.attention = \"materialized\" takes any)";
+       }},
+      {"`kernels.attention` \"cudnn\" in fp32 (`precision.dtype` fp32)", "kernels.attention", "yes",
+       "no: cuDNN's flash attention computes in bf16 or fp16",
+       [](const job_shape& j) {
+         return j.r->device == "cuda" && j.r->kernels.attention == "cudnn" &&
+                j.r->precision.dtype == "fp32";
+       },
+       [](const job_shape&) {
+         return std::string(
+             "kernels.attention = \"cudnn\" needs precision.dtype bf16 or fp16 (cuDNN's flash "
+             "attention has no fp32; fp32 runs use \"fused\" or \"materialized\")");
        }},
       {"ZeRO over tensor shards (`parallel.zero` > 0 with `parallel.tp` > 1)", "parallel.zero",
        not_yet, not_yet,

@@ -46,7 +46,8 @@ PY
 # The GPU machine needs g++, nvcc (/usr/local/cuda), meson, ninja and dpkg-deb; python3 with
 # torch for the peer. BENCH_ARGS replaces the bench's options (prebuilt's default: "--batch 16,64
 # --breakdown": both attention kernels at B = 16 and 64, the time per op family, the peers; then
-# the materialized attention with --fast-paths, no peers).
+# the materialized attention with --fast-paths, no peers). TESTS names the test programs to run
+# (default all three), CLI=0 leaves out cli_gpu_train.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -105,13 +106,16 @@ prebuilt() {
   export TROUPE_SOURCE_DIR="$PWD"  # the bench's PyTorch peer script
   machine 2>&1 | tee "$out/machine.txt"
   local failed=0 t
-  for t in test_cuda_ops test_nccl_group test_gpu_trainer; do
+  # shellcheck disable=SC2086
+  for t in ${TESTS:-test_cuda_ops test_nccl_group test_gpu_trainer}; do
     timeout -k 5 300 "$bins/$t" --durations yes >"$out/$t.log" 2>&1 || failed=1
     echo "gpu_run: $t: $(tail -n 2 "$out/$t.log" | head -n 1)"
   done
-  timeout -k 5 600 bash tests/cli/cli_gpu_train.sh "$bins/troupe" >"$out/cli_gpu_train.log" 2>&1 ||
-    failed=1
-  echo "gpu_run: cli_gpu_train: $(tail -n 1 "$out/cli_gpu_train.log")"
+  if [ "${CLI:-1}" = 1 ]; then
+    timeout -k 5 600 bash tests/cli/cli_gpu_train.sh "$bins/troupe" >"$out/cli_gpu_train.log" 2>&1 ||
+      failed=1
+    echo "gpu_run: cli_gpu_train: $(tail -n 1 "$out/cli_gpu_train.log")"
+  fi
   # shellcheck disable=SC2086
   if timeout -k 5 600 "$bins/troupe" bench train-step --device cuda --json \
     ${BENCH_ARGS:---batch 16,64 --breakdown} \

@@ -37,7 +37,7 @@ fi
 # unchanged ones cheap), or an object keeps an old layout of a class the others changed.
 stamp="$build/.cuda-headers-built"
 if [ -f "$stamp" ] && [ -n "$(find kernels engine -name '*.hpp' -newer "$stamp" -o -name '*.cuh' -newer "$stamp" | head -1)" ]; then
-  touch kernels/cuda/*.cu
+  find kernels/cuda -name "*.cu" -exec touch {} +  # (globbing is off: set -f above)
 fi
 ninja -C "$build" >&2
 touch "$stamp"

@@ -275,9 +275,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::PositiveNumber);
   step->add_option("--attention", opts->gpu.attention,
-                   "cuda: the attention kernels to run, fused and/or materialized (default both)")
+                   "cuda: the attention kernels to run, fused, materialized and/or cudnn "
+                   "(default fused,materialized)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"fused", "materialized"}));
+      ->check(CLI::IsMember({"fused", "materialized", "cudnn"}));
   step->add_flag("--fast-paths", opts->gpu.fast_paths,
                  "cuda: the newer kernels of the rest of the step (recipe key kernels.fast_paths)");
   step->add_flag("--breakdown", opts->gpu.breakdown,

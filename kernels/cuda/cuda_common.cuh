@@ -88,6 +88,8 @@ void gemm(const context& ctx, const gemm_shape& shape, const TA* a, const TA* b,
 
 // Frees a context's timer (op_timing.cu, where op_timer is defined).
 void delete_op_timer(op_timer* timer) noexcept;
+// Frees a context's cuDNN handle, plans and workspace (attention_cudnn.cu).
+void delete_cudnn_state(cudnn_state* state) noexcept;
 
 // Brackets one op with the context's timing events while timing is on (context::set_timing);
 // nothing otherwise. Declared first thing in each public op.

@@ -418,7 +418,8 @@ context::~context() { release(); }
 
 void context::release() noexcept {
   delete_op_timer(std::exchange(timer_, nullptr));
-  delete std::exchange(gemms_, nullptr);  // before the handle its plans were made with
+  delete_cudnn_state(std::exchange(cudnn_, nullptr));  // before the stream it runs on
+  delete std::exchange(gemms_, nullptr);               // before the handle its plans were made with
   if (workspace_) cudaFree(std::exchange(workspace_, nullptr));
   if (lt_) cublasLtDestroy(static_cast<cublasLtHandle_t>(std::exchange(lt_, nullptr)));
   if (stream_) cudaStreamDestroy(std::exchange(stream_, nullptr));

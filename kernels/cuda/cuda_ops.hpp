@@ -34,8 +34,9 @@ struct cuda_error : std::runtime_error {
 using bf16 = __nv_bfloat16;
 using fp16 = __half;
 
-struct gemm_cache;  // cuBLASLt descriptors and algorithms by GEMM shape (cuda_ops.cu)
-struct op_timer;    // CUDA events around ops, while timing is on (cuda_ops.cu)
+struct gemm_cache;   // cuBLASLt descriptors and algorithms by GEMM shape (cuda_ops.cu)
+struct cudnn_state;  // cuDNN's handle, attention plans and workspace (attention_cudnn.cu)
+struct op_timer;     // CUDA events around ops, while timing is on (cuda_ops.cu)
 namespace detail {
 class timed_op;  // cuda_common.cuh
 }
@@ -91,6 +92,7 @@ class context {
 
  private:
   friend struct gemm_access;
+  friend struct cudnn_access;
   friend class detail::timed_op;
   void release() noexcept;
   op_timer* timer_ = nullptr;
@@ -100,6 +102,9 @@ class context {
   void* workspace_ = nullptr;
   std::size_t workspace_bytes_ = 0;
   gemm_cache* gemms_ = nullptr;
+  // Made on the first cuDNN attention call (attention_cudnn.cu): contexts that never use cuDNN
+  // never load it.
+  mutable cudnn_state* cudnn_ = nullptr;
 };
 
 // ---- layer normalisation (eps 1e-5, biased variance); fp32 weight, bias, mean[N], rstd[N] -----
@@ -248,6 +253,32 @@ void attention_materialized_forward(const context& ctx, T* out, T* probs, T* scr
 template <class T>
 void attention_materialized_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv,
                                      const T* probs, T* scratch, int B, int T_, int C, int NH);
+
+// ---- causal multi-head self-attention through cuDNN's fused flash attention
+// ---------------------- The same result as attention_forward/backward from cuDNN's
+// scaled-dot-product-attention graph (tensor cores, fp32 softmax statistics), bf16 and fp16 only
+// (float throws cuda_error), head sizes multiples of 8 up to 128. cuDNN is loaded on first use
+// (cudnn_loader.hpp). q, k and v are read in place from qkv[B,T,3C] (strided views, no copies);
+// lse[B,NH,T] (fp32) receives each row's log-sum-exp of its scaled scores for backward. Unlike the
+// other backward ops this one WRITES dqkv (=, every value), in cuDNN's deterministic backward:
+// bitwise repeatable. Plans are built once per shape and kept on the context; the first call of a
+// shape costs cuDNN's plan building (tens of milliseconds). cuDNN's workspace is the context's,
+// grown to the largest plan's: attention_cudnn_workspace_bytes() after the calls.
+template <class T>
+void attention_cudnn_forward(const context& ctx, T* out, float* lse, const T* qkv, int B, int T_,
+                             int C, int NH);
+template <class T>
+void attention_cudnn_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv,
+                              const T* out, const float* lse, int B, int T_, int C, int NH);
+std::size_t attention_cudnn_workspace_bytes(const context& ctx);
+// The operations of the forward or backward graph for this shape (with the padding mask cuDNN
+// 9.14 needs in backward when T is no multiple of 128), built and finalized without a device or
+// handle: cuDNN checks each descriptor as it is finalized (the unit suite runs this on CPUs).
+int attention_cudnn_graph_operations(bool bf16_io, int B, int T_, int NH, int hs, bool backward,
+                                     bool padding);
+// Whether cuDNN's attention can run in this process: loads the library; on false, *why says
+// what is missing (the library, a function, the version).
+bool cudnn_attention_available(std::string* why);
 
 // ---- conversions and fills -----------------------------------------------------------------
 // out[i] = T(in[i]) (fp32 master weights to the working copy).

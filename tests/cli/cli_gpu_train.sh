@@ -8,7 +8,9 @@
 #    checkpointing saving memory. The materialized attention (kernels.attention) in bf16 within
 #    the same tolerances, and in an fp32 pipeline of 2 stages within the fp32 ones; the fast
 #    kernels (kernels.fast_paths: 128-bit layernorm at width 256, one AdamW launch) in bf16 with
-#    materialized attention and in fp32, within the same tolerances.
+#    materialized attention and in fp32, within the same tolerances; cuDNN's attention in bf16
+#    with the fast kernels, and in a bf16 PP=2 ZB-H1 pipeline with checkpointing, within the bf16
+#    ones.
 #  - a GPU pipeline (device stage actors, payloads through links): fp32 1F1B over 2 stages within
 #    the fp32 tolerances of the CPU, bf16 interleaved 1F1B over 2 x 2 chunks with activation
 #    checkpointing within the bf16 ones; fp32 PP=2 x DP=2 (gradient buckets averaged on the
@@ -90,6 +92,10 @@ run gpupp2mat --device cuda --set parallel.pp=2 --set kernels.attention=material
 run gpu16fast --device cuda --set precision.dtype=bf16 --set kernels.attention=materialized \
   --set kernels.fast_paths=true
 run gpu32fast --device cuda --set kernels.fast_paths=true
+run gpu16cudnn --device cuda --set precision.dtype=bf16 --set kernels.attention=cudnn \
+  --set kernels.fast_paths=true
+run gpuzbcudnn --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1 \
+  --set kernels.attention=cudnn --set precision.dtype=bf16 --set activation_checkpoint.mode=full
 run gpupp2 --device cuda --set parallel.pp=2
 run gpuvpp --device cuda --set precision.dtype=bf16 --set parallel.pp=2 \
   --set parallel.virtual_stages=2 --set parallel.schedule=interleaved_1f1b \
@@ -161,6 +167,8 @@ close(cpu, rows("gpu16mat"), 5e-2, 2e-1, "bf16 GPU, materialized attention, vs C
 close(cpu, rows("gpupp2mat"), 1e-4, 1e-3, "fp32 GPU pipeline, materialized attention, vs CPU")
 close(cpu, rows("gpu16fast"), 5e-2, 2e-1, "bf16 GPU, materialized attention, fast kernels, vs CPU")
 close(cpu, rows("gpu32fast"), 1e-4, 1e-3, "fp32 GPU, fast kernels, vs CPU")
+close(cpu, rows("gpu16cudnn"), 5e-2, 2e-1, "bf16 GPU, cuDNN attention, fast kernels, vs CPU")
+close(cpu, rows("gpuzbcudnn"), 5e-2, 2e-1, "bf16 GPU PP=2 ZB-H1, cuDNN attention, checkpointing, vs CPU")
 skipped = [r for r in f16 if r.get("skipped")]
 assert skipped and f16[0].get("skipped"), "fp16 from 2^40: the first step was not skipped"
 assert all("non-finite" in r["skipped"] for r in skipped), skipped

@@ -26,6 +26,12 @@ namespace {
 
 const gpt_config kConfig{97, 128, 64, 2, 4, 64};  // vocab 97 (padded 128), head size 16
 constexpr int kB = 2, kT = 48;
+// The attention kernels a dtype has: cuDNN's computes in 16 bits only.
+std::vector<attention_kernel> attention_kernels(compute_dtype dtype) {
+  if (dtype == compute_dtype::fp32)
+    return {attention_kernel::fused, attention_kernel::materialized};
+  return {attention_kernel::fused, attention_kernel::materialized, attention_kernel::cudnn};
+}
 
 using batch = troupe::engine::test::token_batch;
 
@@ -214,6 +220,19 @@ TEST_CASE("GPT-2 on the GPU with materialized attention trains as the CPU engine
   }
 }
 
+// cuDNN's flash attention (16-bit only) against the same CPU runs and bounds.
+TEST_CASE("GPT-2 on the GPU with cuDNN attention trains as the CPU engine does", "[gpu][trainer]") {
+  SECTION("bf16") {
+    compare(compute_dtype::bf16, 2e-2, 5e-2, {1e-2, 1.0, 0.1}, 1.0f, attention_kernel::cudnn);
+  }
+  SECTION("fp16 with a loss scale") {
+    compare(compute_dtype::fp16, 1e-2, 3e-2, {5e-3, 1.0, 0.03}, 1024.0f, attention_kernel::cudnn);
+  }
+  SECTION("bf16, fast kernels") {
+    compare(compute_dtype::bf16, 2e-2, 5e-2, {1e-2, 1.0, 0.1}, 1.0f, attention_kernel::cudnn, true);
+  }
+}
+
 // The fast kernels with either attention kernel. The test model's width (64) is narrower than
 // a warp's row of 16-byte vectors (128 values in fp32, 256 in bf16), so its layernorm falls back
 // to the warp-per-row kernel: this covers the one AdamW launch over the flat buffers, and the
@@ -257,7 +276,7 @@ TEST_CASE("the fast kernels' AdamW covers a layout with gaps, bitwise the per-te
 TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the plan",
           "[gpu][trainer]") {
   for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16})
-    for (auto attention : {attention_kernel::fused, attention_kernel::materialized}) {
+    for (auto attention : attention_kernels(dtype)) {
       INFO("dtype " << compute_dtype_name(dtype) << ", " << attention_kernel_name(attention)
                     << " attention");
       gpt_stage host(kConfig, stage_range::whole(kConfig));
@@ -291,7 +310,7 @@ TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the 
 // activation checkpointing, where B and W each recompute the blocks' internals.
 TEST_CASE("a split backward on the GPU is the whole backward, bitwise", "[gpu][trainer]") {
   for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16})
-    for (auto attention : {attention_kernel::fused, attention_kernel::materialized})
+    for (auto attention : attention_kernels(dtype))
       for (const auto& range : {stage_range::whole(kConfig), partition_layers(kConfig, 2)[1]})
         for (bool recompute : {false, true}) {
           INFO(compute_dtype_name(dtype)
@@ -362,7 +381,7 @@ TEST_CASE("the GPU trainer starts from given host weights, evaluates and hands w
 
 TEST_CASE("GPU gradients accumulate across batches and repeat bitwise", "[gpu][trainer]") {
   for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16})
-    for (auto attention : {attention_kernel::fused, attention_kernel::materialized}) {
+    for (auto attention : attention_kernels(dtype)) {
       INFO("dtype " << compute_dtype_name(dtype) << ", " << attention_kernel_name(attention)
                     << " attention");
       gpu_trainer gpu(kConfig, kB, kT, gpu_trainer_options{dtype, false, attention}, 7);
@@ -394,7 +413,7 @@ TEST_CASE("GPU gradients accumulate across batches and repeat bitwise", "[gpu][t
 }
 
 TEST_CASE("a GPU chunk times its ops by family while asked to, changing no bit", "[gpu][trainer]") {
-  for (auto attention : {attention_kernel::fused, attention_kernel::materialized}) {
+  for (auto attention : attention_kernels(compute_dtype::bf16)) {
     INFO(attention_kernel_name(attention) << " attention");
     gpu_trainer timed(kConfig, kB, kT, gpu_trainer_options{compute_dtype::bf16, false, attention},
                       7);

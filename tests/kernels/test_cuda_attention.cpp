@@ -141,6 +141,75 @@ TEMPLATE_TEST_CASE("materialized causal attention on the GPU matches the CPU ref
   check_materialized<TestType>(2, 33, 3, 48, 55);  // a head size the fused kernel has not
 }
 
+namespace {
+
+// cuDNN's fused flash attention against the CPU reference: out and dqkv, whose every value starts
+// poisoned with NaN (backward writes dqkv whole); lse as the fused kernel's (rows 0 and T-1); a
+// second backward bitwise the first (cuDNN's deterministic backward).
+template <class T>
+void check_cudnn(int B, int Tn, int NH, int hs, std::uint32_t seed) {
+  std::string why;
+  const bool available = cu::cudnn_attention_available(&why);  // the GPU machines have cuDNN 9
+  INFO(why);
+  REQUIRE(available);
+  const int C = NH * hs;
+  const auto n = static_cast<std::size_t>(B) * Tn;
+  const auto qkv = rounded<T>(random_values(n * 3 * C, seed, -2, 2));
+  const auto dout = rounded<T>(random_values(n * C, seed + 1));
+  std::vector<float> out(n * C), att(static_cast<std::size_t>(B) * NH * Tn * Tn),
+      dqkv(n * 3 * C, 0.0f);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), B, Tn, C, NH);
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, Tn, C, NH);
+
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  cu::context ctx;
+  device_array<T> gqkv(qkv), gdout(dout), gout(std::vector<float>(n * C, nan)),
+      gdqkv(std::vector<float>(n * 3 * C, nan));
+  const auto rows = static_cast<std::size_t>(B) * NH * Tn;
+  device_array<float> glse(std::vector<float>(rows, nan)), fused_lse(rows),
+      scratch(static_cast<std::size_t>(cu::attention_scratch_floats(B, Tn, NH)));
+  device_array<T> fused_out(n * C);
+  cu::attention_cudnn_forward(ctx, gout.get(), glse.get(), gqkv.get(), B, Tn, C, NH);
+  cu::attention_cudnn_backward(ctx, gdqkv.get(), gdout.get(), gqkv.get(), gout.get(), glse.get(), B,
+                               Tn, C, NH);
+  cu::attention_forward(ctx, fused_out.get(), fused_lse.get(), gqkv.get(), B, Tn, C, NH);
+  ctx.synchronize();
+  INFO("B=" << B << " T=" << Tn << " heads=" << NH << " head size=" << hs);
+  check_close<T>(gout.host(), out, "out", 1e-5);
+  check_close<T>(gdqkv.host(), dqkv, "dqkv (written over NaN)", 1e-4);
+  check_close<float>(glse.host(), fused_lse.host(), "lse (against the fused kernel's)", 1e-3);
+
+  device_array<T> again(std::vector<float>(n * 3 * C, nan));
+  cu::attention_cudnn_backward(ctx, again.get(), gdout.get(), gqkv.get(), gout.get(), glse.get(), B,
+                               Tn, C, NH);
+  ctx.synchronize();
+  CHECK(again.host() == gdqkv.host());
+  CHECK(cu::attention_cudnn_workspace_bytes(ctx) < (std::size_t{1} << 32));
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuDNN causal attention on the GPU matches the CPU reference", "[gpu]", bf16,
+                   fp16) {
+  check_cudnn<TestType>(2, 128, 3, 64, 71);  // GPT-2's head size, T a multiple of 128
+  check_cudnn<TestType>(2, 100, 3, 16, 72);  // T no multiple of 128 (cuDNN's padding mask)
+  check_cudnn<TestType>(1, 1, 2, 32, 73);    // one token (no cuDNN graph: out = v)
+  check_cudnn<TestType>(1, 200, 2, 128, 74);
+  check_cudnn<TestType>(3, 64, 4, 32, 75);  // the same context: several plans
+}
+
+TEST_CASE("cuDNN attention refuses fp32 and head sizes it has no engine for", "[gpu]") {
+  cu::context ctx;
+  CHECK_THROWS_AS(cu::attention_cudnn_forward<float>(ctx, nullptr, nullptr, nullptr, 1, 4, 64, 1),
+                  cu::cuda_error);
+  CHECK_THROWS_AS(
+      cu::attention_cudnn_forward<cu::bf16>(ctx, nullptr, nullptr, nullptr, 1, 4, 60, 3),
+      std::invalid_argument);  // head size 20
+  CHECK_THROWS_AS(
+      cu::attention_cudnn_forward<cu::bf16>(ctx, nullptr, nullptr, nullptr, 1, 4, 256 * 2, 2),
+      std::invalid_argument);  // head size 256
+}
+
 TEST_CASE("materialized attention refuses a width that is no multiple of the heads", "[gpu]") {
   cu::context ctx;
   CHECK_THROWS_AS(cu::attention_materialized_forward<float>(ctx, nullptr, nullptr, nullptr, nullptr,
