@@ -594,7 +594,7 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
 
   if (in.chunks)
     say("device stages: " + in.chunks->name + " chunks, " + r.precision.dtype + " compute, " +
-        r.kernels.attention + " attention" +
+        attention_kernel_for(r) + " attention" +
         (r.activation_checkpoint.full() ? ", every block recomputed" : ""));
 
   // 3. The job's processes.

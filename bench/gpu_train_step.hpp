@@ -18,9 +18,9 @@ struct gpu_train_step_options {
   int layers = 12;
   int steps = 20;
   int warmup = 5;
-  std::string dtype = "bf16";                                      // bf16 | fp32
-  std::vector<std::string> attention = {"fused", "materialized"};  // engine::attention_kernel
-  bool fast_paths = false;  // kernels.fast_paths: 128-bit layernorm, one AdamW launch
+  std::string dtype = "bf16";                      // bf16 | fp32
+  std::vector<std::string> attention = {"cudnn"};  // engine::attention_kernel
+  bool fast_paths = true;  // kernels.fast_paths: 128-bit layernorm, one AdamW launch
   bool breakdown = false;
   std::string python = "python3";  // with torch (the GPU machine's own)
   bool no_peer = false;

@@ -37,7 +37,7 @@ gpu_trainer_options gpu_options(const recipe& r) {
   gpu_trainer_options o;
   o.dtype = parse_compute_dtype(r.precision.dtype);
   o.recompute = r.activation_checkpoint.full();
-  o.attention = parse_attention_kernel(r.kernels.attention);
+  o.attention = parse_attention_kernel(attention_kernel_for(r));
   o.fast_kernels = r.kernels.fast_paths;
   return o;
 }

@@ -255,6 +255,11 @@ struct model_impl final : gpu_stage::impl {
   // Keep in step with plan_gpu_stage_memory (gpu_plan.cpp): the GPU suite checks
   // device_bytes() against it.
   void allocate() override {
+    if (attention == attention_kernel::cudnn) {  // before any memory: one line naming cuDNN
+      std::string why;
+      if (!cu::cudnn_attention_available(&why))
+        throw cu::cuda_error(why + "; kernels.attention = \"materialized\" needs no cuDNN");
+    }
     const int C = config.width;
     const std::int64_t N = std::int64_t{B} * T_max, NC = N * C, NCl = NC / shard.size;
     if constexpr (!std::is_same_v<D, float>) {

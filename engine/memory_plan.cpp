@@ -139,7 +139,7 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                   " device stages" +
                   (tp > 1 ? " of " + std::to_string(tp) + " tensor shards (one shard's figures)"
                           : std::string()) +
-                  " (" + r.precision.dtype + " compute, " + r.kernels.attention +
+                  " (" + r.precision.dtype + " compute, " + attention_kernel_for(r) +
                   " attention, fp32 master weights, gradients" +
                   (o.optimizer_state ? " and AdamW moments"
                                      : "; AdamW moments in ZeRO's shards, in host memory") +
@@ -213,7 +213,8 @@ std::string format_gpu_memory_plan(const recipe& r) {
   const std::int64_t P = r.model.parameter_count();
   std::string s =
       "device memory plan, the whole model on one GPU (" + r.precision.dtype + " compute, " +
-      r.kernels.attention + " attention, fp32 master weights, gradients and AdamW " + "moments" +
+      attention_kernel_for(r) + " attention, fp32 master weights, gradients and AdamW " +
+      "moments" +
       (o.dtype == compute_dtype::fp32 ? "" : ", a " + r.precision.dtype + " copy of the weights") +
       "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
       std::to_string(r.batch.seq_len) + " tokens:\n";

@@ -224,9 +224,10 @@ void validate_names(const recipe& r) {
   require(r.device == "cpu" || r.device == "cuda", "device",
           "'" + r.device + "' is not cpu or cuda");
   const auto& attention = r.kernels.attention;
-  require(attention == "fused" || attention == "materialized" || attention == "cudnn",
+  require(attention == "auto" || attention == "fused" || attention == "materialized" ||
+              attention == "cudnn",
           "kernels.attention",
-          "\"" + attention + "\" is not \"fused\", \"materialized\" or \"cudnn\"");
+          "\"" + attention + "\" is not \"auto\", \"fused\", \"materialized\" or \"cudnn\"");
 }
 
 void validate_precision(const recipe& r) {
@@ -361,6 +362,14 @@ recipe load_recipe(const std::filesystem::path& path, const std::vector<std::str
   recipe r = parse_recipe(text.str(), path.string(), overrides);
   check_recipe_inputs(r);
   return r;
+}
+
+std::string attention_kernel_for(const recipe& r) {
+  if (r.kernels.attention != "auto") return r.kernels.attention;
+  const int heads = r.model.heads, hs = heads > 0 ? r.model.width / heads : 0;
+  if (r.precision.dtype == "fp32")
+    return hs == 16 || hs == 32 || hs == 64 || hs == 128 ? "fused" : "materialized";
+  return hs > 0 && hs % 8 == 0 && hs <= 128 ? "cudnn" : "materialized";
 }
 
 bool splits_backward(const recipe& r) {

@@ -91,10 +91,12 @@ struct activation_checkpoint_config {
 
 // Which GPU kernels run the model (docs/recipe.md, [kernels]; device "cuda" only).
 struct kernels_config {
-  std::string attention = "fused";  // fused | materialized | cudnn (engine::attention_kernel)
+  // auto | fused | materialized | cudnn (engine::attention_kernel): auto is cudnn in bf16 and
+  // fp16, fused in fp32 (attention_kernel_for).
+  std::string attention = "auto";
   // The newer kernels of the rest of the step: 128-bit layernorm forward and backward, one
   // AdamW launch over the flat buffers (kernels::cuda::context::set_fast_kernels).
-  bool fast_paths = false;
+  bool fast_paths = true;
 };
 
 struct recipe {
@@ -144,6 +146,11 @@ void validate_recipe(const recipe& r);
 // Whether the recipe's schedule splits backward (input, then weight gradients: zb_h1); false
 // for a schedule that cannot be made (validate_recipe names it).
 bool splits_backward(const recipe& r);
+
+// The attention kernel a GPU job runs: kernels.attention, with "auto" resolved by the compute
+// dtype and head size: "cudnn" in bf16 and fp16, "fused" in fp32, "materialized" for a head
+// size neither takes (cudnn: multiples of 8 up to 128; fused: 16, 32, 64, 128).
+std::string attention_kernel_for(const recipe& r);
 // Checks input files exist and match the model; throws recipe_error.
 void check_recipe_inputs(const recipe& r);
 

@@ -23,7 +23,7 @@ const std::vector<support_rule>& support_rules() {
       {"a head size other than 16, 32, 64 or 128 with `kernels.attention` \"fused\"", "model.heads",
        "yes", "no: kernels.attention = \"materialized\" takes any head size",
        [](const job_shape& j) {
-         return j.r->device == "cuda" && j.r->kernels.attention == "fused" &&
+         return j.r->device == "cuda" && attention_kernel_for(*j.r) == "fused" &&
                 j.r->model.heads > 0 && !fused_head_size(head_size(j));
        },
        [](const job_shape& j) {
@@ -34,7 +34,7 @@ const std::vector<support_rule>& support_rules() {
       {"a head size above 128 or no multiple of 8 with `kernels.attention` \"cudnn\"",
        "model.heads", "yes", "no: kernels.attention = \"materialized\" takes any head size",
        [](const job_shape& j) {
-         return j.r->device == "cuda" && j.r->kernels.attention == "cudnn" &&
+         return j.r->device == "cuda" && attention_kernel_for(*j.r) == "cudnn" &&
                 j.r->model.heads > 0 && !cudnn_head_size(head_size(j));
        },
        [](const job_shape& j) {
@@ -45,7 +45,7 @@ const std::vector<support_rule>& support_rules() {
       {"`kernels.attention` \"cudnn\" in fp32 (`precision.dtype` fp32)", "kernels.attention", "yes",
        "no: cuDNN's flash attention computes in bf16 or fp16",
        [](const job_shape& j) {
-         return j.r->device == "cuda" && j.r->kernels.attention == "cudnn" &&
+         return j.r->device == "cuda" && attention_kernel_for(*j.r) == "cudnn" &&
                 j.r->precision.dtype == "fp32";
        },
        [](const job_shape&) {

@@ -45,9 +45,8 @@ PY
 #
 # The GPU machine needs g++, nvcc (/usr/local/cuda), meson, ninja and dpkg-deb; python3 with
 # torch for the peer. BENCH_ARGS replaces the bench's options (prebuilt's default: "--batch 16,64
-# --breakdown": both attention kernels at B = 16 and 64, the time per op family, the peers; then
-# the materialized attention with --fast-paths, no peers). TESTS names the test programs to run
-# (default all three), CLI=0 leaves out cli_gpu_train.
+# --breakdown": the default kernels at B = 16 and 64, the time per op family, the peers). TESTS
+# names the test programs to run (default all three), CLI=0 leaves out cli_gpu_train.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -123,16 +122,6 @@ prebuilt() {
     bench_summary "$out/bench_train_step.json"
   else
     failed=1; cat "$out/bench_train_step.err"
-  fi
-  # The same with the fast kernels of the rest of the step (kernels.fast_paths), without peers.
-  if [ -z "${BENCH_ARGS:-}" ]; then
-    if timeout -k 5 300 "$bins/troupe" bench train-step --device cuda --json --no-peer \
-      --batch 16,64 --attention materialized --fast-paths --breakdown \
-      >"$out/bench_train_step_fast.json" 2>"$out/bench_train_step_fast.err"; then
-      bench_summary "$out/bench_train_step_fast.json"
-    else
-      failed=1; cat "$out/bench_train_step_fast.err"
-    fi
   fi
   # Where the step's time goes, per kernel (Nsight Compute; one short step, no peer).
   if [ "${PROFILE:-0}" = 1 ]; then

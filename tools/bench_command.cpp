@@ -276,11 +276,12 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   step->add_option("--attention", opts->gpu.attention,
                    "cuda: the attention kernels to run, fused, materialized and/or cudnn "
-                   "(default fused,materialized)")
+                   "(default cudnn)")
       ->delimiter(',')
       ->check(CLI::IsMember({"fused", "materialized", "cudnn"}));
-  step->add_flag("--fast-paths", opts->gpu.fast_paths,
-                 "cuda: the newer kernels of the rest of the step (recipe key kernels.fast_paths)");
+  step->add_flag("--fast-paths,!--no-fast-paths", opts->gpu.fast_paths,
+                 "cuda: the newer kernels of the rest of the step (recipe key kernels.fast_paths; "
+                 "on by default)");
   step->add_flag("--breakdown", opts->gpu.breakdown,
                  "cuda: where the step goes, device time per op family from CUDA events");
   step->add_option("--seq", opts->gpu.seq_len, "cuda: tokens per sequence")

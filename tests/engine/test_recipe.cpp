@@ -281,7 +281,8 @@ TEST_CASE("device picks the CPU or one GPU, and the 16-bit dtypes need the GPU",
   CHECK(parse("device = \"cuda\"\n[precision]\ndtype = \"fp16\"\nloss_scale = \"dynamic\"\n")
             .precision.dtype == "fp16");
   // The fused GPU attention kernel's head sizes: 16, 32, 64, 128; the materialized one takes any.
-  const auto heads = parse_error("device = \"cuda\"\n[model]\nwidth = 96\nheads = 2\n");
+  const auto heads = parse_error(
+      "device = \"cuda\"\n[model]\nwidth = 96\nheads = 2\n[kernels]\nattention = \"fused\"\n");
   CHECK_THAT(heads, Catch::Contains("model.heads") && Catch::Contains("head size 48") &&
                         Catch::Contains("materialized"));
   CHECK(parse("[model]\nwidth = 96\nheads = 2\n").model.heads == 2);  // fine on the CPU
@@ -289,18 +290,37 @@ TEST_CASE("device picks the CPU or one GPU, and the 16-bit dtypes need the GPU",
   CHECK(parse("device = \"cuda\"\n[model]\nwidth = 96\nheads = 2\n[kernels]\n"
               "attention = \"materialized\"\n")
             .model.heads == 2);
+  // cuDNN's: multiples of 8 up to 128, in bf16 or fp16 only.
+  const auto cudnn_heads = parse_error(
+      "device = \"cuda\"\n[model]\nwidth = 120\nheads = 6\n[precision]\ndtype = \"bf16\"\n"
+      "[kernels]\nattention = \"cudnn\"\n");
+  CHECK_THAT(cudnn_heads, Catch::Contains("model.heads") && Catch::Contains("head size 20"));
+  const auto cudnn32 = parse_error("device = \"cuda\"\n[kernels]\nattention = \"cudnn\"\n");
+  CHECK_THAT(cudnn32, Catch::Contains("key kernels.attention") && Catch::Contains("bf16 or fp16"));
+  check_one_line(cudnn32);
 }
 
 TEST_CASE("kernels.attention and kernels.fast_paths pick the GPU kernels", "[recipe]") {
-  CHECK(parse("").kernels.attention == "fused");
+  CHECK(parse("").kernels.attention == "auto");
+  // auto: cuDNN's in 16 bits, the fused kernel in fp32, the materialized route for head sizes
+  // neither takes.
+  CHECK(attention_kernel_for(parse("device = \"cuda\"\n")) == "fused");
+  CHECK(attention_kernel_for(parse("device = \"cuda\"\n[precision]\ndtype = \"bf16\"\n")) ==
+        "cudnn");
+  CHECK(attention_kernel_for(parse("device = \"cuda\"\n[model]\nwidth = 96\nheads = 2\n")) ==
+        "materialized");
+  CHECK(attention_kernel_for(parse("device = \"cuda\"\n[model]\nwidth = 120\nheads = 6\n"
+                                   "[precision]\ndtype = \"bf16\"\n")) == "materialized");
+  CHECK(gpu_options(parse("device = \"cuda\"\n[precision]\ndtype = \"bf16\"\n")).attention ==
+        attention_kernel::cudnn);
   CHECK(parse("", {"kernels.attention=materialized"}).kernels.attention == "materialized");
   CHECK(gpu_options(parse("device = \"cuda\"\n[kernels]\nattention = \"materialized\"\n"))
             .attention == attention_kernel::materialized);
   CHECK(gpu_options(parse("device = \"cuda\"\n")).attention == attention_kernel::fused);
-  CHECK_FALSE(parse("").kernels.fast_paths);
-  CHECK(parse("[kernels]\nfast_paths = true\n").kernels.fast_paths);
-  CHECK(parse("", {"kernels.fast_paths=true"}).kernels.fast_paths);
-  CHECK(gpu_options(parse("device = \"cuda\"\n[kernels]\nfast_paths = true\n")).fast_kernels);
+  CHECK(parse("").kernels.fast_paths);
+  CHECK_FALSE(parse("[kernels]\nfast_paths = false\n").kernels.fast_paths);
+  CHECK_FALSE(parse("", {"kernels.fast_paths=false"}).kernels.fast_paths);
+  CHECK(gpu_options(parse("device = \"cuda\"\n")).fast_kernels);
   const auto not_bool = parse_error("[kernels]\nfast_paths = 1\n");
   CHECK_THAT(not_bool, Catch::Contains("kernels.fast_paths") && Catch::Contains("true or false"));
   const auto bad = parse_error("[kernels]\nattention = \"flash3\"\n");
