@@ -26,8 +26,16 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
         [](std::exception_ptr& e) -> caf::error { return exit_reason("checkpoint writer", e); });
     return {
         [this](checkpoint_begin& b) -> caf::result<checkpoint_copied> { return begin(b); },
-        [this](checkpoint_flush) -> caf::result<bool> {
+        [this](checkpoint_flush& f) -> caf::result<bool> {
           if (!collecting_) return true;
+          if (f.abandon) {  // W3: its stages may be gone; nothing of it is written
+            collecting_ = false;
+            ++generation_;
+            assembler_.reset();
+            for (auto& rp : flushes_) rp.deliver(true);
+            flushes_.clear();
+            return true;
+          }
           auto rp = make_response_promise<bool>();
           flushes_.push_back(rp);
           return rp;
@@ -54,13 +62,15 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
       for (const auto& stage : cfg_.stages.at(static_cast<std::size_t>(lane))) {
         request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true})
             .then(
-                [this, rp, lane](stage_snapshot& s) mutable {
+                [this, rp, lane, gen = generation_](stage_snapshot& s) mutable {
+                  if (gen != generation_) return;  // abandoned
                   add(s, lane);
                   if (--pending_ > 0) return;
                   rp.deliver(checkpoint_copied{state_.step});
                   write();
                 },
-                [this](caf::error& e) {
+                [this, gen = generation_](caf::error& e) {
+                  if (gen != generation_) return;  // abandoned
                   quit(caf::make_error(caf::sec::runtime_error,
                                        "checkpoint of step " + std::to_string(state_.step) +
                                            ": a stage did not give its state: " + to_string(e)));
@@ -102,6 +112,7 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
   checkpoint_writer_config cfg_;
   bool collecting_ = false;
   int pending_ = 0;
+  int generation_ = 0;  // the checkpoint being collected; an abandoned one's answers are stale
   double t0_ = 0;
   engine::checkpoint_state state_;
   std::optional<engine::checkpoint_assembler> assembler_;

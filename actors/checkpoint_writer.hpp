@@ -8,7 +8,9 @@
 //  W1. One checkpoint at a time: the next is collected only after the previous is committed.
 //  W2. Parameters come from replica 0's lanes (the shards of a rank); moments from replica 0's
 //      lanes too, or with ZeRO from every replica (each owns a piece of each bucket).
-//  W3. checkpoint_flush is answered after every checkpoint begun before it is committed.
+//  W3. checkpoint_flush is answered after every checkpoint begun before it is committed; with
+//      abandon, a checkpoint still being collected is dropped (never written: the last committed
+//      one stays the newest) and the answer is immediate; its stages' late answers are ignored.
 #pragma once
 
 #include <filesystem>

@@ -149,7 +149,9 @@ class gateway_impl : public caf::blocking_actor {
         stopping = s_->stop_requested;
       }
       for (auto& [rank, e] : out) send(rank, std::move(e));
-      while (t.progress() > 0) {
+      // Bounded: a peer that stopped draining (SIGSTOP) must not keep this loop from its
+      // heartbeats and liveness checks.
+      for (int i = 0; i < 1024 && t.progress() > 0; ++i) {
       }
       const auto now = clock_type::now();
       if (now >= next_beat) {

@@ -2,6 +2,7 @@
 #include "actors/pipeline_run.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -728,7 +729,7 @@ std::string training_job::finish(caf::actor_system& sys, std::string failure) {
   {
     caf::scoped_actor client{sys};
     if (a.checkpointer) {  // every checkpoint begun is committed before the job ends
-      client->request(a.checkpointer, caf::infinite, checkpoint_flush{})
+      client->request(a.checkpointer, caf::infinite, checkpoint_flush{!failure.empty()})
           .receive([](bool) {},
                    [&](caf::error& e) {
                      if (failure.empty()) failure = "checkpoint writer: " + to_string(e);
@@ -806,6 +807,24 @@ std::string training_job::finish(caf::actor_system& sys, std::string failure) {
 
 const run_result& training_job::result() const { return s_->res; }
 
+namespace {
+// A process of a failed job ends within kTeardownLimit even if its teardown cannot finish: a
+// peer that stopped (SIGSTOP, a hung machine) may never drain what this process sends it, and a
+// launcher restarts the job only once every process has ended.
+constexpr std::chrono::seconds kTeardownLimit{30};
+void arm_teardown_deadline(const std::string& failure, int rank) {
+  std::thread([failure, rank] {
+    std::this_thread::sleep_for(kTeardownLimit);
+    std::fprintf(stderr,
+                 "troupe train: rank %d: error: %s; the teardown did not finish in %lld s (a peer "
+                 "may be stopped); ending this process\n",
+                 rank, failure.c_str(), static_cast<long long>(kTeardownLimit.count()));
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
+}
+}  // namespace
+
 run_result run_training(const engine::recipe& r, const engine::train_callbacks& cb,
                         const run_options& o) {
   caf::actor_system_config cfg;
@@ -835,6 +854,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
           });
     }
   }
+  if (!failure.empty() && o.launch.world > 1) arm_teardown_deadline(failure, o.launch.rank);
   failure = job.finish(sys, failure);
   if (!failure.empty()) throw std::runtime_error(failure);
   return job.result();

@@ -249,8 +249,12 @@ struct checkpoint_begin {
 struct checkpoint_copied {
   int step = 0;
 };
-// Answered (true) once every checkpoint begun before it is committed.
-struct checkpoint_flush {};
+// Answered (true) once every checkpoint begun before it is committed; with `abandon` (a job that
+// failed: a stage that lost its process never answers) a checkpoint still being collected is
+// dropped instead, never written, and the answer comes at once.
+struct checkpoint_flush {
+  bool abandon = false;
+};
 
 // Pacing, for an embedding's trainer (include/troupe/trainer.hpp): the coordinator runs steps
 // until `step` steps are done, then pauses between steps and tells its client; a checkpoint can

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "actors/checkpoint_writer.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/device_chunk.hpp"
 #include "tests/actors/actor_test_util.hpp"
@@ -203,4 +204,52 @@ TEST_CASE("a fresh run does not write over another run's checkpoints", "[actors]
 }
 
 }  // namespace
+}  // namespace troupe::actors::test
+
+namespace troupe::actors::test {
+namespace {
+
+// A stage whose process was lost: it takes snapshot requests and never answers.
+caf::behavior silent_stage(caf::event_based_actor* self) {
+  return {[self](const messages::snapshot_request&) -> caf::result<messages::stage_snapshot> {
+    return self->make_response_promise<messages::stage_snapshot>();
+  }};
+}
+
+}  // namespace
+
+// A failed job's teardown does not wait for a checkpoint whose stage is gone (W3): the flush that
+// abandons it is answered at once and nothing of it is written; a plain flush with nothing
+// being collected is answered too.
+TEST_CASE("a flush that abandons a checkpoint being collected answers at once",
+          "[actors][checkpoint]") {
+  temp_dir dir;
+  const auto root = dir.path() / "ckpt";
+  caf::actor_system_config cfg;
+  caf::actor_system sys{cfg};
+  {
+    auto stage = sys.spawn(silent_stage);
+    checkpoint_writer_config wc;
+    wc.model = tiny_recipe(dir).model;
+    wc.root = root;
+    wc.stages = {{stage}};
+    auto writer = spawn_checkpoint_writer(sys, std::move(wc));
+    caf::scoped_actor self{sys};
+    bool answered = false;
+    self->request(writer, std::chrono::seconds(10), messages::checkpoint_flush{})
+        .receive([&](bool ok) { answered = ok; }, [](caf::error&) {});
+    CHECK(answered);  // nothing being collected
+    engine::checkpoint_state state;
+    state.step = 3;
+    self->send(writer, messages::checkpoint_begin{state});  // its stage never answers
+    answered = false;
+    self->request(writer, std::chrono::seconds(10), messages::checkpoint_flush{true})
+        .receive([&](bool ok) { answered = ok; }, [](caf::error&) {});
+    CHECK(answered);
+    CHECK(engine::list_checkpoints(root).empty());
+    self->send_exit(writer, caf::exit_reason::user_shutdown);
+    self->send_exit(stage, caf::exit_reason::user_shutdown);
+  }
+}
+
 }  // namespace troupe::actors::test

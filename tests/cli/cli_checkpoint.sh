@@ -9,8 +9,8 @@
 #    `troupe train --resume` says so, falls back to the previous one and still ends bitwise;
 #  - `troupe ckpt ls` and `export`; bad input (nothing to resume, a fresh run over another run's
 #    checkpoints) is one line and exit 2; more restarts than allowed is exit 3 with a report;
-#  - a hang: a stage stuck in an action (the watchdog names it); the launcher restarts the job
-#    and it ends bitwise as before.
+#  - hangs: a stage stuck in an action (the watchdog names it) and a SIGSTOPped process (lost
+#    after --peer-timeout); the launcher restarts the job and it ends bitwise as before.
 # Usage: cli_checkpoint.sh TROUPE
 set -euo pipefail
 troupe=${1:?usage: cli_checkpoint.sh TROUPE}
@@ -186,9 +186,10 @@ set -e
 [ "$(grep -c "restarting the job" "$tmp/giveup.out")" -eq 2 ] || fail "not restarted twice"
 grep -q "giving up: the job failed 3 times within 60 s.*attempt 3" "$tmp/giveup.out" ||
   { cat "$tmp/giveup.out" >&2; fail "no report"; }
-# 7. A hang, in a 2-process pipeline: a stage stuck in one action (--test-stall) is reported by
-#    the watchdog naming it, its action and micro-batch, and its process ends; the launcher
-#    restarts the job, which ends as the run that never hung.
+# 7. Hangs, in a 2-process pipeline: a stage stuck in one action (--test-stall) is reported by
+#    the watchdog naming it, its action and micro-batch, and its process ends; a process stopped
+#    by SIGSTOP is lost after --peer-timeout. Either way the launcher restarts the job, which ends
+#    as the run that never hung.
 small=(--set parallel.dp=1 --set parallel.zero=0 --set steps=40 --set checkpoint.every=4
   --set watchdog.action_timeout=2)
 "$troupe" launch --nproc 2 -- train "$tmp/recipe.toml" "${common[@]}" "${small[@]}" \
@@ -200,5 +201,18 @@ grep -q "rank 1: error: watchdog: stage rank 1 replica 0 has been in [FB] of mic
   { cat "$tmp/stuck.log" >&2; fail "no watchdog report naming the stage, action and micro-batch"; }
 grep -q "restarting the job" "$tmp/stuck.log" || fail "the stuck job was not restarted"
 same_run "$tmp/small" "$tmp/stuck"
+"$troupe" launch --nproc 2 --max-restarts 2 --grace 1 -- train "$tmp/recipe.toml" --threads 1 \
+  --peer-timeout 2 "${small[@]}" --set "output.dir=$tmp/stopped" >"$tmp/stopped.log" 2>&1 &
+launcher=$!
+for _ in $(seq 1 200); do  # rank 1 is stopped once the job is past step 12
+  [ "$(wc -l <"$tmp/stopped/metrics.jsonl" 2>/dev/null || echo 0)" -ge 12 ] && break
+  sleep 0.05
+done
+[ "$(wc -l <"$tmp/stopped/metrics.jsonl")" -lt 40 ] || fail "the job ended before it could be stopped"
+kill -STOP "$(pgrep -P "$launcher" | tail -n 1)"
+wait "$launcher" || { cat "$tmp/stopped.log" >&2; fail "the job with a stopped process did not recover"; }
+grep -q "rank 1 (.*) lost: no heartbeat" "$tmp/stopped.log" || { cat "$tmp/stopped.log" >&2; fail "no lost-rank report"; }
+grep -q "restarting the job" "$tmp/stopped.log" || fail "the stopped job was not restarted"
+same_run "$tmp/small" "$tmp/stopped"
 
-echo "checkpoints: recovery from $kills kills bitwise; fallback past a damaged checkpoint; ckpt ls, verify, export; bad input; a stuck stage recovered"
+echo "checkpoints: recovery from $kills kills bitwise; fallback past a damaged checkpoint; ckpt ls, verify, export; bad input; a stuck stage and a stopped process recovered"
