@@ -8,7 +8,9 @@
 # path (they carry a marker in their environment, see cluster_util.sh).
 # Exit 0 pass, 77 skip (not root, no apt-get, the install failed), 1 fail.
 # TROUPE_SLURM_AUTH=munge forces the munge path (private munged) where auth/none exists.
-# Usage: slurm_loopback.sh TROUPE
+# Then examples/slurm/train.sbatch is submitted, requeued after its first checkpoint, and must
+# resume by itself and match an uninterrupted run step by step.
+# Usage: slurm_loopback.sh TROUPE [BATCH_SCRIPT]
 set -euo pipefail
 cluster_name=slurm_loopback
 troupe=${1:?usage: slurm_loopback.sh TROUPE}
@@ -210,3 +212,39 @@ run_in_process "$troupe" "$recipe" "$tmp/serial_run" "$tmp/serial.log"
 metrics=metrics.jsonl
 compare_losses "$tmp/slurm_run/$metrics" "$tmp/serial_run/$metrics" "srun -n 4"
 log "PASS: $small_steps steps on 4 Slurm tasks (pp $small_pp x dp $small_dp) match the in-process run"
+
+# 5. examples/slurm/train.sbatch, requeued: submitted with sbatch, requeued (scontrol requeue)
+# once a checkpoint is committed; Slurm runs the script again with SLURM_RESTART_COUNT=1 and
+# troupe train resumes from the checkpoint by itself. Every step's loss equals an in-process run
+# that was never stopped.
+long_steps=300
+sbatch_script=${2:-$here/../../examples/slurm/train.sbatch}
+[[ -f $sbatch_script ]] || fail "no batch script at $sbatch_script"
+job=$(env "$cluster_mark" TROUPE="$troupe" sbatch --parsable -t 5 -o "$tmp/sbatch.out" \
+  --chdir "$tmp" "$sbatch_script" "$recipe" "${small_overrides[@]}" --set "steps=$long_steps" \
+  --set checkpoint.every=4 --set "output.dir=$tmp/sbatch_run") || fail "sbatch refused the example"
+log "submitted $sbatch_script as job $job"
+job_state() { scontrol show job "$job" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p'; }
+deadline=$((SECONDS + 240))
+until "$troupe" ckpt ls "$tmp/sbatch_run/checkpoints" 2>/dev/null | grep -q committed; do
+  ((SECONDS < deadline)) || { show_tail "$tmp/sbatch.out"; fail "no committed checkpoint in 240 s (job $(job_state))"; }
+  [[ $(job_state) != COMPLETED ]] || { show_tail "$tmp/sbatch.out"; fail "the job ended before it could be requeued"; }
+  sleep 0.1
+done
+scontrol requeue "$job" || fail "scontrol requeue $job"
+log "requeued job $job after its first checkpoint"
+deadline=$((SECONDS + 400))
+until [[ $(job_state) == COMPLETED ]]; do
+  case $(job_state) in FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY)
+    show_tail "$tmp/sbatch.out" 40; fail "the requeued job ended $(job_state)" ;;
+  esac
+  ((SECONDS < deadline)) || { show_tail "$tmp/sbatch.out" 40; fail "the requeued job did not complete in 400 s ($(job_state))"; }
+  sleep 0.5
+done
+grep -q "start 1 on" "$tmp/sbatch.out" || { show_tail "$tmp/sbatch.out" 40; fail "the script did not run again (SLURM_RESTART_COUNT=1)"; }
+grep -q "restarted (SLURM_RESTART_COUNT=1): resuming from" "$tmp/sbatch.out" ||
+  { show_tail "$tmp/sbatch.out" 40; fail "troupe train did not resume from the checkpoint"; }
+small_overrides+=(--set "steps=$long_steps")
+run_in_process "$troupe" "$recipe" "$tmp/long_run" "$tmp/long.log"
+small_steps=$long_steps compare_losses "$tmp/sbatch_run/$metrics" "$tmp/long_run/$metrics" "sbatch, requeued"
+log "PASS: examples/slurm/train.sbatch requeued after a checkpoint resumed by itself; $long_steps steps match the in-process run"
