@@ -118,8 +118,11 @@ class trainer_impl : public caf::event_based_actor {
           const auto& m = r.metrics;
           status_.step = m.step;
           status_.last_loss = m.loss;
-          step_event e{m.step,         m.total_steps, m.loss,     m.lr,     m.grad_norm,
-                       m.tokens_per_s, m.step_ms,     m.val_loss, m.tokens, m.skipped};
+          step_event e{m.step,    m.total_steps, m.loss,   m.lr,      m.grad_norm, m.tokens_per_s,
+                       m.step_ms, m.val_loss,    m.tokens, m.skipped, {}};
+          for (const auto& r : m.memory)
+            e.memory.push_back({r.replica, r.rank, r.parameters, r.gradients, r.optimizer,
+                                r.buffers, r.pooled, r.activations});
           for (const auto& s : subscribers_) send(s, e);
         },
         [this](training_paused& p) {

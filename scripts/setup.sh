@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 packages=(g++ meson ninja-build pkg-config ccache clang-format libcaf-dev
           libopenblas-openmp-dev catch2 libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
           libxxhash-dev fortunes python3-venv libucx-dev ucx-utils capnproto libcapnp-dev
-          iproute2)
+          iproute2 libcpp-httplib-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -11,6 +11,28 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/setup.sh || { echo "tests: 0 passed, 1 failed"; exit 1; }
+# Tools only tests use: curl (installed if missing, as setup.sh does) drives the trainer
+# service, and Prometheus' promtool checks its /metrics. promtool is taken from Debian's
+# prometheus package unpacked into .cache/ (apt-get download: no Prometheus server is installed
+# or started). Where either cannot be had, cli_trainer_service SKIPs.
+if ! command -v curl >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  { $sudo apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends curl; } >&2 ||
+    echo "test: could not install curl; cli_trainer_service will SKIP" >&2
+fi
+tools=.cache/test-tools
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$tools/usr/bin/promtool" ]; then
+  mkdir -p "$tools/debs"
+  if (cd "$tools/debs" && apt-get download prometheus >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get download prometheus >/dev/null 2>&1; }); then
+    dpkg-deb -x "$(ls "$tools"/debs/prometheus_*.deb | head -n 1)" "$tools"
+  else
+    echo "test: could not download Debian's prometheus package; cli_trainer_service will SKIP" >&2
+  fi
+fi
+[ -x "$tools/usr/bin/promtool" ] && export PATH="$PWD/$tools/usr/bin:$PATH"
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi

@@ -2,11 +2,13 @@
 // caf::actor_system, driven by typed messages. The job's actors (stages, loaders, coordinator,
 // checkpoint writer, ...) are spawned into the same system; the trainer is their client.
 //
+// clang-format off
 //   auto trainer = troupe::spawn_trainer(system, "recipe.toml", {{"steps=100"}});
-//   if (!trainer) ...;                                  // bad input: an error value, nothing
-//   written self->request(*trainer, infinite, troupe::train_steps{10})   // -> trainer_status, 10
-//   steps on self->request(*trainer, infinite, troupe::take_checkpoint{}) // -> checkpoint_result
-//   self->request(*trainer, infinite, troupe::stop_training{})   // -> trainer_status, finished
+//   if (!trainer) ...;  // bad input: an error value, nothing written
+//   self->request(*trainer, infinite, troupe::train_steps{10});  // -> trainer_status, 10 steps on
+//   self->request(*trainer, infinite, troupe::take_checkpoint{}); // -> checkpoint_result
+//   self->request(*trainer, infinite, troupe::stop_training{});   // -> trainer_status, finished
+// clang-format on
 //
 // Guarantees:
 //  - The trainer starts paused, before the first step. A step, once begun, always completes:
@@ -32,13 +34,26 @@
 
 namespace troupe {
 
+// The memory one pipeline rank of one replica holds at the end of a step, in bytes, as the
+// actors holding it measure it (the `memory` entries of the metrics file, docs/train.md).
+struct rank_memory {
+  int replica = 0, rank = 0;
+  std::int64_t parameters = 0;   // parameter buffers
+  std::int64_t gradients = 0;    // gradients kept across the step (full, or a ZeRO shard)
+  std::int64_t optimizer = 0;    // AdamW moments
+  std::int64_t buffers = 0;      // temporary: gradient-accumulation pages, collective chunks
+  std::int64_t pooled = 0;       // freed pages kept for reuse
+  std::int64_t activations = 0;  // micro-batch activations (in flight or pooled), scratch
+};
+
 // One step's metrics (the fields of the metrics file, docs/train.md).
 struct step_event {
   int step = 0, total_steps = 0;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, step_ms = 0;
   std::optional<double> val_loss;
   std::int64_t tokens = 0;
-  std::string skipped;  // why the update guard skipped the update; empty when applied
+  std::string skipped;              // why the update guard skipped the update; empty when applied
+  std::vector<rank_memory> memory;  // every (replica, rank), replica-major
 };
 
 struct trainer_status {
