@@ -204,19 +204,36 @@ class trainer_impl : public caf::event_based_actor {
 
 }  // namespace
 
+namespace {
+caf::expected<trainer_actor> spawn_job(caf::actor_system& system, const engine::recipe& r,
+                                       const trainer_options& options) {
+  actors::run_options o;
+  o.step_limit = 0;  // paused before the first step
+  o.checkpoint_writer = true;
+  o.resume = options.resume;
+  o.compute_threads = options.threads;
+  o.collect_parameters = false;
+  auto job = std::make_shared<actors::training_job>(r, engine::train_callbacks{}, o);
+  return caf::actor_cast<trainer_actor>(system.spawn<trainer_impl, caf::detached>(job));
+}
+}  // namespace
+
 caf::expected<trainer_actor> spawn_trainer(caf::actor_system& system,
                                            const std::string& recipe_path,
                                            const trainer_options& options) {
   try {
-    const auto r = engine::load_recipe(recipe_path, options.overrides);
-    actors::run_options o;
-    o.step_limit = 0;  // paused before the first step
-    o.checkpoint_writer = true;
-    o.resume = options.resume;
-    o.compute_threads = options.threads;
-    o.collect_parameters = false;
-    auto job = std::make_shared<actors::training_job>(r, engine::train_callbacks{}, o);
-    return caf::actor_cast<trainer_actor>(system.spawn<trainer_impl, caf::detached>(job));
+    return spawn_job(system, engine::load_recipe(recipe_path, options.overrides), options);
+  } catch (const std::exception& e) {
+    return caf::make_error(caf::sec::invalid_argument, e.what());
+  }
+}
+
+caf::expected<trainer_actor> spawn_trainer(caf::actor_system& system, const recipe_text& recipe,
+                                           const trainer_options& options) {
+  try {
+    auto r = engine::parse_recipe(recipe.toml, recipe.source, options.overrides);
+    engine::check_recipe_inputs(r);
+    return spawn_job(system, r, options);
   } catch (const std::exception& e) {
     return caf::make_error(caf::sec::invalid_argument, e.what());
   }

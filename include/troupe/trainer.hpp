@@ -110,6 +110,15 @@ caf::expected<trainer_actor> spawn_trainer(caf::actor_system& system,
                                            const std::string& recipe_path,
                                            const trainer_options& options = {});
 
+// A recipe as TOML text instead of a file (built by the program, received by a service); the
+// keys and their checks are the recipe file's (docs/recipe.md), `source` names it in errors.
+struct recipe_text {
+  std::string toml;
+  std::string source = "recipe";
+};
+caf::expected<trainer_actor> spawn_trainer(caf::actor_system& system, const recipe_text& recipe,
+                                           const trainer_options& options = {});
+
 }  // namespace troupe
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::step_event)

@@ -123,5 +123,33 @@ TEST_CASE("stop_training ends a run early with its weights; bad input is an erro
   CHECK_THAT(to_string(missing.error()), Catch::Contains("nowhere.toml"));
 }
 
+// A recipe as text (built by the program) trains as the same recipe read from its file does.
+TEST_CASE("a trainer from recipe text is the trainer of the recipe file", "[trainer]") {
+  temp_dir dir;
+  const auto path = write_recipe(dir);
+  caf::actor_system_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor self{sys};
+  const recipe_text text{file_bytes(path), "built in the test"};
+  auto from_text =
+      spawn_trainer(sys, text, {{"output.dir=\"" + (dir / "text").string() + "\""}, "", 1});
+  auto from_file =
+      spawn_trainer(sys, path, {{"output.dir=\"" + (dir / "file").string() + "\""}, "", 1});
+  REQUIRE(from_text);
+  REQUIRE(from_file);
+  for (const auto* t : {&*from_text, &*from_file}) {
+    CHECK(ask<trainer_status>(self, *t, train_steps{6}).step == 6);
+    CHECK(ask<trainer_status>(self, *t, stop_training{}).state == phase::finished);
+  }
+  CHECK(file_bytes(dir / "text" / "final.safetensors") ==
+        file_bytes(dir / "file" / "final.safetensors"));
+  const auto bad = spawn_trainer(sys, recipe_text{"steps = -1\n", "built in the test"});
+  REQUIRE_FALSE(bad);
+  CHECK_THAT(to_string(bad.error()), Catch::Contains("key steps"));
+  const auto broken = spawn_trainer(sys, recipe_text{"steps = = 1\n", "built in the test"});
+  REQUIRE_FALSE(broken);
+  CHECK_THAT(to_string(broken.error()), Catch::Contains("built in the test"));
+}
+
 }  // namespace
 }  // namespace troupe::actors::test
