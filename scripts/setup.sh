@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what is missing on a Debian 12 machine (Debian packages only) and builds Troupe into
-# ${BUILD_DIR:-build}. Safe to run again: it installs nothing that is already there and
-# rebuilds only what changed. CUDA is built when nvcc exists (/usr/local/cuda), never required.
+# ${BUILD_DIR:-build}: everything, or with the argument `troupe` only the troupe command (what
+# `troupe train` needs, not the tests). Safe to run again: it installs nothing that is already
+# there and rebuilds only what changed. CUDA is built when nvcc exists (/usr/local/cuda), never
+# required.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -39,5 +41,8 @@ stamp="$build/.cuda-headers-built"
 if [ -f "$stamp" ] && [ -n "$(find kernels engine -name '*.hpp' -newer "$stamp" -o -name '*.cuh' -newer "$stamp" | head -1)" ]; then
   find kernels/cuda -name "*.cu" -exec touch {} +  # (globbing is off: set -f above)
 fi
-ninja -C "$build" >&2
-touch "$stamp"
+targets=()
+[ "${1:-}" = troupe ] && targets=(tools/troupe)
+ninja -C "$build" "${targets[@]}" >&2
+# The header stamp only after a whole build: a partial one leaves other CUDA objects unbuilt.
+[ ${#targets[@]} -gt 0 ] || touch "$stamp"
