@@ -296,9 +296,9 @@ latency_run ours_latency(const transport_bench_options& o, const std::string& tl
 
 // Our figure around a ucx_perftest run: the mean of our runs just before and just after it (the
 // last two so far). A row runs ours, peer, ours, peer, ..., peer, ours: every run follows one of
-// the other program, and a drift of the host in a straight line over the three runs cancels.
-// Until session 23 a row ran pairs (ours, then peer): the side that ran second met the machine a
-// run later in every pair (docs/transport.md, "Session 23").
+// the other program, and a drift of the host in a straight line over the three runs cancels
+// (in pairs, ours then peer, the side that ran second would meet the machine a run later in every
+// pair).
 double around(const std::vector<double>& ours_runs) {
   return (ours_runs[ours_runs.size() - 2] + ours_runs.back()) / 2;
 }

@@ -1,10 +1,10 @@
 // The tensors `troupe bench transport` sends in its bandwidth rows, in the write state of
-// ucx_perftest's send buffer on the same transports (docs/transport.md, "Session 24"): over
+// ucx_perftest's send buffer on the same transports (docs/transport.md): over
 // shared memory ucx_perftest sends from memory UCX allocated in 4 KiB pages, written (its peer's
 // reads fault them in), so ours is written too: by default (`--source engine`) in the engine's
 // own payload storage (messages/payload_memory.hpp: huge pages where the kernel gives them),
 // what a training job sends; with `--source as-peer` in 4 KiB pages like ucx_perftest's
-// (docs/transport.md, "Session 28"). Over tcp its sender never writes its buffer (its resident
+// (docs/transport.md). Over tcp its sender never writes its buffer (its resident
 // memory does not grow with the message size), so the kernel copies every message from its zero
 // page, which stays in the cache; ours is then a mapped, never-written tensor too (whoever
 // allocated it, it sends the zero page). `--source written` sends a written tensor in 4 KiB pages

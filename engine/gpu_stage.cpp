@@ -98,6 +98,7 @@ struct gpu_stage::impl {
   virtual void* input_gradient(int slot) = 0;
   virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                          float loss_scale, bool train, int seq_len) = 0;
+  virtual std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len) = 0;
   virtual const void* output(int slot) const = 0;
   // input_only (a split backward's B): the weight gradients of the linears and the embedding
   // are left to backward_weight (W), what they need kept in the slot.
@@ -397,8 +398,8 @@ struct model_impl final : gpu_stage::impl {
     return layers() > 0 ? s.out.back() : s.input;
   }
 
-  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                 float loss_scale, bool train, int seq_len) override {
+  // The embedding (a chunk with it) and the blocks of one micro-batch of seq_len into `slot`.
+  void forward_blocks(int slot, const std::int32_t* tokens, int seq_len) {
     check_slot(slot);
     if (seq_len < 1 || seq_len > T_max)
       throw std::invalid_argument("gpu_stage: a micro-batch of sequence length " +
@@ -406,7 +407,7 @@ struct model_impl final : gpu_stage::impl {
                                   std::to_string(T_max) + ")");
     T = seq_len;
     slot_state[static_cast<std::size_t>(slot)].T = seq_len;
-    const int C = config.width, V = config.vocab_size, Vp = config.padded_vocab_size;
+    const int C = config.width, V = config.vocab_size;
     const int N = B * T;
     auto& s = slot_state[static_cast<std::size_t>(slot)];
     if (range.embedding) {
@@ -431,7 +432,35 @@ struct model_impl final : gpu_stage::impl {
       }
     }
     for (int l = 0; l < layers(); ++l) block_forward(slot, l);
+  }
+
+  std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len) override {
+    if (!range.embedding || !range.head || split() || B != 1)
+      throw std::logic_error("gpu_stage: logits for sampling need the whole model, B = 1");
+    forward_blocks(slot, tokens, seq_len);
+    const int C = config.width, V = config.vocab_size;
+    auto& s = slot_state[static_cast<std::size_t>(slot)];
+    const D* x = (layers() > 0 ? s.out.back() : s.input) + std::int64_t{T - 1} * C;
+    cu::layernorm_forward(ctx, lnf, s.lnf_mean, s.lnf_rstd, x, F("transformer.ln_f.weight"),
+                          F("transformer.ln_f.bias"), 1, C);  // the last position only
+    cu::linear_forward<D>(ctx, logits, lnf, W("transformer.wte.weight"), nullptr, 1, C, Vl());
+    std::vector<D> row(static_cast<std::size_t>(V));
+    check(cudaMemcpyAsync(row.data(), logits, row.size() * sizeof(D), cudaMemcpyDeviceToHost,
+                          ctx.stream()),
+          "cudaMemcpyAsync(logits)");
+    ctx.synchronize();
+    std::vector<float> out(row.size());
+    for (std::size_t i = 0; i < row.size(); ++i) out[i] = static_cast<float>(row[i]);
+    return out;
+  }
+
+  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                 float loss_scale, bool train, int seq_len) override {
+    forward_blocks(slot, tokens, seq_len);
     if (!range.head) return std::numeric_limits<double>::quiet_NaN();
+    const int C = config.width, V = config.vocab_size, Vp = config.padded_vocab_size;
+    const int N = B * T;
+    auto& s = slot_state[static_cast<std::size_t>(slot)];
 
     if (!targets) throw std::invalid_argument("gpu_stage: the head chunk needs targets");
     std::int64_t count = 0;
@@ -760,6 +789,10 @@ double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32
   device_guard g(impl_->device);
   return impl_->forward(slot, tokens, targets, loss_scale, train,
                         seq_len > 0 ? seq_len : impl_->T_max);
+}
+std::vector<float> gpu_stage::last_logits(int slot, const std::int32_t* tokens, int seq_len) {
+  device_guard g(impl_->device);
+  return impl_->last_logits(slot, tokens, seq_len);
 }
 const void* gpu_stage::output(int slot) const { return impl_->output(slot); }
 const void* gpu_stage::backward(int slot, const void* doutput, const grad_block_fn& on_block_done) {

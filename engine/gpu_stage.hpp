@@ -163,6 +163,11 @@ class gpu_stage {
   // tokens use the front of the slot's buffers, and backward follows its length.
   double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                  float loss_scale = 1.0f, bool train = true, int seq_len = 0);
+  // A whole, unsharded model with B = 1 (sampling, `troupe sample --device cuda`): the forward
+  // of one sequence of seq_len tokens (host, each < vocab_size) into `slot`, and the logits at
+  // its last position, vocab_size values (the padded rows left out) copied to the host as fp32.
+  // Throws std::logic_error for another chunk.
+  std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len);
   // A chunk without the embedding: where the gradient of input(slot) goes (input(slot) itself,
   // or, for a split backward, a buffer of its own: W reads the input after B).
   void* input_gradient(int slot);

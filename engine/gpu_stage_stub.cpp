@@ -49,6 +49,7 @@ void* gpu_stage::input_gradient(int) { return nullptr; }
 double gpu_stage::forward(int, const std::int32_t*, const std::int32_t*, float, bool, int) {
   return 0;
 }
+std::vector<float> gpu_stage::last_logits(int, const std::int32_t*, int) { return {}; }
 const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*, const grad_block_fn&) { return nullptr; }
 const void* gpu_stage::backward_input(int, const void*) { return nullptr; }

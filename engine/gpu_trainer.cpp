@@ -47,6 +47,10 @@ double gpu_trainer::evaluate(const std::int32_t* inputs, const std::int32_t* tar
   return stage_->forward(0, inputs, targets, 1.0f, false);
 }
 
+std::vector<float> gpu_trainer::last_logits(const std::int32_t* tokens, int T) {
+  return stage_->last_logits(0, tokens, T);
+}
+
 void gpu_trainer::zero_grad() { stage_->zero_grad(); }
 
 double gpu_trainer::grad_square_sum() { return stage_->grad_square_sum(); }

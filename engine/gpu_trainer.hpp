@@ -52,6 +52,9 @@ class gpu_trainer {
                           float loss_scale = 1.0f);
   // The mean loss of one batch, forward only (validation); gradients are untouched.
   double evaluate(const std::int32_t* inputs, const std::int32_t* targets);
+  // A trainer made with B = 1: the logits at the last of `T` tokens (host, T <= its T), fp32,
+  // vocab_size values (`troupe sample --device cuda`).
+  std::vector<float> last_logits(const std::int32_t* tokens, int T);
   void zero_grad();
   // Sum of squared gradients as held (still carrying the loss scale), in fp64.
   double grad_square_sum();

@@ -97,29 +97,43 @@ std::span<const float> next_token_logits::operator()(std::span<const std::int32_
   return {last, static_cast<std::size_t>(c.vocab_size)};
 }
 
-std::vector<std::int32_t> generate(const gpt_stage& model, std::span<const std::int32_t> prompt,
-                                   int new_tokens, const sampling_options& o, int vocab_limit,
+std::vector<std::int32_t> generate(const logits_function& logits_of, int context, int vocab_size,
+                                   std::span<const std::int32_t> prompt, int new_tokens,
+                                   const sampling_options& o, int vocab_limit,
                                    const std::function<void(std::int32_t)>& on_token) {
   check_sampling_options(o);
-  const gpt_config& c = model.config();
   if (prompt.empty()) throw std::invalid_argument("generate: the prompt has no tokens");
   if (new_tokens < 0) throw std::invalid_argument("generate: new_tokens must be >= 0");
-  if (vocab_limit <= 0 || vocab_limit > c.vocab_size) vocab_limit = c.vocab_size;
-  next_token_logits logits_of(model);
+  if (vocab_limit <= 0 || vocab_limit > vocab_size) vocab_limit = vocab_size;
   std::vector<std::int32_t> tokens(prompt.begin(), prompt.end());
   std::vector<std::int32_t> out;
   out.reserve(static_cast<std::size_t>(new_tokens));
   for (int i = 0; i < new_tokens; ++i) {
-    const std::size_t T = std::min(tokens.size(), static_cast<std::size_t>(c.context));
+    const std::size_t T = std::min(tokens.size(), static_cast<std::size_t>(context));
     const std::span<const std::int32_t> window(tokens.data() + tokens.size() - T, T);
-    const std::span<const float> logits =
-        logits_of(window).first(static_cast<std::size_t>(vocab_limit));
-    const std::int32_t next = sample_token(logits, o, i);
+    const std::vector<float> logits = logits_of(window);
+    if (static_cast<int>(logits.size()) < vocab_limit)
+      throw std::logic_error("generate: " + std::to_string(logits.size()) + " logits for " +
+                             std::to_string(vocab_limit) + " ids");
+    const std::int32_t next = sample_token(
+        std::span<const float>(logits).first(static_cast<std::size_t>(vocab_limit)), o, i);
     tokens.push_back(next);
     out.push_back(next);
     if (on_token) on_token(next);
   }
   return out;
+}
+
+std::vector<std::int32_t> generate(const gpt_stage& model, std::span<const std::int32_t> prompt,
+                                   int new_tokens, const sampling_options& o, int vocab_limit,
+                                   const std::function<void(std::int32_t)>& on_token) {
+  next_token_logits logits_of(model);
+  const auto cpu = [&](std::span<const std::int32_t> window) {
+    const auto l = logits_of(window);
+    return std::vector<float>(l.begin(), l.end());
+  };
+  return generate(cpu, model.config().context, model.config().vocab_size, prompt, new_tokens, o,
+                  vocab_limit, on_token);
 }
 
 }  // namespace troupe::engine

@@ -66,4 +66,12 @@ std::vector<std::int32_t> generate(const gpt_stage& model, std::span<const std::
                                    int new_tokens, const sampling_options& o, int vocab_limit = 0,
                                    const std::function<void(std::int32_t)>& on_token = {});
 
+// The same with the logits from elsewhere (a GPU: gpu_trainer::last_logits): logits_of gives
+// the vocab_size logits at the last position of a window of 1 to `context` tokens.
+using logits_function = std::function<std::vector<float>(std::span<const std::int32_t> window)>;
+std::vector<std::int32_t> generate(const logits_function& logits_of, int context, int vocab_size,
+                                   std::span<const std::int32_t> prompt, int new_tokens,
+                                   const sampling_options& o, int vocab_limit = 0,
+                                   const std::function<void(std::int32_t)>& on_token = {});
+
 }  // namespace troupe::engine

@@ -8,7 +8,7 @@
 // page-aligned 64 KiB tensor spans 16 pages instead of 17 (process_vm_readv of 64 KiB between
 // two pinned processes: about 10.5 GB/s from a page-aligned source against 9.7 from malloc's
 // 16-byte alignment), and in a huge page a peer's shared-memory fetch (cma) pins one page
-// instead of 16 (docs/transport.md, "Session 28").
+// instead of 16 (docs/transport.md).
 #pragma once
 
 #include <cstddef>

@@ -5,9 +5,9 @@
 // Why huge pages: a payload sent to a process on the same host is read by that process's kernel
 // (process_vm_readv, UCX's cma rendezvous), which pins every page of the sender's buffer for
 // each frame. In 4 KiB pages that is 16 pins per 64 KiB frame, about half the receiver's time
-// (docs/transport.md, "Session 26"); in a huge page it is one. Measured in session 28 with
-// `troupe bench transport` at 64 KiB over shared memory: 5.6-6.0 GB/s from 4 KiB pages against
-// 9.5-9.9 GB/s from huge pages (ucx_perftest 6.3-6.7 GB/s in the same runs).
+// (docs/transport.md); in a huge page it is one. `troupe bench transport` at 64 KiB over shared
+// memory: 5.6-6.0 GB/s from 4 KiB pages against 9.5-9.9 GB/s from huge pages (ucx_perftest
+// 6.3-6.7 GB/s in the same runs).
 //
 // Invariants: every block is page aligned and at least as long as asked; blocks of 2 MiB and more
 // are 2 MiB aligned in mappings of their own; a block is never handed out twice before it is

@@ -36,7 +36,7 @@ PY
 #                              to $OUT when it is set, else to build-gpu/.
 #   scripts/gpu_run.sh pack    here, after a CUDA build in build/ (release): copies the troupe
 #                              binary and the `gpu` suite's test programs into .gpu-bin/
-#                              (git-ignored), so the GPU machine need not build (session 27).
+#                              (git-ignored), so the GPU machine need not build.
 #   scripts/gpu_run.sh prebuilt  on the GPU machine, with .gpu-debs/ and .gpu-bin/: the `run`
 #                              checks with those programs, found by LD_LIBRARY_PATH (the unpacked
 #                              packages, the CUDA runtime and NCCL); TRANSPORT=1 adds

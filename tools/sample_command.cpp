@@ -1,10 +1,12 @@
 // `troupe sample WEIGHTS --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed S]
 // [--recipe RECIPE.toml] [--tokenizer DIR] [--threads N] [--device cpu|cuda]`: text from a
-// trained model on the CPU. WEIGHTS is a Hugging Face GPT-2 safetensors file, a checkpoint's
-// step directory (its model.safetensors) or a checkpoint root (its newest step directory with a
-// manifest.json). The model's shape comes from --recipe, else from the checkpoint's
-// trainer_state.json, else from the tensor shapes (heads: GPT-2's head size 64, said on stderr).
-// Tokens are bytes (engine/data/byte_tokenizer.hpp) for a byte-level model, or GPT-2's BPE from
+// trained model, on the CPU or (--device cuda) on GPU 0 in fp32 with the fused attention
+// kernel, the whole sequence's forward for each new token (docs/sample.md). WEIGHTS is a Hugging
+// Face GPT-2 safetensors file, a checkpoint's step directory (its model.safetensors) or a
+// checkpoint root (its newest step directory with a manifest.json). The model's shape comes from
+// --recipe, else from the checkpoint's trainer_state.json, else from the tensor shapes (heads:
+// GPT-2's head size 64, said on stderr). Tokens are bytes (engine/data/byte_tokenizer.hpp) for a
+// byte-level model, or GPT-2's BPE from
 // --tokenizer DIR (engine/bpe_tokenizer.hpp). stdout: the prompt, then the new text as it is
 // sampled, then a newline; stderr: what was loaded and the speed. Exit 2 with one line naming
 // the file or option on bad input (nothing sampled), 1 if sampling fails.
@@ -25,6 +27,7 @@
 #include "engine/bpe_tokenizer.hpp"
 #include "engine/data/byte_tokenizer.hpp"
 #include "engine/gpt_weights.hpp"
+#include "engine/gpu_trainer.hpp"
 #include "engine/recipe.hpp"
 #include "engine/safetensors.hpp"
 #include "engine/sample.hpp"
@@ -244,10 +247,10 @@ struct loaded_model {
 };
 
 loaded_model load_model(const options& o) {
-  if (o.device == "cuda")
-    throw bad_input(
-        "--device cuda is not built yet (the GPU stage gives the loss, not logits); sample on "
-        "the CPU, the default");
+  if (o.device == "cuda") {
+    std::string why;
+    if (!engine::cuda_training_available(&why)) throw bad_input("--device cuda: " + why);
+  }
   if (o.prompt.empty()) throw bad_input("--prompt: empty (the model needs a token to start)");
   const model_files files = find_model_files(o.weights);
   model_shape shape;
@@ -296,11 +299,22 @@ int run_sample(const options& o) {
   const auto start = std::chrono::steady_clock::now();
   try {
     const engine::sampling_options so{o.temperature, o.top_k, o.seed};
-    engine::generate(*m.model, m.prompt, o.tokens, so, m.codec.vocab_limit, [&](std::int32_t t) {
+    const auto print = [&](std::int32_t t) {
       const std::string text = m.codec.decode(t);
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::fflush(stdout);
-    });
+    };
+    const auto& c = m.model->config();
+    if (o.device == "cuda") {  // fp32 and the fused kernel: the CPU's numbers within rounding
+      engine::gpu_trainer gpu(*m.model, 1, c.context, engine::gpu_trainer_options{});
+      const engine::logits_function on_gpu = [&](std::span<const std::int32_t> window) {
+        return gpu.last_logits(window.data(), static_cast<int>(window.size()));
+      };
+      engine::generate(on_gpu, c.context, c.vocab_size, m.prompt, o.tokens, so, m.codec.vocab_limit,
+                       print);
+    } else {
+      engine::generate(*m.model, m.prompt, o.tokens, so, m.codec.vocab_limit, print);
+    }
   } catch (const std::exception& e) {
     std::fputc('\n', stdout);
     std::fprintf(stderr, "troupe sample: error: %s\n", e.what());
@@ -323,7 +337,7 @@ int run_sample(const options& o) {
 
 std::function<int()> add_sample_command(CLI::App& app) {
   auto opts = std::make_shared<options>();
-  auto* cmd = app.add_subcommand("sample", "Generate text from trained weights (CPU)");
+  auto* cmd = app.add_subcommand("sample", "Generate text from trained weights (CPU or GPU)");
   cmd->add_option("weights", opts->weights,
                   "A GPT-2 safetensors file, a checkpoint step directory, or a checkpoint root "
                   "(its newest committed step)")
@@ -354,7 +368,8 @@ std::function<int()> add_sample_command(CLI::App& app) {
   cmd->add_option("--tokenizer", opts->tokenizer,
                   "A directory with GPT-2 BPE vocab.json and merges.txt (for models whose "
                   "vocabulary is not the 256 bytes)");
-  cmd->add_option("--device", opts->device, "cpu (cuda is not built yet)")
+  cmd->add_option("--device", opts->device,
+                  "cpu, or cuda: GPU 0, fp32 (the logits within rounding of the CPU's)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--threads", opts->threads,

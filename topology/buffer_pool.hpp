@@ -6,9 +6,8 @@
 //
 // The pool keeps one reference to every buffer it made; a buffer is idle when that is the only
 // one left (use_count() == 1). So handing a buffer out is a shared_ptr copy and dropping it is the
-// holder's own reference-count decrement, on any thread: no lock, no lease, no allocation. (Until
-// session 20 a buffer went back through a deleter that allocated a control block per frame and
-// locked the pool's mutex: ~465 instructions per frame in callgrind, against ~60 now.)
+// holder's own reference-count decrement, on any thread: no lock, no lease, no allocation (a
+// deleter that gave buffers back would allocate a control block per frame and lock the pool).
 #pragma once
 
 #include <algorithm>

@@ -1,7 +1,8 @@
 // The UCX transport's inside, shared by its three files: ucx_transport.cpp (context, worker,
 // endpoints, progress, wait, shutdown), ucx_receive.cpp (the receiving side) and ucx_send.cpp
 // (the sending side). Private to them: it includes UCX's headers, which the gateway's
-// translation units never see (ucx_transport.hpp is the contract).
+// translation units never see (ucx_transport.hpp is the contract). docs/transport.md describes
+// the design and its benchmark.
 //
 // Wire: a frame travels as one or more active messages (ucp_am_send_nbx, one id). Each message's
 // AM header is an am_header (sender rank, message sequence, frame size, first-of-frame flag)
@@ -11,7 +12,7 @@
 // Cap'n Proto segment table and header segment) is copied into the AM header of the message that
 // carries the next long entry, or of a message of its own; a run too long for an AM header
 // (4 KiB, or UCX's max_am_header if smaller) goes as the data of a message of its own. So an
-// activation frame is one message (it was two tag messages, header then payload, before).
+// activation frame is one message.
 // Receiving: the AM callback (inside ucp_worker_progress) reads the header, allocates the frame's
 // aligned_buffer when the first message says how big the frame is, copies the inline bytes and any
 // eager data to their offsets, and starts rendezvous receives straight into the buffer
@@ -24,11 +25,9 @@
 // no operation record (the message is the am_header and the frame as AM data, which UCX copies
 // into its FIFO element in two pieces rather than three); the receiver copies a frame that
 // arrived whole in one eager message into a buffer taken ahead (by progress(), before it polls)
-// inside the AM callback and queues it without a per-message record. Before session 20, the
-// records, their deques and the pool's lock cost ~1,450 instructions per one-way outside UCX
-// (callgrind); after session 21, ~500 (the pool's search and the dispatch's tail now off the
-// path from a frame's arrival to the next frame's departure), and our 8-byte latency is within
-// 0.01-0.03 us of ucx_perftest's at its usual level (docs/transport.md).
+// inside the AM callback and queues it without a per-message record. So the path from a frame's
+// arrival to the next frame's departure takes no lock and no operation record, and once warm
+// allocates nothing.
 // Receive buffers are reused once every holder dropped them (buffer_pool.hpp): a fresh 16 MiB
 // buffer per frame faulted in ~3,000 pages per frame here, which cost about as much as moving the
 // frame, and a fresh one for an 8-byte frame cost a fifth of a shared-memory round trip.
@@ -38,27 +37,24 @@
 // rendezvous message moves no payload until its receive starts). The small byte budget keeps the
 // receive working set in cache: with 512 MiB, 32 frames of 1 MiB in flight each had their own
 // buffer and the receiver ran at half of ucx_perftest's bandwidth (which receives into one
-// buffer); with 4 MiB, at 0.91-0.99x. From a peer whose rendezvous is a shared-memory copy
-// (cma, knem, xpmem: the receiving process copies), two receives run at a time: each completes
-// in a following progress, the receiver drops the frame, and the next frame lands in one of the
-// same two cache-warm pool buffers, as ucx_perftest's land in one. Started together, 32 frames of
-// 64 KiB cycled through 32 buffers, and process_vm_readv into 32 buffers copied about 6-8% slower
-// than into one (docs/transport.md). Two rather than one: the second copy is queued while the
-// first runs, so one progress can finish both (64 KiB frames: 0.94x -> 0.97x of ucx_perftest in
-// interleaved runs). The second starts only while the two stay within 1 MiB together, so 1 MiB
-// frames land one at a time, in one buffer: on a 16-core Xeon with 2 MiB of L2 per core, 1 MiB
-// frames ran at 0.80-0.88x of ucx_perftest with two and 0.96-0.98x with one (64 KiB there:
-// 0.85-0.92x with two, 0.83-0.86x with one); here 0.96-0.98x with two, 0.98-1.03x with one
-// (docs/transport.md, session 27). Over the network, receives in flight overlap the peer's sending,
-// so they keep the bounds above, except that a network peer reached over the loopback device (so on
-// this host) gets one receive at a time, not two, once a frame exceeds the byte budget: sender and
-// receiver then share the last-level cache, which a second 16 MiB receive buffer overflows (with
-// the sender's 16 MiB source, 48 MiB against 32 MiB here; tcp, 16 MiB frames, interleaved:
-// 0.85-0.88x of ucx_perftest with two, 0.90-0.92x with one). Between hosts a second receive saves a
-// round trip per frame and shares no cache with the sender. Pool buffers of 2 MiB or more use
-// transparent huge pages (aligned_buffer::make_large): 16 MiB frames went from about 0.83x to
-// 0.85-0.94x. UCX callbacks only record completions; progress() runs the user's callbacks
-// afterwards, outside UCX.
+// buffer). From a peer whose rendezvous is a shared-memory copy (cma, knem, xpmem: the receiving
+// process copies), at most two receives run at a time: each completes in a following progress,
+// the receiver drops the frame, and the next frame lands in one of the same two cache-warm pool
+// buffers, as ucx_perftest's land in one (process_vm_readv into 32 buffers in turn copied about
+// 6-8% slower than into one). Two rather than one: the second copy is queued while the first
+// runs, so one progress can finish both. The second starts only while the two stay within
+// max_local_receive_bytes_outstanding together, so frames over 512 KiB land one at a time, in
+// one buffer: with two 1 MiB receive buffers and the sender's 1 MiB source, the working set
+// overflows a 2 MiB L2 (on a 16-core Xeon, 1 MiB frames ran at 0.80-0.88x of ucx_perftest with
+// two at a time and 0.96-0.98x with one). Over the network, receives in flight overlap the peer's
+// sending, so they keep the bounds above, except that a network peer reached over the loopback
+// device (so on this host) gets one receive at a time, not two, once a frame exceeds the byte
+// budget: sender and receiver then share the last-level cache, which a second 16 MiB receive
+// buffer overflows. Between hosts a second receive saves a round trip per frame and shares no
+// cache with the sender. The counts are per process: all shared-memory peers share one pair of
+// bounds, all network peers the other. Pool buffers of 2 MiB or more use transparent huge pages
+// (aligned_buffer::make_large). UCX callbacks only record completions; progress() runs the user's
+// callbacks afterwards, outside UCX.
 #pragma once
 
 #include <ucp/api/ucp.h>

@@ -180,4 +180,13 @@ print(f"fp32 within 1e-4 of the CPU over {len(g32)} steps; bf16 checkpointing bi
       f"fp16: {len(skipped)} skipped, then loss {applied[0]['loss']:.4f} -> {applied[-1]['loss']:.4f}, "
       f"scale {f16[-1]['loss_scale']:g}")
 PY
+# troupe sample --device cuda on the GPU-trained weights: 32 new tokens (bytes), as on the CPU
+# (test_gpu_trainer compares the logits themselves).
+for device in cpu cuda; do
+  timeout 120 "$troupe" sample "$tmp/gpu32/final.safetensors" --prompt "The " --tokens 32 \
+    --temperature 0 --device "$device" >"$tmp/sample.$device" 2>"$tmp/sample.$device.err" ||
+    { cat "$tmp/sample.$device.err" >&2; echo "FAIL: troupe sample --device $device"; exit 1; }
+done
+[[ $(head -c 4 "$tmp/sample.cuda") == "The " && $(wc -c <"$tmp/sample.cuda") -ge 37 ]] ||
+  { echo "FAIL: troupe sample --device cuda wrote $(wc -c <"$tmp/sample.cuda") bytes"; exit 1; }
 echo "gpu train: all cases passed"

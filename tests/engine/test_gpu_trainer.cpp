@@ -17,6 +17,7 @@
 #include "engine/gpu_trainer.hpp"
 #include "engine/optimizer.hpp"
 #include "engine/random.hpp"
+#include "engine/sample.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;
@@ -69,8 +70,8 @@ cpu_run run_cpu(const optimizer_config& oc, int steps) {
 // engines give within rounding of zero moves +-lr at random (the key third of every c_attn.bias,
 // whose true gradient is exactly 0, is the systematic case: softmax ignores a shift shared by
 // every key); later updates follow ratios of gradients, so one the engines give `agree` apart
-// (relatively) moves up to about agree * lr more per step. Measured on the CPU alone (session
-// 27): the CPU engine against itself with every nonzero gradient moved by 1e-7 of its tensor's
+// (relatively) moves up to about agree * lr more per step. Measured on the CPU alone: the CPU
+// engine against itself with every nonzero gradient moved by 1e-7 of its tensor's
 // largest (a rounding of a sum at that scale) ends these four steps up to 4-6e-5 of the largest
 // parameter apart, at elements whose first gradient is ~1e-8 while their tensor's reach 1e-3.
 // So an element whose gradient the GPU gives within `agree` of the CPU's at every step is held
@@ -459,4 +460,27 @@ TEST_CASE("the GPU trainer refuses a token outside the vocabulary", "[gpu][train
   b.targets[5] = 100;
   CHECK_THROWS_WITH(gpu.forward_backward(b.inputs.data(), b.targets.data()),
                     Catch::Contains("target 100 outside the vocabulary of 97"));
+}
+
+// Sampling on the GPU (`troupe sample --device cuda`): the logits at a window's last position
+// are the CPU's (engine::next_token_logits) within fp32 rounding, for windows of every length
+// up to the context, each a different sequence length for the same trainer.
+TEST_CASE("the GPU's next-token logits are the CPU's", "[gpu][trainer]") {
+  gpt_stage host(kConfig, stage_range::whole(kConfig));
+  host.init_gpt2(11);
+  gpu_trainer gpu(host, 1, kConfig.context, gpu_trainer_options{});
+  next_token_logits cpu(host);
+  std::vector<std::int32_t> tokens;
+  for (int i = 0; i < kConfig.context; ++i) tokens.push_back((i * 37 + 5) % kConfig.vocab_size);
+  for (int T : {1, 2, 17, kConfig.context}) {
+    INFO("window of " << T);
+    const auto want =
+        cpu(std::span<const std::int32_t>(tokens.data(), static_cast<std::size_t>(T)));
+    const auto got = gpu.last_logits(tokens.data(), T);
+    REQUIRE(got.size() == want.size());
+    const std::vector<float> want_v(want.begin(), want.end());
+    CHECK(relative_difference(got, want_v) <= 1e-5);
+  }
+  CHECK_THROWS(gpu_trainer(kConfig, 2, kT, gpu_trainer_options{}, 3)
+                   .last_logits(tokens.data(), kT));  // B = 2: not a sampler
 }

@@ -498,7 +498,7 @@ TEST_CASE("ucx_transport lands each frame in the buffer just dropped (one host)"
   // frames, however many frames the sender keeps in flight. Started together, 24 frames of
   // 256 KiB took 17 to 19 buffers. From a network peer on this host (tcp over the loopback
   // device) frames over the 4 MiB receive budget are received one at a time, so such a receiver
-  // holds one buffer (two before session 22). Each frame is one contiguous entry, so one
+  // holds one buffer. Each frame is one contiguous entry, so one
   // rendezvous message, as an activation is.
   struct setup {
     const char* transports;
