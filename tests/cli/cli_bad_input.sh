@@ -164,7 +164,12 @@ expect_bad bad-device device tpu -- "$tmp/ok.toml" --set device=tpu
 expect_bad bf16-on-cpu precision.dtype cuda -- "$tmp/ok.toml" --set precision.dtype=bf16
 expect_bad fp16-without-scaling precision.loss_scale dynamic -- "$tmp/ok.toml" --device cuda \
   --set model.width=32 --set precision.dtype=fp16
-expect_bad gpu-head-size model.heads "head size 8" -- "$tmp/ok.toml" --device cuda
+expect_bad gpu-head-size model.heads "head size 8" -- "$tmp/ok.toml" --device cuda \
+  --set kernels.attention=fused
+expect_bad gpu-cudnn-head-size model.heads "head size 20" -- "$tmp/ok.toml" --device cuda \
+  --set kernels.attention=cudnn --set precision.dtype=bf16 --set model.width=40 --set model.heads=2
+expect_bad gpu-cudnn-fp32 kernels.attention "bf16 or fp16" -- "$tmp/ok.toml" --device cuda \
+  --set kernels.attention=cudnn
 # Device stage actors (a GPU pipeline) refuse what they do not do yet, before looking for a GPU.
 # (data parallelism and ZeRO-2 pass: the refusal names ZeRO-3, not parallel.dp)
 expect_bad gpu-pipeline-dp-zero3 parallel.zero "ZeRO-3 on cuda chunks: not built yet" -- \

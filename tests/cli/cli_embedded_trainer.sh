@@ -13,29 +13,9 @@ fail() {
   echo "FAIL: $*" >&2
   exit 1
 }
-for i in $(seq 1 200); do echo "line $i: a small model learns to count to $((i * 7 % 13))."; done >"$tmp/corpus.txt"
-cat >"$tmp/recipe.toml" <<TOML
-seed = 9
-steps = 8
-eval_interval = 0
-[model]
-vocab_size = 256
-context = 16
-layers = 2
-heads = 2
-width = 16
-[data]
-format = "text"
-train = "$tmp/corpus.txt"
-[batch]
-micro_batch = 2
-seq_len = 16
-[parallel]
-pp = 2
-micro_batches = 2
-[output]
-dir = "$tmp/embedded"
-TOML
+# shellcheck source=tests/cli/tiny_recipe.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tiny_recipe.sh"
+tiny_recipe "$tmp" "$tmp/embedded" 8
 "$example" "$tmp/recipe.toml" >"$tmp/out" 2>"$tmp/err" || { cat "$tmp/out" "$tmp/err" >&2; fail "the example failed"; }
 [ "$(grep -c '^step [0-9]/8 loss ' "$tmp/out")" -eq 8 ] || { cat "$tmp/out" >&2; fail "not 8 step lines"; }
 grep -q "^paused after step 4$" "$tmp/out" || fail "no pause after step 4"

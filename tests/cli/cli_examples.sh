@@ -32,29 +32,9 @@ print(f"{label}: {len(la)} steps within {worst:.2g} relative")
 PY
 }
 
-for i in $(seq 1 200); do echo "line $i: a small model learns to count to $((i * 7 % 13))."; done >"$tmp/corpus.txt"
-cat >"$tmp/recipe.toml" <<TOML
-seed = 3
-steps = 6
-eval_interval = 0
-[model]
-vocab_size = 256
-context = 16
-layers = 2
-heads = 2
-width = 16
-[data]
-format = "text"
-train = "$tmp/corpus.txt"
-[batch]
-micro_batch = 2
-seq_len = 16
-[parallel]
-pp = 2
-micro_batches = 4
-[output]
-dir = "$tmp/custom"
-TOML
+# shellcheck source=tests/cli/tiny_recipe.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tiny_recipe.sh"
+tiny_recipe "$tmp" "$tmp/custom" 6 4
 timeout 120 "$custom" "$tmp/recipe.toml" >"$tmp/custom.out" 2>"$tmp/custom.err" ||
   { cat "$tmp/custom.out" "$tmp/custom.err" >&2; fail "custom_schedule failed"; }
 grep -q "^rank 0: 0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0$" "$tmp/custom.out" ||

@@ -34,29 +34,9 @@ fail() {
   exit 1
 }
 
-for i in $(seq 1 200); do echo "line $i: a small model learns to count to $((i * 7 % 13))."; done >"$tmp/corpus.txt"
-cat >"$tmp/recipe.toml" <<TOML
-seed = 9
-steps = 12
-eval_interval = 0
-[model]
-vocab_size = 256
-context = 16
-layers = 2
-heads = 2
-width = 16
-[data]
-format = "text"
-train = "$tmp/corpus.txt"
-[batch]
-micro_batch = 2
-seq_len = 16
-[parallel]
-pp = 2
-micro_batches = 2
-[output]
-dir = "$tmp/service"
-TOML
+# shellcheck source=tests/cli/tiny_recipe.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tiny_recipe.sh"
+tiny_recipe "$tmp" "$tmp/service" 12
 
 # start NAME ARGS...: the service in the background; sets pid and base once it listens (30 s).
 start() {

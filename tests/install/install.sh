@@ -43,29 +43,9 @@ timeout 400 ninja -C "$tmp/example-build" >"$tmp/ninja.log" 2>&1 ||
 readelf -d "$tmp/example-build/embedded_trainer" | grep -q 'NEEDED.*libtroupe.so' ||
   fail "the example does not link libtroupe.so"
 
-for i in $(seq 1 200); do echo "line $i: a small model learns to count to $((i * 7 % 13))."; done >"$tmp/corpus.txt"
-cat >"$tmp/recipe.toml" <<TOML
-seed = 9
-steps = 6
-eval_interval = 0
-[model]
-vocab_size = 256
-context = 16
-layers = 2
-heads = 2
-width = 16
-[data]
-format = "text"
-train = "$tmp/corpus.txt"
-[batch]
-micro_batch = 2
-seq_len = 16
-[parallel]
-pp = 2
-micro_batches = 2
-[output]
-dir = "$tmp/embedded"
-TOML
+# shellcheck source=tests/cli/tiny_recipe.sh
+source "$src/tests/cli/tiny_recipe.sh"
+tiny_recipe "$tmp" "$tmp/embedded" 6
 LD_LIBRARY_PATH="$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   timeout 120 "$tmp/example-build/embedded_trainer" "$tmp/recipe.toml" >"$tmp/out" 2>"$tmp/err" ||
   { cat "$tmp/out" "$tmp/err" >&2; fail "the installed example failed"; }
