@@ -17,6 +17,12 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
       : checkpoint_writer_actor::base(cfg), cfg_(std::move(config)) {}
 
   void on_exit() override {
+    // A writer that stops (a failed write, a stage that did not answer) answers every flush
+    // waiting on it: nobody waits for a checkpoint that will not come.
+    for (auto& rp : flushes_)
+      rp.deliver(caf::make_error(caf::sec::runtime_error,
+                                 "the checkpoint writer stopped before committing the checkpoint"));
+    flushes_.clear();
     cfg_.stages.clear();
     cfg_.tracer = nullptr;
   }

@@ -531,8 +531,9 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
                                  std::to_string(in.resumed.step) + " steps: nothing to run");
     say("resuming from " + in.resume_dir.string() + " after step " +
         std::to_string(in.resumed.step));
-  } else if (r.checkpoint.every > 0 && my_rank == 0) {
-    // A fresh run never writes over another run's checkpoints.
+  } else if ((r.checkpoint.every > 0 || o.checkpoint_writer) && my_rank == 0) {
+    // A fresh run never writes over another run's checkpoints (nor does a trainer, which can
+    // take one whenever asked).
     for (const auto& e : engine::list_checkpoints(r.checkpoint_path()))
       if (e.committed)
         throw engine::recipe_error("key checkpoint.dir: " + r.checkpoint_path().string() +
@@ -631,10 +632,13 @@ void training_job::spawn(caf::actor_system& sys, const caf::actor& client) {
   const int control = topology::job_placement::control_process;
   a.tracer = place(sys, a, in, pl.tracer_id, control, "tracer", [&] { return spawn_tracer(sys); });
   a.schedule = place(sys, a, in, pl.schedule_id, control, "schedule", [&] {
+    // Device chunks keep a split backward's buffers only when made for one (the recipe's
+    // schedule): no swap to a schedule with W actions then.
     return spawn_schedule_actor(
         sys, {r.parallel.schedule,
               {r.parallel.pp, r.parallel.micro_batches, r.parallel.virtual_stages},
-              r.parallel.dp});
+              r.parallel.dp,
+              !in.chunks || engine::splits_backward(r)});
   });
   coordinator_config cc;
   cc.steps = r.steps;

@@ -40,6 +40,11 @@ class schedule_impl : public schedule_actor::base {
         [this](swap_schedule& s) -> swap_result {
           try {
             auto plan = engine::make_plan(s.name, cfg_.shape);
+            if (plan.split_backward && !cfg_.split_backward_possible)
+              return {false, "schedule " + s.name +
+                                 " splits backward (W actions), and this job's device chunks "
+                                 "were made without a split backward's buffers: start the job "
+                                 "with a split-backward schedule (e.g. zb_h1) to swap to one"};
             plan_ = std::make_shared<const engine::pipeline_plan>(std::move(plan));
             cfg_.name = s.name;
             return {true, "schedule " + s.name + " from the next step"};

@@ -15,6 +15,9 @@ struct schedule_config {
   std::string name = "1f1b";
   engine::schedule_shape shape;
   int replicas = 1;
+  // false: the stages cannot run a split backward (device chunks made without its buffers), and
+  // a swap to a schedule with W actions is refused.
+  bool split_backward_possible = true;
 };
 
 messages::schedule_actor spawn_schedule_actor(caf::actor_system& system, schedule_config config);

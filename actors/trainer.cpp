@@ -8,8 +8,11 @@
 //      the run's end, in the order they came.
 //  T3. The run's end is finished once (training_job::finish: checkpoints committed, final
 //      weights written, actors stopped), on this actor's own thread.
+//  T4. Every take_checkpoint is answered: committed (with its directory) or why not, also when
+//      the run ends while it is being taken.
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 
 #include "actors/pipeline_run.hpp"
@@ -39,10 +42,21 @@ class trainer_impl : public caf::event_based_actor {
     job_->spawn(system(), caf::actor_cast<caf::actor>(this));
     return {
         [this](train_steps& t) -> caf::result<trainer_status> {
-          if (ended() || t.steps <= 0) return status_;
-          target_ = std::min(status_.total_steps, std::max(target_, status_.step) + t.steps);
-          status_.state = trainer_status::phase::running;
-          send(caf::actor_cast<caf::actor>(job_->coordinator()), run_until{target_});
+          // A stop waiting for the pause wins (T2): no more steps.
+          if (ended() || t.steps <= 0 || !stops_.empty()) return status_;
+          if (!on_pause_.empty()) {  // a checkpoint waits for the pause: the steps come after it
+            auto rp = make_response_promise<trainer_status>();
+            on_pause_.push_back([this, rp, n = t.steps]() mutable {
+              if (ended() || !stops_.empty()) {
+                rp.deliver(status_);
+                return;
+              }
+              run_more(n);
+              waiting_.push_back(rp);
+            });
+            return rp;
+          }
+          run_more(t.steps);
           return await_pause();
         },
         [this](pause_training) -> caf::result<trainer_status> {
@@ -63,27 +77,21 @@ class trainer_impl : public caf::event_based_actor {
               rp.deliver(checkpoint_result{false, "", "the run has ended"});
               return;
             }
+            // Kept until answered: a run that ends first answers it in on_finished (T4).
+            const int id = next_checkpoint_++;
+            checkpoints_.emplace(id, pending_checkpoint{rp, status_.step});
             request(caf::actor_cast<caf::actor>(job_->coordinator()), caf::infinite,
                     checkpoint_now{})
                 .then(
-                    [this, rp](checkpoint_copied& c) mutable {
+                    [this, id](checkpoint_copied& c) {
+                      if (!checkpoints_.count(id)) return;
+                      checkpoints_.at(id).step = c.step;
                       request(caf::actor_cast<caf::actor>(job_->checkpointer()), caf::infinite,
                               checkpoint_flush{})
-                          .then(
-                              [this, rp, step = c.step](bool) mutable {
-                                rp.deliver(checkpoint_result{
-                                    true,
-                                    engine::checkpoint_dir(job_->recipe().checkpoint_path(), step)
-                                        .string(),
-                                    ""});
-                              },
-                              [rp](caf::error& e) mutable {
-                                rp.deliver(checkpoint_result{false, "", to_string(e)});
-                              });
+                          .then([this, id](bool) { settle_checkpoint(id, ""); },
+                                [this, id](caf::error& e) { settle_checkpoint(id, to_string(e)); });
                     },
-                    [rp](caf::error& e) mutable {
-                      rp.deliver(checkpoint_result{false, "", to_string(e)});
-                    });
+                    [this, id](caf::error& e) { settle_checkpoint(id, to_string(e)); });
           });
           return rp;
         },
@@ -146,6 +154,27 @@ class trainer_impl : public caf::event_based_actor {
            status_.state == trainer_status::phase::failed;
   }
 
+  // n more steps (up to the recipe's): the coordinator's limit raised.
+  void run_more(int n) {
+    target_ = std::min(status_.total_steps, std::max(target_, status_.step) + n);
+    status_.state = trainer_status::phase::running;
+    send(caf::actor_cast<caf::actor>(job_->coordinator()), run_until{target_});
+  }
+
+  // Answers checkpoint `id` (if still waiting): committed when `error` is empty.
+  void settle_checkpoint(int id, const std::string& error) {
+    const auto it = checkpoints_.find(id);
+    if (it == checkpoints_.end()) return;
+    auto& c = it->second;
+    if (error.empty()) {
+      c.rp.deliver(checkpoint_result{
+          true, engine::checkpoint_dir(job_->recipe().checkpoint_path(), c.step).string(), ""});
+    } else {
+      c.rp.deliver(checkpoint_result{false, "", error});
+    }
+    checkpoints_.erase(it);
+  }
+
   caf::result<trainer_status> await_pause() {
     auto rp = make_response_promise<trainer_status>();
     waiting_.push_back(rp);
@@ -180,6 +209,16 @@ class trainer_impl : public caf::event_based_actor {
     status_.state =
         failure.empty() ? trainer_status::phase::finished : trainer_status::phase::failed;
     status_.error = failure;
+    // T4: a checkpoint still waiting is committed by finish (every checkpoint begun is), or
+    // not at all when the run failed.
+    while (!checkpoints_.empty()) {
+      const auto& [id, c] = *checkpoints_.begin();
+      const auto dir = engine::checkpoint_dir(job_->recipe().checkpoint_path(), c.step);
+      const bool committed = failure.empty() && engine::verify_checkpoint(dir).empty();
+      settle_checkpoint(id, committed ? ""
+                                      : "the run ended before the checkpoint was committed" +
+                                            (failure.empty() ? "" : ": " + failure));
+    }
     answer_waiting();
     auto actions = std::move(on_pause_);
     on_pause_.clear();
@@ -199,6 +238,12 @@ class trainer_impl : public caf::event_based_actor {
   int target_ = 0;  // the coordinator's step limit
   std::vector<caf::typed_response_promise<trainer_status>> waiting_, stops_;
   std::vector<std::function<void()>> on_pause_;
+  struct pending_checkpoint {
+    caf::typed_response_promise<checkpoint_result> rp;
+    int step = 0;  // the step it is of (the pause's, then the coordinator's answer)
+  };
+  std::map<int, pending_checkpoint> checkpoints_;  // take_checkpoint requests not answered yet
+  int next_checkpoint_ = 0;
   std::vector<caf::actor> subscribers_;
 };
 

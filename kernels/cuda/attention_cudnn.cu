@@ -393,7 +393,8 @@ struct cudnn_state {
 namespace troupe::kernels::cuda {
 namespace {
 
-bool has_note(cudnnBackendDescriptor_t engine, cudnnBackendNumericalNote_t note) {
+// Whether the engine's numerical notes could be read and none says non-deterministic.
+bool notes_known_deterministic(cudnnBackendDescriptor_t engine) {
   const cudnn_api& a = require_cudnn();
   cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
   std::int64_t count = 0;
@@ -402,12 +403,12 @@ bool has_note(cudnnBackendDescriptor_t engine, cudnnBackendNumericalNote_t note)
                                  notes) != CUDNN_STATUS_SUCCESS)
     return false;
   for (std::int64_t i = 0; i < count; ++i)
-    if (notes[i] == note) return true;
-  return false;
+    if (notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) return false;
+  return true;
 }
 
 // The first of heuristics mode A's engine configurations that builds a plan (skipping engines
-// cuDNN marks non-deterministic where asked).
+// cuDNN marks non-deterministic, or whose notes cannot be read, where asked).
 void choose_plan(cudnnHandle_t handle, descriptor& graph, sdpa_plan& out, bool deterministic,
                  const std::string& what) {
   const cudnn_api& a = require_cudnn();
@@ -439,10 +440,11 @@ void choose_plan(cudnnHandle_t handle, descriptor& graph, sdpa_plan& out, bool d
       descriptor engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR, what + " engine");
       cudnnBackendDescriptor_t e = engine.get();
       std::int64_t one = 0;
+      // An engine whose notes cannot be read is not known to be deterministic: skipped too.
       if (a.cudnnBackendGetAttribute(raw[static_cast<std::size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE,
                                      CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &one,
-                                     &e) == CUDNN_STATUS_SUCCESS &&
-          has_note(e, CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC))
+                                     &e) != CUDNN_STATUS_SUCCESS ||
+          !notes_known_deterministic(e))
         continue;
     }
     auto plan =
@@ -560,7 +562,7 @@ sdpa_plan& plan_for(const context& ctx, int B, int T_, int NH, int hs, bool back
                            ")";
   auto plan = std::make_unique<sdpa_plan>();
   // cuDNN up to 9.15.0 needs the padding mask in backward when T is no multiple of 128 (what
-  // cuDNN's frontend adds; a fault in CUDA-graph replay otherwise).
+  // cuDNN's frontend adds for that version).
   plan->padding = backward && T_ % 128 != 0 && require_cudnn().cudnnGetVersion() <= 91500;
   graph_builder g(io_type<T>());
   const sdpa_shape shape{B, NH, T_, hs};
@@ -665,9 +667,12 @@ void attention_cudnn_backward(const context& ctx, T* dqkv, const T* dout, const 
     }
     sdpa_plan& plan = plan_for<T>(ctx, B, T_, NH, hs, true);
     cudnn_state& st = cudnn_access::state(ctx);
-    // The scratch: softmax_sum [B, NH, T] fp32, then (padding mask) B lengths twice.
-    const std::size_t sums = std::size_t{4} * B * NH * T_;
-    const std::size_t lengths = plan.padding ? std::size_t{4} * 2 * B : 0;
+    // The scratch: softmax_sum [B, NH, T] fp32, then (padding mask) B lengths twice, each
+    // 16-byte aligned as every tensor is declared.
+    const auto align16 = [](std::size_t n) { return (n + 15) / 16 * 16; };
+    const std::size_t sums = align16(std::size_t{4} * B * NH * T_);
+    const std::size_t one_length = align16(std::size_t{4} * B);
+    const std::size_t lengths = plan.padding ? 2 * one_length : 0;
     reserve(ctx, st, static_cast<std::size_t>(plan.workspace), sums + lengths);
     float scale = 1.0f / std::sqrt(static_cast<float>(hs)), neg_inf = -INFINITY,
           neg_inf_padding = -INFINITY, one = 1.0f;
@@ -688,10 +693,11 @@ void attention_cudnn_backward(const context& ctx, T* dqkv, const T* dout, const 
                                                             {kSoftmaxSum, softmax_sum}};
     if (plan.padding) {
       auto* seq = reinterpret_cast<std::int32_t*>(softmax_sum + sums);
-      fill_int<<<blocks_for(2 * B), kThreads, 0, ctx.stream()>>>(seq, 2 * B, T_);
+      fill_int<<<blocks_for(std::int64_t(one_length / 2)), kThreads, 0, ctx.stream()>>>(
+          seq, static_cast<int>(one_length / 2), T_);  // both lengths and the gaps between
       check_launch("fill_int(sequence lengths)");
       pointers.push_back({kSeqLenQ, seq});
-      pointers.push_back({kSeqLenKV, seq + B});
+      pointers.push_back({kSeqLenKV, seq + one_length / 4});
       pointers.push_back({kNegInfPadding, &neg_inf_padding});
     }
     execute(ctx, st, plan, pointers, "attention backward");

@@ -123,6 +123,50 @@ TEST_CASE("stop_training ends a run early with its weights; bad input is an erro
   CHECK_THAT(to_string(missing.error()), Catch::Contains("nowhere.toml"));
 }
 
+// Requests that cross: every one is answered (T2, T4). A checkpoint and a stop sent together:
+// the checkpoint is committed and the run stops at the step it was taken; steps asked for while
+// a checkpoint waits for the pause run after it; steps asked for once a stop waits run none.
+TEST_CASE("a trainer answers crossing requests: checkpoint with stop, steps behind them",
+          "[trainer]") {
+  temp_dir dir;
+  const auto recipe = write_recipe(dir);
+  caf::actor_system_config cfg;
+  caf::actor_system sys{cfg};
+  caf::scoped_actor self{sys};
+  auto trainer =
+      spawn_trainer(sys, recipe, {{"output.dir=\"" + (dir / "x").string() + "\""}, "", 1});
+  REQUIRE(trainer);
+  CHECK(ask<trainer_status>(self, *trainer, train_steps{1}).step == 1);
+  // Running: a checkpoint, then more steps, wait for the pause; the steps follow the checkpoint.
+  self->send(*trainer, train_steps{1});
+  auto checkpoint = self->request(*trainer, std::chrono::seconds(120), take_checkpoint{});
+  auto more = self->request(*trainer, std::chrono::seconds(120), train_steps{2});
+  checkpoint_result first;
+  checkpoint.receive([&](checkpoint_result& c) { first = c; },
+                     [&](caf::error& e) { FAIL(to_string(e)); });
+  CHECK(first.ok);
+  CHECK(fs::path(first.path).filename() == "step-00000002");  // not pushed back by the steps
+  CHECK(engine::verify_checkpoint(first.path).empty());
+  int after = 0;
+  more.receive([&](trainer_status& s) { after = s.step; },
+               [&](caf::error& e) { FAIL(to_string(e)); });
+  CHECK(after == 4);  // the checkpoint's step (2), then 2 more
+  // A checkpoint and a stop at once, then steps: all answered; the stop wins over the steps.
+  auto second = self->request(*trainer, std::chrono::seconds(120), take_checkpoint{});
+  auto stop = self->request(*trainer, std::chrono::seconds(120), stop_training{});
+  auto late = self->request(*trainer, std::chrono::seconds(120), train_steps{2});
+  second.receive([&](checkpoint_result& c) { CHECK(c.ok); },
+                 [&](caf::error& e) { FAIL(to_string(e)); });
+  late.receive([&](trainer_status& s) { CHECK(s.step == 4); },
+               [&](caf::error& e) { FAIL(to_string(e)); });
+  stop.receive(
+      [&](trainer_status& s) {
+        CHECK(s.state == phase::finished);
+        CHECK(s.step == 4);
+      },
+      [&](caf::error& e) { FAIL(to_string(e)); });
+}
+
 // A recipe as text (built by the program) trains as the same recipe read from its file does.
 TEST_CASE("a trainer from recipe text is the trainer of the recipe file", "[trainer]") {
   temp_dir dir;
