@@ -74,6 +74,8 @@ bool cuda_training_available(std::string* why_not) {
   return false;
 }
 
+bool cudnn_attention_usable(std::string* why_not) { return cu::cudnn_attention_available(why_not); }
+
 // What does not depend on the compute dtype; model_impl<D> adds the rest. The device is made
 // current before the context is created (its stream and cuBLASLt handle belong to it).
 struct gpu_stage::impl {

@@ -104,6 +104,9 @@ gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
 
 // Whether a CUDA device can train here; otherwise, when why_not is given, the reason.
 bool cuda_training_available(std::string* why_not = nullptr);
+// Whether cuDNN's attention can be loaded here (kernels.attention = "auto" falls back to the
+// materialized route where it cannot); otherwise, when why_not is given, the reason.
+bool cudnn_attention_usable(std::string* why_not = nullptr);
 
 // One tensor shard's handle on its group, for device chunks (docs/tensor_parallel.md):
 // collectives on buffers of the member's device, ordered on the calling chunk's stream (a

@@ -12,6 +12,11 @@ bool cuda_training_available(std::string* why_not) {
   return false;
 }
 
+bool cudnn_attention_usable(std::string* why_not) {
+  if (why_not) *why_not = "this build has no CUDA";
+  return false;
+}
+
 struct gpu_stage::impl {
   gpt_config config;
   stage_range range;

@@ -10,6 +10,7 @@
 #include <variant>
 
 #include "engine/gpt_weights.hpp"
+#include "engine/gpu_stage.hpp"
 #include "engine/schedule.hpp"
 #include "engine/support.hpp"
 
@@ -369,7 +370,7 @@ std::string attention_kernel_for(const recipe& r) {
   const int heads = r.model.heads, hs = heads > 0 ? r.model.width / heads : 0;
   if (r.precision.dtype == "fp32")
     return hs == 16 || hs == 32 || hs == 64 || hs == 128 ? "fused" : "materialized";
-  return hs > 0 && hs % 8 == 0 && hs <= 128 ? "cudnn" : "materialized";
+  return hs > 0 && hs % 8 == 0 && hs <= 128 && cudnn_attention_usable() ? "cudnn" : "materialized";
 }
 
 bool splits_backward(const recipe& r) {

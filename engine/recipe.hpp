@@ -148,8 +148,9 @@ void validate_recipe(const recipe& r);
 bool splits_backward(const recipe& r);
 
 // The attention kernel a GPU job runs: kernels.attention, with "auto" resolved by the compute
-// dtype and head size: "cudnn" in bf16 and fp16, "fused" in fp32, "materialized" for a head
-// size neither takes (cudnn: multiples of 8 up to 128; fused: 16, 32, 64, 128).
+// dtype and head size: "cudnn" in bf16 and fp16 (where cuDNN can be loaded), "fused" in fp32,
+// "materialized" for a head size neither takes (cudnn: multiples of 8 up to 128; fused: 16, 32,
+// 64, 128) or 16-bit compute without cuDNN.
 std::string attention_kernel_for(const recipe& r);
 // Checks input files exist and match the model; throws recipe_error.
 void check_recipe_inputs(const recipe& r);

@@ -17,15 +17,22 @@ engine::schedule_shape to_engine(const schedule_shape& s) {
 void register_schedule(const std::string& name, schedule_function fn) {
   if (!fn)
     throw std::invalid_argument("register_schedule: schedule '" + name + "' has no function");
+  for (const char* built_in : {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"})
+    if (name == built_in)
+      throw std::invalid_argument("register_schedule: '" + name + "' is a built-in schedule");
+  // make_plan names the schedule in every error.
   engine::register_schedule(name, [name, fn = std::move(fn)](const engine::schedule_shape& shape) {
     const auto lines = fn({shape.ranks, shape.micro_batches, shape.virtual_stages});
     if (static_cast<int>(lines.size()) != shape.ranks)
-      throw std::invalid_argument("schedule '" + name + "' gave " + std::to_string(lines.size()) +
-                                  " ranks' actions for " + std::to_string(shape.ranks) +
-                                  " pipeline ranks");
+      throw std::invalid_argument("gave " + std::to_string(lines.size()) + " ranks' actions for " +
+                                  std::to_string(shape.ranks) + " pipeline ranks");
     std::string text;  // "rank N:" keeps a rank without actions a line of its own
-    for (std::size_t r = 0; r < lines.size(); ++r)
+    for (std::size_t r = 0; r < lines.size(); ++r) {
+      if (lines[r].find_first_of("\n#") != std::string::npos)
+        throw std::invalid_argument("rank " + std::to_string(r) +
+                                    "'s actions hold a newline or '#': tokens only");
       text += "rank " + std::to_string(r) + ": " + lines[r] + "\n";
+    }
     return engine::parse_plan(text, shape, name);
   });
 }

@@ -21,6 +21,10 @@ int main(int argc, char** argv) {
   for (int i = 2; i < argc; ++i) options.overrides.emplace_back(argv[i]);
 
   caf::actor_system_config cfg;
+  // Idle CAF workers must not take cycles from the training's compute threads.
+  cfg.set("scheduler.max-threads", 1);
+  cfg.set("work-stealing.aggressive-poll-attempts", 0);
+  cfg.set("work-stealing.moderate-poll-attempts", 0);
   caf::actor_system system{cfg};
   caf::scoped_actor self{system};
   auto trainer = troupe::spawn_trainer(system, argv[1], options);

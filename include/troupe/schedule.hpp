@@ -35,7 +35,7 @@ struct schedule_shape {
 using schedule_function = std::function<std::vector<std::string>(const schedule_shape&)>;
 
 // Registers (or replaces) `name` for every trainer of this process. Throws
-// std::invalid_argument for an empty name or function.
+// std::invalid_argument for an empty function or the name of a built-in schedule.
 void register_schedule(const std::string& name, schedule_function fn);
 
 // The names a recipe may use: the built-in ones (gpipe, 1f1b, interleaved_1f1b, zb_h1) and the

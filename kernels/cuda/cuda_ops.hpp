@@ -254,16 +254,19 @@ template <class T>
 void attention_materialized_backward(const context& ctx, T* dqkv, const T* dout, const T* qkv,
                                      const T* probs, T* scratch, int B, int T_, int C, int NH);
 
-// ---- causal multi-head self-attention through cuDNN's fused flash attention
-// ---------------------- The same result as attention_forward/backward from cuDNN's
+// ---- causal multi-head self-attention through cuDNN's fused flash attention ---------------
+// attention_forward/backward's result within 16-bit rounding, from cuDNN's
 // scaled-dot-product-attention graph (tensor cores, fp32 softmax statistics), bf16 and fp16 only
-// (float throws cuda_error), head sizes multiples of 8 up to 128. cuDNN is loaded on first use
-// (cudnn_loader.hpp). q, k and v are read in place from qkv[B,T,3C] (strided views, no copies);
-// lse[B,NH,T] (fp32) receives each row's log-sum-exp of its scaled scores for backward. Unlike the
-// other backward ops this one WRITES dqkv (=, every value), in cuDNN's deterministic backward:
-// bitwise repeatable. Plans are built once per shape and kept on the context; the first call of a
-// shape costs cuDNN's plan building (tens of milliseconds). cuDNN's workspace is the context's,
-// grown to the largest plan's: attention_cudnn_workspace_bytes() after the calls.
+// (float throws cuda_error), head sizes multiples of 8 up to 128 (std::invalid_argument). cuDNN
+// is loaded on first use (cudnn_loader.hpp). q, k and v are read in place from qkv[B,T,3C]
+// (strided views, no copies): qkv, out, dout and dqkv must be 16-byte aligned, as arena
+// allocations are. lse[B,NH,T] (fp32) receives each row's log-sum-exp of its scaled scores for
+// backward. Unlike the other backward ops this one WRITES dqkv (=, every value), in cuDNN's
+// deterministic backward: bitwise repeatable. Plans are built once per shape and kept on the
+// context; the first call of a shape costs cuDNN's plan building. cuDNN's workspace (B·NH·T²·2
+// bytes for the deterministic backward) and backward's scratch are the context's own device
+// memory, outside any arena and memory plan, grown to the largest plan's
+// (attention_cudnn_workspace_bytes()); growing waits for the stream on the host.
 template <class T>
 void attention_cudnn_forward(const context& ctx, T* out, float* lse, const T* qkv, int B, int T_,
                              int C, int NH);
