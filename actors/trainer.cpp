@@ -34,6 +34,16 @@ class trainer_impl : public caf::event_based_actor {
   }
 
   void on_exit() override {
+    // Whatever is still waiting is answered (CAF 0.17 says nothing for a dropped promise, and a
+    // kept one keeps this actor alive); the job's handles go before the actor system.
+    for (auto& rp : waiting_) rp.deliver(status_);
+    for (auto& rp : stops_) rp.deliver(status_);
+    for (auto& [id, c] : checkpoints_)
+      c.rp.deliver(checkpoint_result{false, "", "the trainer stopped before the checkpoint"});
+    waiting_.clear();
+    stops_.clear();
+    checkpoints_.clear();
+    on_pause_.clear();
     subscribers_.clear();
     job_.reset();
   }

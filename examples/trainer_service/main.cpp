@@ -5,39 +5,54 @@
 //
 //   trainer_service RECIPE.toml [--port P] [--set key=value ...] [--resume DIR] [--threads N]
 //
-// It binds 127.0.0.1 only (port 0, the default: a free one), spawns the trainer (paused before
-// the first step) and prints one line, "listening on 127.0.0.1:PORT", to stdout once requests are
-// taken. POST /stop, SIGINT or SIGTERM end the run between steps (final weights written) and the
-// process. Exit code 0 when the run finished, 1 when it failed, 2 for bad input (a recipe key,
-// the port).
+// It checks the port is free, spawns the trainer (paused before the first step), then binds
+// 127.0.0.1 only (port 0, the default: a free one) and prints one line, "listening on
+// 127.0.0.1:PORT", to stdout once requests are taken: bad input exits before anything listens.
+// POST /stop, SIGINT or SIGTERM end the run between steps (final weights written) and the
+// process; a second SIGINT or SIGTERM ends it at once (exit code 130 or 143, no final weights).
+// Exit code 0 when the run finished, 1 when it failed (or the trainer did not stop), 2 for bad
+// input (a recipe key, the port).
 //
-// Endpoints (JSON bodies; every error is a 4xx or 5xx with {"error": "one line"} and leaves the
-// run as it was):
+// Endpoints (JSON bodies; every error is a 4xx or 5xx with {"error": "one line"}):
 //   GET  /status      the trainer's state, steps, last loss and the last step's metrics
 //   GET  /metrics     Prometheus text format 0.0.4, metric names troupe_*
-//   POST /train       {"steps": N, "wait": false}: N more steps; 202 at once, or with
-//                     "wait": true, 200 once they are done
+//   POST /train       {"steps": N, "wait": false, "timeout_s": 600}: N more steps; 202 at once,
+//                     or with "wait": true, 200 once they are done or the run paused before,
+//                     202 when timeout_s ran out first
 //   POST /pause       200 once the step in flight is done
 //   POST /checkpoint  200 {"path", "step"} once a checkpoint is committed (the run is paused)
 //   POST /schedule    {"name": "gpipe"}: the pipeline schedule from the next step
 //   POST /stop        200 with the final status; then the process exits
+// No wait is unbounded: /status and /metrics give the trainer 5 s (503 after), /pause,
+// /checkpoint, /schedule and /stop 600 s (504 after), a waiting /train its timeout_s; a trainer
+// that stops without answering is a 503 at once.
 //
 // Threads: cpp-httplib answers each request on a thread of its pool; a handler talks to the
-// trainer through a caf::scoped_actor of its own (a blocking request and its answer). The step
-// events go to one collector actor, which keeps the last one and the counters for /metrics.
+// trainer through a caf::scoped_actor of its own (the request, then its answer, the trainer's
+// end or the time limit, whichever comes first). The step events go to one collector actor,
+// which keeps the last one and the counters for /metrics. Signals go to one thread; a stop it
+// asks for runs on another, so that a second signal is taken while the first stop runs.
+#include <arpa/inet.h>
 #include <httplib.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <strings.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <initializer_list>
 #include <map>
 #include <mutex>
@@ -72,6 +87,12 @@ namespace trainer_service {
 namespace {
 
 constexpr int exit_failed = 1, exit_bad_input = 2;
+
+// How long a handler waits for the trainer: a status query (/status, /metrics, the status a
+// request answers with), work that waits for a step or a write (/pause, /checkpoint, /schedule,
+// /stop), a waiting /train unless it says (timeout_s, at most train_wait_max_s).
+constexpr std::chrono::seconds quick{5}, patient{600};
+constexpr double train_wait_default_s = 600, train_wait_max_s = 3600;
 
 // The step events' subscriber: keeps what /metrics and /status show of them. (A class: CAF
 // 0.17's function-based actors without arguments dereference a null pointer, which UBSan reports.)
@@ -257,6 +278,30 @@ std::optional<json> body_object(const std::string& text, httplib::Response& res,
   return j;
 }
 
+// What came of a request to the trainer: its answer; or none, because the time ran out
+// (timed_out) or the trainer is gone (`error` says why).
+template <class Answer>
+struct reply_of {
+  std::optional<Answer> value;
+  bool timed_out = false;
+  std::string error;
+};
+
+// The step of a checkpoint directory, from its name (step-00000008: 8).
+std::optional<int> checkpoint_step(const std::string& dir) {
+  const std::string name = std::filesystem::path(dir).filename().string();
+  if (name.rfind("step-", 0) != 0 || name.size() == 5) return std::nullopt;
+  int step = 0;
+  const auto r = std::from_chars(name.data() + 5, name.data() + name.size(), step);
+  if (r.ec != std::errc() || r.ptr != name.data() + name.size() || step < 0) return std::nullopt;
+  return step;
+}
+
+std::string seconds_text(std::chrono::milliseconds d) {
+  return d.count() % 1000 == 0 ? std::to_string(d.count() / 1000) + " s"
+                               : std::to_string(d.count()) + " ms";
+}
+
 class service {
  public:
   service(caf::actor_system& system, troupe::trainer_actor trainer, caf::actor collector,
@@ -268,57 +313,115 @@ class service {
 
   void add_routes();
 
-  // Ends the run (between steps: final weights written) and the server; the final status.
-  // Idempotent: a second call waits for the first and answers the same.
-  troupe::trainer_status stop() {
+  // The run's end: the final status, and the HTTP code /stop answers with (200; 504 when the
+  // trainer did not stop in time, 503 when it is gone: then the job may still run).
+  struct ending {
+    troupe::trainer_status status;
+    int code = 200;
+  };
+
+  // Ends the run (between steps: final weights written) and the server. Idempotent: a second
+  // call waits for the first and answers the same.
+  ending stop() {
     std::lock_guard<std::mutex> lock(stop_mutex_);
-    if (final_) return *final_;
+    if (auto e = ended()) return *e;
     stopping_ = true;
-    std::string error;
-    auto s = ask<troupe::trainer_status>(troupe::stop_training{}, error);
-    if (!s) {
-      s.emplace();
-      s->state = phase::failed;
-      s->error = "the trainer is gone: " + error;
+    auto r = ask<troupe::trainer_status>(troupe::stop_training{}, patient);
+    ending e;
+    if (r.value) {
+      e.status = *r.value;
+    } else {
+      e.status.state = phase::failed;
+      e.status.error =
+          r.timed_out ? "the trainer did not stop within " + seconds_text(patient) : r.error;
+      e.code = r.timed_out ? 504 : 503;
     }
-    final_ = *s;
+    {
+      std::lock_guard<std::mutex> lock_end(end_mutex_);
+      end_ = e;
+    }
     // The server's loop may not have begun yet (a signal at the start).
     while (!listen_done_ && !server_.is_running())
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     if (server_.is_running()) server_.stop();
-    return *final_;
+    return e;
   }
   void listen_done() { listen_done_ = true; }
 
  private:
-  // A request to the trainer from this thread, answered; nothing (and `error`) if it is gone.
-  template <class Answer, class Request>
-  std::optional<Answer> ask(Request request, std::string& error) {
-    caf::scoped_actor self{system_};
-    std::optional<Answer> answer;
-    self->request(trainer_, caf::infinite, std::move(request))
-        .receive([&](Answer& a) { answer = std::move(a); },
-                 [&](caf::error& e) { error = to_string(e); });
-    return answer;
+  std::optional<ending> ended() {
+    std::lock_guard<std::mutex> lock(end_mutex_);
+    return end_;
   }
 
-  metrics_snapshot snapshot() {
+  // A request to the trainer from this thread and its answer, waited for at most `timeout`, or
+  // until the trainer stops without answering. (The request goes as a message, not a CAF
+  // request: its answer then comes as an ordinary message, and the wait can also end with the
+  // trainer's down message.)
+  template <class Answer, class Request>
+  reply_of<Answer> ask(Request request, std::chrono::milliseconds timeout) {
+    using clock = std::chrono::steady_clock;
+    const auto deadline = clock::now() + timeout;
     caf::scoped_actor self{system_};
-    metrics_snapshot m;
-    self->request(collector_, caf::infinite, snapshot_request{})
+    self->monitor(trainer_);  // a down message when it stops (at once if it has)
+    self->send(trainer_, std::move(request));
+    reply_of<Answer> r;
+    bool down = false, waiting = true;
+    while (waiting) {
+      // After the down message, only an answer already here (sent before it) counts.
+      const auto left =
+          down ? std::chrono::milliseconds(0)
+               : std::max(std::chrono::milliseconds(0),
+                          std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now()));
+      self->receive(
+          [&](Answer& a) {
+            r.value = std::move(a);
+            waiting = false;
+          },
+          [&](caf::error& e) {
+            r.error = "the trainer answered with an error: " + to_string(e);
+            waiting = false;
+          },
+          [&](caf::down_msg&) { down = true; },
+          caf::after(left) >>
+              [&] {
+                waiting = false;
+                if (down)
+                  r.error = "the trainer has stopped without answering";
+                else
+                  r.timed_out = true;
+              });
+    }
+    self->demonitor(trainer_.address());
+    return r;
+  }
+
+  // What the collector holds; nothing if it does not answer within `quick`.
+  std::optional<metrics_snapshot> snapshot() {
+    caf::scoped_actor self{system_};
+    std::optional<metrics_snapshot> m;
+    self->request(collector_, quick, snapshot_request{})
         .receive([&](metrics_snapshot& s) { m = std::move(s); }, [](caf::error&) {});
     return m;
   }
 
-  // The trainer's status, or the final one once it has stopped; nothing (a 503) otherwise.
+  // An answer the trainer did not give: 504 (`timed_out_code`) when the time ran out, 503 when
+  // it is gone.
+  template <class Answer>
+  void no_answer(httplib::Response& res, const reply_of<Answer>& r, std::chrono::milliseconds t,
+                 int timed_out_code) {
+    if (r.timed_out)
+      return fail(res, timed_out_code, "the trainer did not answer within " + seconds_text(t));
+    fail(res, 503, r.error);
+  }
+
+  // The trainer's status (within `quick`), or the final one once it has stopped; nothing (a
+  // 503) otherwise.
   std::optional<troupe::trainer_status> status(httplib::Response& res) {
-    std::string error;
-    if (auto s = ask<troupe::trainer_status>(troupe::query_status{}, error)) return s;
-    {
-      std::lock_guard<std::mutex> lock(stop_mutex_);
-      if (final_) return final_;
-    }
-    fail(res, 503, "the trainer is gone: " + error);
+    auto r = ask<troupe::trainer_status>(troupe::query_status{}, quick);
+    if (r.value) return r.value;
+    if (auto e = ended()) return e->status;
+    no_answer(res, r, quick, 503);
     return std::nullopt;
   }
 
@@ -348,20 +451,28 @@ class service {
     res.set_content(dump(j), "application/json");
   }
 
+  // `code` with the status and what the collector holds (503 if it does not answer).
+  void reply_status(httplib::Response& res, int code, const troupe::trainer_status& s) {
+    auto m = snapshot();
+    if (!m) return fail(res, 503, "the step collector did not answer");
+    reply(res, code, status_json(s, *m));
+  }
+
   void get_status(const httplib::Request&, httplib::Response& res) {
-    auto s = status(res);
-    if (s) reply(res, 200, status_json(*s, snapshot()));
+    if (auto s = status(res)) reply_status(res, 200, *s);
   }
 
   void get_metrics(const httplib::Request&, httplib::Response& res) {
     auto s = status(res);
     if (!s) return;
+    auto m = snapshot();
+    if (!m) return fail(res, 503, "the step collector did not answer");
     res.status = 200;
-    res.set_content(metrics_text(*s, snapshot()), "text/plain; version=0.0.4; charset=utf-8");
+    res.set_content(metrics_text(*s, *m), "text/plain; version=0.0.4; charset=utf-8");
   }
 
   void post_train(const std::string& text, httplib::Response& res) {
-    auto body = body_object(text, res, {"steps", "wait"});
+    auto body = body_object(text, res, {"steps", "wait", "timeout_s"});
     if (!body) return;
     const auto steps = body->find("steps");
     if (steps == body->end()) return fail(res, 400, "\"steps\" is missing");
@@ -377,45 +488,61 @@ class service {
         return fail(res, 400, "\"wait\" must be true or false, not " + w->dump());
       wait = w->get<bool>();
     }
+    double wait_s = train_wait_default_s;
+    if (const auto t = body->find("timeout_s"); t != body->end()) {
+      if (!t->is_number() || !(t->get<double>() > 0) || t->get<double>() > train_wait_max_s)
+        return fail(
+            res, 400,
+            "\"timeout_s\" must be a number of seconds above 0 and at most 3600, not " + t->dump());
+      if (!wait) return fail(res, 400, "\"timeout_s\" needs \"wait\": true");
+      wait_s = t->get<double>();
+    }
     if (!live_status(res)) return;
     const troupe::train_steps request{static_cast<int>(steps->get<std::int64_t>())};
-    std::string error;
     if (wait) {
-      auto s = ask<troupe::trainer_status>(request, error);
-      if (!s) return fail(res, 503, "the trainer is gone: " + error);
-      return reply(res, 200, status_json(*s, snapshot()));
+      const auto limit =
+          std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(wait_s));
+      auto r = ask<troupe::trainer_status>(request, limit);
+      if (r.value) return reply_status(res, 200, *r.value);
+      if (!r.timed_out) return fail(res, 503, r.error);
+      // Still running: the status now, as an asynchronous /train answers.
+      if (auto s = status(res)) reply_status(res, 202, *s);
+      return;
     }
     // Asynchronous: the request, then a status query from the same actor, which the trainer
     // handles after it (one sender's messages keep their order): the state is "running".
     caf::scoped_actor self{system_};
     self->send(trainer_, request);
     std::optional<troupe::trainer_status> s;
-    self->request(trainer_, caf::infinite, troupe::query_status{})
+    std::string error;
+    self->request(trainer_, quick, troupe::query_status{})
         .receive([&](troupe::trainer_status& a) { s = std::move(a); },
                  [&](caf::error& e) { error = to_string(e); });
-    if (!s) return fail(res, 503, "the trainer is gone: " + error);
-    reply(res, 202, status_json(*s, snapshot()));
+    if (!s)
+      return fail(
+          res, 503,
+          "the steps were asked for, but the trainer did not answer the status query: " + error);
+    reply_status(res, 202, *s);
   }
 
   void post_pause(const std::string& text, httplib::Response& res) {
     if (!body_object(text, res, {})) return;
     if (!live_status(res)) return;
-    std::string error;
-    auto s = ask<troupe::trainer_status>(troupe::pause_training{}, error);
-    if (!s) return fail(res, 503, "the trainer is gone: " + error);
-    reply(res, 200, status_json(*s, snapshot()));
+    auto r = ask<troupe::trainer_status>(troupe::pause_training{}, patient);
+    if (!r.value) return no_answer(res, r, patient, 504);
+    reply_status(res, 200, *r.value);
   }
 
   void post_checkpoint(const std::string& text, httplib::Response& res) {
     if (!body_object(text, res, {})) return;
     if (!live_status(res)) return;
-    std::string error;
-    auto c = ask<troupe::checkpoint_result>(troupe::take_checkpoint{}, error);
-    if (!c) return fail(res, 503, "the trainer is gone: " + error);
-    if (!c->ok) return fail(res, 500, "the checkpoint failed: " + c->error);
-    auto s = status(res);
-    if (!s) return;
-    reply(res, 200, {{"path", c->path}, {"step", s->step}});
+    auto r = ask<troupe::checkpoint_result>(troupe::take_checkpoint{}, patient);
+    if (!r.value) return no_answer(res, r, patient, 504);
+    if (!r.value->ok) return fail(res, 500, "the checkpoint failed: " + r.value->error);
+    // The step is the checkpoint's own (its directory's name): a status asked for now could
+    // already count steps a /train began since.
+    const auto step = checkpoint_step(r.value->path);
+    reply(res, 200, {{"path", r.value->path}, {"step", step ? json(*step) : json(nullptr)}});
   }
 
   void post_schedule(const std::string& text, httplib::Response& res) {
@@ -426,39 +553,87 @@ class service {
     if (!name->is_string() || name->get<std::string>().empty())
       return fail(res, 400, "\"name\" must be a schedule's name, not " + name->dump());
     if (!live_status(res)) return;
-    std::string error;
-    auto r = ask<troupe::schedule_result>(troupe::use_schedule{name->get<std::string>()}, error);
-    if (!r) return fail(res, 503, "the trainer is gone: " + error);
-    if (!r->ok) return fail(res, 400, r->message);
-    reply(res, 200, {{"schedule", name->get<std::string>()}, {"message", r->message}});
+    auto r = ask<troupe::schedule_result>(troupe::use_schedule{name->get<std::string>()}, patient);
+    if (!r.value) return no_answer(res, r, patient, 504);
+    if (!r.value->ok) return fail(res, 400, r.value->message);
+    reply(res, 200, {{"schedule", name->get<std::string>()}, {"message", r.value->message}});
   }
 
   void post_stop(const std::string& text, httplib::Response& res) {
     if (!body_object(text, res, {})) return;
-    const auto s = stop();
+    const auto e = stop();
     res.set_header("Connection", "close");
-    reply(res, 200, status_json(s, snapshot()));
+    if (e.code != 200) return fail(res, e.code, e.status.error);
+    reply(res, 200, status_json(e.status, snapshot().value_or(metrics_snapshot{})));
   }
 
   caf::actor_system& system_;
   troupe::trainer_actor trainer_;
   caf::actor collector_;
   httplib::Server& server_;
-  std::mutex stop_mutex_;
-  std::optional<troupe::trainer_status> final_;
+  std::mutex stop_mutex_;  // held while a stop runs
+  std::mutex end_mutex_;   // guards end_
+  std::optional<ending> end_;
   std::atomic<bool> stopping_{false}, listen_done_{false};
 };
 
+// How a request's body comes (RFC 9112, 6): none, Content-Length bytes, or chunked (the only
+// transfer coding cpp-httplib decodes, and only as Transfer-Encoding's sole value); a body with
+// other codings cannot be read (nor its end found).
+enum class framing { none, length, chunked, unreadable };
+
+std::string lower_trimmed(std::string_view s) {
+  const auto first = s.find_first_not_of(" \t");
+  if (first == std::string_view::npos) return "";
+  s = s.substr(first, s.find_last_not_of(" \t") - first + 1);
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+framing body_framing(const httplib::Request& req, std::string& codings) {
+  const auto headers = req.get_header_value_count("Transfer-Encoding");
+  if (headers == 0) return req.has_header("Content-Length") ? framing::length : framing::none;
+  std::vector<std::string> list;  // every header's comma-separated codings, in order
+  for (std::size_t i = 0; i < headers; ++i) {
+    const std::string value = req.get_header_value("Transfer-Encoding", i);
+    codings += (i ? ", " : "") + value;
+    for (std::size_t at = 0; at <= value.size();) {
+      auto comma = value.find(',', at);
+      if (comma == std::string::npos) comma = value.size();
+      if (auto c = lower_trimmed(std::string_view(value).substr(at, comma - at)); !c.empty())
+        list.push_back(std::move(c));
+      at = comma + 1;
+    }
+  }
+  // cpp-httplib decodes chunked when the first header's whole value is "chunked" (any case).
+  const bool decodable =
+      headers == 1 && list.size() == 1 && list[0] == "chunked" &&
+      strcasecmp(req.get_header_value("Transfer-Encoding").c_str(), "chunked") == 0;
+  return decodable ? framing::chunked : framing::unreadable;
+}
+
 // A handler of a request with a body, given the body. cpp-httplib would read a body without
 // Content-Length (`curl -X POST URL` sends none) until the client closes, which it never does;
-// such a request has no body here.
+// such a request has no body here. A body that cannot be read is refused with "Connection:
+// close" (what is left of it must not be taken for the next request).
 template <class F>
 httplib::Server::HandlerWithContentReader with_body(F f) {
   return [f](const httplib::Request& req, httplib::Response& res,
              const httplib::ContentReader& reader) {
-    std::string body;
-    if (req.has_header("Content-Length") ||
-        req.get_header_value("Transfer-Encoding") == "chunked") {
+    std::string body, codings;
+    const framing how = body_framing(req, codings);
+    if (how == framing::unreadable) {
+      res.set_header("Connection", "close");
+      // A coding this server does not know: 501; chunked missing or not the last: 400.
+      std::string last = codings.substr(codings.find_last_of(',') + 1);
+      const bool chunked_last = lower_trimmed(last) == "chunked";
+      return fail(res, chunked_last ? 501 : 400,
+                  "Transfer-Encoding \"" + codings +
+                      (chunked_last ? "\": only \"chunked\" alone is supported"
+                                    : "\": the body's end cannot be found (chunked must be last)"));
+    }
+    if (how != framing::none) {
       const bool read = reader([&](const char* data, std::size_t n) {
         body.append(data, n);
         return true;
@@ -548,6 +723,149 @@ void service::add_routes() {
   });
 }
 
+// SIGINT and SIGTERM, taken by one thread (watch_signals): the first asks for a stop, which
+// serve() runs on a thread of its own; a second ends the process at once. The same thread
+// bounds the teardown once the run's outcome is known (teardown_limit).
+struct signal_watch {
+  sigset_t signals;
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool stop = false;              // a first signal came
+  bool serving_done = false;      // serve() needs no more stops
+  std::atomic<bool> done{false};  // the process is ending: the watch ends
+  // The exit code, once the run has ended and only the actor system's end is left (-1 before).
+  std::atomic<int> tearing_down{-1};
+};
+
+// How long the actor system may take to end once the run's outcome is known (the final weights
+// written): an actor that never ends (a trainer that quit holding an unanswered request) would
+// otherwise keep the process forever.
+constexpr std::chrono::seconds teardown_limit{30};
+
+void watch_signals(signal_watch& w) {
+  const timespec tick{0, 100'000'000};
+  int seen = 0;
+  std::optional<std::chrono::steady_clock::time_point> teardown;
+  while (!w.done) {
+    if (const int code = w.tearing_down; code >= 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (!teardown) teardown = now;
+      if (now - *teardown > teardown_limit) {
+        std::fprintf(stderr, "trainer_service: the actors did not end within %d s: exiting\n",
+                     static_cast<int>(teardown_limit.count()));
+        std::_Exit(code);
+      }
+    }
+    const int sig = sigtimedwait(&w.signals, nullptr, &tick);
+    if (sig <= 0) continue;
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    if (seen++ > 0) {  // impatient: no final weights, no checkpoint committed
+      std::fprintf(stderr, "trainer_service: %s again while stopping: exiting at once\n", name);
+      std::_Exit(128 + sig);
+    }
+    std::fprintf(stderr, "trainer_service: %s: stopping after the step in flight\n", name);
+    {
+      std::lock_guard<std::mutex> lock(w.mutex);
+      w.stop = true;
+    }
+    w.changed.notify_all();
+  }
+}
+
+// Whether 127.0.0.1:port can be bound now: a port in use is bad input, found before the
+// trainer is spawned (the socket is closed again: nothing listens yet).
+bool port_free(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return true;  // the bind itself will say
+  int yes = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(static_cast<std::uint16_t>(port));
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool free = bind(fd, reinterpret_cast<const sockaddr*>(&at), sizeof at) == 0;
+  close(fd);
+  return free;
+}
+
+// The service: the trainer, then the server, until a stop; the exit code.
+int serve(const std::string& recipe, int port, const troupe::trainer_options& options,
+          signal_watch& watch) {
+  if (port != 0 && !port_free(port)) {
+    std::fprintf(stderr, "trainer_service: cannot listen on 127.0.0.1:%d\n", port);
+    return exit_bad_input;
+  }
+  caf::actor_system_config cfg;
+  caf::actor_system system{cfg};
+  auto trainer = troupe::spawn_trainer(system, recipe, options);
+  if (!trainer) {
+    std::fprintf(stderr, "trainer_service: %s\n", to_string(trainer.error()).c_str());
+    return exit_bad_input;
+  }
+
+  httplib::Server server;
+  server.set_socket_options([](socket_t sock) {  // no SO_REUSEPORT: a port in use is an error
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
+  server.set_payload_max_length(std::size_t{1} << 16);
+  const bool bound = port == 0 ? (port = server.bind_to_any_port("127.0.0.1")) > 0
+                               : server.bind_to_port("127.0.0.1", port);
+  if (!bound) {
+    // The port was taken since port_free(). The trainer has run no step: nothing of it to keep,
+    // and stopping it would write its untrained weights (over a previous run's).
+    std::fprintf(stderr, "trainer_service: cannot listen on 127.0.0.1:%d\n", port);
+    std::fflush(stderr);
+    std::_Exit(exit_bad_input);
+  }
+
+  auto events = system.spawn<collector>();
+  {
+    caf::scoped_actor self{system};
+    self->request(*trainer, quick, troupe::subscribe_steps{events})
+        .receive([](troupe::trainer_status&) {}, [](caf::error&) {});
+  }
+  service svc{system, *trainer, events, server};
+  svc.add_routes();
+
+  // A stop a signal asks for (before the server's loop begins, too).
+  std::thread stopper([&] {
+    std::unique_lock<std::mutex> lock(watch.mutex);
+    watch.changed.wait(lock, [&] { return watch.stop || watch.serving_done; });
+    const bool stop = watch.stop;
+    lock.unlock();
+    if (stop) svc.stop();
+  });
+
+  std::printf("listening on 127.0.0.1:%d\n", port);
+  std::fflush(stdout);
+  server.listen_after_bind();
+  svc.listen_done();
+  const auto end = svc.stop();  // the answer /stop or the signal already had
+  {
+    std::lock_guard<std::mutex> lock(watch.mutex);
+    watch.serving_done = true;
+  }
+  watch.changed.notify_all();
+  stopper.join();
+  if (end.code != 200) {
+    // The trainer did not answer the stop: its job may still run, and the actor system's end
+    // would wait for it.
+    std::fprintf(stderr, "trainer_service: %s\n", end.status.error.c_str());
+    std::fflush(stderr);
+    std::_Exit(exit_failed);
+  }
+  caf::anon_send_exit(events, caf::exit_reason::user_shutdown);
+  const int code = end.status.state == phase::finished ? 0 : exit_failed;
+  if (code != 0)
+    std::fprintf(stderr, "trainer_service: the run failed: %s\n", end.status.error.c_str());
+  else
+    std::fprintf(stderr, "trainer_service: stopped after %d steps, last loss %.4f\n",
+                 end.status.step, end.status.last_loss);
+  watch.tearing_down = code;  // (the actor system ends on the return)
+  return code;
+}
+
 }  // namespace
 }  // namespace trainer_service
 
@@ -582,69 +900,15 @@ int main(int argc, char** argv) {
     return exit_bad_input;
   }
 
-  // SIGINT and SIGTERM go to one thread (below): every thread started from here inherits the
-  // mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
-  httplib::Server server;
-  server.set_socket_options([](socket_t sock) {  // no SO_REUSEPORT: a port in use is an error
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-  });
-  server.set_payload_max_length(std::size_t{1} << 16);
-  const bool bound = port == 0 ? (port = server.bind_to_any_port("127.0.0.1")) > 0
-                               : server.bind_to_port("127.0.0.1", port);
-  if (!bound) {
-    std::fprintf(stderr, "trainer_service: cannot listen on 127.0.0.1:%d\n", port);
-    return exit_bad_input;
-  }
-
-  caf::actor_system_config cfg;
-  caf::actor_system system{cfg};
-  auto trainer = troupe::spawn_trainer(system, recipe, options);
-  if (!trainer) {
-    std::fprintf(stderr, "trainer_service: %s\n", to_string(trainer.error()).c_str());
-    return exit_bad_input;
-  }
-  auto events = system.spawn<collector>();
-  {
-    caf::scoped_actor self{system};
-    self->request(*trainer, caf::infinite, troupe::subscribe_steps{events})
-        .receive([](troupe::trainer_status&) {}, [](caf::error&) {});
-  }
-  service svc{system, *trainer, events, server};
-  svc.add_routes();
-
-  std::atomic<bool> done{false};
-  std::thread on_signal([&] {
-    const timespec tick{0, 200'000'000};
-    while (!done) {
-      if (const int sig = sigtimedwait(&signals, nullptr, &tick); sig > 0) {
-        std::fprintf(stderr, "trainer_service: %s: stopping after the step in flight\n",
-                     sig == SIGINT ? "SIGINT" : "SIGTERM");
-        svc.stop();
-        return;
-      }
-    }
-  });
-
-  std::printf("listening on 127.0.0.1:%d\n", port);
-  std::fflush(stdout);
-  server.listen_after_bind();
-  svc.listen_done();
-  const auto final_status = svc.stop();  // the answer /stop or the signal already had
-  done = true;
+  // SIGINT and SIGTERM go to one thread: every thread started from here inherits the mask.
+  signal_watch watch;
+  sigemptyset(&watch.signals);
+  sigaddset(&watch.signals, SIGINT);
+  sigaddset(&watch.signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &watch.signals, nullptr);
+  std::thread on_signal([&] { watch_signals(watch); });
+  const int code = serve(recipe, port, options, watch);  // (the actor system ended there)
+  watch.done = true;
   on_signal.join();
-  caf::anon_send_exit(events, caf::exit_reason::user_shutdown);
-  if (final_status.state != phase::finished) {
-    std::fprintf(stderr, "trainer_service: the run failed: %s\n", final_status.error.c_str());
-    return exit_failed;
-  }
-  std::fprintf(stderr, "trainer_service: stopped after %d steps, last loss %.4f\n",
-               final_status.step, final_status.last_loss);
-  return 0;
+  return code;
 }

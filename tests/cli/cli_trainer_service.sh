@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # examples/trainer_service (docs/embedding.md, "An HTTP service") on a tiny recipe, driven with
 # curl: status and Prometheus metrics (checked by `promtool check metrics`), training in steps
-# (waited for, and asynchronous then paused), a checkpoint `troupe ckpt verify` accepts, a
-# schedule swap, bad requests answered with a 4xx and a one-line reason while the run stays as it
-# was, stop; the final weights equal `troupe train`'s of the same recipe. Then SIGTERM on a second
-# service ends its run cleanly, a port in use and a bad recipe key are one line and exit 2.
+# (waited for, with a time limit, and asynchronous then paused), a checkpoint `troupe ckpt verify`
+# accepts, a schedule swap (a chunked body), bad requests answered with a 4xx or 501 and a
+# one-line reason while the run stays as it was, stop; the final weights equal `troupe train`'s
+# of the same recipe. Then SIGTERM on a second service ends its run cleanly, a port in use and a
+# bad recipe key are one line and exit 2; a checkpoint with a stop at once are both answered
+# (the checkpoint committed, or refused) and the service exits 0 with final weights; a second
+# SIGTERM while a stop waits for a long step ends the process at once (143).
 # SKIP (77) without the service (libcpp-httplib-dev), curl, promtool (Debian's prometheus) or
 # python3.
 # Usage: cli_trainer_service.sh TRAINER_SERVICE TROUPE
@@ -47,7 +50,8 @@ start() {
   pids+=("$pid")
   local port=""
   for _ in $(seq 1 300); do
-    port=$(sed -n 's/^listening on 127\.0\.0\.1:\([0-9][0-9]*\)$/\1/p' "$tmp/$name.out")
+    [ -f "$tmp/$name.out" ] &&  # (not there yet: the shell had not opened it)
+      port=$(sed -n 's/^listening on 127\.0\.0\.1:\([0-9][0-9]*\)$/\1/p' "$tmp/$name.out")
     [ -n "$port" ] && break
     kill -0 "$pid" 2>/dev/null || fail "$name exited before listening"
     sleep 0.1
@@ -66,10 +70,12 @@ wait_exit() {
   wait "$1" || rc=$?
 }
 # http METHOD PATH [BODY]: the status code; the body in $tmp/body, the headers in $tmp/headers.
+# With $te set, the body goes with that Transfer-Encoding (curl frames it in chunks).
 http() {
   local args=(-sS --max-time "${max_time:-60}" -o "$tmp/body" -D "$tmp/headers" -w '%{http_code}'
     -X "$1")
   [ $# -ge 3 ] && args+=(-H 'Content-Type: application/json' --data-binary "$3")
+  [ -n "${te-}" ] && args+=(-H "Transfer-Encoding: $te")
   curl "${args[@]}" "$base$2" || echo "curl-failed"
 }
 # expect CODE METHOD PATH [BODY]: fails unless the answer has that code.
@@ -166,6 +172,10 @@ bad 400 POST /train ''
 bad 400 POST /train '[1]'
 bad 400 POST /train '{"steps": 1, "wiat": true}'
 bad 400 POST /train '{"steps": 1, "wait": "yes"}'
+bad 400 POST /train '{"steps": 1, "wait": true, "timeout_s": 0}'
+bad 400 POST /train '{"steps": 1, "wait": true, "timeout_s": 3601}'
+bad 400 POST /train '{"steps": 1, "wait": true, "timeout_s": "5"}'
+bad 400 POST /train '{"steps": 1, "timeout_s": 5}'
 bad 400 POST /schedule '{"name": "no_such_schedule"}'
 bad 400 POST /schedule '{"name": 3}'
 bad 400 POST /schedule '{}'
@@ -183,11 +193,23 @@ head -c 100000 /dev/zero | tr '\0' ' ' >"$tmp/big"
 code=$(curl -sS --max-time 30 -o "$tmp/body" -w '%{http_code}' -X POST \
   --data-binary @"$tmp/big" "$base/train")
 [ "$code" = 413 ] || fail "a 100 kB body: HTTP $code"
+# A chunked body is read (the reason quotes it); one in codings the service cannot decode, or
+# whose end cannot be found, is refused and the connection closed.
+te=Chunked bad 400 POST /schedule '{"name": 3}'
+[ "$(field 'd["error"]')" = "\"name\" must be a schedule's name, not 3" ] ||
+  fail "a chunked body: $(cat "$tmp/body")"
+te="gzip, chunked" bad 501 POST /train '{"steps": 1}'
+grep -qi '^connection: close' "$tmp/headers" || fail "501 without Connection: close"
+te=gzip bad 400 POST /train '{"steps": 1}'
+grep -qi '^connection: close' "$tmp/headers" || fail "gzip body without Connection: close"
 expect 200 GET /status
 cmp -s "$tmp/body" "$tmp/status.before" ||
   fail "bad requests changed the status: $(cat "$tmp/status.before") -> $(cat "$tmp/body")"
 
-# A schedule swap; training in the background, paused; a checkpoint of the steps done.
+# A schedule swap (a chunked body); training in the background, paused; a checkpoint of the
+# steps done.
+te=chunked expect 200 POST /schedule '{"name": "gpipe"}'
+[ "$(field 'd["schedule"]')" = gpipe ] || fail "a chunked schedule swap: $(cat "$tmp/body")"
 expect 200 POST /schedule '{"name": "gpipe"}'
 expect 202 POST /train '{"steps": 4}'
 # (running, unless a loaded machine stalled this request's status query until the 4 were done)
@@ -201,6 +223,17 @@ expect 200 POST /checkpoint
 [ "$(field 'd["step"]')" = "$paused" ] || fail "checkpoint step: $(cat "$tmp/body")"
 checkpoint=$(field 'd["path"]')
 "$troupe" ckpt verify "$checkpoint" >/dev/null || fail "the checkpoint $checkpoint does not verify"
+
+# One more step waited for at most 1 ms: 200 once it was done, else 202 with the status then
+# (running, or paused if the step ended meanwhile).
+code=$(http POST /train '{"steps": 1, "wait": true, "timeout_s": 0.001}')
+case "$code:$(field 'd["state"]')" in
+  202:running | 202:paused | 200:paused) ;;
+  *) fail "train with a 1 ms wait: HTTP $code: $(cat "$tmp/body")" ;;
+esac
+expect 200 POST /pause
+[ "$(field 'd["state"], d["step"]')" = "paused $((paused + 1))" ] ||
+  fail "pause after a 1 ms wait: $(cat "$tmp/body")"
 
 # To the recipe's end; then training is refused, the status stays.
 max_time=120 expect 200 POST /train '{"steps": 100, "wait": true}'
@@ -242,6 +275,61 @@ wait_exit "$pid" 60
 grep -q "SIGTERM" "$tmp/b.err" || fail "no word of SIGTERM: $(cat "$tmp/b.err")"
 [ -s "$tmp/b/final.safetensors" ] || fail "no final weights after SIGTERM"
 
-echo "trainer service: 12 steps over HTTP (waited, async, paused), checkpoint, schedule swap;" \
-  "/metrics passes promtool; 24 bad requests refused with the run unchanged (2 more after its" \
-  "end); stop and SIGTERM exit 0; weights equal troupe train's"
+# A checkpoint and at once a stop (after 0, 5 and 50 ms): both answered; the checkpoint
+# committed (it verifies) or refused with an error, never left waiting; the service exits 0 with
+# final weights.
+delays=(0 0.005 0.05)
+for round in 0 1 2; do
+  start "d$round" --set "output.dir=$tmp/d$round"
+  expect 200 POST /train '{"steps": 2, "wait": true}'
+  curl -sS --max-time 60 -o "$tmp/ckpt.body" -w '%{http_code}' -X POST "$base/checkpoint" \
+    >"$tmp/ckpt.code" 2>"$tmp/ckpt.err" &
+  ckpt=$!
+  sleep "${delays[$round]}"
+  max_time=60 expect 200 POST /stop
+  [ "$(field 'd["state"], d["step"]')" = "finished 2" ] ||
+    fail "round $round: stop after a checkpoint: $(cat "$tmp/body")"
+  wait "$ckpt" || fail "round $round: /checkpoint not answered in 60 s: $(cat "$tmp/ckpt.err")"
+  cp "$tmp/ckpt.body" "$tmp/body"
+  case "$(cat "$tmp/ckpt.code")" in
+    200)
+      [ "$(field 'd["step"]')" = 2 ] || fail "round $round: checkpoint step: $(cat "$tmp/body")"
+      "$troupe" ckpt verify "$(field 'd["path"]')" >/dev/null ||
+        fail "round $round: the checkpoint $(field 'd["path"]') does not verify"
+      ;;
+    409 | 500 | 503)
+      [ "$(wc -l <"$tmp/body")" -eq 1 ] && [ -n "$(field 'd["error"]')" ] ||
+        fail "round $round: checkpoint refusal: $(cat "$tmp/body")"
+      ;;
+    *) fail "round $round: /checkpoint: HTTP $(cat "$tmp/ckpt.code"): $(cat "$tmp/body")" ;;
+  esac
+  echo "checkpoint with a stop, round $round: HTTP $(cat "$tmp/ckpt.code")"
+  wait_exit "$pid" 60
+  [ "$rc" -eq 0 ] || fail "round $round: the service exited $rc after a checkpoint and a stop"
+  [ -s "$tmp/d$round/final.safetensors" ] || fail "round $round: no final weights"
+done
+
+# A second SIGTERM while a stop waits for the step in flight (steps of seconds: a wider model,
+# longer windows, one thread per stage) ends the process at once: 143, no final weights.
+start e --set "output.dir=$tmp/e" --set model.width=256 --set model.layers=4 --set model.heads=4 \
+  --set model.context=128 --set batch.seq_len=128 --set batch.micro_batch=8 \
+  --set parallel.micro_batches=4 --threads 1
+expect 202 POST /train '{"steps": 100}'
+for _ in $(seq 1 600); do  # a step has just begun: right after the first one ends
+  expect 200 GET /status
+  [ "$(field 'd["step"]')" -ge 1 ] && break
+  sleep 0.05
+done
+[ "$(field 'd["step"]')" -ge 1 ] || fail "no step done in 30 s"
+kill -TERM "$pid"
+sleep 0.2
+kill -TERM "$pid"
+wait_exit "$pid" 5
+[ "$rc" -eq 143 ] || fail "a second SIGTERM while stopping: exit $rc"
+grep -q "SIGTERM again while stopping" "$tmp/e.err" || fail "no word of the second SIGTERM"
+[ ! -e "$tmp/e/final.safetensors" ] || fail "final weights after a second SIGTERM"
+
+echo "trainer service: 12 steps over HTTP (waited, with a time limit, async, paused), checkpoint," \
+  "schedule swap (chunked body); /metrics passes promtool; 31 bad requests refused with the run" \
+  "unchanged (2 more after its end); stop and SIGTERM exit 0; weights equal troupe train's;" \
+  "a checkpoint with a concurrent stop answered twice; a second SIGTERM exits 143 at once"
