@@ -128,8 +128,7 @@ TEST_CASE("--dry-run on the GPU prints the plan and what checkpointing saves", "
       "[activation_checkpoint]\nmode = \"full\"\n",
       "test.toml", {});
   const std::string text = format_gpu_memory_plan(r);
-  const auto plan =
-      plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, {compute_dtype::bf16, true});
+  const auto plan = plan_gpu_memory(r.model, r.batch.micro_batch, r.batch.seq_len, gpu_options(r));
   CHECK_THAT(text, Catch::Contains("bf16 compute") && Catch::Contains("activation checkpointing") &&
                        Catch::Contains("saves"));
   char total[32];
