@@ -86,6 +86,15 @@ launcher=$!
 (
   RANDOM=$$
   for tenths in 3 10 14; do  # 0.3-1.0 s, then 1.0-1.7 s, then 1.4-2.1 s later
+    # From the second kill on, once a checkpoint is committed (at most 60 s): on a slow machine
+    # (a sanitizer build) every kill could otherwise come before the first one, and no restart
+    # would have a checkpoint to resume from.
+    if [ "$tenths" -gt 3 ]; then
+      for _ in $(seq 1 600); do
+        compgen -G "$tmp/killed/checkpoints/step-*/manifest.json" >/dev/null && break
+        sleep 0.1
+      done
+    fi
     d=$((tenths + RANDOM % 8))
     sleep "$((d / 10)).$((d % 10))"
     victims=$(pgrep -P "$launcher" || true)
