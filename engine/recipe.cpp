@@ -365,12 +365,14 @@ recipe load_recipe(const std::filesystem::path& path, const std::vector<std::str
   return r;
 }
 
+bool fused_attention_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
+bool cudnn_attention_head_size(int hs) { return hs > 0 && hs <= 128 && hs % 8 == 0; }
+
 std::string attention_kernel_for(const recipe& r) {
   if (r.kernels.attention != "auto") return r.kernels.attention;
   const int heads = r.model.heads, hs = heads > 0 ? r.model.width / heads : 0;
-  if (r.precision.dtype == "fp32")
-    return hs == 16 || hs == 32 || hs == 64 || hs == 128 ? "fused" : "materialized";
-  return hs > 0 && hs % 8 == 0 && hs <= 128 && cudnn_attention_usable() ? "cudnn" : "materialized";
+  if (r.precision.dtype == "fp32") return fused_attention_head_size(hs) ? "fused" : "materialized";
+  return cudnn_attention_head_size(hs) && cudnn_attention_usable() ? "cudnn" : "materialized";
 }
 
 bool splits_backward(const recipe& r) {

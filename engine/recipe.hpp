@@ -147,6 +147,9 @@ void validate_recipe(const recipe& r);
 // for a schedule that cannot be made (validate_recipe names it).
 bool splits_backward(const recipe& r);
 
+// The head sizes (width / heads) each GPU attention kernel takes; materialized takes any.
+bool fused_attention_head_size(int hs);  // 16, 32, 64, 128
+bool cudnn_attention_head_size(int hs);  // multiples of 8 up to 128
 // The attention kernel a GPU job runs: kernels.attention, with "auto" resolved by the compute
 // dtype and head size: "cudnn" in bf16 and fp16 (where cuDNN can be loaded), "fused" in fp32,
 // "materialized" for a head size neither takes (cudnn: multiples of 8 up to 128; fused: 16, 32,

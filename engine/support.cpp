@@ -4,8 +4,6 @@
 namespace troupe::engine {
 namespace {
 
-bool fused_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
-bool cudnn_head_size(int hs) { return hs > 0 && hs <= 128 && hs % 8 == 0; }
 int head_size(const job_shape& j) { return j.r->model.width / j.r->model.heads; }
 
 const std::string not_yet = "not built yet";
@@ -24,7 +22,7 @@ const std::vector<support_rule>& support_rules() {
        "yes", "no: kernels.attention = \"materialized\" takes any head size",
        [](const job_shape& j) {
          return j.r->device == "cuda" && attention_kernel_for(*j.r) == "fused" &&
-                j.r->model.heads > 0 && !fused_head_size(head_size(j));
+                j.r->model.heads > 0 && !fused_attention_head_size(head_size(j));
        },
        [](const job_shape& j) {
          return "device \"cuda\": head size " + std::to_string(head_size(j)) +
@@ -35,7 +33,7 @@ const std::vector<support_rule>& support_rules() {
        "model.heads", "yes", "no: kernels.attention = \"materialized\" takes any head size",
        [](const job_shape& j) {
          return j.r->device == "cuda" && attention_kernel_for(*j.r) == "cudnn" &&
-                j.r->model.heads > 0 && !cudnn_head_size(head_size(j));
+                j.r->model.heads > 0 && !cudnn_attention_head_size(head_size(j));
        },
        [](const job_shape& j) {
          return "device \"cuda\": head size " + std::to_string(head_size(j)) +

@@ -581,24 +581,21 @@ sdpa_plan& plan_for(const context& ctx, int B, int T_, int NH, int hs, bool back
 
 // Grows the context's workspace and scratch to what a plan needs (after the stream's work: the
 // old buffers may be in use).
+void grow(const context& ctx, void*& buffer, std::size_t& bytes, std::size_t need,
+          const char* what) {
+  if (need <= bytes) return;
+  ctx.synchronize();
+  if (buffer) cudaFree(std::exchange(buffer, nullptr));
+  bytes = 0;
+  check(cudaMalloc(&buffer, need), what);
+  bytes = need;
+}
 void reserve(const context& ctx, cudnn_state& st, std::size_t workspace, std::size_t buffers) {
-  if (workspace > st.workspace_bytes) {
-    ctx.synchronize();
-    if (st.workspace) cudaFree(std::exchange(st.workspace, nullptr));
-    st.workspace_bytes = 0;
-    check(cudaMalloc(&st.workspace, workspace), "cudaMalloc(cuDNN workspace)");
-    st.workspace_bytes = workspace;
-  }
-  if (buffers > st.buffer_bytes) {
-    ctx.synchronize();
-    if (st.buffers) cudaFree(std::exchange(st.buffers, nullptr));
-    st.buffer_bytes = 0;
-    check(cudaMalloc(&st.buffers, buffers), "cudaMalloc(cuDNN attention scratch)");
-    st.buffer_bytes = buffers;
-  }
+  grow(ctx, st.workspace, st.workspace_bytes, workspace, "cudaMalloc(cuDNN workspace)");
+  grow(ctx, st.buffers, st.buffer_bytes, buffers, "cudaMalloc(cuDNN attention scratch)");
 }
 
-void execute(const context& ctx, cudnn_state& st, sdpa_plan& plan,
+void execute(cudnn_state& st, sdpa_plan& plan,
              const std::vector<std::pair<std::int64_t, void*>>& pointers, const std::string& what) {
   std::vector<std::int64_t> uids;
   std::vector<void*> data;
@@ -613,7 +610,6 @@ void execute(const context& ctx, cudnn_state& st, sdpa_plan& plan,
            static_cast<std::int64_t>(data.size()), data.data())
       .set_ints(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, uids)
       .finalize();
-  (void)ctx;
   check_cudnn(require_cudnn().cudnnBackendExecute(st.handle, plan.plan->get(), pack.get()), what);
 }
 
@@ -638,7 +634,7 @@ void attention_cudnn_forward(const context& ctx, T* out, float* lse, const T* qk
     cudnn_state& st = cudnn_access::state(ctx);
     reserve(ctx, st, static_cast<std::size_t>(plan.workspace), 0);
     auto* base = const_cast<T*>(qkv);
-    execute(ctx, st, plan,
+    execute(st, plan,
             {{kQ, base},
              {kK, base + C},
              {kV, base + 2 * C},
@@ -700,7 +696,7 @@ void attention_cudnn_backward(const context& ctx, T* dqkv, const T* dout, const 
       pointers.push_back({kSeqLenKV, seq + one_length / 4});
       pointers.push_back({kNegInfPadding, &neg_inf_padding});
     }
-    execute(ctx, st, plan, pointers, "attention backward");
+    execute(st, plan, pointers, "attention backward");
   }
 }
 
