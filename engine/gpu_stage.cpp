@@ -362,9 +362,8 @@ struct model_impl final : gpu_stage::impl {
     cu::residual_forward(ctx, L.res2, L.res2, x, NC);
     cu::layernorm_forward(ctx, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, F(p + "ln_2.weight"),
                           F(p + "ln_2.bias"), N, C);
-    cu::linear_forward(ctx, L.fch, L.ln2, W(p + "mlp.c_fc.weight"), W(p + "mlp.c_fc.bias"), N, C,
-                       4 * Cl);
-    cu::gelu_forward(ctx, L.fch_gelu, L.fch, std::int64_t{N} * 4 * Cl);
+    cu::linear_gelu_forward(ctx, L.fch_gelu, L.fch, L.ln2, W(p + "mlp.c_fc.weight"),
+                            W(p + "mlp.c_fc.bias"), N, C, 4 * Cl);
     row_parallel(out, L.fch_gelu, p + "mlp.c_proj.", N, 4 * Cl, C);
     cu::residual_forward(ctx, out, out, L.res2, NC);
     held_slot = slot;
@@ -553,11 +552,9 @@ struct model_impl final : gpu_stage::impl {
       auto G_ = [&](const std::string& name) { return input_only ? nullptr : G(name); };
       D* dfc_ = input_only ? w.dfc : dfc;
       D* dqkv_ = input_only ? w.dqkv : dqkv;
-      zero(ctx, dfch_gelu, 4 * NCl);
-      cu::linear_backward(ctx, dfch_gelu, G_(p + "mlp.c_proj.weight"), G_(p + "mlp.c_proj.bias"),
-                          dres, L.fch_gelu, W(p + "mlp.c_proj.weight"), N, 4 * Cl, C);
-      zero(ctx, dfc_, 4 * NCl);
-      cu::gelu_backward(ctx, dfc_, L.fch, dfch_gelu, 4 * NCl);
+      cu::linear_backward_dgelu(ctx, dfc_, dfch_gelu, G_(p + "mlp.c_proj.weight"),
+                                G_(p + "mlp.c_proj.bias"), dres, L.fch_gelu, L.fch,
+                                W(p + "mlp.c_proj.weight"), N, 4 * Cl, C);
       zero(ctx, dln, NC);
       cu::linear_backward(ctx, dln, G_(p + "mlp.c_fc.weight"), G_(p + "mlp.c_fc.bias"), dfc_, L.ln2,
                           W(p + "mlp.c_fc.weight"), N, C, 4 * Cl);

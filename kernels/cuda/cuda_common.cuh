@@ -36,6 +36,25 @@ __device__ __forceinline__ fp16 from_f<fp16>(float x) {
   return __float2half(x);
 }
 
+// 16 bytes of T, loaded and stored whole (128-bit accesses: the fast kernels).
+template <class T>
+struct alignas(16) pack {
+  static constexpr int n = 16 / static_cast<int>(sizeof(T));
+  T v[n];
+};
+template <class T>
+__device__ __forceinline__ pack<T> load_pack(const T* p) {
+  pack<T> r;
+  *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(p);
+  return r;
+}
+template <class T>
+__device__ __forceinline__ void store_pack(T* p, const pack<T>& r) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(r.v);
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

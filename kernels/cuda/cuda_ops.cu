@@ -156,31 +156,74 @@ constexpr float kKappa = 0.044715f;
 // backward's e * s never turns into inf * 0 = NaN (x below about -10.1 did).
 __device__ inline float gelu_exp(float u) { return expf(fminf(fmaxf(-2.0f * u, -87.0f), 88.0f)); }
 
-template <class T>
-__global__ void gelu_forward_kernel(T* out, const T* inp, std::int64_t n) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = to_f(inp[i]);
-  const float u = kBeta * (x + kKappa * x * x * x);
-  out[i] = from_f<T>(x / (1.0f + gelu_exp(u)));
+// The elementwise ops as functions of floats, one place for the scalar and the 128-bit kernels.
+struct gelu_op {  // out = gelu(x)
+  __device__ float operator()(float x, float, float) const {
+    const float u = kBeta * (x + kKappa * x * x * x);
+    return x / (1.0f + gelu_exp(u));
+  }
+};
+struct gelu_backward_op {  // dinp += dout * gelu'(x)
+  __device__ float operator()(float dinp, float x, float dout) const {
+    const float u = kBeta * (x + kKappa * x * x * x);
+    const float e = gelu_exp(u);
+    const float s = 1.0f / (1.0f + e);
+    const float du = kBeta * (1.0f + 3.0f * kKappa * x * x);
+    return dinp + dout * (s + 2.0f * x * s * (e * s) * du);
+  }
+};
+struct gelu_grad_op {  // dout * gelu'(x): gelu_backward_op's onto 0, the same bits
+  __device__ float operator()(float x, float dout, float) const {
+    return gelu_backward_op{}(0.0f, x, dout);
+  }
+};
+struct add_op {  // out = a + b
+  __device__ float operator()(float a, float b, float) const { return a + b; }
+};
+
+// out[i] = f(a[i], b[i], c[i]) for the first `Arity` inputs (the others unread, may be null).
+// Each thread takes W consecutive elements: W = 1 (scalar accesses, any alignment) or a 16-byte
+// pack (the fast kernels: every pointer 16-byte aligned), the last pack's thread the tail.
+template <int Arity, int W, class T, class F>
+__global__ void map_kernel(T* out, const T* a, const T* b, const T* c, std::int64_t n, F f) {
+  const std::int64_t first = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * W;
+  if (first >= n) return;
+  if constexpr (W > 1) {
+    if (first + W <= n) {
+      static_assert(W == pack<T>::n);
+      pack<T> pb{}, pc{}, po;
+      const pack<T> pa = load_pack(a + first);
+      if constexpr (Arity >= 2) pb = load_pack(b + first);
+      if constexpr (Arity >= 3) pc = load_pack(c + first);
+#pragma unroll
+      for (int j = 0; j < W; ++j)
+        po.v[j] = from_f<T>(
+            f(to_f(pa.v[j]), Arity >= 2 ? to_f(pb.v[j]) : 0.0f, Arity >= 3 ? to_f(pc.v[j]) : 0.0f));
+      store_pack(out + first, po);
+      return;
+    }
+  }
+  const std::int64_t last = first + W < n ? first + W : n;
+  for (std::int64_t i = first; i < last; ++i)
+    out[i] =
+        from_f<T>(f(to_f(a[i]), Arity >= 2 ? to_f(b[i]) : 0.0f, Arity >= 3 ? to_f(c[i]) : 0.0f));
 }
 
-template <class T>
-__global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, std::int64_t n) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = to_f(inp[i]);
-  const float u = kBeta * (x + kKappa * x * x * x);
-  const float e = gelu_exp(u);
-  const float s = 1.0f / (1.0f + e);
-  const float du = kBeta * (1.0f + 3.0f * kKappa * x * x);
-  dinp[i] = from_f<T>(to_f(dinp[i]) + to_f(dout[i]) * (s + 2.0f * x * s * (e * s) * du));
-}
-
-template <class T>
-__global__ void residual_forward_kernel(T* out, const T* a, const T* b, std::int64_t n) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+// map_kernel over n elements: 16-byte packs where the context's fast kernels are on and every
+// pointer allows them.
+template <int Arity, class T, class F>
+void map(const context& ctx, T* out, const T* a, const T* b, const T* c, std::int64_t n, F f,
+         const char* name) {
+  if (n <= 0) return;  // a grid of 0 blocks is an invalid launch
+  constexpr int W = pack<T>::n;
+  if (ctx.fast_kernels() && aligned16(out) && aligned16(a) && (Arity < 2 || aligned16(b)) &&
+      (Arity < 3 || aligned16(c))) {
+    map_kernel<Arity, W, T, F>
+        <<<blocks_for((n + W - 1) / W), kThreads, 0, ctx.stream()>>>(out, a, b, c, n, f);
+  } else {
+    map_kernel<Arity, 1, T, F><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, a, b, c, n, f);
+  }
+  check_launch(name);
 }
 
 // ---- softmax + cross-entropy: one block per row ----------------------------------------------
@@ -209,6 +252,55 @@ __global__ void softmax_ce_kernel(T* dlogits, const T* logits, const std::int32_
   }
 }
 
+// The fast kernels' classifier (Vp a multiple of a 16-byte pack, rows 16-byte aligned): the row
+// read once for its maximum and sum together (each thread's running pair rescaled as its
+// maximum grows, then combined over the block), once more to write dlogits, in 16-byte packs.
+template <class T>
+__global__ void softmax_ce_vec_kernel(T* dlogits, const T* logits, const std::int32_t* targets,
+                                      float* losses, int V, int Vp, int ignore_index, float scale) {
+  constexpr int P = pack<T>::n;
+  __shared__ float shared[32];
+  const std::int64_t row = blockIdx.x;
+  const T* x = logits + row * Vp;
+  T* dx = dlogits + row * Vp;
+  const int t = targets[row];
+  const bool counted = t != ignore_index;
+  float m = -INFINITY, s = 0;
+  for (int k = threadIdx.x * P; k < V; k += blockDim.x * P) {
+    const pack<T> p = load_pack(x + k);
+    float v[P], pm = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      v[j] = k + j < V ? to_f(p.v[j]) : -INFINITY;
+      pm = fmaxf(pm, v[j]);
+    }
+    if (pm > m) {
+      s *= expf(m - pm);  // 0 while m is -inf
+      m = pm;
+    }
+#pragma unroll
+    for (int j = 0; j < P; ++j) s += expf(v[j] - m);
+  }
+  const float mx = block_reduce(m, true, shared);
+  const float sum = block_reduce(m == -INFINITY ? 0.0f : s * expf(m - mx), false, shared);
+  const float x_t = counted ? to_f(x[t]) : 0.0f;  // read before any write (dlogits may alias)
+  __syncthreads();
+  if (threadIdx.x == 0) losses[row] = counted ? mx + logf(sum) - x_t : 0.0f;
+  const float inv = 1.0f / sum;
+  for (int k = threadIdx.x * P; k < Vp; k += blockDim.x * P) {
+    pack<T> p = load_pack(x + k);
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const int col = k + j;
+      float g = 0;
+      if (counted && col < V)
+        g = (expf(to_f(p.v[j]) - mx) * inv - (col == t ? 1.0f : 0.0f)) * scale;
+      p.v[j] = from_f<T>(g);
+    }
+    store_pack(dx + k, p);
+  }
+}
+
 template <class T>
 cudaDataType_t data_type();
 template <>
@@ -233,6 +325,7 @@ struct gemm_plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool usable = true;  // false: cuBLASLt has no algorithm for this fused epilogue
   gemm_plan() = default;
   gemm_plan(const gemm_plan&) = delete;
   gemm_plan& operator=(const gemm_plan&) = delete;
@@ -244,10 +337,19 @@ struct gemm_plan {
   }
 };
 
+// What the GEMM's epilogue adds to D = alpha op(A) op(B) + beta D.
+enum class epilogue : std::int64_t {
+  none,
+  bias,           // + bias[m] per row of D
+  gelu_aux_bias,  // D = gelu(AB + bias), aux = AB + bias (the GELU's input, for backward)
+  dgelu,          // D = (AB) * gelu'(aux)
+};
+
 // The key: everything the plan depends on, including each pointer's alignment (the heuristic
-// must not pick an algorithm that needs more alignment than the pointers have) and, for a
-// strided batch, the batch count and the three strides.
-using gemm_key = std::array<std::int64_t, 18>;
+// must not pick an algorithm that needs more alignment than the pointers have), for a strided
+// batch the batch count and the three strides, and the epilogue with its aux matrix's leading
+// dimension and alignment.
+using gemm_key = std::array<std::int64_t, 20>;
 
 struct gemm_cache {
   std::map<gemm_key, std::unique_ptr<gemm_plan>> plans;
@@ -269,12 +371,16 @@ std::int64_t batch_alignment(const T* p, int batch, std::int64_t stride) {
 }
 }  // namespace
 
-// cuBLASLt column-major GEMM: D[m,n] = alpha op(A) op(B) + beta C, C = D, optional bias
-// epilogue; with batch > 1, `batch` such products, matrix i at a + i * stride_a (b, d alike).
+// cuBLASLt column-major GEMM: D[m,n] = alpha op(A) op(B) + beta C, C = D, with an epilogue;
+// with batch > 1, `batch` such products, matrix i at a + i * stride_a (b, d alike).
 struct gemm_access {
+  // False (running nothing) where cuBLASLt has no algorithm for a GELU epilogue: the caller
+  // then runs the unfused ops. Throws for the plain GEMM and the bias epilogue.
   template <class TA, class TD>
-  static void run(const context& ctx, const gemm_shape& g, const TA* a, const TA* b, TD* d,
-                  const TD* bias) {
+  static bool run(const context& ctx, const gemm_shape& g, const TA* a, const TA* b, TD* d,
+                  const TD* bias, epilogue epi = epilogue::none, TD* aux = nullptr,
+                  int aux_ld = 0) {
+    if (epi == epilogue::none && bias) epi = epilogue::bias;
     auto lt = static_cast<cublasLtHandle_t>(ctx.lt_);
     const gemm_key key{g.trans_a,
                        g.trans_b,
@@ -286,24 +392,32 @@ struct gemm_access {
                        g.ldd,
                        int(data_type<TA>()),
                        int(data_type<TD>()),
-                       bias != nullptr,
+                       static_cast<std::int64_t>(epi),
                        batch_alignment(a, g.batch, g.stride_a),
                        batch_alignment(b, g.batch, g.stride_b),
                        batch_alignment(d, g.batch, g.stride_d),
                        g.batch,
                        g.stride_a,
                        g.stride_b,
-                       g.stride_d};
+                       g.stride_d,
+                       aux_ld,
+                       aux ? alignment_of(reinterpret_cast<std::uintptr_t>(aux)) : 0};
     auto& slot = ctx.gemms_->plans[key];
-    if (!slot) slot = make_plan<TA, TD>(ctx, key, bias != nullptr);
+    if (!slot) slot = make_plan<TA, TD>(ctx, key);
     gemm_plan& plan = *slot;
+    if (!plan.usable) return false;
     if (bias)
       check(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                            sizeof bias),
             "cublasLtMatmulDescSetAttribute(BIAS_POINTER)");
+    if (aux)
+      check(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                           sizeof aux),
+            "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)");
     check(cublasLtMatmul(lt, plan.op, &g.alpha, a, plan.la, b, plan.lb, &g.beta, d, plan.ld, d,
                          plan.ld, &plan.algo, ctx.workspace_, ctx.workspace_bytes_, ctx.stream_),
           "cublasLtMatmul");
+    return true;
   }
 
  private:
@@ -319,10 +433,11 @@ struct gemm_access {
   }
 
   template <class TA, class TD>
-  static std::unique_ptr<gemm_plan> make_plan(const context& ctx, const gemm_key& key, bool bias) {
+  static std::unique_ptr<gemm_plan> make_plan(const context& ctx, const gemm_key& key) {
     const bool trans_a = key[0] != 0, trans_b = key[1] != 0;
     const auto m = static_cast<std::uint64_t>(key[2]), n = static_cast<std::uint64_t>(key[3]),
                k = static_cast<std::uint64_t>(key[4]);
+    const auto epi = static_cast<epilogue>(key[10]);
     auto plan = std::make_unique<gemm_plan>();
     cublasLtMatmulPreference_t pref = nullptr;
     try {
@@ -334,11 +449,19 @@ struct gemm_access {
             "cublasLtMatmulDescSetAttribute(TRANSA)");
       check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
             "cublasLtMatmulDescSetAttribute(TRANSB)");
-      if (bias) {
-        const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-        check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
-                                             sizeof epi),
+      if (epi != epilogue::none) {
+        const cublasLtEpilogue_t e = epi == epilogue::bias ? CUBLASLT_EPILOGUE_BIAS
+                                     : epi == epilogue::gelu_aux_bias
+                                         ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                         : CUBLASLT_EPILOGUE_DGELU;
+        check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e),
               "cublasLtMatmulDescSetAttribute(EPILOGUE)");
+      }
+      if (epi == epilogue::gelu_aux_bias || epi == epilogue::dgelu) {
+        const std::int64_t aux_ld = key[18];
+        check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                             &aux_ld, sizeof aux_ld),
+              "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD)");
       }
       check(cublasLtMatrixLayoutCreate(&plan->la, data_type<TA>(), trans_a ? k : m, trans_a ? m : k,
                                        key[5]),
@@ -356,9 +479,11 @@ struct gemm_access {
           cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                &ctx.workspace_bytes_, sizeof ctx.workspace_bytes_),
           "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)");
+      // The aux matrix's alignment bounds D's: the heuristic knows only D's.
+      const auto d_align = key[19] ? std::min(key[13], key[19]) : key[13];
       const std::uint32_t align[] = {static_cast<std::uint32_t>(key[11]),
                                      static_cast<std::uint32_t>(key[12]),
-                                     static_cast<std::uint32_t>(key[13])};
+                                     static_cast<std::uint32_t>(d_align)};
       const cublasLtMatmulPreferenceAttributes_t which[] = {
           CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
           CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -368,15 +493,20 @@ struct gemm_access {
               "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)");
       cublasLtMatmulHeuristicResult_t heuristic{};
       int found = 0;
-      check(
+      const cublasStatus_t asked =
           cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(ctx.lt_), plan->op, plan->la,
-                                         plan->lb, plan->ld, plan->ld, pref, 1, &heuristic, &found),
-          "cublasLtMatmulAlgoGetHeuristic");
-      if (found == 0)
-        throw cuda_error("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(m) +
-                         " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                         " batch=" + std::to_string(key[14]));
-      plan->algo = heuristic.algo;
+                                         plan->lb, plan->ld, plan->ld, pref, 1, &heuristic, &found);
+      const bool fused = epi == epilogue::gelu_aux_bias || epi == epilogue::dgelu;
+      if (fused && (asked != CUBLAS_STATUS_SUCCESS || found == 0)) {
+        plan->usable = false;  // the caller runs the unfused ops
+      } else {
+        check(asked, "cublasLtMatmulAlgoGetHeuristic");
+        if (found == 0)
+          throw cuda_error("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" +
+                           std::to_string(m) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + " batch=" + std::to_string(key[14]));
+        plan->algo = heuristic.algo;
+      }
     } catch (...) {
       if (pref) cublasLtMatmulPreferenceDestroy(pref);
       throw;
@@ -481,28 +611,73 @@ void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, 
   if (dbias) column_sums<T, false>(ctx, nullptr, dbias, dout, dout, nullptr, nullptr, N, OC);
 }
 
+// The GELU epilogues and the one-read classifier: the fast kernels in bf16 and fp16. fp32 keeps
+// the reference arithmetic (the GELU of cuda_ops' kernels, the classifier's division), so an
+// fp32 run with the fast kernels stays within the CPU's rounding.
+namespace {
+template <class T>
+bool fused_classifier_and_gelu(const context& ctx) {
+  return !std::is_same_v<T, float> && ctx.fast_kernels();
+}
+}  // namespace
+
+template <class T>
+void linear_gelu_forward(const context& ctx, T* out, T* pre, const T* inp, const T* weight,
+                         const T* bias, int N, int C, int OC) {
+  {
+    const timed_op timing(ctx, op_family::linear_forward);
+    if (fused_classifier_and_gelu<T>(ctx) &&
+        gemm_access::run<T, T>(ctx, {true, false, OC, N, C, C, C, OC}, weight, inp, out, bias,
+                               epilogue::gelu_aux_bias, pre, OC))
+      return;
+  }
+  linear_forward(ctx, pre, inp, weight, bias, N, C, OC);
+  gelu_forward(ctx, out, static_cast<const T*>(pre), std::int64_t{N} * OC);
+}
+
+template <class T>
+void linear_backward_dgelu(const context& ctx, T* dpre, T* dact, float* dweight, float* dbias,
+                           const T* dout, const T* act, const T* pre, const T* weight, int N, int C,
+                           int OC) {
+  {
+    const timed_op timing(ctx, op_family::linear_backward);
+    // dpre^T[C,N] = W^T[C,OC] dout^T[OC,N], times gelu'(pre) in the epilogue (pre as D is laid).
+    const bool fused =
+        fused_classifier_and_gelu<T>(ctx) &&
+        gemm_access::run<T, T>(ctx, {false, false, C, N, OC, C, OC, C, 1.0f, 0.0f}, weight, dout,
+                               dpre, nullptr, epilogue::dgelu, const_cast<T*>(pre), C);
+    if (!fused)
+      gemm_access::run<T, T>(ctx, {false, false, C, N, OC, C, OC, C, 1.0f, 0.0f}, weight, dout,
+                             dact, nullptr);
+    if (dweight)
+      gemm_access::run<T, float>(ctx, {false, true, C, OC, N, C, OC, C, 1.0f, 1.0f}, act, dout,
+                                 dweight, nullptr);
+    if (dbias) column_sums<T, false>(ctx, nullptr, dbias, dout, dout, nullptr, nullptr, N, OC);
+    if (fused) return;
+  }
+  const timed_op timing(ctx, op_family::elementwise);
+  map<2>(ctx, dpre, pre, static_cast<const T*>(dact), static_cast<const T*>(nullptr),
+         std::int64_t{N} * C, gelu_grad_op{}, "gelu_backward_kernel");
+}
+
 template <class T>
 void gelu_forward(const context& ctx, T* out, const T* inp, std::int64_t n) {
   const timed_op timing(ctx, op_family::elementwise);
-  if (n <= 0) return;
-  gelu_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, inp, n);
-  check_launch("gelu_forward_kernel");
+  map<1>(ctx, out, inp, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), n,
+         gelu_op{}, "gelu_forward_kernel");
 }
 
 template <class T>
 void gelu_backward(const context& ctx, T* dinp, const T* inp, const T* dout, std::int64_t n) {
   const timed_op timing(ctx, op_family::elementwise);
-  if (n <= 0) return;
-  gelu_backward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(dinp, inp, dout, n);
-  check_launch("gelu_backward_kernel");
+  map<3>(ctx, dinp, static_cast<const T*>(dinp), inp, dout, n, gelu_backward_op{},
+         "gelu_backward_kernel");
 }
 
 template <class T>
 void residual_forward(const context& ctx, T* out, const T* a, const T* b, std::int64_t n) {
   const timed_op timing(ctx, op_family::elementwise);
-  if (n <= 0) return;
-  residual_forward_kernel<T><<<blocks_for(n), kThreads, 0, ctx.stream()>>>(out, a, b, n);
-  check_launch("residual_forward_kernel");
+  map<2>(ctx, out, a, b, static_cast<const T*>(nullptr), n, add_op{}, "residual_forward_kernel");
 }
 
 template <class T>
@@ -515,9 +690,16 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
   r.count = count;
   if (N <= 0) return r;
   const float scale = count > 0 ? grad_scale / static_cast<float>(count) : 0.0f;
-  softmax_ce_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
-      dlogits, logits, targets, losses, V, Vp, ignore_index, scale);
-  check_launch("softmax_ce_kernel");
+  if (fused_classifier_and_gelu<T>(ctx) && Vp % pack<T>::n == 0 && aligned16(dlogits) &&
+      aligned16(logits)) {
+    softmax_ce_vec_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
+        dlogits, logits, targets, losses, V, Vp, ignore_index, scale);
+    check_launch("softmax_ce_vec_kernel");
+  } else {
+    softmax_ce_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
+        dlogits, logits, targets, losses, V, Vp, ignore_index, scale);
+    check_launch("softmax_ce_kernel");
+  }
   r.loss_sum = host_row_sum(ctx, losses, N);
   return r;
 }
@@ -531,6 +713,10 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
                                   int);                                                            \
   template void linear_backward<T>(const context&, T*, float*, float*, const T*, const T*,         \
                                    const T*, int, int, int);                                       \
+  template void linear_gelu_forward<T>(const context&, T*, T*, const T*, const T*, const T*, int,  \
+                                       int, int);                                                  \
+  template void linear_backward_dgelu<T>(const context&, T*, T*, float*, float*, const T*,         \
+                                         const T*, const T*, const T*, int, int, int);             \
   template void gelu_forward<T>(const context&, T*, const T*, std::int64_t);                       \
   template void gelu_backward<T>(const context&, T*, const T*, const T*, std::int64_t);            \
   template void residual_forward<T>(const context&, T*, const T*, const T*, std::int64_t);         \

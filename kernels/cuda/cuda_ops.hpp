@@ -126,6 +126,22 @@ template <class T>
 void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
                      const T* inp, const T* weight, int N, int C, int OC);
 
+// The MLP's first linear and its GELU: out[N,OC] = gelu(inp weight^T + bias), pre[N,OC] = inp
+// weight^T + bias (the GELU's input, kept for backward). With the fast kernels one GEMM
+// (cuBLASLt's GELU_AUX_BIAS epilogue) where cuBLASLt has an algorithm for the shape; else
+// linear_forward into pre, then gelu_forward.
+template <class T>
+void linear_gelu_forward(const context& ctx, T* out, T* pre, const T* inp, const T* weight,
+                         const T* bias, int N, int C, int OC);
+// The backward of a linear whose input was act = gelu(pre): dpre[N,C] = (dout[N,OC] weight) *
+// gelu'(pre), OVERWRITTEN; dweight and dbias accumulate as linear_backward's (from act). With the
+// fast kernels dpre is one GEMM (cuBLASLt's DGELU epilogue) where cuBLASLt has an algorithm for
+// the shape; else the GEMM into dact (scratch [N,C], overwritten), then the GELU's gradient.
+template <class T>
+void linear_backward_dgelu(const context& ctx, T* dpre, T* dact, float* dweight, float* dbias,
+                           const T* dout, const T* act, const T* pre, const T* weight, int N, int C,
+                           int OC);
+
 // ---- GELU (tanh approximation) and residual ----------------------------------------------------
 template <class T>
 void gelu_forward(const context& ctx, T* out, const T* inp, std::int64_t n);

@@ -18,23 +18,6 @@ namespace {
 
 constexpr int kMaxVectorsPerLane = 8;
 
-// 16 bytes of T, loaded and stored whole.
-template <class T>
-struct alignas(16) pack {
-  static constexpr int n = 16 / static_cast<int>(sizeof(T));
-  T v[n];
-};
-template <class T>
-__device__ __forceinline__ pack<T> load_pack(const T* p) {
-  pack<T> r;
-  *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(p);
-  return r;
-}
-template <class T>
-__device__ __forceinline__ void store_pack(T* p, const pack<T>& r) {
-  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(r.v);
-}
-
 template <class T, int VPL>
 __global__ void layernorm_forward_vec_kernel(T* out, float* mean, float* rstd, const T* inp,
                                              const float* w, const float* b, int N, int C) {
@@ -141,8 +124,6 @@ bool with_vectors_per_lane(int vpl, F&& f) {
       return false;
   }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 

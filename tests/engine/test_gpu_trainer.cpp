@@ -232,6 +232,10 @@ TEST_CASE("GPT-2 on the GPU with cuDNN attention trains as the CPU engine does",
   SECTION("bf16, fast kernels") {
     compare(compute_dtype::bf16, 2e-2, 5e-2, {1e-2, 1.0, 0.1}, 1.0f, attention_kernel::cudnn, true);
   }
+  SECTION("fp16 with a loss scale, fast kernels") {
+    compare(compute_dtype::fp16, 1e-2, 3e-2, {5e-3, 1.0, 0.03}, 1024.0f, attention_kernel::cudnn,
+            true);
+  }
 }
 
 // The fast kernels with either attention kernel. The test model's width (64) is narrower than

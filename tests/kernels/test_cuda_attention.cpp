@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -295,4 +297,50 @@ TEMPLATE_TEST_CASE("convert rounds fp32 master weights to the working dtype", "[
   cu::convert(ctx, gy.get(), gx.get(), static_cast<std::int64_t>(x.size()));
   ctx.synchronize();
   CHECK(gy.host() == rounded<TestType>(x));
+}
+
+// Dynamic loss scaling learns of an overflow from non-finite gradients: an fp16 backward whose
+// true gradient exceeds fp16's range must give inf or NaN, never values clamped to 65504. dout
+// (finite in fp16 either way) scaled by 2^14 gives gradients in range (about 2.5 x 2^14 at most),
+// by 2^15 gradients beyond it.
+TEST_CASE("an fp16 attention backward beyond fp16's range is non-finite, not saturated", "[gpu]") {
+  const int B = 2, Tn = 128, NH = 4, hs = 64, C = NH * hs;
+  const auto n = static_cast<std::size_t>(B) * Tn;
+  const auto qkv = rounded<fp16>(random_values(n * 3 * C, 81, -2, 2));
+  const auto dout1 = random_values(n * C, 82);
+  for (const float scale : {16384.0f, 32768.0f}) {
+    std::vector<float> dout(dout1.size());
+    for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = dout1[i] * scale;
+    dout = rounded<fp16>(dout);
+    REQUIRE(std::all_of(dout.begin(), dout.end(), [](float v) { return std::isfinite(v); }));
+    std::vector<float> out(n * C), att(static_cast<std::size_t>(B) * NH * Tn * Tn),
+        dqkv(n * 3 * C, 0.0f);
+    cpu::attention_forward(out.data(), att.data(), qkv.data(), B, Tn, C, NH);
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, Tn, C, NH);
+    const bool in_range =
+        std::all_of(dqkv.begin(), dqkv.end(), [](float v) { return std::abs(v) <= 65504.0f; });
+    CHECK(in_range == (scale < 32768.0f));
+    const auto non_finite = [](const std::vector<float>& v) {
+      return std::count_if(v.begin(), v.end(), [](float x) { return !std::isfinite(x); });
+    };
+    cu::context ctx;
+    device_array<fp16> gqkv(qkv), gdout(dout), gout(n * C), gdqkv(n * 3 * C), fout(n * C),
+        fdqkv(std::vector<float>(n * 3 * C, 0.0f));
+    device_array<float> glse(static_cast<std::size_t>(B) * NH * Tn),
+        flse(static_cast<std::size_t>(B) * NH * Tn),
+        scratch(static_cast<std::size_t>(cu::attention_scratch_floats(B, Tn, NH)));
+    std::string why;
+    if (cu::cudnn_attention_available(&why)) {
+      cu::attention_cudnn_forward(ctx, gout.get(), glse.get(), gqkv.get(), B, Tn, C, NH);
+      cu::attention_cudnn_backward(ctx, gdqkv.get(), gdout.get(), gqkv.get(), gout.get(),
+                                   glse.get(), B, Tn, C, NH);
+    }
+    cu::attention_forward(ctx, fout.get(), flse.get(), gqkv.get(), B, Tn, C, NH);
+    cu::attention_backward(ctx, fdqkv.get(), gdout.get(), gqkv.get(), fout.get(), flse.get(),
+                           scratch.get(), B, Tn, C, NH);
+    ctx.synchronize();
+    INFO("dout scaled by " << scale << (why.empty() ? "" : "; cuDNN: " + why));
+    if (why.empty()) CHECK((non_finite(gdqkv.host()) > 0) == !in_range);
+    CHECK((non_finite(fdqkv.host()) > 0) == !in_range);
+  }
 }

@@ -96,41 +96,117 @@ TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[g
   check_close<TestType>(gdw.host(), dw, "dweight accumulated", 1e-5);
 }
 
-TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu]", float, bf16,
+// The MLP's linear + GELU and its backward against the CPU's ops one after another: the
+// unfused ops, and with the fast kernels cuBLASLt's GELU_AUX_BIAS and DGELU epilogues (or the
+// unfused ops where cuBLASLt has no algorithm for a shape: width 100). Outputs poisoned; dpre
+// overwritten, the weight and bias gradients accumulated.
+TEMPLATE_TEST_CASE("linear + GELU on the GPU matches the CPU reference", "[gpu]", float, bf16,
                    fp16) {
-  const std::int64_t n = 100003;
-  auto x = random_values(static_cast<std::size_t>(n), 9, -4, 4);
-  // Far tails too: exp(-2u) overflowed to inf below x = -10.1 and the backward gave NaN.
-  for (float v : {-12.0f, -30.0f, -200.0f, 12.0f, 30.0f, 200.0f}) x.push_back(v);
-  x = rounded<TestType>(x);
-  x.resize(static_cast<std::size_t>(n));
-  std::copy(x.end() - 6, x.end(), x.begin());
-  const auto y2 = rounded<TestType>(random_values(static_cast<std::size_t>(n), 10));
-  const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(n), 11));
-  std::vector<float> y(static_cast<std::size_t>(n)), dx(static_cast<std::size_t>(n), 0.5f),
-      r(static_cast<std::size_t>(n));
-  cpu::gelu_forward(y.data(), x.data(), n);
-  cpu::gelu_backward(dx.data(), x.data(), dy.data(), n);
-  cpu::residual_forward(r.data(), x.data(), y2.data(), n);
-  cu::context ctx;
-  device_array<TestType> gx(x), gy(static_cast<std::size_t>(n)), gdy(dy),
-      gdx(std::vector<float>(static_cast<std::size_t>(n), 0.5f)), g2(y2),
-      gr(static_cast<std::size_t>(n));
-  cu::gelu_forward(ctx, gy.get(), gx.get(), n);
-  cu::gelu_backward(ctx, gdx.get(), gx.get(), gdy.get(), n);
-  cu::residual_forward(ctx, gr.get(), gx.get(), g2.get(), n);
-  ctx.synchronize();
-  check_close<TestType>(gy.host(), y, "gelu");
-  check_close<TestType>(gdx.host(), dx, "gelu backward (accumulated onto 0.5)");
-  check_close<TestType>(gr.host(), r, "residual");
-  for (float v : gdx.host()) REQUIRE(std::isfinite(v));
-  // Empty inputs launch nothing (a grid of 0 blocks would be an invalid launch).
-  cu::gelu_forward(ctx, gy.get(), gx.get(), 0);
-  cu::gelu_backward(ctx, gdx.get(), gx.get(), gdy.get(), 0);
-  cu::residual_forward(ctx, gr.get(), gx.get(), g2.get(), 0);
-  ctx.synchronize();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const bool fast : {false, true})
+    for (const int OC : {160, 100}) {
+      INFO((fast ? "fast kernels" : "unfused") << ", OC " << OC);
+      const int N = 64, C = 96;
+      const auto n_out = static_cast<std::size_t>(N) * OC;
+      // Forward: x[N,C] -> pre, out[N,OC].
+      const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 21));
+      const auto w = rounded<TestType>(random_values(std::size_t(OC) * C, 22, -0.3f, 0.3f));
+      const auto b = rounded<TestType>(random_values(OC, 23));
+      std::vector<float> pre(n_out), out(n_out);
+      cpu::linear_forward(pre.data(), x.data(), w.data(), b.data(), N, C, OC);
+      cpu::gelu_forward(out.data(), pre.data(), static_cast<std::int64_t>(n_out));
+      cu::context ctx;
+      ctx.set_fast_kernels(fast);
+      device_array<TestType> gx(x), gw(w), gb(b), gpre(std::vector<float>(n_out, nan)),
+          gout(std::vector<float>(n_out, nan));
+      cu::linear_gelu_forward(ctx, gout.get(), gpre.get(), gx.get(), gw.get(), gb.get(), N, C, OC);
+      ctx.synchronize();
+      check_close<TestType>(gpre.host(), pre, "pre", 1e-5);
+      check_close<TestType>(gout.host(), out, "gelu(pre)", 1e-5);
+      // Backward of the next linear act[N,OC] -> y[N,C2], act = gelu(pre2): dpre2[N,OC].
+      const int C2 = 48;
+      const auto pre2 = rounded<TestType>(random_values(n_out, 24, -4, 4));
+      std::vector<float> act(n_out);
+      cpu::gelu_forward(act.data(), pre2.data(), static_cast<std::int64_t>(n_out));
+      const auto act_r = rounded<TestType>(act);
+      const auto w2 = rounded<TestType>(random_values(std::size_t(C2) * OC, 25, -0.3f, 0.3f));
+      const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C2, 26));
+      std::vector<float> dact(n_out, 0.0f), dpre(n_out, 0.0f), dw(w2.size(), 0.5f), db(C2, 0.5f);
+      cpu::linear_backward(dact.data(), dw.data(), db.data(), dy.data(), act_r.data(), w2.data(), N,
+                           OC, C2);
+      cpu::gelu_backward(dpre.data(), pre2.data(), dact.data(), static_cast<std::int64_t>(n_out));
+      device_array<TestType> gpre2(pre2), gact(act_r), gw2(w2), gdy(dy),
+          gdpre(std::vector<float>(n_out, nan)), gdact(std::vector<float>(n_out, nan));
+      device_array<float> gdw(std::vector<float>(w2.size(), 0.5f)),
+          gdb(std::vector<float>(C2, 0.5f));
+      cu::linear_backward_dgelu(ctx, gdpre.get(), gdact.get(), gdw.get(), gdb.get(), gdy.get(),
+                                gact.get(), gpre2.get(), gw2.get(), N, OC, C2);
+      ctx.synchronize();
+      check_close<TestType>(gdpre.host(), dpre, "dpre (overwritten)", 1e-5);
+      check_close<TestType>(gdw.host(), dw, "dweight (accumulated onto 0.5)", 1e-5);
+      check_close<TestType>(gdb.host(), db, "dbias (accumulated onto 0.5)", 1e-5);
+    }
 }
 
+// The scalar kernels, and the fast kernels' 16-byte packs: n no multiple of a pack (the last
+// thread takes the tail), and a view one element in (unaligned: the scalar kernel again).
+TEMPLATE_TEST_CASE("GELU and residual on the GPU match the CPU reference", "[gpu]", float, bf16,
+                   fp16) {
+  for (const bool fast : {false, true})
+    for (const std::int64_t offset : {0, 1}) {
+      INFO((fast ? "fast kernels" : "scalar kernels") << ", offset " << offset);
+      const std::int64_t n = 100003;
+      auto x = random_values(static_cast<std::size_t>(n), 9, -4, 4);
+      // Far tails too: exp(-2u) overflowed to inf below x = -10.1 and the backward gave NaN.
+      for (float v : {-12.0f, -30.0f, -200.0f, 12.0f, 30.0f, 200.0f}) x.push_back(v);
+      x = rounded<TestType>(x);
+      x.resize(static_cast<std::size_t>(n));
+      std::copy(x.end() - 6, x.end(), x.begin());
+      const auto y2 = rounded<TestType>(random_values(static_cast<std::size_t>(n), 10));
+      const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(n), 11));
+      std::vector<float> y(static_cast<std::size_t>(n)), dx(static_cast<std::size_t>(n), 0.5f),
+          r(static_cast<std::size_t>(n));
+      cpu::gelu_forward(y.data(), x.data(), n);
+      cpu::gelu_backward(dx.data(), x.data(), dy.data(), n);
+      cpu::residual_forward(r.data(), x.data(), y2.data(), n);
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      // Each array one element longer, poisoned, viewed from `offset`.
+      const auto padded = [&](const std::vector<float>& v, float fill) {
+        std::vector<float> out(v.size() + 1, fill);
+        std::copy(v.begin(), v.end(), out.begin() + offset);
+        return out;
+      };
+      const std::vector<float> poison(static_cast<std::size_t>(n), nan);
+      cu::context ctx;
+      ctx.set_fast_kernels(fast);
+      device_array<TestType> gx(padded(x, nan)), gy(padded(poison, nan)), gdy(padded(dy, nan)),
+          gdx(padded(std::vector<float>(static_cast<std::size_t>(n), 0.5f), nan)),
+          g2(padded(y2, nan)), gr(padded(poison, nan));
+      cu::gelu_forward(ctx, gy.get() + offset, gx.get() + offset, n);
+      cu::gelu_backward(ctx, gdx.get() + offset, gx.get() + offset, gdy.get() + offset, n);
+      cu::residual_forward(ctx, gr.get() + offset, gx.get() + offset, g2.get() + offset, n);
+      ctx.synchronize();
+      const auto view = [&](const std::vector<float>& v) {
+        return std::vector<float>(v.begin() + offset, v.begin() + offset + n);
+      };
+      check_close<TestType>(view(gy.host()), y, "gelu");
+      check_close<TestType>(view(gdx.host()), dx, "gelu backward (accumulated onto 0.5)");
+      check_close<TestType>(view(gr.host()), r, "residual");
+      for (float v : view(gdx.host())) REQUIRE(std::isfinite(v));
+      // Nothing written outside the view: the poison is still there.
+      const auto outside = offset == 0 ? std::size_t(n) : std::size_t{0};
+      CHECK(std::isnan(gy.host()[outside]));
+      CHECK(std::isnan(gr.host()[outside]));
+      // Empty inputs launch nothing (a grid of 0 blocks would be an invalid launch).
+      cu::gelu_forward(ctx, gy.get(), gx.get(), 0);
+      cu::gelu_backward(ctx, gdx.get(), gx.get(), gdy.get(), 0);
+      cu::residual_forward(ctx, gr.get(), gx.get(), g2.get(), 0);
+      ctx.synchronize();
+    }
+}
+
+// The scalar kernel, and the fast kernels' one (the row read once for its maximum and sum, in
+// 16-byte packs); dlogits in place of the logits, and apart, poisoned.
 TEMPLATE_TEST_CASE("fused softmax cross-entropy on the GPU matches the CPU reference", "[gpu]",
                    float, bf16, fp16) {
   const int N = 19, V = 50257, Vp = 50304, ignore = -100;
@@ -138,24 +214,32 @@ TEMPLATE_TEST_CASE("fused softmax cross-entropy on the GPU matches the CPU refer
   std::vector<std::int32_t> targets(N);
   std::mt19937 rng(13);
   for (int i = 0; i < N; ++i) targets[i] = i % 5 == 4 ? ignore : int(rng() % V);
+  targets[0] = V - 1;  // the last real column: in the last pack, beside the padding
   std::int64_t count = 0;
   for (int t : targets) count += t != ignore;
   std::vector<float> dlogits(logits.size());
   const auto want = cpu::softmax_cross_entropy_backward(dlogits.data(), logits.data(),
                                                         targets.data(), N, V, Vp, ignore, 2.0f);
-  cu::context ctx;
-  device_array<TestType> gl(logits);
-  device_array<float> glosses(static_cast<std::size_t>(N));
   std::int32_t* gt = nullptr;
   REQUIRE(cudaMalloc(reinterpret_cast<void**>(&gt), N * sizeof(std::int32_t)) == cudaSuccess);
   REQUIRE(cudaMemcpy(gt, targets.data(), N * sizeof(std::int32_t), cudaMemcpyHostToDevice) ==
           cudaSuccess);
-  const auto got = cu::softmax_cross_entropy_backward(ctx, gl.get(), gl.get(), gt, glosses.get(), N,
-                                                      V, Vp, ignore, count, 2.0f);
+  for (const bool fast : {false, true})
+    for (const bool in_place : {true, false}) {
+      INFO((fast ? "fast kernels" : "scalar kernel") << (in_place ? ", in place" : ", apart"));
+      cu::context ctx;
+      ctx.set_fast_kernels(fast);
+      device_array<TestType> gl(logits),
+          gd(std::vector<float>(logits.size(), std::numeric_limits<float>::quiet_NaN()));
+      device_array<float> glosses(static_cast<std::size_t>(N));
+      TestType* out = in_place ? gl.get() : gd.get();
+      const auto got = cu::softmax_cross_entropy_backward(ctx, out, gl.get(), gt, glosses.get(), N,
+                                                          V, Vp, ignore, count, 2.0f);
+      CHECK(got.count == want.count);
+      CHECK(std::abs(got.loss_sum - want.loss_sum) <= 1e-4 * std::abs(want.loss_sum));
+      check_close<TestType>(in_place ? gl.host() : gd.host(), dlogits, "dlogits", 1e-4);
+    }
   cudaFree(gt);
-  CHECK(got.count == want.count);
-  CHECK(std::abs(got.loss_sum - want.loss_sum) <= 1e-4 * std::abs(want.loss_sum));
-  check_close<TestType>(gl.host(), dlogits, "dlogits (in place)", 1e-4);
 }
 
 TEST_CASE("AdamW on the GPU is the CPU kernel's arithmetic, with unscaling folded in", "[gpu]") {
