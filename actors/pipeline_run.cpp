@@ -472,7 +472,6 @@ void check_job(const engine::recipe& r, const run_options& o,
   job.r = &r;
   job.processes = o.launch.world;
   job.device_chunks = r.device == "cuda" || chunks;
-  if (chunks) job.chunk_kind = chunks->name;
   engine::check_support(job);
   if (r.parallel.tp > 1 && chunks && !chunks->make_tensor_group)
     throw engine::recipe_error("key parallel.tp: tensor parallelism on " + chunks->name +

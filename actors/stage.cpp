@@ -31,6 +31,10 @@
 //      right before the tied_grad header (no data) leaves, and its own copy changes only after
 //      the send read it; the partner receives it into its chunk's gradient scratch when the
 //      header arrives and adds it once its own copy has left.
+//  D6. ZeRO-3: the shard gathers a bucket into the chunks' host copy of the parameters; the
+//      stage copies it into the chunk (rank_chunks::parameters_from_host) when zero_gathered
+//      arrives, before resuming the pass stopped for it, so the copy precedes on the chunk's
+//      stream every piece that reads it. The final weights are copied whole.
 #include "actors/stage.hpp"
 
 #include <algorithm>
@@ -170,13 +174,6 @@ class stage_impl : public stage_actor::base {
                                            {cfg_.tp_rank, cfg_.tp});
   }
 
-  // The chunks' host gpt_stage (CPU chunks: where ZeRO-3's passes stop for gathers).
-  engine::gpt_stage& host(int c) {
-    auto* st = chunks_->host_stage(c);
-    if (!st) throw std::logic_error(who() + ": ZeRO-3 needs CPU chunks");
-    return *st;
-  }
-
   void init_chunks() {
     const auto ranges = cfg_.layout.rank_chunks(cfg_.rank);
     const engine::chunk_init init = [this](engine::gpt_stage& st) {
@@ -192,9 +189,8 @@ class stage_impl : public stage_actor::base {
     };
     const engine::tensor_shard shard{cfg_.tp_rank, cfg_.tp};
     if (device()) {
-      // ZeRO-1/2: the shard actor holds the moments and updates in host memory (the chunks'
-      // host copies); ZeRO-3 needs passes that stop for gathers, which device chunks do not.
-      if (sharded_params()) throw std::logic_error(who() + ": ZeRO-3 on device chunks");
+      // ZeRO: the shard actor holds the moments and updates in host memory (the chunks' host
+      // copies); ZeRO-3 gathers there too, each bucket then copied into the chunk (D6).
       const auto& d = *cfg_.device;
       chunks_ = engine::make_device_rank_chunks(*d.factory, cfg_.model, ranges, shard, init, d.B,
                                                 d.T, d.slots, cfg_.rank, lane(), cfg_.tp_member,
@@ -282,7 +278,7 @@ class stage_impl : public stage_actor::base {
         const int c = cfg_.layout.chunk_of(a.stage);
         const auto kind = a.kind == engine::action_kind::forward ? engine::pass_kind::forward
                                                                  : engine::pass_kind::backward;
-        for (const auto& stop : engine::pass_stops(host(c), kind))
+        for (const auto& stop : engine::pass_stops(chunks_->range(c), kind))
           uses.push_back(gathers_->buckets_of(c, stop));
       }
     }
@@ -303,8 +299,18 @@ class stage_impl : public stage_actor::base {
     }
     if (!active_ || g.step != plan_.step || g.collective != plan_collective())
       throw std::logic_error("ZeRO-3: a parameter gather finished outside its plan");
-    gathers_->gathered(g.seq);
+    const int bucket = gathers_->gathered(g.seq);
+    if (device()) load_bucket(bucket);
     advance_if_waiting();
+  }
+
+  // Device chunks (D6): a gathered bucket's parameters from the host copy into the chunk, on its
+  // stream before the pieces that read them.
+  void load_bucket(int b) {
+    const auto& info = buckets_.bucket(b);
+    const float* base = chunks_->gradients(info.chunk);  // the ranges' offsets, as send_bucket's
+    for (const auto& [ptr, n] : info.ranges)
+      chunks_->parameters_from_host(info.chunk, ptr - base, n);
   }
 
   // The final weights: every bucket gathered once more, then kept (no release) for snapshots.
@@ -378,6 +384,9 @@ class stage_impl : public stage_actor::base {
   void final_gathered() {
     if (--final_pending_ > 0) return;
     consolidated_ = true;
+    if (device())  // the whole weights into the chunks, which snapshots read
+      for (int c = 0; c < chunks_->chunk_count(); ++c)
+        chunks_->parameters_from_host(c, 0, chunks_->parameter_count(c));
     for (auto& rp : snapshots_waiting_) rp.deliver(snapshot());
     snapshots_waiting_.clear();
   }
@@ -953,8 +962,9 @@ class stage_impl : public stage_actor::base {
   // buffers: device chunks load them).
   void on_zero_updated(const zero_update_done& d) {
     if (device()) {
-      for (int c = 0; c < chunks_->chunk_count(); ++c)
-        chunks_->parameters_from_host(c, 0, chunks_->parameter_count(c));
+      if (!sharded_params())  // ZeRO-3: each bucket is loaded when gathered for its next use
+        for (int c = 0; c < chunks_->chunk_count(); ++c)
+          chunks_->parameters_from_host(c, 0, chunks_->parameter_count(c));
       chunks_->zero_grad();
     } else if (!release_grads()) {
       chunks_->zero_grad();  // ZeRO-2: zeroed when taken back (next step)

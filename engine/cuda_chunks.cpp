@@ -32,23 +32,30 @@ class cuda_chunk final : public device_chunk {
   std::size_t activation_bytes() const override { return s_.activation_bytes(); }
   void* input(int slot) override { return s_.input(slot); }
   void* input_gradient(int slot) override { return s_.input_gradient(slot); }
-  double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
-                 float loss_scale, bool train) override {
+  block_pass forward_pass(int slot, int seq_len, const std::int32_t* tokens,
+                          const std::int32_t* targets, float loss_scale, bool train,
+                          double* loss) override {
     lengths_[slot] = seq_len;
-    return s_.forward(slot, tokens, targets, loss_scale, train, seq_len);
+    return s_.forward_pass(slot, tokens, targets, loss_scale, train, seq_len, loss);
   }
   const void* output(int slot) const override { return s_.output(slot); }
   void* output_gradient(int slot) override { return s_.output_gradient(slot); }
-  void backward(int slot, void* dinput, const grad_block_fn& on_block_done) override {
-    const void* d =
-        s_.backward(slot, range().head ? nullptr : s_.output_gradient(slot), on_block_done);
-    if (d && dinput && dinput != d)
-      s_.copy(dinput, d,
-              activation_bytes() / static_cast<std::size_t>(T_) *
-                  static_cast<std::size_t>(lengths_.at(slot)));
+  block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) override {
+    const void* d = nullptr;
+    block_pass inner = s_.backward_pass(slot, range().head ? nullptr : s_.output_gradient(slot),
+                                        std::move(on_block_done), &d);
+    while (const auto* stop = inner.next()) co_yield *stop;
+    copy_input_gradient(slot, dinput, d);
   }
-  void backward_input(int slot, void* dinput) override {
-    const void* d = s_.backward_input(slot, range().head ? nullptr : s_.output_gradient(slot));
+  block_pass backward_input_pass(int slot, void* dinput) override {
+    const void* d = nullptr;
+    block_pass inner =
+        s_.backward_input_pass(slot, range().head ? nullptr : s_.output_gradient(slot), &d);
+    while (const auto* stop = inner.next()) co_yield *stop;
+    copy_input_gradient(slot, dinput, d);
+  }
+  // The input's gradient where the caller wants it, if backward wrote it elsewhere.
+  void copy_input_gradient(int slot, void* dinput, const void* d) {
     if (d && dinput && dinput != d)
       s_.copy(dinput, d,
               activation_bytes() / static_cast<std::size_t>(T_) *

@@ -18,11 +18,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "engine/block_pass.hpp"
 #include "engine/gpt_model.hpp"
 #include "engine/gpu_stage.hpp"
 #include "engine/optimizer.hpp"
@@ -51,8 +53,12 @@ class device_chunk {
   // targets on the host); backward of the slot follows its length. A head chunk returns the
   // mean loss over the counted targets (and, training, seeds backward with loss_scale); other
   // chunks return NaN.
-  virtual double forward(int slot, int seq_len, const std::int32_t* tokens,
-                         const std::int32_t* targets, float loss_scale, bool train) = 0;
+  double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
+                 float loss_scale, bool train) {
+    double loss = std::numeric_limits<double>::quiet_NaN();
+    forward_pass(slot, seq_len, tokens, targets, loss_scale, train, &loss).run();
+    return loss;
+  }
   // A chunk without the head: slot's output activation, valid until slot's next forward.
   virtual const void* output(int slot) const = 0;
   // A chunk without the head: where the gradient of output(slot) is received, once output(slot)
@@ -63,12 +69,24 @@ class device_chunk {
   // on_block_done(i) (if set) runs once block i (an index into stage_grad_blocks) has this
   // micro-batch's gradient enqueued: an event recorded then marks it final on the stream, so a
   // data-parallel reduction can start on it while backward continues on earlier blocks.
-  virtual void backward(int slot, void* dinput, const grad_block_fn& on_block_done) = 0;
+  void backward(int slot, void* dinput, const grad_block_fn& on_block_done) {
+    backward_pass(slot, dinput, on_block_done).run();
+  }
   // A split backward (zero-bubble schedules): backward_input writes the input's gradient as
   // backward does (B); backward_weight then makes the weight gradients final, calling
   // on_block_done as backward does (W). Together backward's gradients.
-  virtual void backward_input(int slot, void* dinput) = 0;
+  void backward_input(int slot, void* dinput) { backward_input_pass(slot, dinput).run(); }
   virtual void backward_weight(int slot, const grad_block_fn& on_block_done) = 0;
+  // forward, backward and backward_input as passes (engine/block_pass.hpp) that stop before each
+  // piece reading parameters (pass_stops(range(), kind)), so a ZeRO-3 stage gathers the piece's
+  // blocks first (the calls above run them whole). A pass keeps its arguments; *loss
+  // (forward's return value) is written when the pass is done. backward_weight reads no
+  // parameters.
+  virtual block_pass forward_pass(int slot, int seq_len, const std::int32_t* tokens,
+                                  const std::int32_t* targets, float loss_scale, bool train,
+                                  double* loss) = 0;
+  virtual block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) = 0;
+  virtual block_pass backward_input_pass(int slot, void* dinput) = 0;
 
   virtual void zero_grad() = 0;
   virtual double grad_square_sum(bool count_tied_copy) = 0;

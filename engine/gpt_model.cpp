@@ -449,8 +449,7 @@ const float* stage_output(const gpt_activations& acts) {
   return acts.encoded_.numel() > 0 ? acts.encoded_.f32() : acts.input_;
 }
 
-std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind) {
-  const auto& r = stage.range();
+std::vector<std::vector<int>> pass_stops(const stage_range& r, pass_kind kind) {
   const int layers = r.last_layer - r.first_layer;
   const int head = r.head ? 1 : 0;
   const int embedding = head + layers;  // its index, when the stage has it

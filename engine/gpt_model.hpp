@@ -230,7 +230,10 @@ class gpt_activations {
 // gradients read no parameters, so stage_backward_weight has no stops (with checkpointing they
 // recompute the blocks, which reads their parameters: ZeRO-3 refuses that combination).
 enum class pass_kind { forward, backward };
-std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind);
+std::vector<std::vector<int>> pass_stops(const stage_range& range, pass_kind kind);
+inline std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind) {
+  return pass_stops(stage.range(), kind);
+}
 
 // Forward through the stage. First stage: tokens[B*T] (input ignored). Later stages:
 // input[B*T*C] (tokens ignored). Pointers must stay valid until backward (until

@@ -98,14 +98,17 @@ struct gpu_stage::impl {
   virtual void add_slot() = 0;  // one more slot's buffers
   virtual void* input(int slot) = 0;
   virtual void* input_gradient(int slot) = 0;
-  virtual double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                         float loss_scale, bool train, int seq_len) = 0;
+  // forward and backward as passes stopping before each piece that reads parameters
+  // (pass_stops); forward's loss (a head chunk's) and backward's input gradient come out
+  // through the last argument once the pass is done.
+  virtual block_pass forward_pass(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                                  float loss_scale, bool train, int seq_len, double* loss) = 0;
   virtual std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len) = 0;
   virtual const void* output(int slot) const = 0;
   // input_only (a split backward's B): the weight gradients of the linears and the embedding
   // are left to backward_weight (W), what they need kept in the slot.
-  virtual const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done,
-                               bool input_only) = 0;
+  virtual block_pass backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
+                                   bool input_only, const void** result) = 0;
   virtual void backward_weight(int slot, const grad_block_fn& on_block_done) = 0;
   // AdamW on every parameter; the working copy, if any, receives the new weights.
   virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
@@ -399,19 +402,25 @@ struct model_impl final : gpu_stage::impl {
     return layers() > 0 ? s.out.back() : s.input;
   }
 
-  // The embedding (a chunk with it) and the blocks of one micro-batch of seq_len into `slot`.
-  void forward_blocks(int slot, const std::int32_t* tokens, int seq_len) {
+  // The embedding (a chunk with it) and the blocks of one micro-batch of seq_len into `slot`,
+  // as a pass stopping before each piece that reads parameters (pass_stops' forward stops but
+  // the head's).
+  block_pass blocks_pass(int slot, const std::int32_t* tokens, int seq_len) {
+    const auto stops = pass_stops(range, pass_kind::forward);
+    std::size_t k = 0;
+    auto next_stop = [&] { return stops.at(k++); };
     check_slot(slot);
     if (seq_len < 1 || seq_len > T_max)
       throw std::invalid_argument("gpu_stage: a micro-batch of sequence length " +
                                   std::to_string(seq_len) + " (the chunk holds 1 to " +
                                   std::to_string(T_max) + ")");
-    T = seq_len;
     slot_state[static_cast<std::size_t>(slot)].T = seq_len;
     const int C = config.width, V = config.vocab_size;
-    const int N = B * T;
+    const int N = B * seq_len;
     auto& s = slot_state[static_cast<std::size_t>(slot)];
     if (range.embedding) {
+      co_yield next_stop();
+      T = seq_len;  // the chunk's passes run one at a time, each setting T as it goes on
       if (!tokens) throw std::invalid_argument("gpu_stage: the embedding chunk needs tokens");
       for (int i = 0; i < N; ++i) {
         if (tokens[i] < 0 || tokens[i] >= V)
@@ -432,13 +441,18 @@ struct model_impl final : gpu_stage::impl {
                               W("transformer.wpe.weight"), B, T, C);
       }
     }
-    for (int l = 0; l < layers(); ++l) block_forward(slot, l);
+    for (int l = 0; l < layers(); ++l) {
+      co_yield next_stop();
+      T = seq_len;
+      block_forward(slot, l);
+    }
   }
 
   std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len) override {
     if (!range.embedding || !range.head || split() || B != 1)
       throw std::logic_error("gpu_stage: logits for sampling need the whole model, B = 1");
-    forward_blocks(slot, tokens, seq_len);
+    blocks_pass(slot, tokens, seq_len).run();
+    T = seq_len;
     const int C = config.width, V = config.vocab_size;
     auto& s = slot_state[static_cast<std::size_t>(slot)];
     const D* x = (layers() > 0 ? s.out.back() : s.input) + std::int64_t{T - 1} * C;
@@ -455,10 +469,23 @@ struct model_impl final : gpu_stage::impl {
     return out;
   }
 
-  double forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
-                 float loss_scale, bool train, int seq_len) override {
-    forward_blocks(slot, tokens, seq_len);
-    if (!range.head) return std::numeric_limits<double>::quiet_NaN();
+  block_pass forward_pass(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                          float loss_scale, bool train, int seq_len, double* loss) override {
+    block_pass blocks = blocks_pass(slot, tokens, seq_len);
+    while (const auto* stop = blocks.next()) co_yield *stop;
+    if (!range.head) {
+      if (loss) *loss = std::numeric_limits<double>::quiet_NaN();
+      co_return;
+    }
+    co_yield pass_stops(range, pass_kind::forward).back();
+    T = seq_len;
+    const double l = head_forward(slot, targets, loss_scale, train);
+    if (loss) *loss = l;
+  }
+
+  // ln_f, the logits and the loss of slot's micro-batch (its blocks' output in place), and
+  // when training the head's backward up to ln_f's output.
+  double head_forward(int slot, const std::int32_t* targets, float loss_scale, bool train) {
     const int C = config.width, V = config.vocab_size, Vp = config.padded_vocab_size;
     const int N = B * T;
     auto& s = slot_state[static_cast<std::size_t>(slot)];
@@ -505,8 +532,12 @@ struct model_impl final : gpu_stage::impl {
                                                      losses, N, v, ignore_index, count, loss_scale);
   }
 
-  const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done,
-                       bool input_only) override {
+  block_pass backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
+                           bool input_only, const void** result) override {
+    const auto stops = pass_stops(range, pass_kind::backward);
+    std::size_t k = 0;
+    auto next_stop = [&] { return stops.at(k++); };
+    if (result) *result = nullptr;
     if (input_only && !split_backward)
       throw std::logic_error("gpu_stage: a split backward in a chunk made without split_backward");
     // stage_grad_blocks' order: the head, the layers from last to first, the embedding. A split
@@ -526,6 +557,8 @@ struct model_impl final : gpu_stage::impl {
     D* dres = da;  // the gradient of the current block's output, then of its input
     D* dmid = db;  // the gradient of res2
     if (range.head) {
+      co_yield next_stop();
+      T = s.T;
       zero(ctx, dres, NC);
       const D* x = layers() > 0 ? s.out.back() : s.input;
       cu::layernorm_backward(ctx, dres, G("transformer.ln_f.weight"), G("transformer.ln_f.bias"),
@@ -536,6 +569,8 @@ struct model_impl final : gpu_stage::impl {
       copy(ctx, dres, static_cast<const D*>(doutput), NC);
     }
     for (int l = layers() - 1; l >= 0; --l) {
+      co_yield next_stop();
+      T = s.T;
       // The block's internals: its own (no recompute), or the shared ones, recomputed unless
       // they still hold this block of this slot (the last block right after its forward).
       if (recompute && (held_slot != slot || held_layer != l)) block_forward(slot, l);
@@ -585,14 +620,16 @@ struct model_impl final : gpu_stage::impl {
                              F(p + "ln_1.weight"), L.ln1_mean, L.ln1_rstd, N, C);
       done();
     }
-    if (!range.embedding) return dres;
+    if (!range.embedding) {
+      if (result) *result = dres;
+      co_return;
+    }
     if (input_only) {  // the embedding's weight gradients are W's
       copy(ctx, s.demb, dres, NC);
-      return nullptr;
+      co_return;
     }
     embedding_backward(s, dres);
     done();
-    return nullptr;
   }
 
   void embedding_backward(const slot_buffers& s, const D* dout) {
@@ -783,11 +820,37 @@ void* gpu_stage::input_gradient(int slot) {
   device_guard g(impl_->device);
   return impl_->input_gradient(slot);
 }
+// Each piece of an impl pass runs with the chunk's device current (the caller's restored at
+// each stop: other chunks may run on other devices between the pieces).
+block_pass gpu_stage::on_device(block_pass inner) {
+  for (;;) {
+    const std::vector<int>* stop = nullptr;
+    {
+      device_guard g(impl_->device);
+      stop = inner.next();
+    }
+    if (!stop) co_return;
+    co_yield *stop;
+  }
+}
+block_pass gpu_stage::forward_pass(int slot, const std::int32_t* tokens,
+                                   const std::int32_t* targets, float loss_scale, bool train,
+                                   int seq_len, double* loss) {
+  return on_device(impl_->forward_pass(slot, tokens, targets, loss_scale, train,
+                                       seq_len > 0 ? seq_len : impl_->T_max, loss));
+}
+block_pass gpu_stage::backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
+                                    const void** dinput) {
+  return on_device(impl_->backward_pass(slot, doutput, std::move(on_block_done), false, dinput));
+}
+block_pass gpu_stage::backward_input_pass(int slot, const void* doutput, const void** dinput) {
+  return on_device(impl_->backward_pass(slot, doutput, {}, true, dinput));
+}
 double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                           float loss_scale, bool train, int seq_len) {
-  device_guard g(impl_->device);
-  return impl_->forward(slot, tokens, targets, loss_scale, train,
-                        seq_len > 0 ? seq_len : impl_->T_max);
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  forward_pass(slot, tokens, targets, loss_scale, train, seq_len, &loss).run();
+  return loss;
 }
 std::vector<float> gpu_stage::last_logits(int slot, const std::int32_t* tokens, int seq_len) {
   device_guard g(impl_->device);
@@ -795,12 +858,14 @@ std::vector<float> gpu_stage::last_logits(int slot, const std::int32_t* tokens, 
 }
 const void* gpu_stage::output(int slot) const { return impl_->output(slot); }
 const void* gpu_stage::backward(int slot, const void* doutput, const grad_block_fn& on_block_done) {
-  device_guard g(impl_->device);
-  return impl_->backward(slot, doutput, on_block_done, false);
+  const void* dinput = nullptr;
+  backward_pass(slot, doutput, on_block_done, &dinput).run();
+  return dinput;
 }
 const void* gpu_stage::backward_input(int slot, const void* doutput) {
-  device_guard g(impl_->device);
-  return impl_->backward(slot, doutput, {}, true);
+  const void* dinput = nullptr;
+  backward_input_pass(slot, doutput, &dinput).run();
+  return dinput;
 }
 void gpu_stage::backward_weight(int slot, const grad_block_fn& on_block_done) {
   device_guard g(impl_->device);

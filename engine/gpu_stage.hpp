@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/block_pass.hpp"
 #include "engine/gpt_model.hpp"
 #include "engine/optimizer.hpp"
 
@@ -171,6 +172,16 @@ class gpu_stage {
   // its last position, vocab_size values (the padded rows left out) copied to the host as fp32.
   // Throws std::logic_error for another chunk.
   std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len);
+  // forward, backward and backward_input as passes (engine/block_pass.hpp) that stop before
+  // each piece reading parameters (pass_stops(range(), kind)): ZeRO-3 gathers the piece's
+  // blocks first. Each piece runs with the chunk's device current. The pass keeps its
+  // arguments; `loss` (forward's return value) and `dinput` (backward's) are written when the
+  // pass is done and must stay valid until then.
+  block_pass forward_pass(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+                          float loss_scale, bool train, int seq_len, double* loss);
+  block_pass backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
+                           const void** dinput);
+  block_pass backward_input_pass(int slot, const void* doutput, const void** dinput);
   // A chunk without the embedding: where the gradient of input(slot) goes (input(slot) itself,
   // or, for a split backward, a buffer of its own: W reads the input after B).
   void* input_gradient(int slot);
@@ -256,6 +267,7 @@ class gpu_stage {
   struct impl;
 
  private:
+  block_pass on_device(block_pass inner);
   std::unique_ptr<impl> impl_;
 };
 

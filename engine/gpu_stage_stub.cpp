@@ -55,6 +55,13 @@ double gpu_stage::forward(int, const std::int32_t*, const std::int32_t*, float, 
   return 0;
 }
 std::vector<float> gpu_stage::last_logits(int, const std::int32_t*, int) { return {}; }
+block_pass gpu_stage::forward_pass(int, const std::int32_t*, const std::int32_t*, float, bool, int,
+                                   double*) {
+  return {};
+}
+block_pass gpu_stage::backward_pass(int, const void*, grad_block_fn, const void**) { return {}; }
+block_pass gpu_stage::backward_input_pass(int, const void*, const void**) { return {}; }
+block_pass gpu_stage::on_device(block_pass inner) { return inner; }
 const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*, const grad_block_fn&) { return nullptr; }
 const void* gpu_stage::backward_input(int, const void*) { return nullptr; }

@@ -53,8 +53,9 @@ class host_chunk final : public device_chunk {
     if (range().embedding) throw std::logic_error("host_chunk: the embedding chunk takes tokens");
     return at(slot).dinput.data();
   }
-  double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
-                 float loss_scale, bool train) override {
+  block_pass forward_pass(int slot, int seq_len, const std::int32_t* tokens,
+                          const std::int32_t* targets, float loss_scale, bool train,
+                          double* loss) override {
     auto& s = at(slot);
     if (seq_len < 1 || seq_len > T_)
       throw std::invalid_argument("host_chunk: a micro-batch of sequence length " +
@@ -74,26 +75,30 @@ class host_chunk final : public device_chunk {
     args.targets = range().head ? s.targets.data() : nullptr;
     args.loss_scale = loss_scale;
     args.train = train;
-    compute_.forward(0, id(slot), std::move(args)).run();
+    block_pass inner = compute_.forward(0, id(slot), std::move(args));
     s.live = true;
-    return range().head ? compute_.loss(0, id(slot)) : std::numeric_limits<double>::quiet_NaN();
+    while (const auto* stop = inner.next()) co_yield *stop;
+    if (loss)
+      *loss = range().head ? compute_.loss(0, id(slot)) : std::numeric_limits<double>::quiet_NaN();
   }
   const void* output(int slot) const override { return compute_.output(0, id(slot)); }
   void* output_gradient(int slot) override {
     if (range().head) throw std::logic_error("host_chunk: a head chunk has no output gradient");
     return at(slot).doutput.data();
   }
-  void backward(int slot, void* dinput, const grad_block_fn& on_block_done) override {
-    input_pass(slot, dinput, [&](const float* dout, float* din) {
-      compute_.backward(0, id(slot), dout, din, on_block_done).run();
-    });
+  block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) override {
+    const auto [dout, din] = input_pass(slot, dinput);
+    block_pass inner = compute_.backward(0, id(slot), dout, din, std::move(on_block_done));
+    while (const auto* stop = inner.next()) co_yield *stop;
+    finish_input_pass(slot, dinput, din);
     compute_.release(0, id(slot));
     at(slot).live = false;
   }
-  void backward_input(int slot, void* dinput) override {
-    input_pass(slot, dinput, [&](const float* dout, float* din) {
-      compute_.backward_input(0, id(slot), dout, din).run();
-    });
+  block_pass backward_input_pass(int slot, void* dinput) override {
+    const auto [dout, din] = input_pass(slot, dinput);
+    block_pass inner = compute_.backward_input(0, id(slot), dout, din);
+    while (const auto* stop = inner.next()) co_yield *stop;
+    finish_input_pass(slot, dinput, din);
   }
   void backward_weight(int slot, const grad_block_fn& on_block_done) override {
     auto& s = at(slot);
@@ -183,10 +188,10 @@ class host_chunk final : public device_chunk {
       throw std::out_of_range("host_chunk: gradients outside the layout");
     return compute_.chunk(0).grads() + at;
   }
-  // Runs a backward pass of slot's micro-batch, pass(doutput, dinput), writing the input's
-  // gradient to `dinput`: through a scratch when that is input(slot), which the pass reads.
-  template <class Pass>
-  void input_pass(int slot, void* dinput, Pass&& pass) {
+  // A backward pass of slot's micro-batch reads doutput and writes the input's gradient to
+  // din: `dinput`, or a scratch when that is input(slot), which the pass reads (copied to
+  // dinput by finish_input_pass once the pass is done).
+  std::pair<const float*, float*> input_pass(int slot, void* dinput) {
     auto& s = at(slot);
     if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
     const float* dout = range().head ? nullptr : s.doutput.data();
@@ -195,9 +200,11 @@ class host_chunk final : public device_chunk {
       scratch_.resize(activation_bytes() / sizeof(float));
       din = scratch_.data();
     }
-    pass(dout, din);
+    return {dout, din};
+  }
+  void finish_input_pass(int slot, void* dinput, float* din) {
     if (din && din != dinput)
-      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
+      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(at(slot).T));
   }
 
   mutable stage_compute compute_;

@@ -390,22 +390,22 @@ class device_rank_chunks final : public rank_chunks {
     return it->second;
   }
 
-  // The device chunk runs a pass whole: one piece, no stops.
+  // The device chunk's passes, with their stops (args kept here until the pass is done).
   block_pass forward_pass(int c, micro_batch_id id, int s, forward_args args) {
-    const double l =
-        chunk(c).forward(s, args.T, args.tokens, args.targets, args.loss_scale, args.train);
+    double l = std::numeric_limits<double>::quiet_NaN();
+    block_pass inner = chunk(c).forward_pass(s, args.T, args.tokens, args.targets, args.loss_scale,
+                                             args.train, &l);
+    while (const auto* stop = inner.next()) co_yield *stop;
     if (range(c).head) losses_.at(static_cast<std::size_t>(c))[id] = l;
-    co_return;
   }
   block_pass backward_input_pass(int c, int s) {
     auto& ch = chunk(c);
-    ch.backward_input(s, range(c).embedding ? nullptr : ch.input_gradient(s));
-    co_return;
+    return ch.backward_input_pass(s, range(c).embedding ? nullptr : ch.input_gradient(s));
   }
   block_pass backward_pass(int c, int s, grad_block_fn on_block_done) {
     auto& ch = chunk(c);
-    ch.backward(s, range(c).embedding ? nullptr : ch.input_gradient(s), on_block_done);
-    co_return;
+    return ch.backward_pass(s, range(c).embedding ? nullptr : ch.input_gradient(s),
+                            std::move(on_block_done));
   }
 
   std::string kind_;

@@ -65,14 +65,6 @@ const std::vector<support_rule>& support_rules() {
          return "tensor shards of a job of " + std::to_string(j.processes) +
                 " processes (not built yet: the shards of a stage share a process)";
        }},
-      {"ZeRO-3 (`parallel.zero` 3: parameters sharded, gathered for each use)", "parallel.zero",
-       "yes", not_yet,
-       [](const job_shape& j) { return j.device_chunks && j.r->parallel.zero >= 3; },
-       [](const job_shape& j) {
-         return "ZeRO-3 on " + j.chunk_kind + " chunks: " + not_yet +
-                " (their passes run whole, without stops for parameter gathers); ZeRO-1 and 2 "
-                "are built";
-       }},
   };
   return rules;
 }

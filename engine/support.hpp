@@ -15,9 +15,8 @@ namespace troupe::engine {
 // A job as the rules see it: its recipe and how it runs.
 struct job_shape {
   const recipe* r = nullptr;
-  int processes = 1;                // the job's processes (troupe launch, Slurm, ...)
-  bool device_chunks = false;       // stages on device chunks (device "cuda", or host test chunks)
-  std::string chunk_kind = "cuda";  // the device chunks' kind
+  int processes = 1;           // the job's processes (troupe launch, Slurm, ...)
+  bool device_chunks = false;  // stages on device chunks (device "cuda", or host test chunks)
 };
 
 struct support_rule {

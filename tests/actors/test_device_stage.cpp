@@ -2,7 +2,7 @@
 // pipelines, where payloads move through links and link messages carry headers only, run on the
 // CPU engine's arithmetic. Every step's loss, the validation losses and the final weights must
 // equal the run on CPU chunks bitwise, on every schedule device stages take, with
-// data-parallel replicas (whose final weights must also agree bitwise), ZeRO-1/2 and tensor
+// data-parallel replicas (whose final weights must also agree bitwise), ZeRO-1/2/3 and tensor
 // shards; what they do not take yet is refused naming the key.
 #include <cmath>
 #include <tuple>
@@ -97,6 +97,13 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=2 x DP=3 ZeRO-2 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 3, 1, 1, 2},
       {"PP=2 x DP=2 ZeRO-2 ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true, 2, 1, 1, 2},
       {"DP=2 ZeRO-2, one micro-batch a step", 1, 1, 1, "1f1b", 1, false, 2, 1, 1, 2},
+      // ZeRO-3: the passes stop before each piece reading parameters; each bucket is gathered
+      // into the chunks' host copy, then loaded into the chunk before the piece goes on.
+      {"DP=2 ZeRO-3", 1, 1, 2, "1f1b", 1, false, 2, 1, 1, 3},
+      {"PP=2 x DP=2 ZeRO-3, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 2, 2, 1, 3},
+      {"PP=2 x DP=3 ZeRO-3 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 3, 1, 1, 3},
+      {"PP=2 x DP=2 ZeRO-3 ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 1, 3},
+      {"PP=3 x DP=2 ZeRO-3 GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 2, 1, 1, 3},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -142,11 +149,12 @@ TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][d
   temp_dir dir;
   engine::recipe r = tiny_recipe(dir);
   r.steps = 2;
-  SECTION("ZeRO-3") {
+  SECTION("ZeRO over tensor shards") {
     r.parallel.dp = 2;
-    r.parallel.zero = 3;
+    r.parallel.tp = 2;
+    r.parallel.zero = 1;
     REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
-                        Catch::Contains("key parallel.zero") && Catch::Contains("ZeRO-3"));
+                        Catch::Contains("key parallel.zero") && Catch::Contains("tensor shards"));
   }
 }
 

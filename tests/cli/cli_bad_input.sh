@@ -170,13 +170,6 @@ expect_bad gpu-cudnn-head-size model.heads "head size 20" -- "$tmp/ok.toml" --de
   --set kernels.attention=cudnn --set precision.dtype=bf16 --set model.width=40 --set model.heads=2
 expect_bad gpu-cudnn-fp32 kernels.attention "bf16 or fp16" -- "$tmp/ok.toml" --device cuda \
   --set kernels.attention=cudnn
-# Device stage actors (a GPU pipeline) refuse what they do not do yet, before looking for a GPU.
-# (data parallelism and ZeRO-2 pass: the refusal names ZeRO-3, not parallel.dp)
-expect_bad gpu-pipeline-dp-zero3 parallel.zero "ZeRO-3 on cuda chunks: not built yet" -- \
-  "$tmp/ok.toml" --device cuda --set model.width=32 --set model.layers=2 --set parallel.pp=2 \
-  --set parallel.dp=2 --set parallel.zero=3
-expect_bad gpu-pipeline-zero3 parallel.zero "not built yet" -- "$tmp/ok.toml" --device cuda \
-  --set model.width=32 --engine actors --set parallel.dp=2 --set parallel.zero=3
 
 # An existing output dir with a previous run's weights: a bad key leaves them untouched.
 before_failures=$failures

@@ -171,6 +171,7 @@ device_layouts=(
   "hpp2dp2zb 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.schedule=zb_h1 --set batch.grad_accum=2"
   "hdp2z1 2 --set parallel.dp=2 --set parallel.zero=1"
   "hpp2dp2z2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2"
+  "hpp2dp2z3 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3"
 )
 multi_args=(--test-chunks host)
 for c in "${device_layouts[@]}"; do

@@ -309,3 +309,71 @@ TEST_CASE("a GPU chunk refuses misuse, naming it", "[gpu][stage]") {
   CHECK_THROWS_WITH(gpu_stage(host0, kB, kT, {}, 0), Catch::Contains("0 slots"));
   CHECK_THROWS_WITH(gpu_stage(host0, kB, kT, {}, 1, 99), Catch::Contains("device 99"));
 }
+
+// ZeRO-3 drives a chunk's passes piece by piece (gathering between them): the passes stop where
+// pass_stops says, and run that way give bitwise the whole calls' loss, input gradient and
+// weight gradients, also with activation checkpointing and a split backward.
+TEST_CASE("a GPU chunk's passes stop before each piece reading parameters, changing no bit",
+          "[gpu][stage]") {
+  const auto ranges = partition_layers(kConfig, 2);
+  for (const bool recompute : {false, true})
+    for (int c = 0; c < 2; ++c) {
+      INFO("chunk " << c << (recompute ? ", checkpointing" : ""));
+      gpt_stage host(kConfig, ranges[static_cast<std::size_t>(c)]);
+      host.init_gpt2(13);
+      gpu_trainer_options options{compute_dtype::bf16, recompute};
+      options.split_backward = true;
+      gpu_stage whole(host, kB, kT, options, 1), pieces(host, kB, kT, options, 1);
+      const auto b = make_batch(5);
+      const bool head = host.range().head;
+      const std::size_t bytes = whole.activation_bytes();
+      // A chunk without the embedding: the same input activation in both, and (without the
+      // head) the same output gradient; bf16 values in [1, 2).
+      std::vector<std::uint16_t> fill(bytes / 2);
+      for (std::size_t i = 0; i < fill.size(); ++i)
+        fill[i] = static_cast<std::uint16_t>(0x3f80 + (i * 7919) % 128);
+      auto load = [&](gpu_stage& s, void* dst) { s.copy_from_host(dst, fill.data(), bytes); };
+      if (!host.range().embedding) {
+        load(whole, whole.input(0));
+        load(pieces, pieces.input(0));
+      }
+      const double loss = whole.forward(0, b.inputs.data(), head ? b.targets.data() : nullptr);
+      double piece_loss = 0;
+      std::vector<std::vector<int>> stops;
+      {
+        auto pass = pieces.forward_pass(0, b.inputs.data(), head ? b.targets.data() : nullptr, 1.0f,
+                                        true, 0, &piece_loss);
+        while (const auto* stop = pass.next()) {
+          stops.push_back(*stop);
+          cuda_ok(cudaSetDevice(0));  // what a stage may do between the pieces
+        }
+      }
+      CHECK(stops == pass_stops(host.range(), pass_kind::forward));
+      if (head) {
+        CHECK(piece_loss == loss);
+      } else {
+        CHECK(std::isnan(piece_loss));
+        load(whole, whole.output_gradient(0));
+        load(pieces, pieces.output_gradient(0));
+      }
+      const void* dwhole = whole.backward_input(0, head ? nullptr : whole.output_gradient(0));
+      whole.backward_weight(0);
+      const void* dpieces = nullptr;
+      stops.clear();
+      {
+        auto pass =
+            pieces.backward_input_pass(0, head ? nullptr : pieces.output_gradient(0), &dpieces);
+        while (const auto* stop = pass.next()) stops.push_back(*stop);
+      }
+      pieces.backward_weight(0);
+      CHECK(stops == pass_stops(host.range(), pass_kind::backward));
+      CHECK((dwhole == nullptr) == (dpieces == nullptr));
+      if (dwhole) {
+        std::vector<std::uint16_t> a(bytes / 2), p(bytes / 2);
+        whole.copy_to_host(a.data(), dwhole, bytes);
+        pieces.copy_to_host(p.data(), dpieces, bytes);
+        CHECK(a == p);
+      }
+      CHECK(whole.gradients() == pieces.gradients());
+    }
+}

@@ -486,15 +486,16 @@ TEST_CASE("the support rules refuse a job naming the key, and the table lists ea
   job_shape job;
   job.r = &r;
   CHECK_NOTHROW(check_support(job));
-  job.device_chunks = true;  // the stages' chunks are CUDA chunks: ZeRO-3 is not built there
-  const auto zero = error_message<recipe_error>([&] { check_support(job); });
-  CHECK_THAT(zero, Catch::Contains("key parallel.zero") && Catch::Contains("cuda chunks") &&
-                       Catch::Contains("not built yet"));
-  check_one_line(zero);
-  for (int stage : {1, 2}) {  // ZeRO-1 and 2 are
+  job.device_chunks = true;  // the stages' chunks are CUDA chunks: every ZeRO stage runs there
+  for (int stage : {1, 2, 3}) {
     r.parallel.zero = stage;
     CHECK_NOTHROW(check_support(job));
   }
+  r.parallel.tp = 2;  // ZeRO over tensor shards is not built, on either kind of chunk
+  const auto zero = error_message<recipe_error>([&] { check_support(job); });
+  CHECK_THAT(zero, Catch::Contains("key parallel.zero") && Catch::Contains("not built yet"));
+  check_one_line(zero);
+  r.parallel.tp = 1;
   r.parallel.zero = 0;
   job.processes = 4;  // several processes run, device chunks' payloads staged through the host
   CHECK_NOTHROW(check_support(job));
