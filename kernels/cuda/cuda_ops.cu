@@ -227,28 +227,45 @@ void map(const context& ctx, T* out, const T* a, const T* b, const T* c, std::in
 }
 
 // ---- softmax + cross-entropy: one block per row ----------------------------------------------
+// The block's row: its logits, its dlogits (may be the same memory) and its target.
+template <class T>
+struct ce_row {
+  const T* x;
+  T* dx;
+  int t;
+  bool counted;  // the target is not ignore_index
+  __device__ ce_row(T* dlogits, const T* logits, const std::int32_t* targets, int Vp,
+                    int ignore_index)
+      : x(logits + static_cast<std::int64_t>(blockIdx.x) * Vp),
+        dx(dlogits + static_cast<std::int64_t>(blockIdx.x) * Vp),
+        t(targets[blockIdx.x]),
+        counted(t != ignore_index) {}
+  // The row's loss from its max and sum, written by thread 0, the target's logit read (by
+  // every thread) before any thread writes dlogits.
+  __device__ void loss(float* losses, float mx, float sum) const {
+    const float x_t = counted ? to_f(x[t]) : 0.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) losses[blockIdx.x] = counted ? mx + logf(sum) - x_t : 0.0f;
+  }
+};
+
 template <class T>
 __global__ void softmax_ce_kernel(T* dlogits, const T* logits, const std::int32_t* targets,
                                   float* losses, int V, int Vp, int ignore_index, float scale) {
   __shared__ float shared[32];
-  const std::int64_t row = blockIdx.x;
-  const T* x = logits + row * Vp;
-  T* dx = dlogits + row * Vp;
-  const int t = targets[row];
-  const bool counted = t != ignore_index;
+  const ce_row<T> r(dlogits, logits, targets, Vp, ignore_index);
+  const T* x = r.x;
   float mx = -INFINITY;
   for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, to_f(x[j]));
   mx = block_reduce(mx, true, shared);
   float sum = 0;
   for (int j = threadIdx.x; j < V; j += blockDim.x) sum += expf(to_f(x[j]) - mx);
   sum = block_reduce(sum, false, shared);
-  const float x_t = counted ? to_f(x[t]) : 0.0f;  // read before any write (dlogits may alias)
-  __syncthreads();
-  if (threadIdx.x == 0) losses[row] = counted ? mx + logf(sum) - x_t : 0.0f;
+  r.loss(losses, mx, sum);
   for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
     float g = 0;
-    if (counted && j < V) g = (expf(to_f(x[j]) - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale;
-    dx[j] = from_f<T>(g);
+    if (r.counted && j < V) g = (expf(to_f(x[j]) - mx) / sum - (j == r.t ? 1.0f : 0.0f)) * scale;
+    r.dx[j] = from_f<T>(g);
   }
 }
 
@@ -260,11 +277,8 @@ __global__ void softmax_ce_vec_kernel(T* dlogits, const T* logits, const std::in
                                       float* losses, int V, int Vp, int ignore_index, float scale) {
   constexpr int P = pack<T>::n;
   __shared__ float shared[32];
-  const std::int64_t row = blockIdx.x;
-  const T* x = logits + row * Vp;
-  T* dx = dlogits + row * Vp;
-  const int t = targets[row];
-  const bool counted = t != ignore_index;
+  const ce_row<T> r(dlogits, logits, targets, Vp, ignore_index);
+  const T* x = r.x;
   float m = -INFINITY, s = 0;
   for (int k = threadIdx.x * P; k < V; k += blockDim.x * P) {
     const pack<T> p = load_pack(x + k);
@@ -283,9 +297,7 @@ __global__ void softmax_ce_vec_kernel(T* dlogits, const T* logits, const std::in
   }
   const float mx = block_reduce(m, true, shared);
   const float sum = block_reduce(m == -INFINITY ? 0.0f : s * expf(m - mx), false, shared);
-  const float x_t = counted ? to_f(x[t]) : 0.0f;  // read before any write (dlogits may alias)
-  __syncthreads();
-  if (threadIdx.x == 0) losses[row] = counted ? mx + logf(sum) - x_t : 0.0f;
+  r.loss(losses, mx, sum);
   const float inv = 1.0f / sum;
   for (int k = threadIdx.x * P; k < Vp; k += blockDim.x * P) {
     pack<T> p = load_pack(x + k);
@@ -293,11 +305,11 @@ __global__ void softmax_ce_vec_kernel(T* dlogits, const T* logits, const std::in
     for (int j = 0; j < P; ++j) {
       const int col = k + j;
       float g = 0;
-      if (counted && col < V)
-        g = (expf(to_f(p.v[j]) - mx) * inv - (col == t ? 1.0f : 0.0f)) * scale;
+      if (r.counted && col < V)
+        g = (expf(to_f(p.v[j]) - mx) * inv - (col == r.t ? 1.0f : 0.0f)) * scale;
       p.v[j] = from_f<T>(g);
     }
-    store_pack(dx + k, p);
+    store_pack(r.dx + k, p);
   }
 }
 
