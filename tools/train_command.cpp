@@ -65,7 +65,8 @@ std::function<int()> add_train_command(CLI::App& app) {
                   "Write a Chrome trace-event file of every message and action (Perfetto)");
   cmd->add_option("--engine", opts->engine,
                   "actors (the default, but for one GPU stage) or serial (the reference loop; "
-                  "the default with --device cuda and parallel.pp = 1)")
+                  "the default for one process with --device cuda, parallel.pp = 1, "
+                  "parallel.tp = 1 and no checkpoints)")
       ->check(CLI::IsMember({"actors", "serial"}));
   cmd->add_option("--device", opts->device,
                   "cpu, or cuda: the whole model on one GPU (the recipe key `device`)")
