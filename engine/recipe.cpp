@@ -3,6 +3,7 @@
 
 #include <toml++/toml.h>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -22,13 +23,50 @@ enum class kind { integer, floating, string, integer_array, boolean };
 struct field {
   kind type;
   std::function<void(recipe&, const toml::node&)> set;
+  std::function<std::string(const recipe&)> get;  // the value as the keys table writes it
+  std::string doc;                                // what the key does: the keys table's last column
+  std::string default_text;  // the table's default where it is derived, not a value
 };
+
+// A value as the keys table writes it (TOML's spelling).
+std::string value_text(const std::string& v) { return "\"" + v + "\""; }
+std::string value_text(bool v) { return v ? "true" : "false"; }
+std::string value_text(const std::vector<int>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+template <class T>
+std::string value_text(T v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    std::string s = buf;  // 1e-08 -> 1e-8
+    const auto e = s.find("e-0");
+    if (e != std::string::npos) s.erase(e + 2, 1);
+    return s;
+  } else {
+    return std::to_string(v);
+  }
+}
 
 template <class T>
 field int_field(T recipe::*member) {
-  return {kind::integer, [member](recipe& r, const toml::node& n) {
+  return {kind::integer,
+          [member](recipe& r, const toml::node& n) {
             r.*member = static_cast<T>(*n.value<std::int64_t>());
-          }};
+          },
+          [member](const recipe& r) { return value_text(r.*member); },
+          {},
+          {}};
+}
+
+field string_field(std::string recipe::*member) {
+  return {kind::string,
+          [member](recipe& r, const toml::node& n) { r.*member = *n.value<std::string>(); },
+          [member](const recipe& r) { return value_text(r.*member); },
+          {},
+          {}};
 }
 
 // Fields of nested structs: a getter to the sub-struct and a member of it.
@@ -46,7 +84,8 @@ field nested(S recipe::*sub, T S::*member) {
   } else {
     k = kind::integer;
   }
-  return {k, [sub, member](recipe& r, const toml::node& n) {
+  return {k,
+          [sub, member](recipe& r, const toml::node& n) {
             if constexpr (std::is_same_v<T, std::string>) {
               (r.*sub).*member = *n.value<std::string>();
             } else if constexpr (std::is_same_v<T, std::vector<int>>) {
@@ -61,76 +100,196 @@ field nested(S recipe::*sub, T S::*member) {
             } else {
               (r.*sub).*member = static_cast<T>(*n.value<std::int64_t>());
             }
-          }};
+          },
+          [sub, member](const recipe& r) { return value_text((r.*sub).*member); },
+          {},
+          {}};
+}
+
+field described(field f, std::string doc, std::string default_text = {}) {
+  f.doc = std::move(doc);
+  f.default_text = std::move(default_text);
+  return f;
+}
+
+// Every key, in the order of docs/recipe.md's table (format_recipe_keys).
+const std::vector<std::pair<std::string, field>>& keys_in_order() {
+  static const std::vector<std::pair<std::string, field>> fields = {
+      {"seed", described(int_field(&recipe::seed), "initialisation and sampling seed")},
+      {"steps", described(int_field(&recipe::steps), "optimizer steps")},
+      {"eval_interval", described(int_field(&recipe::eval_interval),
+                                  "validate every N steps and after the last (0: never)")},
+      {"eval_batches", described(int_field(&recipe::eval_batches), "micro-batches per validation")},
+      {"init",
+       described(string_field(&recipe::init),
+                 "a safetensors file (Hugging Face GPT-2 names) to start from; \"\" = GPT-2 init")},
+      {"device",
+       described(string_field(&recipe::device),
+                 "`cpu`, or `cuda`: the whole model on one GPU with the serial loop "
+                 "([gpu.md](gpu.md#troupe-train---device-cuda)); `troupe train --device` sets it")},
+      {"model.vocab_size",
+       described(nested(&recipe::model, &gpt_config::vocab_size), "real vocabulary")},
+      {"model.padded_vocab_size",
+       described(nested(&recipe::model, &gpt_config::padded_vocab_size),
+                 "rows of the embedding / columns of the logits (≥ vocab_size)", "= vocab_size")},
+      {"model.context", described(nested(&recipe::model, &gpt_config::context),
+                                  "maximum sequence length (rows of `wpe`)")},
+      {"model.layers",
+       described(nested(&recipe::model, &gpt_config::layers), "transformer blocks")},
+      {"model.heads", described(nested(&recipe::model, &gpt_config::heads),
+                                "attention heads (width % heads == 0)")},
+      {"model.width", described(nested(&recipe::model, &gpt_config::width), "channels")},
+      {"data.format",
+       described(nested(&recipe::data, &data_config::format),
+                 "`text` (byte-level tokens) or `shards` (llm.c uint16 token shards)")},
+      {"data.train", described(nested(&recipe::data, &data_config::train),
+                               "text file or directory, or a shard file", "fortunes dir")},
+      {"data.val",
+       described(nested(&recipe::data, &data_config::val),
+                 "a separate validation file; \"\" = split `val_fraction` off the end of train")},
+      {"data.val_fraction", described(nested(&recipe::data, &data_config::val_fraction),
+                                      "share of the corpus held out when `data.val` is empty")},
+      {"data.order",
+       described(nested(&recipe::data, &data_config::order), "`random` (seeded) or `sequential`")},
+      {"batch.micro_batch",
+       described(nested(&recipe::batch, &batch_config::micro_batch), "B: rows per micro-batch")},
+      {"batch.seq_len", described(nested(&recipe::batch, &batch_config::seq_len),
+                                  "T: tokens per row (≤ model.context)")},
+      {"batch.grad_accum",
+       described(nested(&recipe::batch, &batch_config::grad_accum),
+                 "rounds per optimizer step: each round is one pass of the pipeline schedule over "
+                 "`parallel.micro_batches` micro-batches (the serial loop runs the same step's "
+                 "`grad_accum × micro_batches × dp` micro-batches on one stage)")},
+      {"optimizer.lr",
+       described(nested(&recipe::optimizer, &optimizer_config::lr), "peak learning rate")},
+      {"optimizer.min_lr", described(nested(&recipe::optimizer, &optimizer_config::min_lr),
+                                     "learning rate at the end of the decay")},
+      {"optimizer.warmup_steps",
+       described(nested(&recipe::optimizer, &optimizer_config::warmup_steps),
+                 "linear warmup steps")},
+      {"optimizer.decay", described(nested(&recipe::optimizer, &optimizer_config::decay),
+                                    "`cosine`, `linear` or `constant`")},
+      {"optimizer.beta1",
+       described(nested(&recipe::optimizer, &optimizer_config::beta1), "AdamW β1")},
+      {"optimizer.beta2",
+       described(nested(&recipe::optimizer, &optimizer_config::beta2), "AdamW β2")},
+      {"optimizer.eps", described(nested(&recipe::optimizer, &optimizer_config::eps), "AdamW ε")},
+      {"optimizer.weight_decay",
+       described(nested(&recipe::optimizer, &optimizer_config::weight_decay),
+                 "decoupled weight decay, applied to 2-D tensors only (weights, embeddings), not "
+                 "to biases or layernorm")},
+      {"optimizer.grad_clip", described(nested(&recipe::optimizer, &optimizer_config::grad_clip),
+                                        "global gradient-norm clip (0: off)")},
+      {"output.dir",
+       described(nested(&recipe::output, &output_config::dir), "where outputs go (created)")},
+      {"output.metrics", described(nested(&recipe::output, &output_config::metrics),
+                                   "per-step JSONL, relative to `output.dir`")},
+      {"output.weights", described(nested(&recipe::output, &output_config::weights),
+                                   "final weights, relative to `output.dir` (\"\" = none)")},
+      {"checkpoint.every", described(nested(&recipe::checkpoint, &checkpoint_config::every),
+                                     "a checkpoint every N steps (0 = none; docs/checkpoints.md)")},
+      {"checkpoint.dir",
+       described(nested(&recipe::checkpoint, &checkpoint_config::dir),
+                 "where checkpoints go, relative to `output.dir` unless absolute")},
+      {"checkpoint.keep", described(nested(&recipe::checkpoint, &checkpoint_config::keep),
+                                    "committed checkpoints kept; an older one is removed only "
+                                    "after a newer one is committed")},
+      {"watchdog.action_timeout",
+       described(nested(&recipe::watchdog, &watchdog_config::action_timeout),
+                 "seconds a stage may spend in one action before it is reported and its process "
+                 "ends (0 = never; docs/checkpoints.md)")},
+      {"parallel.pp", described(nested(&recipe::parallel, &parallel_config::pp),
+                                "pipeline ranks (stage actors per replica)")},
+      {"parallel.dp",
+       described(nested(&recipe::parallel, &parallel_config::dp), "data-parallel replicas")},
+      {"parallel.tp",
+       described(nested(&recipe::parallel, &parallel_config::tp),
+                 "tensor shards per pipeline stage (Megatron-style: column/row-parallel blocks, "
+                 "vocabulary-parallel embedding and head; docs/tensor_parallel.md). `model.heads` "
+                 "and `model.padded_vocab_size` must divide by it")},
+      {"parallel.schedule", described(nested(&recipe::parallel, &parallel_config::schedule),
+                                      "`gpipe`, `1f1b`, `interleaved_1f1b`, `zb_h1`, or a "
+                                      "registered user schedule (docs/schedules.md)")},
+      {"parallel.virtual_stages",
+       described(nested(&recipe::parallel, &parallel_config::virtual_stages),
+                 "model chunks per rank (v); `interleaved_1f1b` needs ≥ 2, the others 1")},
+      {"parallel.micro_batches",
+       described(nested(&recipe::parallel, &parallel_config::micro_batches),
+                 "m: micro-batches per pipeline pass and replica")},
+      {"parallel.layer_split", described(nested(&recipe::parallel, &parallel_config::layer_split),
+                                         "layers per virtual stage (pp × v entries, each ≥ 1, "
+                                         "summing to `model.layers`); [] = as even as possible")},
+      {"parallel.link_credits",
+       described(nested(&recipe::parallel, &parallel_config::link_credits),
+                 "unacknowledged messages allowed per pipeline link (0 = m)")},
+      {"parallel.prefetch",
+       described(nested(&recipe::parallel, &parallel_config::prefetch),
+                 "micro-batches each data loader keeps ready per destination")},
+      {"parallel.bucket_layers",
+       described(
+           nested(&recipe::parallel, &parallel_config::bucket_layers),
+           "transformer layers per data-parallel gradient bucket (the ZeRO bucket size too)")},
+      {"parallel.zero",
+       described(nested(&recipe::parallel, &parallel_config::zero),
+                 "ZeRO stage over each pipeline rank's DP group: 0 DDP, 1 optimizer state sharded, "
+                 "2 gradients too, 3 parameters too (docs/zero.md)")},
+      {"parallel.zero_prefetch",
+       described(nested(&recipe::parallel, &parallel_config::zero_prefetch),
+                 "ZeRO-3: parameter buckets gathered ahead of use")},
+      {"precision.dtype",
+       described(nested(&recipe::precision, &precision_config::dtype),
+                 "`fp32`; `bf16` and `fp16` (16-bit compute, fp32 master weights and AdamW state) "
+                 "need `device = \"cuda\"`; `fp16` needs `loss_scale = \"dynamic\"`")},
+      {"precision.loss_scale",
+       described(nested(&recipe::precision, &precision_config::loss_scale),
+                 "`none` or `dynamic` (torch.amp.GradScaler's rule, below)")},
+      {"precision.init_scale", described(nested(&recipe::precision, &precision_config::init_scale),
+                                         "the first step's loss scale")},
+      {"precision.growth_interval",
+       described(nested(&recipe::precision, &precision_config::growth_interval),
+                 "finite steps in a row before the scale grows")},
+      {"precision.growth_factor",
+       described(nested(&recipe::precision, &precision_config::growth_factor), "growth (> 1)")},
+      {"precision.backoff_factor",
+       described(nested(&recipe::precision, &precision_config::backoff_factor),
+                 "backoff on a non-finite step (in (0, 1))")},
+      {"guard.loss_zscore", described(nested(&recipe::guard, &guard_config::loss_zscore),
+                                      "skip the update when the loss's z-score against the last "
+                                      "`guard.window` steps exceeds this (0: off)")},
+      {"guard.grad_norm_zscore", described(nested(&recipe::guard, &guard_config::grad_norm_zscore),
+                                           "the same for the gradient norm (0: off)")},
+      {"guard.window",
+       described(nested(&recipe::guard, &guard_config::window),
+                 "steps in the rolling mean and deviation (≥ 2; no z-score until full)")},
+      {"guard.max_skips",
+       described(nested(&recipe::guard, &guard_config::max_skips),
+                 "stop the job after this many skipped updates in a row (0: never)")},
+      {"activation_checkpoint.mode",
+       described(nested(&recipe::activation_checkpoint, &activation_checkpoint_config::mode),
+                 "`none` or `full`: recompute every transformer block in backward "
+                 "([below](#activation-checkpointing))")},
+      {"kernels.attention",
+       described(nested(&recipe::kernels, &kernels_config::attention),
+                 "GPU attention kernel (`device = \"cuda\"`): `cudnn` (cuDNN's fused flash "
+                 "attention, bf16/fp16, head sizes multiples of 8 up to 128), `fused` (one fp32 "
+                 "kernel per pass, head sizes 16/32/64/128), `materialized` (tensor-core GEMMs "
+                 "around a fused softmax, each layer keeping its [T, T] probabilities; any head "
+                 "size); `auto` takes `cudnn` in bf16 and fp16, `fused` in fp32, `materialized` "
+                 "for a head size neither takes ([gpu.md](gpu.md#causal-attention-three-routes))")},
+      {"kernels.fast_paths",
+       described(nested(&recipe::kernels, &kernels_config::fast_paths),
+                 "GPU (`device = \"cuda\"`): the newer kernels of the rest of the step: 128-bit "
+                 "layernorm forward and backward (where a row is a multiple of 32 lanes × 16 "
+                 "bytes) and elementwise kernels, one AdamW launch over the flat buffers, and in "
+                 "bf16/fp16 the GELU in cuBLASLt's GEMM epilogues and a classifier that reads the "
+                 "logits once for max and sum; within rounding of the others; `false` for the "
+                 "older ones ([gpu.md](gpu.md#ops-kernelscudacuda_opshpp))")},
+  };
+  return fields;
 }
 
 const std::map<std::string, field>& schema() {
-  static const std::map<std::string, field> fields = {
-      {"seed", int_field(&recipe::seed)},
-      {"steps", int_field(&recipe::steps)},
-      {"eval_interval", int_field(&recipe::eval_interval)},
-      {"eval_batches", int_field(&recipe::eval_batches)},
-      {"init",
-       {kind::string, [](recipe& r, const toml::node& n) { r.init = *n.value<std::string>(); }}},
-      {"device",
-       {kind::string, [](recipe& r, const toml::node& n) { r.device = *n.value<std::string>(); }}},
-      {"model.vocab_size", nested(&recipe::model, &gpt_config::vocab_size)},
-      {"model.padded_vocab_size", nested(&recipe::model, &gpt_config::padded_vocab_size)},
-      {"model.context", nested(&recipe::model, &gpt_config::context)},
-      {"model.layers", nested(&recipe::model, &gpt_config::layers)},
-      {"model.heads", nested(&recipe::model, &gpt_config::heads)},
-      {"model.width", nested(&recipe::model, &gpt_config::width)},
-      {"data.format", nested(&recipe::data, &data_config::format)},
-      {"data.train", nested(&recipe::data, &data_config::train)},
-      {"data.val", nested(&recipe::data, &data_config::val)},
-      {"data.val_fraction", nested(&recipe::data, &data_config::val_fraction)},
-      {"data.order", nested(&recipe::data, &data_config::order)},
-      {"batch.micro_batch", nested(&recipe::batch, &batch_config::micro_batch)},
-      {"batch.seq_len", nested(&recipe::batch, &batch_config::seq_len)},
-      {"batch.grad_accum", nested(&recipe::batch, &batch_config::grad_accum)},
-      {"optimizer.lr", nested(&recipe::optimizer, &optimizer_config::lr)},
-      {"optimizer.min_lr", nested(&recipe::optimizer, &optimizer_config::min_lr)},
-      {"optimizer.warmup_steps", nested(&recipe::optimizer, &optimizer_config::warmup_steps)},
-      {"optimizer.decay", nested(&recipe::optimizer, &optimizer_config::decay)},
-      {"optimizer.beta1", nested(&recipe::optimizer, &optimizer_config::beta1)},
-      {"optimizer.beta2", nested(&recipe::optimizer, &optimizer_config::beta2)},
-      {"optimizer.eps", nested(&recipe::optimizer, &optimizer_config::eps)},
-      {"optimizer.weight_decay", nested(&recipe::optimizer, &optimizer_config::weight_decay)},
-      {"optimizer.grad_clip", nested(&recipe::optimizer, &optimizer_config::grad_clip)},
-      {"output.dir", nested(&recipe::output, &output_config::dir)},
-      {"output.metrics", nested(&recipe::output, &output_config::metrics)},
-      {"output.weights", nested(&recipe::output, &output_config::weights)},
-      {"checkpoint.every", nested(&recipe::checkpoint, &checkpoint_config::every)},
-      {"checkpoint.dir", nested(&recipe::checkpoint, &checkpoint_config::dir)},
-      {"checkpoint.keep", nested(&recipe::checkpoint, &checkpoint_config::keep)},
-      {"watchdog.action_timeout", nested(&recipe::watchdog, &watchdog_config::action_timeout)},
-      {"parallel.pp", nested(&recipe::parallel, &parallel_config::pp)},
-      {"parallel.dp", nested(&recipe::parallel, &parallel_config::dp)},
-      {"parallel.tp", nested(&recipe::parallel, &parallel_config::tp)},
-      {"parallel.schedule", nested(&recipe::parallel, &parallel_config::schedule)},
-      {"parallel.virtual_stages", nested(&recipe::parallel, &parallel_config::virtual_stages)},
-      {"parallel.micro_batches", nested(&recipe::parallel, &parallel_config::micro_batches)},
-      {"parallel.layer_split", nested(&recipe::parallel, &parallel_config::layer_split)},
-      {"parallel.link_credits", nested(&recipe::parallel, &parallel_config::link_credits)},
-      {"parallel.prefetch", nested(&recipe::parallel, &parallel_config::prefetch)},
-      {"parallel.bucket_layers", nested(&recipe::parallel, &parallel_config::bucket_layers)},
-      {"parallel.zero", nested(&recipe::parallel, &parallel_config::zero)},
-      {"parallel.zero_prefetch", nested(&recipe::parallel, &parallel_config::zero_prefetch)},
-      {"precision.dtype", nested(&recipe::precision, &precision_config::dtype)},
-      {"precision.loss_scale", nested(&recipe::precision, &precision_config::loss_scale)},
-      {"precision.init_scale", nested(&recipe::precision, &precision_config::init_scale)},
-      {"precision.growth_interval", nested(&recipe::precision, &precision_config::growth_interval)},
-      {"precision.growth_factor", nested(&recipe::precision, &precision_config::growth_factor)},
-      {"precision.backoff_factor", nested(&recipe::precision, &precision_config::backoff_factor)},
-      {"guard.loss_zscore", nested(&recipe::guard, &guard_config::loss_zscore)},
-      {"guard.grad_norm_zscore", nested(&recipe::guard, &guard_config::grad_norm_zscore)},
-      {"guard.window", nested(&recipe::guard, &guard_config::window)},
-      {"guard.max_skips", nested(&recipe::guard, &guard_config::max_skips)},
-      {"activation_checkpoint.mode",
-       nested(&recipe::activation_checkpoint, &activation_checkpoint_config::mode)},
-      {"kernels.attention", nested(&recipe::kernels, &kernels_config::attention)},
-      {"kernels.fast_paths", nested(&recipe::kernels, &kernels_config::fast_paths)},
-  };
+  static const std::map<std::string, field> fields(keys_in_order().begin(), keys_in_order().end());
   return fields;
 }
 
@@ -367,6 +526,16 @@ recipe load_recipe(const std::filesystem::path& path, const std::vector<std::str
 
 bool fused_attention_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64 || hs == 128; }
 bool cudnn_attention_head_size(int hs) { return hs > 0 && hs <= 128 && hs % 8 == 0; }
+
+std::string format_recipe_keys(const recipe& defaults) {
+  std::string s = "| key | type | default | meaning |\n|---|---|---|---|\n";
+  for (const auto& [key, f] : keys_in_order()) {
+    static const char* types[] = {"int", "float", "string", "int array", "bool"};
+    s += "| `" + key + "` | " + types[static_cast<int>(f.type)] + " | " +
+         (f.default_text.empty() ? f.get(defaults) : f.default_text) + " | " + f.doc + " |\n";
+  }
+  return s;
+}
 
 std::string attention_kernel_for(const recipe& r) {
   if (r.kernels.attention != "auto") return r.kernels.attention;

@@ -155,6 +155,11 @@ bool cudnn_attention_head_size(int hs);  // multiples of 8 up to 128
 // "materialized" for a head size neither takes (cudnn: multiples of 8 up to 128; fused: 16, 32,
 // 64, 128) or 16-bit compute without cuDNN.
 std::string attention_kernel_for(const recipe& r);
+
+// Every recipe key with its type, default and meaning, as a Markdown table (docs/recipe.md;
+// `troupe train --help-keys`), from the schema the parser checks keys against; the defaults
+// are `defaults`' values (but where the schema says how a default is derived).
+std::string format_recipe_keys(const recipe& defaults = recipe{});
 // Checks input files exist and match the model; throws recipe_error.
 void check_recipe_inputs(const recipe& r);
 

@@ -92,6 +92,14 @@ std::function<int()> add_train_command(CLI::App& app) {
       },
       "Print what a job can combine on the CPU and on CUDA, and what is not built yet (a "
       "Markdown table; docs/support.md)");
+  cmd->add_flag_callback(
+      "--help-keys",
+      [] {
+        std::fputs(engine::format_recipe_keys().c_str(), stdout);
+        throw CLI::Success();
+      },
+      "Print every recipe key with its type, default and meaning (a Markdown table; "
+      "docs/recipe.md)");
   cmd->add_option("--test-chunks", opts->test_chunks,
                   "Testing: stages on device chunks of the host kind, the GPU pipeline's protocol "
                   "(slots, links, payloads staged through host memory across processes) on the "

@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "engine/gpt_weights.hpp"
 #include "engine/gpu_stage.hpp"
@@ -508,4 +511,38 @@ TEST_CASE("the support rules refuse a job naming the key, and the table lists ea
   CHECK(std::count(table.begin(), table.end(), '\n') ==
         static_cast<std::ptrdiff_t>(support_rules().size() + 2));
   for (const auto& rule : support_rules()) CHECK_THAT(table, Catch::Contains(rule.feature));
+}
+
+// docs/recipe.md's table (`troupe train --help-keys`) comes from the schema: every row a key the
+// parser takes, with its meaning; each default a value the key takes (or says how it is derived),
+// and it round-trips: setting a key to its listed default changes nothing.
+TEST_CASE("the recipe keys table lists every key with its type, default and meaning", "[recipe]") {
+  const std::string table = format_recipe_keys();
+  std::istringstream in(table);
+  std::string line;
+  REQUIRE(std::getline(in, line));
+  CHECK(line == "| key | type | default | meaning |");
+  REQUIRE(std::getline(in, line));
+  int rows = 0;
+  CHECK(format_recipe_keys(parse("")) == table);
+  while (std::getline(in, line)) {
+    INFO(line);
+    std::vector<std::string> cells;
+    for (std::size_t at = 2; at < line.size();) {
+      const auto end = line.find(" | ", at);
+      cells.push_back(line.substr(at, end == std::string::npos ? line.size() - 2 - at : end - at));
+      if (end == std::string::npos) break;
+      at = end + 3;
+    }
+    REQUIRE(cells.size() >= 4);
+    REQUIRE(cells[0].size() > 2);
+    const std::string key = cells[0].substr(1, cells[0].size() - 2);
+    CHECK(!cells[3].empty());
+    const std::string& value = cells[2];
+    if (value.rfind("= ", 0) == 0 || value == "fortunes dir") continue;  // derived
+    CHECK(format_recipe_keys(parse("", {key + "=" + value})) == table);
+    ++rows;
+  }
+  CHECK(rows >= 55);
+  CHECK_THAT(parse_error("", {"optimizer.lrr=1"}), Catch::Contains("unknown key optimizer.lrr"));
 }
