@@ -207,17 +207,17 @@ void checkpoint_assembler::add(role r, const std::string& name, int shard, std::
   s.covered.emplace_back(offset, n);
 }
 
-checkpoint_tensors checkpoint_assembler::finish() const {
+checkpoint_tensors checkpoint_assembler::finish() {
   checkpoint_tensors out;
   named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
-  const gpt_stage whole(model_, stage_range::whole(model_));
+  const auto whole = stage_parameter_layout(model_, stage_range::whole(model_));
   // The head's copy of wte, when any stage sent one.
   bool head_copy = false;
   for (const auto& [key, s] : slices_)
     head_copy = head_copy || std::get<1>(key) == checkpoint_head_copy;
-  std::vector<parameter_info> tensors = whole.parameters();
+  std::vector<parameter_info> tensors = whole;
   if (head_copy) {
-    for (const auto& p : whole.parameters()) {
+    for (const auto& p : whole) {
       if (p.name != "transformer.wte.weight") continue;
       tensors.push_back(p);
       tensors.back().name = checkpoint_head_copy;
@@ -226,7 +226,7 @@ checkpoint_tensors checkpoint_assembler::finish() const {
   for (int r = 0; r < 3; ++r) {
     for (const auto& p : tensors) {
       auto& dst = (*maps[r])[p.name];
-      dst.assign(static_cast<std::size_t>(p.numel), 0.0f);
+      if (tp_ > 1) dst.assign(static_cast<std::size_t>(p.numel), 0.0f);
       for (int j = 0; j < tp_; ++j) {
         const auto it = slices_.find({r, p.name, j});
         const auto& info = layouts_[static_cast<std::size_t>(j)].at(p.name);
@@ -241,8 +241,8 @@ checkpoint_tensors checkpoint_assembler::finish() const {
           throw std::runtime_error(std::string("checkpoint: ") + tensor_files[r] + " of " + p.name +
                                    (tp_ > 1 ? " shard " + std::to_string(j) : "") +
                                    ": elements from " + std::to_string(reach) + " never sent");
-        if (tp_ == 1)
-          dst = it->second.values;
+        if (tp_ == 1)  // the one shard is the tensor: taken, not copied
+          dst = std::move(it->second.values);
         else
           put_shard(info, {j, tp_}, it->second.values.data(), dst.data());
       }
@@ -278,26 +278,26 @@ void write_checkpoint(const fs::path& root, const gpt_config& model,
   if (ec) throw ckpt_error(dir, "cannot create: " + ec.message());
 
   json files = json::array();
-  auto add = [&](const std::string& name) {
-    const auto [size, hash] = size_and_hash(dir / name);
-    files.push_back({{"name", name}, {"bytes", size}, {"xxh64", hex64(hash)}});
+  auto add = [&](const std::string& name, file_digest d) {
+    files.push_back({{"name", name}, {"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}});
     point("wrote " + name);
   };
+  // Each tensor file streamed from the assembled tensors (hashed as written, nothing copied
+  // whole): Hugging Face GPT-2's names and layout, as save_hf_weights writes them.
   const named_tensors* maps[] = {&tensors.params, &tensors.exp_avg, &tensors.exp_avg_sq};
-  gpt_stage whole(model, stage_range::whole(model));
+  const auto layout = stage_parameter_layout(model, stage_range::whole(model));
   for (int i = 0; i < 3; ++i) {
     const auto& values = *maps[i];
-    for (const auto& p : whole.parameters()) {
+    std::map<std::string, safetensors_tensor> out;
+    for (const auto& p : layout) {
       const auto it = values.find(p.name);
       if (it == values.end() || static_cast<std::int64_t>(it->second.size()) != p.numel)
         throw std::logic_error(std::string("checkpoint: ") + tensor_files[i] + " tensor " + p.name +
                                (it == values.end() ? " is missing" : " has another size"));
-      std::memcpy(whole.params() + p.offset, it->second.data(),
-                  static_cast<std::size_t>(p.numel) * sizeof(float));
+      out[p.name] = hf_tensor(model, p, it->second.data());
     }
     const std::string name = std::string(tensor_files[i]) + ".safetensors";
-    save_hf_weights(whole, dir / name);
-    add(name);
+    add(name, write_safetensors(dir / name, out, {{"format", "pt"}}));
   }
   if (tensors.params.count(checkpoint_head_copy)) {  // the head's copy of wte, HF's wte layout
     const std::string base = checkpoint_head_copy;
@@ -312,11 +312,12 @@ void write_checkpoint(const fs::path& root, const gpt_config& model,
       const auto& v = map->at(base);
       out[base + suffix] = safetensors_tensor{"F32", shape, v.data(), bytes};
     }
-    write_safetensors(dir / "lm_head.safetensors", out, {{"format", "pt"}});
-    add("lm_head.safetensors");
+    add("lm_head.safetensors",
+        write_safetensors(dir / "lm_head.safetensors", out, {{"format", "pt"}}));
   }
   write_text(dir / "trainer_state.json", state_json(state).dump(1) + "\n");
-  add("trainer_state.json");
+  const auto [size, hash] = size_and_hash(dir / "trainer_state.json");
+  add("trainer_state.json", {size, hash});
   fsync_dir(dir);
   point("before manifest");
   const json manifest = {{"magic", checkpoint_magic},

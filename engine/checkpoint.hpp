@@ -79,8 +79,9 @@ class checkpoint_assembler {
   // outside the slice.
   void add(role r, const std::string& name, int shard, std::int64_t offset, const float* values,
            std::int64_t n);
-  // Throws std::runtime_error naming the first tensor some part of which nobody sent.
-  checkpoint_tensors finish() const;
+  // Throws std::runtime_error naming the first tensor some part of which nobody sent. Takes
+  // the slices' values (a tensor without tensor shards is moved, not copied): call it once.
+  checkpoint_tensors finish();
 
  private:
   struct slice {

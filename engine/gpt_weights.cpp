@@ -108,22 +108,18 @@ void load_hf_weights(gpt_stage& stage, const std::filesystem::path& path) {
   }
 }
 
+safetensors_tensor hf_tensor(const gpt_config& config, const parameter_info& p,
+                             const float* values) {
+  const auto shape = hf_shape(config, p);
+  return safetensors_tensor{"F32", shape, values,
+                            static_cast<std::size_t>(kernels::shape_numel(shape)) * 4,
+                            p.conv1d ? p.shape[0] : 0};
+}
+
 void save_hf_weights(const gpt_stage& stage, const std::filesystem::path& path) {
-  const gpt_config& c = stage.config();
-  std::vector<kernels::tensor> buffers;  // keeps transposed copies alive until written
   std::map<std::string, safetensors_tensor> out;
-  for (const auto& p : stage.parameters()) {
-    const float* src = stage.params() + p.offset;
-    const auto shape = hf_shape(c, p);
-    if (p.conv1d) {
-      kernels::tensor t = kernels::tensor::empty(shape);
-      kernels::transpose_2d(t.f32(), src, p.shape[0], p.shape[1]);
-      src = t.f32();
-      buffers.push_back(t);
-    }
-    out[p.name] = safetensors_tensor{"F32", shape, src,
-                                     static_cast<std::size_t>(kernels::shape_numel(shape)) * 4};
-  }
+  for (const auto& p : stage.parameters())
+    out[p.name] = hf_tensor(stage.config(), p, stage.params() + p.offset);
   write_safetensors(path, out, {{"format", "pt"}});
 }
 

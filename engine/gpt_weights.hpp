@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "engine/gpt_model.hpp"
+#include "engine/safetensors.hpp"
 
 namespace troupe::engine {
 
@@ -20,5 +21,9 @@ void check_hf_weights(const gpt_config& config, const std::filesystem::path& pat
 
 // Writes the stage's parameters (normally the whole model) in Hugging Face layout, atomically.
 void save_hf_weights(const gpt_stage& stage, const std::filesystem::path& path);
+// Parameter p, its values in Troupe's layout, as the tensor a Hugging Face file holds under
+// p.name (Conv1D weights transposed as they are written; wte's real vocabulary rows).
+safetensors_tensor hf_tensor(const gpt_config& config, const parameter_info& p,
+                             const float* values);
 
 }  // namespace troupe::engine

@@ -6,10 +6,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <utility>
 
 namespace troupe::engine {
 namespace {
@@ -192,15 +195,91 @@ void write_file_atomically(const std::filesystem::path& path, const std::vector<
   }
 }
 
-void write_safetensors(const std::filesystem::path& path,
-                       const std::map<std::string, safetensors_tensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// A file written through a buffer, hashed as it goes; the temporary file is removed unless
+// commit() renamed it into place.
+class streamed_file {
+ public:
+  explicit streamed_file(std::filesystem::path path)
+      : path_(std::move(path)), tmp_(path_.string() + ".tmp") {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw file_error(tmp_, std::string("cannot create: ") + std::strerror(errno));
+    state_ = XXH64_createState();
+    XXH64_reset(state_, 0);
+  }
+  ~streamed_file() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      ::unlink(tmp_.c_str());
+    }
+    XXH64_freeState(state_);
+  }
+  streamed_file(const streamed_file&) = delete;
+  streamed_file& operator=(const streamed_file&) = delete;
+
+  void write(const void* data, std::size_t n) {
+    XXH64_update(state_, data, n);
+    const auto* p = static_cast<const std::byte*>(data);
+    for (std::size_t done = 0; done < n;) {
+      const ssize_t w = ::write(fd_, p + done, std::min<std::size_t>(n - done, 1 << 30));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        throw file_error(tmp_, std::string("write failed: ") + std::strerror(errno));
+      }
+      done += static_cast<std::size_t>(w);
+    }
+    bytes_ += n;
+  }
+  file_digest commit() {
+    if (::fsync(fd_) != 0 || ::close(std::exchange(fd_, -1)) != 0) {
+      ::unlink(tmp_.c_str());
+      throw file_error(tmp_, "fsync/close failed");
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp_, path_, ec);
+    if (ec) {
+      ::unlink(tmp_.c_str());
+      throw file_error(path_, "cannot rename into place: " + ec.message());
+    }
+    return {bytes_, XXH64_digest(state_)};
+  }
+
+ private:
+  std::filesystem::path path_, tmp_;
+  int fd_ = -1;
+  XXH64_state_t* state_ = nullptr;
+  std::uint64_t bytes_ = 0;
+};
+
+// A transposed tensor's bytes: source rows x cols floats written as cols x rows, a band of
+// output rows at a time through `scratch` (each band reads every source row's contiguous run).
+void write_transposed(streamed_file& out, const float* src, std::int64_t rows, std::int64_t cols,
+                      std::vector<float>& scratch) {
+  const std::int64_t band = std::max<std::int64_t>(1, (std::int64_t{1} << 21) / rows);
+  scratch.resize(static_cast<std::size_t>(band * rows));
+  for (std::int64_t c0 = 0; c0 < cols; c0 += band) {
+    const std::int64_t c1 = std::min(cols, c0 + band);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = c0; c < c1; ++c)
+        scratch[static_cast<std::size_t>((c - c0) * rows + r)] = src[r * cols + c];
+    out.write(scratch.data(), static_cast<std::size_t>((c1 - c0) * rows) * sizeof(float));
+  }
+}
+
+}  // namespace
+
+file_digest write_safetensors(const std::filesystem::path& path,
+                              const std::map<std::string, safetensors_tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::size_t offset = 0;
   for (const auto& [name, t] : tensors) {
     const std::size_t elem = safetensors_dtype_size(t.dtype);
-    if (elem == 0 || static_cast<std::size_t>(kernels::shape_numel(t.shape)) * elem != t.nbytes) {
+    const auto numel = kernels::shape_numel(t.shape);
+    if (elem == 0 || static_cast<std::size_t>(numel) * elem != t.nbytes ||
+        (t.transposed_rows > 0 && (t.dtype != "F32" || numel % t.transposed_rows != 0))) {
       throw file_error(path, "tensor " + name + ": size does not match shape and dtype");
     }
     header[name] = {
@@ -209,16 +288,21 @@ void write_safetensors(const std::filesystem::path& path,
   }
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text.push_back(' ');
-  std::vector<std::byte> bytes(8 + text.size() + offset);
+  streamed_file out(path);
   const std::uint64_t len = text.size();
-  std::memcpy(bytes.data(), &len, 8);
-  std::memcpy(bytes.data() + 8, text.data(), text.size());
-  std::byte* data = bytes.data() + 8 + text.size();
+  out.write(&len, 8);
+  out.write(text.data(), text.size());
+  std::vector<float> scratch;
   for (const auto& [name, t] : tensors) {
-    if (t.nbytes) std::memcpy(data, t.data, t.nbytes);
-    data += t.nbytes;
+    if (t.transposed_rows > 0) {
+      const std::int64_t rows = t.transposed_rows;
+      write_transposed(out, static_cast<const float*>(t.data), rows,
+                       kernels::shape_numel(t.shape) / rows, scratch);
+    } else if (t.nbytes) {
+      out.write(t.data, t.nbytes);
+    }
   }
-  write_file_atomically(path, bytes);
+  return out.commit();
 }
 
 }  // namespace troupe::engine

@@ -52,15 +52,26 @@ class safetensors_file {
 };
 
 // Tensors to write: name -> f32 tensor (or i32 via dtype "I32"); written in name order.
+// transposed_rows > 0 (F32 only): `data` holds the tensor's transpose, transposed_rows x
+// (numel / transposed_rows) floats row-major, transposed while it is written (shape is the
+// written tensor's).
 struct safetensors_tensor {
   std::string dtype = "F32";
   kernels::shape_t shape;
   const void* data = nullptr;
   std::size_t nbytes = 0;
+  std::int64_t transposed_rows = 0;
 };
-void write_safetensors(const std::filesystem::path& path,
-                       const std::map<std::string, safetensors_tensor>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+// What was written: the file's size and its xxh64 (seed 0), computed from the bytes as they
+// were written.
+struct file_digest {
+  std::uint64_t bytes = 0, xxh64 = 0;
+};
+// Streams the file to path.tmp (each tensor straight from `data`, a transposed one through a
+// small scratch), fsyncs and renames it into place; nothing is assembled in memory.
+file_digest write_safetensors(const std::filesystem::path& path,
+                              const std::map<std::string, safetensors_tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
 
 // Atomic whole-file write: path.tmp, fsync, rename. Used by every writer of outputs.
 void write_file_atomically(const std::filesystem::path& path, const std::vector<std::byte>& bytes);
