@@ -167,34 +167,6 @@ std::vector<std::int32_t> safetensors_file::read_i32(const std::string& name) co
   return out;
 }
 
-void write_file_atomically(const std::filesystem::path& path, const std::vector<std::byte>& bytes) {
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw file_error(tmp, std::string("cannot create: ") + std::strerror(errno));
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      const std::string err = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw file_error(tmp, "write failed: " + err);
-    }
-    done += static_cast<std::size_t>(w);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    throw file_error(tmp, "fsync/close failed");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    ::unlink(tmp.c_str());
-    throw file_error(path, "cannot rename into place: " + ec.message());
-  }
-}
-
 namespace {
 
 // A file written through a buffer, hashed as it goes; the temporary file is removed unless
@@ -268,6 +240,12 @@ void write_transposed(streamed_file& out, const float* src, std::int64_t rows, s
 }
 
 }  // namespace
+
+void write_file_atomically(const std::filesystem::path& path, const std::vector<std::byte>& bytes) {
+  streamed_file out(path);
+  out.write(bytes.data(), bytes.size());
+  out.commit();
+}
 
 file_digest write_safetensors(const std::filesystem::path& path,
                               const std::map<std::string, safetensors_tensor>& tensors,
