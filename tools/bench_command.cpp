@@ -320,7 +320,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
   zero->add_flag("--json", opts->json_output, "Print one JSON report");
   zero->add_flag("--quick", opts->quick, "4 steps, dp=2 only (development)");
   zero->add_option("--steps", opts->zero_steps,
-                   "Steps per run (the first 2 are a warm-up, left out of the step time)")
+                   "Steps per run (the first 2, or 1 of 2 steps, are a warm-up, left out of the "
+                   "step time)")
       ->check(CLI::Range(2, 10000));
   zero->add_option("--zero-levels", opts->zero_levels, "parallel.zero values, e.g. 0,1,2,3")
       ->delimiter(',')

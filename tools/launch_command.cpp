@@ -320,7 +320,7 @@ int run_launch(const launch_options& o) {
     return bad_input(
         "no command: troupe launch --nproc N -- COMMAND... (e.g. -- train recipe.toml)");
   if (o.port < 0 || o.port > 65535)
-    return bad_input("--port " + std::to_string(o.port) + " is outside 1-65535");
+    return bad_input("--port " + std::to_string(o.port) + " is outside 0-65535 (0: a free port)");
   if (!(o.grace_s >= 0) || o.grace_s > 86400) {
     char grace[32];
     std::snprintf(grace, sizeof grace, "%g", o.grace_s);
