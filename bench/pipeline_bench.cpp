@@ -1,4 +1,4 @@
-// The pipeline benchmark. See pipeline_bench.hpp and docs/bench.md.
+// The pipeline benchmark. See pipeline_bench.hpp and docs/benchmarks.md.
 #include "bench/pipeline_bench.hpp"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// The ZeRO benchmark. See zero_bench.hpp and docs/bench.md.
+// The ZeRO benchmark. See zero_bench.hpp and docs/benchmarks.md.
 #include "bench/zero_bench.hpp"
 
 #include <sys/wait.h>
