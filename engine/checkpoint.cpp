@@ -72,10 +72,10 @@ void fsync_dir(const fs::path& dir) {
   if (rc != 0) throw ckpt_error(dir, std::string("fsync failed: ") + std::strerror(errno));
 }
 
-void write_text(const fs::path& path, const std::string& text) {
+file_digest write_text(const fs::path& path, const std::string& text) {
   std::vector<std::byte> bytes(text.size());
   std::memcpy(bytes.data(), text.data(), text.size());
-  write_file_atomically(path, bytes);
+  return write_file_atomically(path, bytes);
 }
 
 std::string read_text(const fs::path& path) {
@@ -315,9 +315,8 @@ void write_checkpoint(const fs::path& root, const gpt_config& model,
     add("lm_head.safetensors",
         write_safetensors(dir / "lm_head.safetensors", out, {{"format", "pt"}}));
   }
-  write_text(dir / "trainer_state.json", state_json(state).dump(1) + "\n");
-  const auto [size, hash] = size_and_hash(dir / "trainer_state.json");
-  add("trainer_state.json", {size, hash});
+  add("trainer_state.json",
+      write_text(dir / "trainer_state.json", state_json(state).dump(1) + "\n"));
   fsync_dir(dir);
   point("before manifest");
   const json manifest = {{"magic", checkpoint_magic},

@@ -41,21 +41,24 @@ class cuda_chunk final : public device_chunk {
   const void* output(int slot) const override { return s_.output(slot); }
   void* output_gradient(int slot) override { return s_.output_gradient(slot); }
   block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) override {
-    const void* d = nullptr;
-    block_pass inner = s_.backward_pass(slot, range().head ? nullptr : s_.output_gradient(slot),
-                                        std::move(on_block_done), &d);
-    while (const auto* stop = inner.next()) co_yield *stop;
-    copy_input_gradient(slot, dinput, d);
+    return to_input_gradient(
+        slot, dinput,
+        [this, slot, f = std::move(on_block_done)](const void* dout, const void** d) mutable {
+          return s_.backward_pass(slot, dout, std::move(f), d);
+        });
   }
   block_pass backward_input_pass(int slot, void* dinput) override {
-    const void* d = nullptr;
-    block_pass inner =
-        s_.backward_input_pass(slot, range().head ? nullptr : s_.output_gradient(slot), &d);
-    while (const auto* stop = inner.next()) co_yield *stop;
-    copy_input_gradient(slot, dinput, d);
+    return to_input_gradient(slot, dinput, [this, slot](const void* dout, const void** d) {
+      return s_.backward_input_pass(slot, dout, d);
+    });
   }
-  // The input's gradient where the caller wants it, if backward wrote it elsewhere.
-  void copy_input_gradient(int slot, void* dinput, const void* d) {
+  // The backward pass make(doutput, &d) of slot's micro-batch, then its input's gradient (at d)
+  // copied where the caller wants it, if backward wrote it elsewhere.
+  template <class Make>
+  block_pass to_input_gradient(int slot, void* dinput, Make make) {
+    const void* d = nullptr;
+    block_pass inner = make(range().head ? nullptr : s_.output_gradient(slot), &d);
+    while (const auto* stop = inner.next()) co_yield *stop;
     if (d && dinput && dinput != d)
       s_.copy(dinput, d,
               activation_bytes() / static_cast<std::size_t>(T_) *

@@ -87,18 +87,18 @@ class host_chunk final : public device_chunk {
     return at(slot).doutput.data();
   }
   block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) override {
-    const auto [dout, din] = input_pass(slot, dinput);
-    block_pass inner = compute_.backward(0, id(slot), dout, din, std::move(on_block_done));
+    block_pass inner = input_pass(
+        slot, dinput, [this, slot, f = std::move(on_block_done)](const float* dout, float* din) {
+          return compute_.backward(0, id(slot), dout, din, std::move(f));
+        });
     while (const auto* stop = inner.next()) co_yield *stop;
-    finish_input_pass(slot, dinput, din);
     compute_.release(0, id(slot));
     at(slot).live = false;
   }
   block_pass backward_input_pass(int slot, void* dinput) override {
-    const auto [dout, din] = input_pass(slot, dinput);
-    block_pass inner = compute_.backward_input(0, id(slot), dout, din);
-    while (const auto* stop = inner.next()) co_yield *stop;
-    finish_input_pass(slot, dinput, din);
+    return input_pass(slot, dinput, [this, slot](const float* dout, float* din) {
+      return compute_.backward_input(0, id(slot), dout, din);
+    });
   }
   void backward_weight(int slot, const grad_block_fn& on_block_done) override {
     auto& s = at(slot);
@@ -188,10 +188,10 @@ class host_chunk final : public device_chunk {
       throw std::out_of_range("host_chunk: gradients outside the layout");
     return compute_.chunk(0).grads() + at;
   }
-  // A backward pass of slot's micro-batch reads doutput and writes the input's gradient to
-  // din: `dinput`, or a scratch when that is input(slot), which the pass reads (copied to
-  // dinput by finish_input_pass once the pass is done).
-  std::pair<const float*, float*> input_pass(int slot, void* dinput) {
+  // The backward pass make(doutput, din) of slot's micro-batch, writing the input's gradient
+  // to `dinput`: through a scratch when that is input(slot), which the pass reads.
+  template <class Make>
+  block_pass input_pass(int slot, void* dinput, Make make) {
     auto& s = at(slot);
     if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
     const float* dout = range().head ? nullptr : s.doutput.data();
@@ -200,11 +200,10 @@ class host_chunk final : public device_chunk {
       scratch_.resize(activation_bytes() / sizeof(float));
       din = scratch_.data();
     }
-    return {dout, din};
-  }
-  void finish_input_pass(int slot, void* dinput, float* din) {
+    block_pass inner = make(dout, din);
+    while (const auto* stop = inner.next()) co_yield *stop;
     if (din && din != dinput)
-      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(at(slot).T));
+      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
   }
 
   mutable stage_compute compute_;

@@ -241,10 +241,11 @@ void write_transposed(streamed_file& out, const float* src, std::int64_t rows, s
 
 }  // namespace
 
-void write_file_atomically(const std::filesystem::path& path, const std::vector<std::byte>& bytes) {
+file_digest write_file_atomically(const std::filesystem::path& path,
+                                  const std::vector<std::byte>& bytes) {
   streamed_file out(path);
   out.write(bytes.data(), bytes.size());
-  out.commit();
+  return out.commit();
 }
 
 file_digest write_safetensors(const std::filesystem::path& path,

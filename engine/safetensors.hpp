@@ -74,6 +74,7 @@ file_digest write_safetensors(const std::filesystem::path& path,
                               const std::map<std::string, std::string>& metadata = {});
 
 // Atomic whole-file write: path.tmp, fsync, rename. Used by every writer of outputs.
-void write_file_atomically(const std::filesystem::path& path, const std::vector<std::byte>& bytes);
+file_digest write_file_atomically(const std::filesystem::path& path,
+                                  const std::vector<std::byte>& bytes);
 
 }  // namespace troupe::engine

@@ -651,22 +651,20 @@ template <class T>
 void linear_backward_dgelu(const context& ctx, T* dpre, T* dact, float* dweight, float* dbias,
                            const T* dout, const T* act, const T* pre, const T* weight, int N, int C,
                            int OC) {
+  bool fused = false;
   {
     const timed_op timing(ctx, op_family::linear_backward);
-    // dpre^T[C,N] = W^T[C,OC] dout^T[OC,N], times gelu'(pre) in the epilogue (pre as D is laid).
-    const bool fused =
-        fused_classifier_and_gelu<T>(ctx) &&
-        gemm_access::run<T, T>(ctx, {false, false, C, N, OC, C, OC, C, 1.0f, 0.0f}, weight, dout,
-                               dpre, nullptr, epilogue::dgelu, const_cast<T*>(pre), C);
-    if (!fused)
-      gemm_access::run<T, T>(ctx, {false, false, C, N, OC, C, OC, C, 1.0f, 0.0f}, weight, dout,
-                             dact, nullptr);
-    if (dweight)
-      gemm_access::run<T, float>(ctx, {false, true, C, OC, N, C, OC, C, 1.0f, 1.0f}, act, dout,
-                                 dweight, nullptr);
-    if (dbias) column_sums<T, false>(ctx, nullptr, dbias, dout, dout, nullptr, nullptr, N, OC);
-    if (fused) return;
+    // dpre^T[C,N] = W^T[C,OC] dout^T[OC,N], times gelu'(pre) in the epilogue (pre as D is laid);
+    // else the product alone into dact.
+    const gemm_shape shape{false, false, C, N, OC, C, OC, C, 1.0f, 0.0f};
+    fused = fused_classifier_and_gelu<T>(ctx) &&
+            gemm_access::run<T, T>(ctx, shape, weight, dout, dpre, nullptr, epilogue::dgelu,
+                                   const_cast<T*>(pre), C);
+    if (!fused) gemm_access::run<T, T>(ctx, shape, weight, dout, dact, nullptr);
   }
+  // The weight and bias gradients, as linear_backward's (from act).
+  linear_backward<T>(ctx, nullptr, dweight, dbias, dout, act, weight, N, C, OC);
+  if (fused) return;
   const timed_op timing(ctx, op_family::elementwise);
   map<2>(ctx, dpre, pre, static_cast<const T*>(dact), static_cast<const T*>(nullptr),
          std::int64_t{N} * C, gelu_grad_op{}, "gelu_backward_kernel");
