@@ -237,11 +237,14 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
           }));
     }
   }
-  if (r.parallel.zero > 0) {  // ZeRO: a shard actor per stage, in a ring over the replicas
-    for (int d = 0; d < r.parallel.dp; ++d) {
+  if (r.parallel.zero > 0) {  // ZeRO: a shard actor per stage (of every lane), in a ring over
+                              // the replicas of its tensor shard
+    for (int lane = 0; lane < r.parallel.dp * tp; ++lane) {
+      const int d = lane / tp, j = lane % tp;
       a.reducers.emplace_back();
       for (int p = 0; p < r.parallel.pp; ++p) {
-        const std::string name = "zero shard " + std::to_string(p) + " · dp " + std::to_string(d);
+        std::string name = "zero shard " + std::to_string(p) + " · dp " + std::to_string(d);
+        if (tp > 1) name += " · tp " + std::to_string(j);
         zero_shard_config c;
         c.rank = p;
         c.replica = d;
@@ -249,7 +252,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
         c.zero = static_cast<engine::zero_stage>(r.parallel.zero);
         c.optimizer = r.optimizer;
         c.total_steps = r.steps;
-        c.trace = add_track(a, in, name, "collective", p, d);
+        c.trace = add_track(a, in, name, "collective", p, lane);
         a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p),
                                           pl.process_of_stage(d, p), name,
                                           [&] { return spawn_zero_shard(sys, std::move(c)); }));
@@ -354,20 +357,22 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
       }
       w.loader = a.loaders[static_cast<std::size_t>(lane)];
       w.coordinator = a.coordinator;
-      const bool per_replica = in.mesh || r.parallel.zero > 0;  // ring reducers or zero shards
+      // Ring reducers (tp = 1) and zero shards: one per lane and rank.
+      const bool per_lane = in.mesh || r.parallel.zero > 0;
       if (!a.reducers.empty())
-        w.reducer = per_replica
-                        ? a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)]
+        w.reducer = per_lane
+                        ? a.reducers[static_cast<std::size_t>(lane)][static_cast<std::size_t>(k)]
                         : a.reducers[0][static_cast<std::size_t>(k * tp + j)];
       w.tracer = a.tracer;
       const int partner =
           k == in.layout.embedding_rank() ? in.layout.head_rank() : in.layout.embedding_rank();
       w.tied_partner = row[static_cast<std::size_t>(partner)];
       caf::anon_send(row[static_cast<std::size_t>(k)], std::move(w));
-      // Ring reducers and zero shards learn their stage and the next replica's shard.
+      // Ring reducers and zero shards learn their stage and the next replica's (same tensor
+      // shard).
       if ((in.mesh && r.parallel.dp > 1) || r.parallel.zero > 0) {
-        const auto next = static_cast<std::size_t>((d + 1) % r.parallel.dp);
-        caf::anon_send(a.reducers[static_cast<std::size_t>(d)][static_cast<std::size_t>(k)],
+        const auto next = static_cast<std::size_t>(((d + 1) % r.parallel.dp) * tp + j);
+        caf::anon_send(a.reducers[static_cast<std::size_t>(lane)][static_cast<std::size_t>(k)],
                        ring_wiring{row[static_cast<std::size_t>(k)],
                                    a.reducers[next][static_cast<std::size_t>(k)], a.tracer});
       }

@@ -133,7 +133,11 @@ class stage_impl : public stage_actor::base {
   // ZeRO-3: with a copy of the owned parameters; the stage's parameter buffers are released
   // and hold only gathered buckets from now on.
   void send_zero_layout() {
-    zero_layout l{buckets_.shards(cfg_.replica, cfg_.replicas), buckets_.views(), {}, {}, {}};
+    zero_layout l{buckets_.shards(cfg_.replica, cfg_.replicas, {cfg_.tp_rank, cfg_.tp}),
+                  buckets_.views(),
+                  {},
+                  {},
+                  {}};
     zero_shards_ = l.buckets;
     if (!cfg_.resume.empty()) {  // the owned moments from the checkpoint
       for (int c = 0; c < chunks_->chunk_count(); ++c) {

@@ -51,13 +51,6 @@ const std::vector<support_rule>& support_rules() {
              "kernels.attention = \"cudnn\" needs precision.dtype bf16 or fp16 (cuDNN's flash "
              "attention has no fp32; fp32 runs use \"fused\" or \"materialized\")");
        }},
-      {"ZeRO over tensor shards (`parallel.zero` > 0 with `parallel.tp` > 1)", "parallel.zero",
-       not_yet, not_yet,
-       [](const job_shape& j) { return j.r->parallel.zero > 0 && j.r->parallel.tp > 1; },
-       [](const job_shape&) {
-         return std::string(
-             "ZeRO over tensor shards (parallel.tp > 1) is not built yet; use parallel.zero = 0");
-       }},
       {"tensor shards across processes (`parallel.tp` > 1 in a job of several processes)",
        "parallel.tp", not_yet, not_yet,
        [](const job_shape& j) { return j.r->parallel.tp > 1 && j.processes > 1; },

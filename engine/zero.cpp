@@ -16,7 +16,7 @@ namespace troupe::engine {
 
 bucket_shard make_bucket_shard(const stage_range& range, const std::vector<parameter_info>& layout,
                                int chunk, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
-                               int replica, int replicas, std::int64_t at) {
+                               int replica, int replicas, std::int64_t at, tensor_shard tp) {
   bucket_shard b;
   b.chunk = chunk;
   b.ranges = std::move(ranges);
@@ -45,7 +45,8 @@ bucket_shard make_bucket_shard(const stage_range& range, const std::vector<param
         seg.numel = e - s;
         seg.at = at + (lo - b.begin) + (s - flat_lo);
         seg.decay = p.decay;
-        seg.counted = !(tied_copy && p.name == "transformer.wte.weight");
+        seg.counted = !(tied_copy && p.name == "transformer.wte.weight") &&
+                      !(tp.rank > 0 && p.split == tensor_split::replicated);
         b.segments.push_back(seg);
       }
     }

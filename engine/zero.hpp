@@ -30,7 +30,9 @@ struct shard_segment {
   std::int64_t numel = 0;
   std::int64_t at = 0;  // into the replica's shard storage (its owned floats, bucket by bucket)
   bool decay = false;
-  bool counted = true;  // in the global gradient norm (false: a head's copy of the tied wte)
+  // In the global gradient norm (false: a head's copy of the tied wte, and a replicated
+  // parameter on tensor shards other than 0, whose shard 0 counts it once).
+  bool counted = true;
 };
 
 // What one replica owns of one bucket.
@@ -45,15 +47,16 @@ struct bucket_shard {
 
 // The shard of a bucket of `chunk` (ranges in increasing offset order, from
 // topology::grad_buckets) that `replica` of `replicas` owns; `at` is the shard storage used by
-// the buckets before it. Segments come from the chunk's parameter layout.
+// the buckets before it. Segments come from the chunk's parameter layout, that of tensor shard
+// `tp` (ZeRO over tensor shards: each shard's data-parallel group shards its own slices).
 bucket_shard make_bucket_shard(const stage_range& range, const std::vector<parameter_info>& layout,
                                int chunk, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
-                               int replica, int replicas, std::int64_t at);
+                               int replica, int replicas, std::int64_t at, tensor_shard tp = {});
 inline bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
                                       std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                       int replica, int replicas, std::int64_t at) {
   return make_bucket_shard(stage.range(), stage.parameters(), chunk, std::move(ranges), replica,
-                           replicas, at);
+                           replicas, at, stage.shard());
 }
 
 // Where a shard's numbers live: parameters and (ZeRO-1) gradients in the rank's chunk

@@ -114,7 +114,8 @@ int grad_buckets::bucket_containing(const float* grad) const {
   throw std::logic_error("no gradient bucket holds this gradient");
 }
 
-std::vector<engine::bucket_shard> grad_buckets::shards(int replica, int replicas) const {
+std::vector<engine::bucket_shard> grad_buckets::shards(int replica, int replicas,
+                                                       engine::tensor_shard tp) const {
   std::vector<engine::bucket_shard> out;
   std::int64_t at = 0;
   for (const auto& info : buckets_) {
@@ -123,7 +124,7 @@ std::vector<engine::bucket_shard> grad_buckets::shards(int replica, int replicas
     std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
     for (const auto& [ptr, n] : info.ranges) ranges.emplace_back(ptr - base, n);
     out.push_back(engine::make_bucket_shard(s.range, *s.layout, info.chunk, std::move(ranges),
-                                            replica, replicas, at));
+                                            replica, replicas, at, tp));
     at += out.back().end - out.back().begin;
   }
   return out;

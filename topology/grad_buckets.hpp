@@ -51,8 +51,9 @@ class grad_buckets {
   // The bucket whose ranges hold `grad`; throws std::logic_error if none does.
   int bucket_containing(const float* grad) const;
   // ZeRO: what `replica` of `replicas` owns of each bucket, by bucket index, packed one after the
-  // other in the shard's storage (engine::make_bucket_shard).
-  std::vector<engine::bucket_shard> shards(int replica, int replicas) const;
+  // other in the shard's storage (engine::make_bucket_shard); the chunks are tensor shard `tp`.
+  std::vector<engine::bucket_shard> shards(int replica, int replicas,
+                                           engine::tensor_shard tp = {}) const;
   // The chunks' flat host parameter and gradient buffers (shard_grads unset).
   engine::shard_views views() const;
 

@@ -3,7 +3,7 @@
 // CPU engine's arithmetic. Every step's loss, the validation losses and the final weights must
 // equal the run on CPU chunks bitwise, on every schedule device stages take, with
 // data-parallel replicas (whose final weights must also agree bitwise), ZeRO-1/2/3 and tensor
-// shards; what they do not take yet is refused naming the key.
+// shards, and ZeRO over tensor shards.
 #include <cmath>
 #include <tuple>
 
@@ -104,6 +104,12 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=2 x DP=3 ZeRO-3 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 3, 1, 1, 3},
       {"PP=2 x DP=2 ZeRO-3 ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 1, 3},
       {"PP=3 x DP=2 ZeRO-3 GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 2, 1, 1, 3},
+      // ZeRO over tensor shards: each shard's replicas shard its slices, its zero shards ring
+      // with the same shard of the other replicas.
+      {"DP=2 x TP=2 ZeRO-1", 1, 1, 2, "1f1b", 1, false, 2, 1, 2, 1},
+      {"PP=2 x DP=2 x TP=2 ZeRO-2 ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 2, 2},
+      {"PP=2 x DP=2 x TP=2 ZeRO-3 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 2, 1, 2,
+       3},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -143,19 +149,6 @@ TEST_CASE("a device tensor shard that dies ends the run naming it; its peers do 
   // Its own stop, or its peer's failure in the group the dead shard aborted on its way out.
   REQUIRE_THROWS_WITH(run_actors(r, o),
                       Catch::Matches(".*stage (0 · dp 0 · |rank 0 replica 0 )tp 1 stopped.*"));
-}
-
-TEST_CASE("device stages refuse what they do not do yet, naming it", "[actors][device]") {
-  temp_dir dir;
-  engine::recipe r = tiny_recipe(dir);
-  r.steps = 2;
-  SECTION("ZeRO over tensor shards") {
-    r.parallel.dp = 2;
-    r.parallel.tp = 2;
-    r.parallel.zero = 1;
-    REQUIRE_THROWS_WITH(run_actors(r, host_device(false)),
-                        Catch::Contains("key parallel.zero") && Catch::Contains("tensor shards"));
-  }
 }
 
 // Micro-batches of several sequence lengths: a chunk's slots hold the longest (evaluation's

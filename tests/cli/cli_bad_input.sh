@@ -156,8 +156,6 @@ expect_bad split-wrong-type parallel.layer_split -- "$tmp/ok.toml" \
 expect_bad dp-zero parallel.dp -- "$tmp/ok.toml" --set parallel.dp=0
 expect_bad micro-batches-zero parallel.micro_batches -- "$tmp/ok.toml" --set parallel.micro_batches=0
 expect_bad tp-heads parallel.tp model.heads -- "$tmp/ok.toml" --set parallel.tp=3
-expect_bad tp-zero parallel.zero parallel.tp -- "$tmp/ok.toml" --set parallel.tp=2 \
-  --set parallel.dp=2 --set parallel.zero=1
 # Devices and number formats: bf16 / fp16 need the GPU, fp16 needs dynamic loss scaling, the GPU
 # attention kernel's head sizes, and the actor engine runs on CPUs.
 expect_bad bad-device device tpu -- "$tmp/ok.toml" --set device=tpu
