@@ -2,6 +2,7 @@
 #include "actors/gateway.hpp"
 
 #include <deque>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -19,6 +20,7 @@ struct mesh_state {
   std::unique_ptr<topology::ucx_transport> transport;
   // Fixed before the gateway starts.
   std::map<std::uint32_t, caf::actor> local, proxies;
+  std::map<std::uint32_t, std::function<void(wire::body&&)>> sinks;
   std::map<std::uint32_t, std::string> names;
   std::map<std::uint32_t, int> proxy_rank;
   caf::actor client;
@@ -284,6 +286,10 @@ class gateway_impl : public caf::blocking_actor {
       on_control(peer, std::move(e.message));
       return;
     }
+    if (auto sink = s_->sinks.find(e.target); sink != s_->sinks.end() && e.correlation == 0) {
+      sink->second(std::move(e.message));
+      return;
+    }
     auto it = s_->local.find(e.target);
     if (it == s_->local.end()) {
       fail_job("rank " + std::to_string(peer) + " sent " + std::string(wire::kind_name(e.message)) +
@@ -364,6 +370,12 @@ void remote_mesh::add_local(std::uint32_t id, caf::actor actor, std::string name
   state_->names[id] = std::move(name);
 }
 
+void remote_mesh::add_sink(std::uint32_t id, std::function<void(messages::wire::body&&)> sink,
+                           std::string name) {
+  state_->sinks[id] = std::move(sink);
+  state_->names[id] = std::move(name);
+}
+
 void remote_mesh::start(caf::actor_system& sys, caf::actor client) {
   state_->client = std::move(client);
   state_->started = true;
@@ -392,6 +404,7 @@ void remote_mesh::shutdown(bool ok, const std::string& message) {
   for (auto& [id, p] : s.proxies) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
   s.proxies.clear();
   s.local.clear();
+  s.sinks.clear();
   s.client = nullptr;
 }
 

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +51,10 @@ class remote_mesh {
   caf::actor make_proxy(caf::actor_system& sys, std::uint32_t id, int rank, std::string name);
   // An actor of this process that remote peers address as `id`.
   void add_local(std::uint32_t id, caf::actor actor, std::string name);
+  // A receiver of this process that is no actor (a tensor group member, whose stage waits in a
+  // collective): the gateway's thread calls `sink` with each message to `id`; it must not block.
+  void add_sink(std::uint32_t id, std::function<void(messages::wire::body&&)> sink,
+                std::string name);
   // Starts the gateway; call after every proxy and local actor exists and local wiring was sent.
   // `client` gets run_finished when the job ends from elsewhere: job_shutdown from rank 0, or
   // rank 0 lost.

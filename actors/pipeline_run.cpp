@@ -31,6 +31,7 @@
 #include "engine/support.hpp"
 #include "topology/placement.hpp"
 #include "topology/rendezvous.hpp"
+#include "topology/tensor_exchange.hpp"
 #include "topology/ucx_transport.hpp"
 
 namespace troupe::actors {
@@ -47,9 +48,11 @@ struct run_actors {
   caf::actor tracer, schedule, coordinator;       // local, or proxies on ranks other than 0
   caf::actor checkpointer;                        // rank 0, with checkpoint.every > 0
   std::vector<std::vector<caf::actor>> stages;    // [lane][rank]
-  std::vector<std::vector<caf::actor>> reducers;  // [replica][rank] ring reducers or zero
+  std::vector<std::vector<caf::actor>> reducers;  // [lane][rank] ring reducers or zero
                                                   // shards, or [0][rank * tp + shard]
   std::vector<caf::actor> loaders;                // by lane
+  // This process's members of tensor groups that span processes, aborted when the job fails.
+  std::vector<std::shared_ptr<topology::exchange_member>> spanning_members;
   std::vector<caf::actor> all;    // every actor and proxy of this process (the coordinator watches)
   std::vector<caf::actor> local;  // this process's own actors, stopped at the end
   std::vector<caf::actor> relays;  // test hooks' relays, stopped with the run
@@ -134,7 +137,9 @@ device_links make_links(const build_inputs& in) {
   const int embedding = L.rank_of(0), head = L.rank_of(L.stage_count() - 1);
   for (int d = 0; d < in.r.parallel.dp * in.r.parallel.tp; ++d) {
     const int replica = d / in.r.parallel.tp;
-    auto here = [&](int rank) { return in.placement.process_of_stage(replica, rank) == in.rank; };
+    auto here = [&](int rank) {
+      return in.placement.process_of_stage(replica, rank, d % in.r.parallel.tp) == in.rank;
+    };
     for (int s = 0; s + 1 < L.stage_count(); ++s) {
       const int a = L.rank_of(s), b = L.rank_of(s + 1);
       if (!here(a) || !here(b)) continue;
@@ -177,6 +182,41 @@ std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in
   return dc;
 }
 
+// The tensor group of (replica d, rank p) whose shards live in several processes: this process's
+// members (null for the others), each reached by the others through the gateways as a sink of
+// its own (placement's tensor_member_id).
+std::vector<std::shared_ptr<engine::group_member>> spanning_group(run_actors& a,
+                                                                  const build_inputs& in,
+                                                                  const std::string& name, int d,
+                                                                  int p) {
+  const auto& pl = in.placement;
+  const int tp = in.r.parallel.tp;
+  std::vector<bool> here(static_cast<std::size_t>(tp));
+  for (int j = 0; j < tp; ++j)
+    here[static_cast<std::size_t>(j)] = pl.process_of_stage(d, p, j) == in.rank;
+  remote_mesh* mesh = in.mesh;
+  const int from = in.rank;
+  auto members = topology::make_exchange_group(
+      name, here, [mesh, pl, d, p, from](int to, messages::tensor_exchange m) {
+        mesh->post(
+            pl.process_of_stage(d, p, to),
+            messages::wire::envelope{pl.tensor_member_id(d, p, to), from, 0, false, std::move(m)});
+      });
+  std::vector<std::shared_ptr<engine::group_member>> out(members.begin(), members.end());
+  for (int j = 0; j < tp; ++j) {
+    const auto& member = members[static_cast<std::size_t>(j)];
+    if (!member) continue;
+    mesh->add_sink(
+        pl.tensor_member_id(d, p, j),
+        [member](messages::wire::body&& b) {
+          if (auto* x = std::get_if<messages::tensor_exchange>(&b)) member->deliver(std::move(*x));
+        },
+        name + " · member " + std::to_string(j));
+    a.spanning_members.push_back(member);
+  }
+  return out;
+}
+
 void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in) {
   const auto& r = in.r;
   const auto& pl = in.placement;
@@ -198,11 +238,14 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       if (tp > 1) {
         auto& members = groups[{d, p}];
         if (members.empty()) {
-          if (in.chunks) {
+          const std::string group =
+              "tp group of stage " + std::to_string(p) + " · dp " + std::to_string(d);
+          if (in.mesh && pl.tensor_group_spans(d, p)) {  // its members in several processes
+            members = spanning_group(a, in, group, d, p);
+          } else if (in.chunks) {
             members = in.chunks->make_tensor_group(p, d, tp);
           } else {
-            auto host = engine::make_local_tensor_group(
-                tp, "tp group of stage " + std::to_string(p) + " · dp " + std::to_string(d));
+            auto host = engine::make_local_tensor_group(tp, group);
             members.assign(host.begin(), host.end());
           }
         }
@@ -231,7 +274,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       if (tp > 1) name += " · tp " + std::to_string(j);
       c.trace = add_track(a, in, name, "stage", p, lane);
       a.stages.back().push_back(
-          place(sys, a, in, pl.stage_id(d, p), pl.process_of_stage(d, p), name, [&] {
+          place(sys, a, in, pl.stage_id(d, p, j), pl.process_of_stage(d, p, j), name, [&] {
             if (in.chunks) c.device = device_config(in, links, c);
             return spawn_stage(sys, std::move(c));
           }));
@@ -253,8 +296,8 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
         c.optimizer = r.optimizer;
         c.total_steps = r.steps;
         c.trace = add_track(a, in, name, "collective", p, lane);
-        a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p),
-                                          pl.process_of_stage(d, p), name,
+        a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p, j),
+                                          pl.process_of_stage(d, p, j), name,
                                           [&] { return spawn_zero_shard(sys, std::move(c)); }));
       }
     }
@@ -281,13 +324,16 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
     }
     return;
   }
-  for (int d = 0; d < r.parallel.dp; ++d) {  // across processes: a ring reducer per stage
+  // Across processes: a ring reducer per stage (of every lane), over the replicas of its shard.
+  for (int lane = 0; lane < r.parallel.dp * tp; ++lane) {
+    const int d = lane / tp, j = lane % tp;
     a.reducers.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
-      const std::string name = "ring reducer " + std::to_string(p) + " · dp " + std::to_string(d);
-      ring_reducer_config c{p, d, r.parallel.dp, add_track(a, in, name, "collective", p, d)};
-      a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p), pl.process_of_stage(d, p),
-                                        name,
+      std::string name = "ring reducer " + std::to_string(p) + " · dp " + std::to_string(d);
+      if (tp > 1) name += " · tp " + std::to_string(j);
+      ring_reducer_config c{p, d, r.parallel.dp, add_track(a, in, name, "collective", p, lane)};
+      a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p, j),
+                                        pl.process_of_stage(d, p, j), name,
                                         [&] { return spawn_ring_reducer(sys, std::move(c)); }));
     }
   }
@@ -327,8 +373,8 @@ void spawn_loaders(caf::actor_system& sys, run_actors& a, const build_inputs& in
     std::string name = "data loader · dp " + std::to_string(d);
     if (tp > 1) name += " · tp " + std::to_string(lane % tp);
     c.trace = add_track(a, in, name, "loader", -1, lane);
-    a.loaders.push_back(place(sys, a, in, in.placement.loader_id(d),
-                              in.placement.process_of_loader(d), name,
+    a.loaders.push_back(place(sys, a, in, in.placement.loader_id(lane),
+                              in.placement.process_of_loader(lane), name,
                               [&] { return spawn_data_loader(sys, std::move(c)); }));
   }
 }
@@ -444,7 +490,8 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
   h.coords = {env.rank, env.world, 0, 0};
   for (int d = 0; d < r.parallel.dp; ++d)
     for (int k = r.parallel.pp - 1; k >= 0; --k)
-      if (pl.process_of_stage(d, k) == env.rank) h.coords = {env.rank, env.world, d, k};
+      for (int j = r.parallel.tp - 1; j >= 0; --j)
+        if (pl.process_of_stage(d, k, j) == env.rank) h.coords = {env.rank, env.world, d, k};
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   h.host = host;
@@ -481,6 +528,9 @@ void check_job(const engine::recipe& r, const run_options& o,
   if (r.parallel.tp > 1 && chunks && !chunks->make_tensor_group)
     throw engine::recipe_error("key parallel.tp: tensor parallelism on " + chunks->name +
                                " chunks: not built");
+  if (r.parallel.tp > 1 && o.launch.world > 1 && chunks && !chunks->host_tensor_groups)
+    throw engine::recipe_error("key parallel.tp: tensor shards of " + chunks->name +
+                               " chunks in a job of several processes: not built");
 }
 
 }  // namespace
@@ -559,10 +609,11 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
     throw engine::recipe_error(std::string("key parallel.layer_split: ") + e.what());
   }
   try {
-    in.placement =
-        topology::job_placement(r.parallel.pp, r.parallel.dp, multi ? o.launch.world : 1);
+    in.placement = topology::job_placement(r.parallel.pp, r.parallel.dp, multi ? o.launch.world : 1,
+                                           r.parallel.tp);
   } catch (const std::invalid_argument& e) {
-    throw engine::recipe_error(std::string("keys parallel.pp, parallel.dp: ") + e.what());
+    throw engine::recipe_error(std::string("keys parallel.pp, parallel.dp") +
+                               (r.parallel.tp > 1 ? ", parallel.tp: " : ": ") + e.what());
   }
   in.rank = my_rank;
   make_samplers(in);
@@ -802,7 +853,13 @@ std::string training_job::finish(caf::actor_system& sys, std::string failure) {
                    [&](caf::error& e) { failure = "trace: " + to_string(e); });
       if (failure.empty()) say("wrote trace " + o.trace_path);
     }
+    // A stage waiting in a collective for a shard in a process that failed: it stops now.
+    if (!failure.empty())
+      for (const auto& m : a.spanning_members) m->abort("the job failed: " + failure);
     if (mesh) mesh->shutdown(failure.empty(), failure);
+    // The gateway has stopped: a stage stopping from now on tells its group's other processes
+    // nothing.
+    for (const auto& m : a.spanning_members) m->close("the job ended");
     for (const auto& h : a.local) client->send_exit(h, caf::exit_reason::user_shutdown);
     for (const auto& h : a.relays) client->send_exit(h, caf::exit_reason::user_shutdown);
   }

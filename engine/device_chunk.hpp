@@ -182,6 +182,9 @@ struct chunk_factory {
   // has no tensor parallelism.
   std::function<std::vector<std::shared_ptr<group_member>>(int rank, int replica, int tp)>
       make_tensor_group;
+  // Whether make_chunk also takes a host tensor_group's member (engine/tensor_group.hpp): a
+  // tensor group whose shards live in several processes is one (topology/tensor_exchange.hpp).
+  bool host_tensor_groups = false;
 };
 
 // CUDA chunks (gpu_stage) for a pipeline of `pp` ranks of `tp` tensor shards each, and links
@@ -195,7 +198,8 @@ struct chunk_factory {
 chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp = 1,
                           int local_rank = -1);
 // Host chunks and links: the CPU engine's arithmetic (engine::stage_compute) behind the device
-// contracts, bitwise the CPU pipeline's numbers; tensor groups are make_local_tensor_group's.
+// contracts, bitwise the CPU pipeline's numbers; tensor groups are make_local_tensor_group's
+// (or, across processes, any host tensor_group).
 chunk_factory host_chunks(bool recompute);
 
 }  // namespace troupe::engine

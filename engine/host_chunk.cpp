@@ -252,6 +252,7 @@ class host_link final : public chunk_link {
 chunk_factory host_chunks(bool recompute) {
   chunk_factory f;
   f.name = "host";
+  f.host_tensor_groups = true;
   f.make_chunk = [recompute](const gpt_stage& weights, int B, int T, int slots, int, int,
                              std::shared_ptr<group_member> member,
                              bool optimizer_state) -> std::unique_ptr<device_chunk> {

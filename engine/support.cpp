@@ -51,12 +51,15 @@ const std::vector<support_rule>& support_rules() {
              "kernels.attention = \"cudnn\" needs precision.dtype bf16 or fp16 (cuDNN's flash "
              "attention has no fp32; fp32 runs use \"fused\" or \"materialized\")");
        }},
-      {"tensor shards across processes (`parallel.tp` > 1 in a job of several processes)",
-       "parallel.tp", not_yet, not_yet,
-       [](const job_shape& j) { return j.r->parallel.tp > 1 && j.processes > 1; },
+      {"tensor shards in a job of several processes (`parallel.tp` > 1)", "parallel.tp", "yes",
+       not_yet,
        [](const job_shape& j) {
-         return "tensor shards of a job of " + std::to_string(j.processes) +
-                " processes (not built yet: the shards of a stage share a process)";
+         return j.device_chunks && j.r->device == "cuda" && j.r->parallel.tp > 1 && j.processes > 1;
+       },
+       [](const job_shape& j) {
+         return "tensor shards of CUDA chunks in a job of " + std::to_string(j.processes) +
+                " processes (not built yet: on GPUs, a job with tensor shards runs in one "
+                "process)";
        }},
   };
   return rules;

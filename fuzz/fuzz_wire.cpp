@@ -47,6 +47,7 @@ void write_seeds(const std::string& dir) {
                         {{m::tensor_role::exp_avg, "transformer.wte.weight", 4, {1, 2, 3}}}},
       m::error_report{2, "a peer was lost"},
       m::ring_chunk{1, 0, 2, 1, 0, 1, floats(9), 0},
+      m::tensor_exchange{4, 1, m::tensor_exchange::op::sum_f32, floats(8), ""},
   };
   int i = 0;
   for (const auto& b : bodies) {

@@ -14,7 +14,7 @@ namespace troupe::messages {
 
 // Bumped whenever a schema in messages/*.capnp changes incompatibly. Rendezvous refuses a process
 // that speaks another version.
-inline constexpr std::uint32_t protocol_version = 2;
+inline constexpr std::uint32_t protocol_version = 3;
 
 // Where a process sits in the job's mesh.
 struct mesh_coords {
@@ -79,6 +79,19 @@ struct ring_chunk {
   int chunk = 0;
   float_buffer data;
   int collective = 0;  // ZeRO: a zero_collective (bucket = gather number unless 0); DDP: 0
+};
+
+// One member's part of a tensor-group collective between processes
+// (topology/tensor_exchange.hpp): collective number `seq` of the group, member `from`'s buffer
+// (float sums and maxima as they are; double sums as their bytes, two floats a double), or, with
+// op abort, the reason a member stopped (data empty).
+struct tensor_exchange {
+  enum class op : int { sum_f32 = 0, sum_f64 = 1, max_f32 = 2, abort = 3 };
+  std::uint64_t seq = 0;
+  int from = 0;
+  op kind = op::sum_f32;
+  float_buffer data;
+  std::string reason;
 };
 
 // A piece of a checkpoint file sent to the writer (schema reserved for the checkpoint issue).

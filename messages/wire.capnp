@@ -255,6 +255,14 @@ struct CheckpointChunk {
   data @4 :Tensor;
 }
 
+struct TensorExchange {
+  seq @0 :UInt64;     # the group's collective number
+  from @1 :Int32;     # the sending member
+  op @2 :Int32;       # 0 float sum, 1 double sum (bytes as floats), 2 float max, 3 abort
+  data @3 :Tensor;
+  reason @4 :Text;    # abort: why the member stopped
+}
+
 struct Envelope {
   schema @0 :UInt64;        # envelopeSchema
   version @1 :UInt32;       # messages::protocol_version
@@ -285,5 +293,6 @@ struct Envelope {
     jobShutdown @25 :JobShutdown;
     ringChunk @26 :RingChunk;
     checkpointChunk @27 :CheckpointChunk;
+    tensorExchange @28 :TensorExchange;
   }
 }

@@ -34,12 +34,12 @@ static_assert(std::endian::native == std::endian::little, "the wire and its payl
 
 namespace {
 
-constexpr std::array<std::string_view, 22> kind_names = {
-    "link_message", "link_credit",     "batch_message",    "batch_credit",   "step_plan",
-    "begin_step",   "begin_eval",      "grads_ready",      "apply_update",   "update_done",
-    "eval_done",    "tied_grad",       "snapshot_request", "stage_snapshot", "trace_batch",
-    "step_report",  "heartbeat",       "actor_down",       "error_report",   "job_shutdown",
-    "ring_chunk",   "checkpoint_chunk"};
+constexpr std::array<std::string_view, 23> kind_names = {
+    "link_message", "link_credit",      "batch_message",    "batch_credit",   "step_plan",
+    "begin_step",   "begin_eval",       "grads_ready",      "apply_update",   "update_done",
+    "eval_done",    "tied_grad",        "snapshot_request", "stage_snapshot", "trace_batch",
+    "step_report",  "heartbeat",        "actor_down",       "error_report",   "job_shutdown",
+    "ring_chunk",   "checkpoint_chunk", "tensor_exchange"};
 static_assert(kind_names.size() == std::variant_size_v<body>);
 // The union's discriminants are the variant's indices.
 static_assert(static_cast<int>(s::Envelope::Body::LINK_MESSAGE) == 0 &&
@@ -428,6 +428,14 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       o.setChunk(m.chunk);
       o.setCollective(m.collective);
       w.tensor(o.initData(), m.data, "data");
+    }
+    void operator()(const tensor_exchange& m) {
+      auto o = b.initTensorExchange();
+      o.setSeq(m.seq);
+      o.setFrom(m.from);
+      o.setOp(static_cast<std::int32_t>(m.kind));
+      w.tensor(o.initData(), m.data, "data");
+      o.setReason(text(m.reason));
     }
     void operator()(const checkpoint_chunk& m) {
       auto o = b.initCheckpointChunk();

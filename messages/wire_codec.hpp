@@ -55,7 +55,7 @@ using body =
     std::variant<link_message, link_credit, batch_message, batch_credit, step_plan, begin_step,
                  begin_eval, grads_ready, apply_update, update_done, eval_done, tied_grad,
                  snapshot_request, stage_snapshot, trace_batch, step_report, heartbeat, actor_down,
-                 error_report, job_shutdown, ring_chunk, checkpoint_chunk>;
+                 error_report, job_shutdown, ring_chunk, checkpoint_chunk, tensor_exchange>;
 
 struct envelope {
   std::uint32_t target = 0;       // job-wide actor id at the receiver (0 = the receiving gateway)

@@ -376,6 +376,23 @@ body reader::message(s::Envelope::Body::Reader b) {
       m.data = at("data").tensor<float>(r.hasData(), r.getData());
       return m;
     }
+    case B::TENSOR_EXCHANGE: {
+      const auto r = b.getTensorExchange();
+      tensor_exchange m;
+      m.seq = r.getSeq();
+      m.from = r.getFrom();
+      const int op = r.getOp();
+      field = "op";
+      if (op < 0 || op > static_cast<int>(tensor_exchange::op::abort))
+        fail("unknown collective " + std::to_string(op));
+      m.kind = static_cast<tensor_exchange::op>(op);
+      m.data = at("data").tensor<float>(r.hasData(), r.getData());
+      field = "data";
+      if (m.kind == tensor_exchange::op::sum_f64 && m.data->size() % 2 != 0)
+        fail("a double sum of " + std::to_string(m.data->size()) + " floats (an odd count)");
+      m.reason = at("reason").str(r.hasReason(), r.getReason());
+      return m;
+    }
   }
   fail("unknown message kind " + std::to_string(static_cast<unsigned>(b.which())));
 }

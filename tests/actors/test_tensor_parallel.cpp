@@ -44,6 +44,23 @@ engine::recipe with(engine::recipe r, const config& c) {
   return r;
 }
 
+// The same tensors, each within tol of the largest magnitude of want's.
+template <class Params>
+void same_tensors_within(const Params& got, const Params& want, double tol) {
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, w] : want) {
+    INFO(name);
+    const auto& g = got.at(name);
+    REQUIRE(g.size() == w.size());
+    double diff = 0, mag = 1e-30;
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      diff = std::max(diff, std::abs(double(g[i]) - double(w[i])));
+      mag = std::max(mag, std::abs(double(w[i])));
+    }
+    CHECK(diff <= tol * mag);
+  }
+}
+
 std::vector<double> norms_of(const std::vector<engine::step_metrics>& steps) {
   std::vector<double> out;
   for (const auto& m : steps) out.push_back(m.grad_norm);
@@ -93,18 +110,7 @@ TEST_CASE("the shards' slices put together are the parameters of an unsharded ru
   const auto sharded = run_actors(r).parameters;
   r.parallel.tp = 1;
   const auto whole = run_actors(r).parameters;
-  REQUIRE(sharded.size() == whole.size());
-  for (const auto& [name, w] : whole) {
-    INFO(name);
-    const auto& s = sharded.at(name);
-    REQUIRE(s.size() == w.size());
-    double diff = 0, mag = 1e-30;
-    for (std::size_t i = 0; i < w.size(); ++i) {
-      diff = std::max(diff, std::abs(double(s[i]) - double(w[i])));
-      mag = std::max(mag, std::abs(double(w[i])));
-    }
-    CHECK(diff <= 1e-4 * mag);
-  }
+  same_tensors_within(sharded, whole, 1e-4);
 }
 
 TEST_CASE("each shard holds what the dry-run plans for a shard", "[actors][tensor_parallel]") {
@@ -186,18 +192,7 @@ TEST_CASE("ZeRO-1, 2 and 3 over tensor shards match the serial run step by step"
         REQUIRE(losses_of(z.steps) == losses_of(zero[0].steps));
         REQUIRE(z.parameters == zero[0].parameters);
       }
-      REQUIRE(zero[0].parameters.size() == ddp.parameters.size());
-      for (const auto& [name, w] : ddp.parameters) {
-        INFO(name);
-        const auto& got = zero[0].parameters.at(name);
-        REQUIRE(got.size() == w.size());
-        double diff = 0, mag = 1e-30;
-        for (std::size_t i = 0; i < w.size(); ++i) {
-          diff = std::max(diff, std::abs(double(got[i]) - double(w[i])));
-          mag = std::max(mag, std::abs(double(w[i])));
-        }
-        CHECK(diff <= 1e-4 * mag);
-      }
+      same_tensors_within(zero[0].parameters, ddp.parameters, 1e-4);
     }
   }
 }

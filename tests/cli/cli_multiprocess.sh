@@ -3,8 +3,9 @@
 # configurations of the actor engine run with one process per stage (torchrun-style variables),
 # and with several stages per process, also with the update guard skipping and dynamic loss
 # scaling; every step's loss, the validation losses and the final
-# weights must be identical to the in-process run; likewise stages on device chunks of the host
-# kind, whose payloads cross processes staged through host memory. Then failures: a killed rank is reported by
+# weights must be identical to the in-process run (tensor shards across processes included);
+# likewise stages on device chunks of the host kind, whose payloads cross processes staged
+# through host memory. Then failures: a killed rank (or tensor shard) is reported by
 # rank 0 naming it within the heartbeat deadline and every process exits non-zero; a process with
 # the wrong job token or protocol version is refused and the job still completes.
 # Usage: cli_multiprocess.sh TROUPE
@@ -136,6 +137,13 @@ configs=(
   "pp4gpipe 4 --set parallel.pp=4 --set parallel.schedule=gpipe --set parallel.layer_split=[1,1,1,2] --set model.layers=5"
   "pp2dp2x2 2 --set parallel.pp=2 --set parallel.dp=2"
   "pp2dp2guard 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 --set precision.loss_scale=dynamic --set precision.init_scale=1e40 --set precision.backoff_factor=1e-4 --set guard.window=2 --set guard.grad_norm_zscore=0.5"
+  # Tensor shards across processes: each shard its own process; a rank's group within one
+  # process and another's across two; shards sharing a process with DP and ZeRO across them.
+  "tp2 2 --set parallel.tp=2"
+  "pp2tp2 4 --set parallel.pp=2 --set parallel.tp=2"
+  "pp3tp2 2 --set parallel.pp=3 --set parallel.tp=2 --set model.layers=3"
+  "pp2dp2tp2z1 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2 --set parallel.zero=1"
+  "dp2tp2z3zb 4 --set parallel.dp=2 --set parallel.tp=2 --set parallel.zero=3 --set parallel.schedule=zb_h1"
 )
 # same_as_one_process NAME WORLD ARGS...: the job in one process, then as WORLD processes (with
 # multi_args added); both must give identical losses, validation losses and weights.
@@ -172,6 +180,9 @@ device_layouts=(
   "hdp2z1 2 --set parallel.dp=2 --set parallel.zero=1"
   "hpp2dp2z2 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2"
   "hpp2dp2z3 4 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3"
+  "htp2 2 --set parallel.tp=2"
+  "hpp2tp2 4 --set parallel.pp=2 --set parallel.tp=2 --set parallel.schedule=zb_h1"
+  "hdp2tp2z2 4 --set parallel.dp=2 --set parallel.tp=2 --set parallel.zero=2"
 )
 multi_args=(--test-chunks host)
 for c in "${device_layouts[@]}"; do
@@ -247,6 +258,31 @@ grep -Eq "rank 2 \(.*\) lost: (no heartbeat|UCX error: endpoint error)" "$tmp/ki
 grep -q "job ended: .*rank 2" "$tmp/kill.1.log" || {
   echo "FAIL: rank 1 did not report the end" >&2; cat "$tmp/kill.1.log" >&2; exit 1; }
 grep "error" "$tmp/kill.0.log"
+
+# A killed tensor shard: its peer in the other process, waiting in a collective, does not hang;
+# rank 0 names the lost shard and both exit non-zero.
+next_port
+job=()
+for r in 1 0; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    TROUPE_JOB_TOKEN=cli-tpkill timeout 120 "$troupe" train "$tmp/recipe.toml" \
+    --set "output.dir=$tmp/tpkill" --set parallel.tp=2 --set steps=1000000 \
+    --set eval_interval=0 --peer-timeout 5 >"$tmp/tpkill.$r.log" 2>&1 &
+  job+=($!)
+done
+pids+=("${job[@]}")
+for _ in $(seq 1 300); do
+  [[ -f $tmp/tpkill/metrics.jsonl && $(wc -l <"$tmp/tpkill/metrics.jsonl") -ge 3 ]] && break
+  sleep 0.2
+done
+kill -9 "$(pgrep -P "${job[0]}")"  # rank 1's troupe process
+rc=0
+wait "${job[1]}" || rc=$?
+[[ $rc -ne 0 && $rc -ne 124 ]] || {
+  echo "FAIL: rank 0 exited $rc after tensor shard 1 was killed" >&2; cat "$tmp/tpkill.0.log" >&2; exit 1; }
+grep -Eq "tp 1 stopped.*rank 1 \(.*\) lost|rank 1 \(.*\) lost" "$tmp/tpkill.0.log" || {
+  echo "FAIL: rank 0 did not name the lost shard's rank" >&2; cat "$tmp/tpkill.0.log" >&2; exit 1; }
+grep "error" "$tmp/tpkill.0.log"
 
 # A process with the wrong job token is refused with the reason; the job is not disturbed.
 next_port

@@ -505,7 +505,9 @@ TEST_CASE("the support rules refuse a job naming the key, and the table lists ea
   CHECK_NOTHROW(check_support(job));
   job.device_chunks = false;
   CHECK_NOTHROW(check_support(job));
-  r.parallel.tp = 2;  // ... but not tensor shards across them
+  r.parallel.tp = 2;  // tensor shards across them on CPU chunks ...
+  CHECK_NOTHROW(check_support(job));
+  job.device_chunks = true;  // ... but not on device chunks yet
   CHECK_THAT(error_message<recipe_error>([&] { check_support(job); }),
              Catch::Contains("key parallel.tp") && Catch::Contains("4 processes"));
   const std::string table = format_support_table();

@@ -183,6 +183,11 @@ struct checker {
           std::tie(g.step, g.file, g.offset, g.xxhash));
     check_payload(w.data, g.data);
   }
+  void operator()(const tensor_exchange& w) {
+    const auto& g = as<tensor_exchange>();
+    CHECK(std::tie(w.seq, w.from, w.kind, w.reason) == std::tie(g.seq, g.from, g.kind, g.reason));
+    check_payload(w.data, g.data);
+  }
 };
 
 // The tensor payloads a message holds.
@@ -230,6 +235,7 @@ TEST_CASE("kind names follow the C++ struct names", "[unit]") {
   CHECK(kind_name(body{link_message{}}) == "link_message");
   CHECK(kind_name(body{checkpoint_chunk{}}) == "checkpoint_chunk");
   CHECK(kind_name(body{snapshot_request{}}) == "snapshot_request");
+  CHECK(kind_name(body{tensor_exchange{}}) == "tensor_exchange");
 }
 
 TEST_CASE("a step report without a validation loss keeps it absent", "[unit]") {

@@ -181,6 +181,18 @@ TEST_CASE("frames of another schema or version, or of an unknown kind, are refus
   }
 }
 
+TEST_CASE("a tensor exchange of an unknown collective or a torn double is refused", "[unit]") {
+  tensor_exchange m{3, 1, static_cast<tensor_exchange::op>(7), floats(4, 1), ""};
+  const frame bad_op = encode({0, 0, 0, false, m});
+  CHECK(refused_with([&] { decode(gather(bad_op), bad_op.bytes, wide()); }) ==
+        "wire: tensor_exchange.op: unknown collective 7");
+  m.kind = tensor_exchange::op::sum_f64;
+  m.data = floats(5, 1);
+  const frame torn = encode({0, 0, 0, false, m});
+  CHECK(refused_with([&] { decode(gather(torn), torn.bytes, wide()); }) ==
+        "wire: tensor_exchange.data: a double sum of 5 floats (an odd count)");
+}
+
 TEST_CASE("a missing or scattered payload is refused", "[unit]") {
   const envelope e{0, 0, 0, false, link_message{header(link_kind::activation, {5}), floats(5, 1)}};
   const frame f = detail::encode(e, 16);  // pieces of 16 and 4 bytes

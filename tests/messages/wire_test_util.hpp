@@ -166,9 +166,12 @@ inline body sample(std::size_t kind) {
       return job_shutdown{false, "rank 3 lost"};
     case 20:
       return ring_chunk{4, 1, 3, 2, 1, 5, floats(64, 4), 2};
-    default:
+    case 21:
       return checkpoint_chunk{9, "step_9/rank_1.bin", 1ull << 40, 0x0123456789abcdefull,
                               floats(7, 5)};
+    default:
+      return tensor_exchange{(1ull << 40) + 3, 2, tensor_exchange::op::sum_f64, floats(12, 6),
+                             "stage 0 · dp 0 · tp 1 stopped"};
   }
 }
 
