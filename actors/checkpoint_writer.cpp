@@ -87,16 +87,15 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
   }
 
   // One stage's state into the whole tensors (W2: other replicas' parameters are the same).
-  void add(const stage_snapshot& s, int lane) {
+  // The values are taken, not copied, where a piece is a whole tensor (or shard's slice).
+  void add(stage_snapshot& s, int lane) {
     const int shard = lane % cfg_.tp, replica = lane / cfg_.tp;
     using role = engine::checkpoint_assembler::role;
     if (replica == 0)
-      for (const auto& [name, values] : s.parameters)
-        assembler_->add(role::parameter, name, shard, 0, values.data(),
-                        static_cast<std::int64_t>(values.size()));
-    for (const auto& p : s.pieces)
-      assembler_->add(static_cast<role>(p.role), p.name, shard, p.offset, p.values.data(),
-                      static_cast<std::int64_t>(p.values.size()));
+      for (auto& [name, values] : s.parameters)
+        assembler_->add(role::parameter, name, shard, 0, std::move(values));
+    for (auto& p : s.pieces)
+      assembler_->add(static_cast<role>(p.role), p.name, shard, p.offset, std::move(p.values));
   }
 
   // W1: on this actor's thread; messages wait meanwhile.

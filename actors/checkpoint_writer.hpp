@@ -6,7 +6,8 @@
 //
 // Invariants:
 //  W1. One checkpoint at a time: the next is collected only after the previous is committed.
-//  W2. Parameters come from replica 0's lanes (the shards of a rank); moments from replica 0's
+//  W2. Parameters come from replica 0's lanes (the shards of a rank; under ZeRO-1/2 the other
+//      replicas send none, ZeRO-3's every replica its owned pieces); moments from replica 0's
 //      lanes too, or with ZeRO from every replica (each owns a piece of each bucket).
 //  W3. checkpoint_flush is answered after every checkpoint begun before it is committed; with
 //      abandon, a checkpoint still being collected is dropped (never written: the last committed

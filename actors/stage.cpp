@@ -52,6 +52,7 @@
 
 #include "actors/error_text.hpp"
 #include "actors/stage_links.hpp"
+#include "engine/checkpoint.hpp"
 #include "engine/gpt_weights.hpp"
 #include "engine/rank_chunks.hpp"
 #include "kernels/cpu_threads.hpp"
@@ -333,17 +334,22 @@ class stage_impl : public stage_actor::base {
 
   // A checkpoint's state (snapshot_request::state): the parameters and the AdamW moments; where
   // the ZeRO shard holds them, as the pieces it owns. Nothing is gathered or released for it.
+  // Under ZeRO-1/2 every replica holds the same whole parameters: replica 0's lanes send them,
+  // the others their owned moments only.
   caf::result<stage_snapshot> on_state(const snapshot_request&) {
     if (!zero()) {
-      stage_snapshot s = snapshot(true);
+      stage_snapshot s;
+      s.rank = my_rank();
+      s.replica = cfg_.replica;
       for (int c = 0; c < chunks_->chunk_count(); ++c) {
-        const auto [m, v] = chunks_->moments(c);
+        const auto h = chunks_->state_on_host(c, true);
         for (const auto& p : chunks_->layout(c)) {
-          const auto from = static_cast<std::ptrdiff_t>(p.offset), to = from + p.numel;
           const auto name = state_name(c, p);
-          s.pieces.push_back({tensor_role::exp_avg, name, 0, {m.begin() + from, m.begin() + to}});
+          s.parameters.emplace_back(name, engine::state_copy(h.params + p.offset, p.numel));
           s.pieces.push_back(
-              {tensor_role::exp_avg_sq, name, 0, {v.begin() + from, v.begin() + to}});
+              {tensor_role::exp_avg, name, 0, engine::state_copy(h.m + p.offset, p.numel)});
+          s.pieces.push_back(
+              {tensor_role::exp_avg_sq, name, 0, engine::state_copy(h.v + p.offset, p.numel)});
         }
       }
       return s;
@@ -352,7 +358,7 @@ class stage_impl : public stage_actor::base {
     request(wiring_.reducer, caf::infinite, zero_state_request{})
         .then([this, rp](zero_state& z) mutable {
           stage_snapshot s;
-          if (!sharded_params()) {
+          if (!sharded_params() && cfg_.replica == 0) {
             s = snapshot(true);
           } else {
             s.rank = my_rank();
@@ -364,9 +370,8 @@ class stage_impl : public stage_actor::base {
               const std::int64_t offset = seg.offset - p.offset;
               const auto name = state_name(seg.chunk, p);
               auto piece = [&](tensor_role role, const std::vector<float>& from) {
-                const auto at = static_cast<std::ptrdiff_t>(seg.at);
                 s.pieces.push_back(
-                    {role, name, offset, {from.begin() + at, from.begin() + at + seg.numel}});
+                    {role, name, offset, engine::state_copy(from.data() + seg.at, seg.numel)});
               };
               piece(tensor_role::exp_avg, z.m);
               piece(tensor_role::exp_avg_sq, z.v);
@@ -1026,12 +1031,10 @@ class stage_impl : public stage_actor::base {
     s.rank = my_rank();
     s.replica = cfg_.replica;
     for (int c = 0; c < chunks_->chunk_count(); ++c) {
-      const auto values = chunks_->parameters(c);
-      for (const auto& p : chunks_->layout(c)) {
-        const auto from = values.begin() + p.offset;
+      const auto h = chunks_->state_on_host(c, false);
+      for (const auto& p : chunks_->layout(c))
         s.parameters.emplace_back(state ? state_name(c, p) : p.name,
-                                  std::vector<float>(from, from + p.numel));
-      }
+                                  engine::state_copy(h.params + p.offset, p.numel));
     }
     return s;
   }

@@ -38,17 +38,28 @@ timed_run run(const engine::recipe& r, const std::string& resume = "") {
   return t;
 }
 
-double per_step_ms(const timed_run& t, int warmup) {
+// Each step's wall time after the first `warmup` steps, in ms, added to `out`.
+void step_times_ms(const timed_run& t, int warmup, std::vector<double>& out) {
   const auto n = static_cast<int>(t.step_end_s.size());
-  const int w = std::min(warmup, n - 1);
-  if (n < 2) return 0;
-  return (t.step_end_s.back() - t.step_end_s[static_cast<std::size_t>(w)]) / (n - 1 - w) * 1e3;
+  for (int i = std::max(1, std::min(warmup, n - 1) + 1); i < n; ++i)
+    out.push_back((t.step_end_s[static_cast<std::size_t>(i)] -
+                   t.step_end_s[static_cast<std::size_t>(i - 1)]) *
+                  1e3);
 }
 
-checkpoint_case measure(const std::string& shape, engine::recipe r, int steps, int warmup) {
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
+
+checkpoint_case measure(const std::string& shape, engine::recipe r, int steps, int warmup,
+                        int rounds) {
   checkpoint_case c;
   c.shape = shape;
   c.steps = steps;
+  c.rounds = rounds;
   c.parameters = r.model.parameter_count();
   char tmpl[] = "/tmp/troupe-bench-ckpt-XXXXXX";
   const fs::path dir = ::mkdtemp(tmpl);
@@ -56,20 +67,26 @@ checkpoint_case measure(const std::string& shape, engine::recipe r, int steps, i
     r.steps = steps;
     r.eval_interval = 0;
     r.output.weights = "";
-    r.output.dir = (dir / "without").string();
-    std::fprintf(stderr, "  %s: %d steps without checkpoints...", shape.c_str(), steps);
-    const auto without = run(r);
-    r.output.dir = (dir / "every").string();
-    r.checkpoint.every = 1;
     r.checkpoint.keep = 1;
-    std::fprintf(stderr, " with one after every step...");
-    const auto every = run(r);
-    c.step_ms_without = per_step_ms(without, warmup);
-    c.step_ms_every = per_step_ms(every, warmup);
+    std::vector<double> without, every;
+    for (int k = 0; k < rounds; ++k) {
+      std::fprintf(stderr, "  %s, round %d of %d: %d steps without checkpoints...", shape.c_str(),
+                   k + 1, rounds, steps);
+      r.checkpoint.every = 0;
+      r.output.dir = (dir / ("without-" + std::to_string(k))).string();
+      step_times_ms(run(r), warmup, without);
+      std::fprintf(stderr, " with one after every step...\n");
+      r.checkpoint.every = 1;
+      r.output.dir = (dir / "every").string();
+      fs::remove_all(r.output.dir);
+      step_times_ms(run(r), warmup, every);
+    }
+    c.step_ms_without = median(without);
+    c.step_ms_every = median(every);
     c.overhead = c.step_ms_without > 0 ? c.step_ms_every / c.step_ms_without - 1 : 0;
     const auto last = engine::list_checkpoints(r.checkpoint_path()).at(0).dir;
     for (const auto& f : fs::directory_iterator(last)) c.checkpoint_bytes += f.file_size();
-    std::fprintf(stderr, " resuming...\n");
+    std::fprintf(stderr, "  %s: resuming...\n", shape.c_str());
     engine::recipe one = r;
     one.steps = steps + 1;
     one.checkpoint.every = 0;
@@ -92,7 +109,7 @@ checkpoint_case measure(const std::string& shape, engine::recipe r, int steps, i
 std::vector<checkpoint_case> run_checkpoint_bench(const checkpoint_bench_options& o) {
   std::vector<checkpoint_case> out;
   const engine::recipe base = engine::load_recipe(o.recipe, {});
-  out.push_back(measure("recipe", base, o.steps, o.warmup));
+  out.push_back(measure("recipe", base, o.steps, o.warmup, o.rounds));
   if (o.gpt2_steps > 0) {
     engine::recipe g = base;  // GPT-2 small on the recipe's data, pipeline and micro-batches
     g.model.vocab_size = 50257;
@@ -102,31 +119,32 @@ std::vector<checkpoint_case> run_checkpoint_bench(const checkpoint_bench_options
     g.model.width = 768;
     g.model.context = std::max(g.model.context, g.batch.seq_len);
     engine::validate_recipe(g);
-    out.push_back(measure("GPT-2 small", g, o.gpt2_steps, 1));
+    out.push_back(measure("GPT-2 small", g, o.gpt2_steps, 1, o.rounds));
   }
   return out;
 }
 
 std::string format_checkpoint_report(const std::vector<checkpoint_case>& cases) {
   std::string s =
-      "troupe bench checkpoint: wall time per step without checkpoints and with one after every "
-      "step (one process, the recipe's pipeline; the first steps left out), the checkpoint's "
-      "size, and the time from a run's start to its first step, fresh and resumed\n";
+      "troupe bench checkpoint: median wall time of a step without checkpoints and with one "
+      "after every step (one process, the recipe's pipeline; runs of the two kinds alternating, "
+      "the first steps of each left out), the checkpoint's size, and the time from a run's "
+      "start to its first step, fresh and resumed\n";
   char line[320];
-  std::snprintf(line, sizeof line, "%-12s %12s %6s %12s %12s %9s %10s %9s %9s\n", "shape",
-                "parameters", "steps", "ms/step", "ms/step ckpt", "overhead", "checkpoint",
-                "1st step", "resumed");
+  std::snprintf(line, sizeof line, "%-12s %12s %6s %6s %12s %12s %9s %10s %9s %9s\n", "shape",
+                "parameters", "steps", "rounds", "ms/step", "ms/step ckpt", "overhead",
+                "checkpoint", "1st step", "resumed");
   s += line;
   for (const auto& c : cases) {
     if (!c.error.empty()) {
       s += c.shape + ": failed: " + c.error + "\n";
       continue;
     }
-    std::snprintf(line, sizeof line,
-                  "%-12s %12lld %6d %12.1f %12.1f %8.1f%% %8.1f MB %8.2fs %8.2fs\n",
-                  c.shape.c_str(), static_cast<long long>(c.parameters), c.steps, c.step_ms_without,
-                  c.step_ms_every, c.overhead * 100, static_cast<double>(c.checkpoint_bytes) / 1e6,
-                  c.first_step_fresh_s, c.first_step_resume_s);
+    std::snprintf(
+        line, sizeof line, "%-12s %12lld %6d %6d %12.1f %12.1f %8.1f%% %8.1f MB %8.2fs %8.2fs\n",
+        c.shape.c_str(), static_cast<long long>(c.parameters), c.steps, c.rounds, c.step_ms_without,
+        c.step_ms_every, c.overhead * 100, static_cast<double>(c.checkpoint_bytes) / 1e6,
+        c.first_step_fresh_s, c.first_step_resume_s);
     s += line;
   }
   s += "goal: overhead < 5% with a checkpoint every step\n";
@@ -136,7 +154,8 @@ std::string format_checkpoint_report(const std::vector<checkpoint_case>& cases) 
 std::string checkpoint_report_json(const std::vector<checkpoint_case>& cases) {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& c : cases) {
-    nlohmann::json x = {{"shape", c.shape}, {"parameters", c.parameters}, {"steps", c.steps}};
+    nlohmann::json x = {
+        {"shape", c.shape}, {"parameters", c.parameters}, {"steps", c.steps}, {"rounds", c.rounds}};
     if (!c.error.empty()) {
       x["error"] = c.error;
     } else {

@@ -1,10 +1,11 @@
 // `troupe bench checkpoint`: what checkpoints cost. For each model shape (the recipe's, and
 // GPT-2 small's: 12 layers, width 768, 50257 tokens) it runs the same steps without checkpoints
-// and with a checkpoint after every step, in one process on the recipe's pipeline, and reports
-// the wall time per step of each (a checkpoint's collection holds training up; its writing runs
-// beside the next steps and competes for the cores), the overhead, the checkpoint's size, and the
-// time to resume: from the start of a resumed run to its first step, beside a fresh run's. A
-// benchmark: it prints, it asserts nothing.
+// and with a checkpoint after every step, in one process on the recipe's pipeline, alternating
+// the two `rounds` times (so that a drift of the machine's speed falls on both alike), and
+// reports the median wall time of a step of each (a checkpoint's collection holds training up;
+// its writing runs beside the next steps and competes for the cores), the overhead, the
+// checkpoint's size, and the time to resume: from the start of a resumed run to its first step,
+// beside a fresh run's. A benchmark: it prints, it asserts nothing.
 #pragma once
 
 #include <cstdint>
@@ -17,16 +18,18 @@ struct checkpoint_bench_options {
   std::string recipe;  // TOML file; evaluation and the weights file off
   int steps = 12;      // per run of the recipe's shape
   int gpt2_steps = 4;  // per run of the GPT-2 small shape (0: not run)
-  int warmup = 2;      // leading steps left out of the step time
+  int warmup = 2;      // leading steps of each run left out of the step time
+  int rounds = 2;      // runs of each kind, alternating
 };
 
 struct checkpoint_case {
   std::string shape;
   std::int64_t parameters = 0;
   int steps = 0;
-  std::string error;           // non-empty: a run failed; the figures are unset
-  double step_ms_without = 0;  // wall time per step, no checkpoints
-  double step_ms_every = 0;    // wall time per step, a checkpoint after every step
+  std::string error;  // non-empty: a run failed; the figures are unset
+  int rounds = 0;
+  double step_ms_without = 0;  // median wall time of a step, no checkpoints
+  double step_ms_every = 0;    // median wall time of a step, a checkpoint after every step
   double overhead = 0;         // step_ms_every / step_ms_without - 1
   std::int64_t checkpoint_bytes = 0;
   double first_step_fresh_s = 0;   // start of the run to its first step, fresh

@@ -2,6 +2,7 @@
 #include "engine/checkpoint.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -189,8 +190,8 @@ checkpoint_assembler::checkpoint_assembler(const gpt_config& model, int tp)
   }
 }
 
-void checkpoint_assembler::add(role r, const std::string& name, int shard, std::int64_t offset,
-                               const float* values, std::int64_t n) {
+std::int64_t checkpoint_assembler::slice_numel(const std::string& name, int shard,
+                                               std::int64_t offset, std::int64_t n) const {
   if (shard < 0 || shard >= tp_)
     throw std::runtime_error("checkpoint: tensor shard " + std::to_string(shard) + " of " +
                              std::to_string(tp_));
@@ -201,10 +202,29 @@ void checkpoint_assembler::add(role r, const std::string& name, int shard, std::
   if (offset < 0 || n < 0 || offset + n > numel)
     throw std::runtime_error("checkpoint: " + name + " values [" + std::to_string(offset) + ", " +
                              std::to_string(offset + n) + ") outside its " + std::to_string(numel));
+  return numel;
+}
+
+void checkpoint_assembler::add(role r, const std::string& name, int shard, std::int64_t offset,
+                               const float* values, std::int64_t n) {
+  const std::int64_t numel = slice_numel(name, shard, offset, n);
   auto& s = slices_[{r, name, shard}];
   if (s.values.empty()) s.values.assign(static_cast<std::size_t>(numel), 0.0f);
   std::copy(values, values + n, s.values.begin() + offset);
   s.covered.emplace_back(offset, n);
+}
+
+void checkpoint_assembler::add(role r, const std::string& name, int shard, std::int64_t offset,
+                               std::vector<float>&& values) {
+  const auto n = static_cast<std::int64_t>(values.size());
+  const std::int64_t numel = slice_numel(name, shard, offset, n);
+  auto& s = slices_[{r, name, shard}];
+  if (s.values.empty() && offset == 0 && n == numel) {
+    s.values = std::move(values);
+    s.covered.emplace_back(0, n);
+    return;
+  }
+  add(r, name, shard, offset, values.data(), n);
 }
 
 checkpoint_tensors checkpoint_assembler::finish() {
@@ -249,6 +269,18 @@ checkpoint_tensors checkpoint_assembler::finish() {
     }
   }
   return out;
+}
+
+std::vector<float> state_copy(const float* from, std::int64_t n) {
+  std::vector<float> v;
+  v.reserve(static_cast<std::size_t>(n));
+  constexpr std::uintptr_t page = 4096, huge = std::uintptr_t{2} << 20;
+  const auto lo = (reinterpret_cast<std::uintptr_t>(v.data()) + page - 1) & ~(page - 1);
+  const auto hi = reinterpret_cast<std::uintptr_t>(v.data() + n) & ~(page - 1);
+  if (hi > lo && hi - lo >= huge)  // advice only: where it is refused, pages are 4 KiB
+    ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  v.assign(from, from + n);
+  return v;
 }
 
 fs::path checkpoint_dir(const fs::path& root, int step) {

@@ -79,11 +79,18 @@ class checkpoint_assembler {
   // outside the slice.
   void add(role r, const std::string& name, int shard, std::int64_t offset, const float* values,
            std::int64_t n);
+  // The same, taking the values: a piece that is its whole slice, the first to arrive for it,
+  // is kept as it is (moved, not copied).
+  void add(role r, const std::string& name, int shard, std::int64_t offset,
+           std::vector<float>&& values);
   // Throws std::runtime_error naming the first tensor some part of which nobody sent. Takes
   // the slices' values (a tensor without tensor shards is moved, not copied): call it once.
   checkpoint_tensors finish();
 
  private:
+  // The slice's element count; throws for an unknown shard or name, or a range outside it.
+  std::int64_t slice_numel(const std::string& name, int shard, std::int64_t offset,
+                           std::int64_t n) const;
   struct slice {
     std::vector<float> values;
     std::vector<std::pair<std::int64_t, std::int64_t>> covered;  // (offset, n)
@@ -126,6 +133,11 @@ std::filesystem::path find_checkpoint(const std::filesystem::path& where,
                                       const std::function<void(const std::string&)>& say);
 
 checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
+
+// A copy of [from, from + n) for a checkpoint's state, in memory that takes transparent huge
+// pages where the system allows them on request (fresh memory faults in 2 MiB at a time, not
+// 4 KiB: a snapshot of a GPT-2-small rank copies about 1.5 GB each time).
+std::vector<float> state_copy(const float* from, std::int64_t n);
 
 // One of the checkpoint's tensor files ("model", "exp_avg", "exp_avg_sq") as a stage's flat
 // buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`. A head range

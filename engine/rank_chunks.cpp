@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <stdexcept>
+#include <tuple>
 
 #include "engine/device_chunk.hpp"
 #include "kernels/tensor.hpp"
@@ -123,6 +124,16 @@ class cpu_rank_chunks final : public rank_chunks {
     const float* v = o.second_moment().f32();
     const auto n = static_cast<std::size_t>(o.first_moment().numel());
     return {{m, m + n}, {v, v + n}};
+  }
+  host_state state_on_host(int c, bool with_moments) override {
+    host_state h;
+    h.params = stage(c).params();
+    if (with_moments) {
+      const auto& o = compute_.optimizer(c);
+      h.m = o.first_moment().f32();
+      h.v = o.second_moment().f32();
+    }
+    return h;
   }
   void load_moments(int c, const float* m, const float* v) override {
     compute_.optimizer(c).load_moments(m, v);
@@ -419,6 +430,18 @@ class device_rank_chunks final : public rank_chunks {
 };
 
 }  // namespace
+
+rank_chunks::host_state rank_chunks::state_on_host(int c, bool with_moments) {
+  host_state h;
+  h.owned_params = parameters(c);
+  h.params = h.owned_params.data();
+  if (with_moments) {
+    std::tie(h.owned_m, h.owned_v) = moments(c);
+    h.m = h.owned_m.data();
+    h.v = h.owned_v.data();
+  }
+  return h;
+}
 
 std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
                                                   const std::vector<stage_range>& ranges,

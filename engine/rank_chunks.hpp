@@ -131,6 +131,16 @@ class rank_chunks {
   // and loading them (chunks made with optimizer state).
   virtual std::pair<std::vector<float>, std::vector<float>> moments(int c) = 0;
   virtual void load_moments(int c, const float* m, const float* v) = 0;
+  // c's master weights and (with_moments) AdamW moments readable on the host until c's next
+  // work: views of the chunk's own buffers where they are host memory (CPU chunks: nothing is
+  // copied), otherwise copies the result owns (parameters() and moments()).
+  struct host_state {
+    const float* params = nullptr;
+    const float* m = nullptr;
+    const float* v = nullptr;
+    std::vector<float> owned_params, owned_m, owned_v;
+  };
+  virtual host_state state_on_host(int c, bool with_moments);
 
   // ---- memory --------------------------------------------------------------------------
   virtual std::int64_t optimizer_bytes() const = 0;   // AdamW moments held here

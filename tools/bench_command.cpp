@@ -339,6 +339,9 @@ std::function<int()> add_bench_command(CLI::App& app) {
   ckpt->add_option("--gpt2-steps", opts->checkpoint.gpt2_steps,
                    "Steps per run of the GPT-2 small shape (0: skip it)")
       ->check(CLI::Range(0, 10000));
+  ckpt->add_option("--rounds", opts->checkpoint.rounds,
+                   "Runs of each kind (without, with checkpoints), alternating")
+      ->check(CLI::Range(1, 100));
   ckpt->add_option("--recipe", opts->checkpoint.recipe, "Recipe (default: examples/default.toml)")
       ->check(CLI::ExistingFile);
   // Hidden (empty group): the peer process that `bench transport` starts.

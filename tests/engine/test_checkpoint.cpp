@@ -273,6 +273,16 @@ TEST_CASE("a damaged checkpoint is named and passed over for the previous one", 
   }
 }
 
+TEST_CASE("a state copy holds the values, small or huge", "[checkpoint]") {
+  for (const std::int64_t n :
+       {std::int64_t{0}, std::int64_t{1}, std::int64_t{1000}, std::int64_t{3} << 20}) {
+    std::vector<float> from(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < from.size(); ++i) from[i] = static_cast<float>(i) * 0.5f - 7.0f;
+    const auto got = state_copy(from.data(), n);
+    CHECK(got == from);
+  }
+}
+
 TEST_CASE("the assembler puts pieces and tensor shards back together", "[checkpoint]") {
   const auto c = tiny_model();
   const auto want = make_tensors(c, 3);
@@ -309,6 +319,29 @@ TEST_CASE("the assembler puts pieces and tensor shards back together", "[checkpo
                                       Catch::Contains("never sent"));
     CHECK_THROWS_WITH(a.add(role::parameter, "no.such", 0, 0, nullptr, 0),
                       Catch::Contains("no.such"));
+  }
+  SECTION("whole tensors taken, not copied; a piece or a second copy copied") {
+    checkpoint_assembler a(c, 1);
+    std::map<std::string, const float*> storage;
+    for (const auto& [name, v] : want.params) {
+      std::vector<float> whole = v;
+      storage[name] = whole.data();
+      a.add(role::parameter, name, 0, 0, std::move(whole));
+      std::vector<float> again = v;  // the tied wte's second copy: equal values, copied in
+      if (name == "transformer.wte.weight") a.add(role::parameter, name, 0, 0, std::move(again));
+    }
+    for (const auto& [name, v] : want.exp_avg) {
+      const auto half = static_cast<std::ptrdiff_t>(v.size() / 2);
+      a.add(role::exp_avg, name, 0, 0, std::vector<float>(v.begin(), v.begin() + half));
+      a.add(role::exp_avg, name, 0, half, std::vector<float>(v.begin() + half, v.end()));
+    }
+    for (const auto& [name, v] : want.exp_avg_sq)
+      a.add(role::exp_avg_sq, name, 0, 0, v.data(), static_cast<std::int64_t>(v.size()));
+    const auto got = a.finish();
+    CHECK(got.params == want.params);
+    CHECK(got.exp_avg == want.exp_avg);
+    CHECK(got.exp_avg_sq == want.exp_avg_sq);
+    for (const auto& [name, v] : got.params) CHECK(v.data() == storage.at(name));
   }
   SECTION("tensor shards' slices") {
     const int tp = 2;
