@@ -345,11 +345,12 @@ class stage_impl : public stage_actor::base {
         const auto h = chunks_->state_on_host(c, true);
         for (const auto& p : chunks_->layout(c)) {
           const auto name = state_name(c, p);
-          s.parameters.emplace_back(name, engine::state_copy(h.params + p.offset, p.numel));
-          s.pieces.push_back(
-              {tensor_role::exp_avg, name, 0, engine::state_copy(h.m + p.offset, p.numel)});
-          s.pieces.push_back(
-              {tensor_role::exp_avg_sq, name, 0, engine::state_copy(h.v + p.offset, p.numel)});
+          s.parameters.emplace_back(
+              name, std::vector<float>(h.params + p.offset, h.params + p.offset + p.numel));
+          s.pieces.push_back({tensor_role::exp_avg, name, 0,
+                              std::vector<float>(h.m + p.offset, h.m + p.offset + p.numel)});
+          s.pieces.push_back({tensor_role::exp_avg_sq, name, 0,
+                              std::vector<float>(h.v + p.offset, h.v + p.offset + p.numel)});
         }
       }
       return s;
@@ -371,7 +372,7 @@ class stage_impl : public stage_actor::base {
               const auto name = state_name(seg.chunk, p);
               auto piece = [&](tensor_role role, const std::vector<float>& from) {
                 s.pieces.push_back(
-                    {role, name, offset, engine::state_copy(from.data() + seg.at, seg.numel)});
+                    {role, name, offset, {from.data() + seg.at, from.data() + seg.at + seg.numel}});
               };
               piece(tensor_role::exp_avg, z.m);
               piece(tensor_role::exp_avg_sq, z.v);
@@ -1033,8 +1034,9 @@ class stage_impl : public stage_actor::base {
     for (int c = 0; c < chunks_->chunk_count(); ++c) {
       const auto h = chunks_->state_on_host(c, false);
       for (const auto& p : chunks_->layout(c))
-        s.parameters.emplace_back(state ? state_name(c, p) : p.name,
-                                  engine::state_copy(h.params + p.offset, p.numel));
+        s.parameters.emplace_back(
+            state ? state_name(c, p) : p.name,
+            std::vector<float>(h.params + p.offset, h.params + p.offset + p.numel));
     }
     return s;
   }

@@ -2,7 +2,6 @@
 #include "engine/checkpoint.hpp"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -269,18 +268,6 @@ checkpoint_tensors checkpoint_assembler::finish() {
     }
   }
   return out;
-}
-
-std::vector<float> state_copy(const float* from, std::int64_t n) {
-  std::vector<float> v;
-  v.reserve(static_cast<std::size_t>(n));
-  constexpr std::uintptr_t page = 4096, huge = std::uintptr_t{2} << 20;
-  const auto lo = (reinterpret_cast<std::uintptr_t>(v.data()) + page - 1) & ~(page - 1);
-  const auto hi = reinterpret_cast<std::uintptr_t>(v.data() + n) & ~(page - 1);
-  if (hi > lo && hi - lo >= huge)  // advice only: where it is refused, pages are 4 KiB
-    ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-  v.assign(from, from + n);
-  return v;
 }
 
 fs::path checkpoint_dir(const fs::path& root, int step) {

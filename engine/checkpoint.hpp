@@ -134,11 +134,6 @@ std::filesystem::path find_checkpoint(const std::filesystem::path& where,
 
 checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
 
-// A copy of [from, from + n) for a checkpoint's state, in memory that takes transparent huge
-// pages where the system allows them on request (fresh memory faults in 2 MiB at a time, not
-// 4 KiB: a snapshot of a GPT-2-small rank copies about 1.5 GB each time).
-std::vector<float> state_copy(const float* from, std::int64_t n);
-
 // One of the checkpoint's tensor files ("model", "exp_avg", "exp_avg_sq") as a stage's flat
 // buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`. A head range
 // without the embedding takes the head's copy of wte where the checkpoint has one.
