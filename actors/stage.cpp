@@ -337,24 +337,7 @@ class stage_impl : public stage_actor::base {
   // Under ZeRO-1/2 every replica holds the same whole parameters: replica 0's lanes send them,
   // the others their owned moments only.
   caf::result<stage_snapshot> on_state(const snapshot_request&) {
-    if (!zero()) {
-      stage_snapshot s;
-      s.rank = my_rank();
-      s.replica = cfg_.replica;
-      for (int c = 0; c < chunks_->chunk_count(); ++c) {
-        const auto h = chunks_->state_on_host(c, true);
-        for (const auto& p : chunks_->layout(c)) {
-          const auto name = state_name(c, p);
-          s.parameters.emplace_back(
-              name, std::vector<float>(h.params + p.offset, h.params + p.offset + p.numel));
-          s.pieces.push_back({tensor_role::exp_avg, name, 0,
-                              std::vector<float>(h.m + p.offset, h.m + p.offset + p.numel)});
-          s.pieces.push_back({tensor_role::exp_avg_sq, name, 0,
-                              std::vector<float>(h.v + p.offset, h.v + p.offset + p.numel)});
-        }
-      }
-      return s;
-    }
+    if (!zero()) return snapshot(true, true);
     auto rp = make_response_promise<stage_snapshot>();
     request(wiring_.reducer, caf::infinite, zero_state_request{})
         .then([this, rp](zero_state& z) mutable {
@@ -1026,17 +1009,23 @@ class stage_impl : public stage_actor::base {
 
   // state: a checkpoint's, where a head chunk's own copy of the tied wte is "lm_head.weight"
   // (the two copies are summed in different orders over the replicas, so they may differ in
-  // their last bits, and exact resume needs both).
-  stage_snapshot snapshot(bool state = false) {
+  // their last bits, and exact resume needs both); with moments, the AdamW moments as pieces.
+  stage_snapshot snapshot(bool state = false, bool moments = false) {
     stage_snapshot s;
     s.rank = my_rank();
     s.replica = cfg_.replica;
     for (int c = 0; c < chunks_->chunk_count(); ++c) {
-      const auto h = chunks_->state_on_host(c, false);
-      for (const auto& p : chunks_->layout(c))
-        s.parameters.emplace_back(
-            state ? state_name(c, p) : p.name,
-            std::vector<float>(h.params + p.offset, h.params + p.offset + p.numel));
+      const auto h = chunks_->state_on_host(c, moments);
+      auto values = [](const float* base, const engine::parameter_info& q) {
+        return std::vector<float>(base + q.offset, base + q.offset + q.numel);
+      };
+      for (const auto& p : chunks_->layout(c)) {
+        const auto name = state ? state_name(c, p) : p.name;
+        s.parameters.emplace_back(name, values(h.params, p));
+        if (!moments) continue;
+        s.pieces.push_back({tensor_role::exp_avg, name, 0, values(h.m, p)});
+        s.pieces.push_back({tensor_role::exp_avg_sq, name, 0, values(h.v, p)});
+      }
     }
     return s;
   }
