@@ -279,11 +279,8 @@ class stage_impl : public stage_actor::base {
     std::vector<std::vector<int>> uses;
     for (int round = 0; round < plan_.rounds; ++round) {
       for (const auto& a : *actions_) {
-        if (a.kind == engine::action_kind::weight) continue;
         const int c = cfg_.layout.chunk_of(a.stage);
-        const auto kind = a.kind == engine::action_kind::forward ? engine::pass_kind::forward
-                                                                 : engine::pass_kind::backward;
-        for (const auto& stop : engine::pass_stops(chunks_->range(c), kind))
+        for (const auto& stop : chunks_->stops(c, pass_of(a.kind)))
           uses.push_back(gathers_->buckets_of(c, stop));
       }
     }
@@ -291,6 +288,18 @@ class stage_impl : public stage_actor::base {
     gathers_->start(std::move(uses), cfg_.zero_prefetch, [this, collective](int seq, int bucket) {
       caf::anon_send(wiring_.reducer, zero_gather{plan_.step, collective, seq, bucket});
     });
+  }
+
+  static engine::pass_kind pass_of(engine::action_kind kind) {
+    switch (kind) {
+      case engine::action_kind::forward:
+        return engine::pass_kind::forward;
+      case engine::action_kind::backward:
+        return engine::pass_kind::backward;
+      case engine::action_kind::weight:
+        break;
+    }
+    return engine::pass_kind::weight;
   }
 
   zero_collective plan_collective() const {
@@ -502,10 +511,8 @@ class stage_impl : public stage_actor::base {
       case engine::action_kind::backward:
         begin_backward(r, std::move(on_block));
         break;
-      case engine::action_kind::weight:  // reads no parameters: runs whole, here
-        chunks_->backward_weight(c, r.id, on_block);
-        chunks_->release(c, r.id);
-        r.computed = true;
+      case engine::action_kind::weight:  // stops only before blocks it recomputes
+        r.pass = chunks_->backward_weight(c, r.id, std::move(on_block));
         break;
     }
   }
@@ -562,6 +569,8 @@ class stage_impl : public stage_actor::base {
         route(link_kind::gradient, r.a.stage - 1, r.round, r.a.micro_batch, r.B, r.T, r.chunk,
               std::move(r.din));
       if (!plan_.plan->split_backward) chunks_->release(r.chunk, r.id);
+    } else {
+      chunks_->release(r.chunk, r.id);
     }
   }
 

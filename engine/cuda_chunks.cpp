@@ -64,9 +64,10 @@ class cuda_chunk final : public device_chunk {
               activation_bytes() / static_cast<std::size_t>(T_) *
                   static_cast<std::size_t>(lengths_.at(slot)));
   }
-  void backward_weight(int slot, const grad_block_fn& on_block_done) override {
-    s_.backward_weight(slot, on_block_done);
+  block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) override {
+    return s_.backward_weight_pass(slot, std::move(on_block_done));
   }
+  bool recomputes() const override { return s_.recomputes(); }
   void zero_grad() override { s_.zero_grad(); }
   double grad_square_sum(bool count_tied_copy) override {
     return s_.grad_square_sum(count_tied_copy);

@@ -76,17 +76,21 @@ class device_chunk {
   // backward does (B); backward_weight then makes the weight gradients final, calling
   // on_block_done as backward does (W). Together backward's gradients.
   void backward_input(int slot, void* dinput) { backward_input_pass(slot, dinput).run(); }
-  virtual void backward_weight(int slot, const grad_block_fn& on_block_done) = 0;
-  // forward, backward and backward_input as passes (engine/block_pass.hpp) that stop before each
-  // piece reading parameters (pass_stops(range(), kind)), so a ZeRO-3 stage gathers the piece's
-  // blocks first (the calls above run them whole). A pass keeps its arguments; *loss
-  // (forward's return value) is written when the pass is done. backward_weight reads no
-  // parameters.
+  void backward_weight(int slot, const grad_block_fn& on_block_done) {
+    backward_weight_pass(slot, on_block_done).run();
+  }
+  // Whether the chunk checkpoints its blocks (recomputes them in backward, and in W).
+  virtual bool recomputes() const = 0;
+  // forward, backward, backward_input and backward_weight as passes (engine/block_pass.hpp) that
+  // stop before each piece reading parameters (pass_stops(range(), kind, recomputes())), so a
+  // ZeRO-3 stage gathers the piece's blocks first (the calls above run them whole). A pass keeps
+  // its arguments; *loss (forward's return value) is written when the pass is done.
   virtual block_pass forward_pass(int slot, int seq_len, const std::int32_t* tokens,
                                   const std::int32_t* targets, float loss_scale, bool train,
                                   double* loss) = 0;
   virtual block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) = 0;
   virtual block_pass backward_input_pass(int slot, void* dinput) = 0;
+  virtual block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) = 0;
 
   virtual void zero_grad() = 0;
   virtual double grad_square_sum(bool count_tied_copy) = 0;

@@ -313,7 +313,10 @@ struct backward_pass {
     a.weight_grads_pending_ = true;
   }
 
-  void run_weight(const grad_block_fn& on_block_done) {
+  block_pass run_weight(const float* /*unused*/, float* /*unused*/, grad_block_fn on_block_done) {
+    const auto stops = pass_stops(stage, pass_kind::weight, a.recomputes());
+    std::size_t stop = 0;
+    auto next_stop = [&] { return stops.at(stop++); };
     if (!a.weight_grads_pending_) {
       throw std::logic_error(
           "stage_backward_weight: no stage_backward_input on these activations waits for its "
@@ -327,7 +330,8 @@ struct backward_pass {
       blocks.done();
     }
     for (std::size_t i = layers; i-- > 0;) {
-      recompute(i);  // checkpointing: W reads the block's parameters then
+      if (a.recomputes()) co_yield next_stop();  // checkpointing: W reads the block's parameters
+      recompute(i);
       layer_weight(i, saved_grads(i));
       blocks.done();
     }
@@ -371,9 +375,15 @@ void stage_backward_input(const gpt_stage& stage, gpt_activations& acts, const f
   stage_backward_input_pass(stage, acts, doutput, dinput).run();
 }
 
+block_pass stage_backward_weight_pass(const gpt_stage& stage, gpt_activations& acts,
+                                      grad_block_fn on_block_done) {
+  return drive(backward_pass(stage, acts), &backward_pass::run_weight, nullptr, nullptr,
+               std::move(on_block_done));
+}
+
 void stage_backward_weight(const gpt_stage& stage, gpt_activations& acts,
                            const grad_block_fn& on_block_done) {
-  backward_pass(stage, acts).run_weight(on_block_done);
+  stage_backward_weight_pass(stage, acts, on_block_done).run();
 }
 
 }  // namespace troupe::engine

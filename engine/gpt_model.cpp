@@ -449,7 +449,7 @@ const float* stage_output(const gpt_activations& acts) {
   return acts.encoded_.numel() > 0 ? acts.encoded_.f32() : acts.input_;
 }
 
-std::vector<std::vector<int>> pass_stops(const stage_range& r, pass_kind kind) {
+std::vector<std::vector<int>> pass_stops(const stage_range& r, pass_kind kind, bool recompute) {
   const int layers = r.last_layer - r.first_layer;
   const int head = r.head ? 1 : 0;
   const int embedding = head + layers;  // its index, when the stage has it
@@ -461,8 +461,10 @@ std::vector<std::vector<int>> pass_stops(const stage_range& r, pass_kind kind) {
     if (r.embedding) stops.push_back({embedding});
     for (int i = 0; i < layers; ++i) stops.push_back({layer(i)});
     if (r.head) stops.push_back(head_stop);
-  } else {  // backward reads no embedding parameter: its weight gradient needs tokens only
+  } else if (kind == pass_kind::backward) {  // no embedding parameter: its gradient needs tokens
     if (r.head) stops.push_back(head_stop);
+    for (int i = layers; i-- > 0;) stops.push_back({layer(i)});
+  } else if (recompute) {  // weight gradients: only checkpointed blocks read parameters again
     for (int i = layers; i-- > 0;) stops.push_back({layer(i)});
   }
   return stops;

@@ -227,12 +227,15 @@ class gpt_activations {
 // the blocks (indices into stage_grad_blocks) it reads, in order. Forward: embedding, layers
 // first to last, head; backward (whole or its input half): head, layers last to first. The head
 // reads ln_f and the wte it holds (on a stage with both ends, the embedding block's). Weight
-// gradients read no parameters, so stage_backward_weight has no stops (with checkpointing they
-// recompute the blocks, which reads their parameters: ZeRO-3 refuses that combination).
-enum class pass_kind { forward, backward };
-std::vector<std::vector<int>> pass_stops(const stage_range& range, pass_kind kind);
-inline std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind) {
-  return pass_stops(stage.range(), kind);
+// gradients (W of a split backward) read no parameters, so stage_backward_weight_pass has no
+// stops, unless the blocks are checkpointed (recompute): then it recomputes each layer, last to
+// first, and stops before each. recompute changes only the weight stops.
+enum class pass_kind { forward, backward, weight };
+std::vector<std::vector<int>> pass_stops(const stage_range& range, pass_kind kind,
+                                         bool recompute = false);
+inline std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind,
+                                                bool recompute = false) {
+  return pass_stops(stage.range(), kind, recompute);
 }
 
 // Forward through the stage. First stage: tokens[B*T] (input ignored). Later stages:
@@ -294,6 +297,10 @@ block_pass stage_backward_input_pass(const gpt_stage& stage, gpt_activations& ac
 // on_block_done as stage_backward does. Throws std::logic_error if no B waits for its W.
 void stage_backward_weight(const gpt_stage& stage, gpt_activations& acts,
                            const grad_block_fn& on_block_done = {});
+// stage_backward_weight as a pass (pass_stops(stage, pass_kind::weight, acts.recomputes())).
+// on_block_done is kept by the pass.
+block_pass stage_backward_weight_pass(const gpt_stage& stage, gpt_activations& acts,
+                                      grad_block_fn on_block_done);
 // Transformer block i of the stage (0 = its first) forward from x[N,C] into L. With output =
 // false it stops after the MLP's GELU: what a recomputation for the block's backward needs.
 void block_forward(const gpt_stage& stage, int i, const block_activations& L, const float* x, int B,

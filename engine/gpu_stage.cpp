@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
@@ -109,7 +110,8 @@ struct gpu_stage::impl {
   // are left to backward_weight (W), what they need kept in the slot.
   virtual block_pass backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
                                    bool input_only, const void** result) = 0;
-  virtual void backward_weight(int slot, const grad_block_fn& on_block_done) = 0;
+  // W, stopping before each block it recomputes (pass_stops(range, weight, recompute)).
+  virtual block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) = 0;
   // AdamW on every parameter; the working copy, if any, receives the new weights.
   virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
   // The 16-bit copy of master weights [at, at + n), after they changed (nothing for fp32).
@@ -206,7 +208,8 @@ struct model_impl final : gpu_stage::impl {
     return {shard.rank * Vl(), Vl(), config.vocab_size, config.padded_vocab_size};
   }
 
-  std::vector<slot_buffers> slot_state;
+  // A deque: a pass suspended at a stop keeps a reference to its slot while add_slot appends.
+  std::deque<slot_buffers> slot_state;
   block_buffers shared;                 // recompute: every block's internals
   int held_slot = -1, held_layer = -1;  // recompute: which block `shared` holds
   D* working = nullptr;                 // bf16 / fp16 runs: the 16-bit weights
@@ -644,8 +647,12 @@ struct model_impl final : gpu_stage::impl {
   }
 
   // W of a split backward: the weight gradients B left, from what it kept; blocks final in
-  // stage_grad_blocks' order, as backward makes them.
-  void backward_weight(int slot, const grad_block_fn& on_block_done) override {
+  // stage_grad_blocks' order, as backward makes them. With recompute it stops before each block
+  // (the recomputation reads the block's parameters).
+  block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) override {
+    const auto stops = pass_stops(range, pass_kind::weight, recompute);
+    std::size_t k = 0;
+    auto next_stop = [&] { return stops.at(k++); };
     if (!split_backward)
       throw std::logic_error("gpu_stage: a split backward in a chunk made without split_backward");
     check_slot(slot);
@@ -661,6 +668,10 @@ struct model_impl final : gpu_stage::impl {
     for (int l = layers() - 1; l >= 0; --l) {
       // Recompute: the block's internals again, from its input (kept: B wrote the input's
       // gradient apart), unless the shared scratch still holds them.
+      if (recompute) {
+        co_yield next_stop();
+        T = s.T;
+      }
       if (recompute && (held_slot != slot || held_layer != l)) block_forward(slot, l);
       const auto& L = internals(slot, l);
       const auto& w = s.wgrad[static_cast<std::size_t>(l)];
@@ -675,7 +686,7 @@ struct model_impl final : gpu_stage::impl {
                              w.dqkv, L.ln1, W(p + "attn.c_attn.weight"), N, C, 3 * Cl);
       done();
     }
-    if (!range.embedding) return;
+    if (!range.embedding) co_return;
     embedding_backward(s, s.demb);
     done();
   }
@@ -802,6 +813,7 @@ gpu_stage::~gpu_stage() {
 const gpt_config& gpu_stage::config() const { return impl_->config; }
 const stage_range& gpu_stage::range() const { return impl_->range; }
 int gpu_stage::slots() const { return impl_->slots; }
+bool gpu_stage::recomputes() const { return impl_->recompute; }
 int gpu_stage::add_slot() {
   device_guard g(impl_->device);
   impl_->add_slot();
@@ -867,9 +879,11 @@ const void* gpu_stage::backward_input(int slot, const void* doutput) {
   backward_input_pass(slot, doutput, &dinput).run();
   return dinput;
 }
+block_pass gpu_stage::backward_weight_pass(int slot, grad_block_fn on_block_done) {
+  return on_device(impl_->backward_weight_pass(slot, std::move(on_block_done)));
+}
 void gpu_stage::backward_weight(int slot, const grad_block_fn& on_block_done) {
-  device_guard g(impl_->device);
-  impl_->backward_weight(slot, on_block_done);
+  backward_weight_pass(slot, on_block_done).run();
 }
 
 void* gpu_stage::output_gradient(int slot) { return const_cast<void*>(impl_->output(slot)); }

@@ -150,6 +150,7 @@ class gpu_stage {
   const gpt_config& config() const;
   const stage_range& range() const;
   int slots() const;
+  bool recomputes() const;  // options.recompute
   // One more slot, its buffers allocated now (cudaMalloc); returns the new count.
   int add_slot();
   // Bytes of one activation (or activation gradient) between chunks: B * T * width values
@@ -172,16 +173,17 @@ class gpu_stage {
   // its last position, vocab_size values (the padded rows left out) copied to the host as fp32.
   // Throws std::logic_error for another chunk.
   std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len);
-  // forward, backward and backward_input as passes (engine/block_pass.hpp) that stop before
-  // each piece reading parameters (pass_stops(range(), kind)): ZeRO-3 gathers the piece's
-  // blocks first. Each piece runs with the chunk's device current. The pass keeps its
-  // arguments; `loss` (forward's return value) and `dinput` (backward's) are written when the
-  // pass is done and must stay valid until then.
+  // forward, backward, backward_input and backward_weight as passes (engine/block_pass.hpp) that
+  // stop before each piece reading parameters (pass_stops(range(), kind, recomputes())): ZeRO-3
+  // gathers the piece's blocks first. Each piece runs with the chunk's device current. The pass
+  // keeps its arguments; `loss` (forward's return value) and `dinput` (backward's) are written
+  // when the pass is done and must stay valid until then.
   block_pass forward_pass(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                           float loss_scale, bool train, int seq_len, double* loss);
   block_pass backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
                            const void** dinput);
   block_pass backward_input_pass(int slot, const void* doutput, const void** dinput);
+  block_pass backward_weight_pass(int slot, grad_block_fn on_block_done);
   // A chunk without the embedding: where the gradient of input(slot) goes (input(slot) itself,
   // or, for a split backward, a buffer of its own: W reads the input after B).
   void* input_gradient(int slot);

@@ -48,6 +48,7 @@ const gpt_config& gpu_stage::config() const { return impl_->config; }
 const stage_range& gpu_stage::range() const { return impl_->range; }
 int gpu_stage::add_slot() { return 0; }
 int gpu_stage::slots() const { return 0; }
+bool gpu_stage::recomputes() const { return false; }
 std::size_t gpu_stage::activation_bytes() const { return 0; }
 void* gpu_stage::input(int) { return nullptr; }
 void* gpu_stage::input_gradient(int) { return nullptr; }
@@ -61,6 +62,7 @@ block_pass gpu_stage::forward_pass(int, const std::int32_t*, const std::int32_t*
 }
 block_pass gpu_stage::backward_pass(int, const void*, grad_block_fn, const void**) { return {}; }
 block_pass gpu_stage::backward_input_pass(int, const void*, const void**) { return {}; }
+block_pass gpu_stage::backward_weight_pass(int, grad_block_fn) { return {}; }
 block_pass gpu_stage::on_device(block_pass inner) { return inner; }
 const void* gpu_stage::output(int) const { return nullptr; }
 const void* gpu_stage::backward(int, const void*, const grad_block_fn&) { return nullptr; }

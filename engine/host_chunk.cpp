@@ -21,7 +21,8 @@ class host_chunk final : public device_chunk {
       : compute_(weights.config(), {weights.range()}, optimizer_state, recompute, weights.shard(),
                  std::move(group)),
         B_(B),
-        T_(T) {
+        T_(T),
+        recompute_(recompute) {
     if (slots < 1) throw std::invalid_argument("host_chunk: at least one slot");
     auto& st = compute_.chunk(0);
     std::memcpy(st.params(), weights.params(),
@@ -100,13 +101,14 @@ class host_chunk final : public device_chunk {
       return compute_.backward_input(0, id(slot), dout, din);
     });
   }
-  void backward_weight(int slot, const grad_block_fn& on_block_done) override {
-    auto& s = at(slot);
-    if (!s.live) throw std::logic_error("host_chunk: backward of a slot without forward");
-    compute_.backward_weight(0, id(slot), on_block_done);
+  block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) override {
+    if (!at(slot).live) throw std::logic_error("host_chunk: backward of a slot without forward");
+    block_pass inner = compute_.backward_weight(0, id(slot), std::move(on_block_done));
+    while (const auto* stop = inner.next()) co_yield *stop;
     compute_.release(0, id(slot));
-    s.live = false;
+    at(slot).live = false;  // after the stops: slots_ may have grown meanwhile
   }
+  bool recomputes() const override { return recompute_; }
   void zero_grad() override { compute_.zero_grad(); }
   double grad_square_sum(bool count_tied_copy) override {
     return engine::grad_square_sum(compute_.chunk(0), count_tied_copy);
@@ -202,12 +204,13 @@ class host_chunk final : public device_chunk {
     }
     block_pass inner = make(dout, din);
     while (const auto* stop = inner.next()) co_yield *stop;
-    if (din && din != dinput)
-      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(s.T));
+    if (din && din != dinput)  // at(slot) again: slots_ may have grown meanwhile
+      std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(at(slot).T));
   }
 
   mutable stage_compute compute_;
   int B_ = 0, T_ = 0;
+  bool recompute_ = false;
   std::vector<slot_state> slots_;
   std::vector<float> scratch_;
   std::vector<float> received_;  // gradient_scratch

@@ -76,8 +76,11 @@ class cpu_rank_chunks final : public rank_chunks {
                             float* dinput) override {
     return compute_.backward_input(c, id, doutput, dinput);
   }
-  void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) override {
-    compute_.backward_weight(c, id, on_block_done);
+  block_pass backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done) override {
+    return compute_.backward_weight(c, id, std::move(on_block_done));
+  }
+  std::vector<std::vector<int>> stops(int c, pass_kind kind) const override {
+    return compute_.stops(c, kind);
   }
   void release(int c, micro_batch_id id) override { compute_.release(c, id); }
 
@@ -288,8 +291,11 @@ class device_rank_chunks final : public rank_chunks {
   block_pass backward_input(int c, micro_batch_id id, const float*, float*) override {
     return backward_input_pass(c, table(c).find(c, id));
   }
-  void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) override {
-    chunk(c).backward_weight(table(c).find(c, id), on_block_done);
+  block_pass backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done) override {
+    return chunk(c).backward_weight_pass(table(c).find(c, id), std::move(on_block_done));
+  }
+  std::vector<std::vector<int>> stops(int c, pass_kind kind) const override {
+    return pass_stops(range(c), kind, chunk(c).recomputes());
   }
   void release(int c, micro_batch_id id) override {
     losses_.at(static_cast<std::size_t>(c)).erase(id);

@@ -91,8 +91,11 @@ class rank_chunks {
   // backward's. Device chunks: chunks made for a schedule that splits backward.
   virtual block_pass backward_input(int c, micro_batch_id id, const float* doutput,
                                     float* dinput) = 0;
-  virtual void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) = 0;
+  virtual block_pass backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done) = 0;
   virtual void release(int c, micro_batch_id id) = 0;
+  // Where c's passes of `kind` stop (pass_stops with the chunks' checkpointing): a ZeRO-3 stage
+  // plans its gathers from them.
+  virtual std::vector<std::vector<int>> stops(int c, pass_kind kind) const = 0;
 
   // ---- gradients and the optimizer -----------------------------------------------------------
   virtual void zero_grad() = 0;

@@ -454,21 +454,14 @@ void validate_parallel(const recipe& r) {
     throw recipe_error("key parallel.schedule: unknown schedule \"" + p.schedule +
                        "\" (known: " + known + ")");
   }
-  bool split = false;
   try {
-    split = make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages})
-                .split_backward;
+    make_plan(p.schedule, schedule_shape{p.pp, p.micro_batches, p.virtual_stages});
   } catch (const std::invalid_argument& e) {
     throw recipe_error(std::string("key parallel.schedule: ") + e.what());
   }
   const auto& ac = r.activation_checkpoint.mode;
   require(ac == "none" || ac == "full", "activation_checkpoint.mode",
           "must be \"none\" or \"full\", not \"" + ac + "\"");
-  // With a split backward, checkpointing recomputes each block again for its weight gradients,
-  // which read the block's parameters after the pass that gathered them (ZeRO-3) has ended.
-  require(!(r.activation_checkpoint.full() && split && p.zero == 3), "activation_checkpoint.mode",
-          "\"full\" with parallel.zero = 3 needs a schedule without a split backward (not \"" +
-              p.schedule + "\")");
 }
 
 }  // namespace

@@ -128,8 +128,8 @@ block_pass stage_compute::backward_input(int c, micro_batch_id id, const float* 
   return stage_backward_input_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput);
 }
 
-void stage_compute::backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done) {
-  stage_backward_weight(chunk(c), *live_slot(c, id).acts, on_block_done);
+block_pass stage_compute::backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done) {
+  return stage_backward_weight_pass(chunk(c), *live_slot(c, id).acts, std::move(on_block_done));
 }
 
 void stage_compute::release(int c, micro_batch_id id) {

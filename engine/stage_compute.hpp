@@ -73,8 +73,12 @@ class stage_compute {
   block_pass backward(int c, micro_batch_id id, const float* doutput, float* dinput,
                       grad_block_fn on_block_done = {});
   block_pass backward_input(int c, micro_batch_id id, const float* doutput, float* dinput);
-  void backward_weight(int c, micro_batch_id id, const grad_block_fn& on_block_done = {});
+  block_pass backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done = {});
   void release(int c, micro_batch_id id);
+  // The stops of chunk c's passes of `kind` (pass_stops with this rank's checkpointing).
+  std::vector<std::vector<int>> stops(int c, pass_kind kind) const {
+    return pass_stops(chunk(c), kind, recompute_);
+  }
 
  private:
   struct slot {

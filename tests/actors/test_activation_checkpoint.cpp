@@ -1,5 +1,6 @@
 // Activation checkpointing (activation_checkpoint.mode = "full") in real training runs: the
-// serial engine and the actor engine's pipelines, ZeRO-3 and a split-backward schedule give
+// serial engine and the actor engine's pipelines, ZeRO-3, a split-backward schedule and both
+// together (W's recomputations gather their blocks again) give
 // bitwise the losses of the same run without it; every rank's measured activation memory
 // (metrics.jsonl's memory[].activations) is what --dry-run's plan says, with and without it.
 #include "engine/memory_plan.hpp"
@@ -15,6 +16,7 @@ const parallel_case configs[] = {
     {"PP=3 GPipe", 3, 1, 0, 3, "gpipe"},
     {"PP=2 ZB-H1 (split backward)", 2, 1, 0, 4, "zb_h1"},
     {"PP=2 x DP=2 ZeRO-3 1F1B", 2, 2, 3, 2, "1f1b"},
+    {"PP=2 x DP=2 ZeRO-3 ZB-H1 (W gathers what it recomputes)", 2, 2, 3, 4, "zb_h1"},
 };
 
 recipe with(recipe r, const parallel_case& c, bool full) {

@@ -104,6 +104,9 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=2 x DP=3 ZeRO-3 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 3, 1, 1, 3},
       {"PP=2 x DP=2 ZeRO-3 ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 1, 3},
       {"PP=3 x DP=2 ZeRO-3 GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 2, 1, 1, 3},
+      // ... and W stops before each block it recomputes, gathered again.
+      {"PP=2 x DP=2 ZeRO-3 ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true, 2, 1, 1, 3},
+      {"PP=2 x DP=2 x TP=2 ZeRO-3 ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true, 2, 1, 2, 3},
       // ZeRO over tensor shards: each shard's replicas shard its slices, its zero shards ring
       // with the same shard of the other replicas.
       {"DP=2 x TP=2 ZeRO-1", 1, 1, 2, "1f1b", 1, false, 2, 1, 2, 1},

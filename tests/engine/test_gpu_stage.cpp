@@ -365,8 +365,13 @@ TEST_CASE("a GPU chunk's passes stop before each piece reading parameters, chang
             pieces.backward_input_pass(0, head ? nullptr : pieces.output_gradient(0), &dpieces);
         while (const auto* stop = pass.next()) stops.push_back(*stop);
       }
-      pieces.backward_weight(0);
       CHECK(stops == pass_stops(host.range(), pass_kind::backward));
+      stops.clear();
+      {
+        auto pass = pieces.backward_weight_pass(0, {});
+        while (const auto* stop = pass.next()) stops.push_back(*stop);
+      }
+      CHECK(stops == pass_stops(host.range(), pass_kind::weight, recompute));
       CHECK((dwhole == nullptr) == (dpieces == nullptr));
       if (dwhole) {
         std::vector<std::uint16_t> a(bytes / 2), p(bytes / 2);

@@ -92,7 +92,7 @@ run_result drive(rank_chunks& rc, bool split = false) {
   for (int mb = 1; split && mb >= 0; --mb) {
     const micro_batch_id id{0, mb};
     for (int c : {1, 0}) {
-      rc.backward_weight(c, id, {});
+      rc.backward_weight(c, id, {}).run();
       rc.release(c, id);
     }
   }

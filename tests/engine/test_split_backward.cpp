@@ -345,10 +345,10 @@ namespace {
 
 // Drives a pass the way a ZeRO-3 stage does: at each stop only the stop's blocks hold their
 // parameters; every other parameter (and the whole buffer before the first stop) reads NaN.
-void run_poisoned(gpt_stage& s, block_pass pass, pass_kind kind) {
+void run_poisoned(gpt_stage& s, block_pass pass, pass_kind kind, bool recompute) {
   const std::vector<float> saved(s.params(), s.params() + s.parameter_count());
   const auto blocks = stage_grad_blocks(s);
-  const auto want = pass_stops(s, kind);
+  const auto want = pass_stops(s, kind, recompute);
   auto poison = [&] { std::fill(s.params(), s.params() + s.parameter_count(), std::nanf("")); };
   poison();
   std::size_t stops = 0;
@@ -369,12 +369,15 @@ void run_poisoned(gpt_stage& s, block_pass pass, pass_kind kind) {
 TEST_CASE("passes read only the parameter blocks of their latest stop", "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
   const bool split = GENERATE(false, true);
-  CAPTURE(sc.name, split);
+  const bool recompute = GENERATE(false, true);
+  CAPTURE(sc.name, split, recompute);
   const auto d = make_micro(11);
   const bool emb = sc.range.embedding;
   auto plain = make_stage(sc.range);
   auto gated = make_stage(sc.range);
-  gpt_activations pa(*plain, 2, 5), ga(*gated, 2, 5);
+  std::shared_ptr<block_scratch> scratch;
+  if (recompute) scratch = std::make_shared<block_scratch>(kConfig, 2, 5);
+  gpt_activations pa(*plain, 2, 5), ga(*gated, 2, 5, scratch);
   auto pd = nan_buffer(), gd = nan_buffer();
   float* pdin = emb ? nullptr : pd.data();
   float* gdin = emb ? nullptr : gd.data();
@@ -383,7 +386,7 @@ TEST_CASE("passes read only the parameter blocks of their latest stop", "[split_
   run_poisoned(*gated,
                stage_forward_pass(*gated, ga, emb ? d.mb.tokens.data() : nullptr,
                                   emb ? nullptr : d.input.data()),
-               pass_kind::forward);
+               pass_kind::forward, recompute);
   if (gated->range().head) {
     stage_loss_backward_start(*gated, ga, d.mb.targets.data(), 1.0f);
   } else {
@@ -394,12 +397,16 @@ TEST_CASE("passes read only the parameter blocks of their latest stop", "[split_
     stage_backward_input(*plain, pa, doutput_of(*plain, d), pdin);
     stage_backward_weight(*plain, pa);
     run_poisoned(*gated, stage_backward_input_pass(*gated, ga, doutput_of(*gated, d), gdin),
-                 pass_kind::backward);
-    stage_backward_weight(*gated, ga);  // weight gradients read no parameter at all
+                 pass_kind::backward, recompute);
+    // Weight gradients read no parameter, unless W recomputes the blocks: then it stops before
+    // each layer.
+    CHECK(pass_stops(*gated, pass_kind::weight, recompute).size() ==
+          (recompute ? std::size_t(sc.range.last_layer - sc.range.first_layer) : 0));
+    run_poisoned(*gated, stage_backward_weight_pass(*gated, ga, {}), pass_kind::weight, recompute);
   } else {
     stage_backward(*plain, pa, doutput_of(*plain, d), pdin);
     run_poisoned(*gated, stage_backward_pass(*gated, ga, doutput_of(*gated, d), gdin, {}),
-                 pass_kind::backward);
+                 pass_kind::backward, recompute);
   }
   REQUIRE(same_bits(grads_of(*gated), grads_of(*plain)));
   if (!emb) REQUIRE(same_bits(gd, pd));
