@@ -1,8 +1,8 @@
 // The checkpoint writer (docs/checkpoints.md): on checkpoint_begin from the coordinator it asks
 // the stages for their state (snapshot_request with `state`), answers checkpoint_copied once
 // every stage has answered, so the next step may begin, and then writes and commits the
-// checkpoint (engine/checkpoint.hpp) on its own thread while training goes on. A failed write
-// stops it with the error, naming the file; the coordinator, which monitors it, ends the run.
+// checkpoint (engine/training/checkpoint.hpp) on its own thread while training goes on. A failed
+// write stops it with the error, naming the file; the coordinator, which monitors it, ends the run.
 //
 // Invariants:
 //  W1. One checkpoint at a time: the next is collected only after the previous is committed.
@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/recipe.hpp"
-#include "engine/trace_recorder.hpp"
+#include "engine/trace/trace_recorder.hpp"
+#include "engine/training/recipe.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {

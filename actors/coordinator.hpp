@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <optional>
 
-#include "engine/trace_recorder.hpp"
-#include "engine/update_guard.hpp"
+#include "engine/trace/trace_recorder.hpp"
+#include "engine/training/update_guard.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {

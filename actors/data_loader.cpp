@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <map>
 
-#include "engine/gpt_model.hpp"
+#include "engine/model/gpt_model.hpp"
 
 namespace troupe::actors {
 namespace {

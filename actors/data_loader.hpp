@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "engine/data/sampler.hpp"
-#include "engine/trace_recorder.hpp"
+#include "engine/trace/trace_recorder.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {

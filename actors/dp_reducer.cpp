@@ -3,7 +3,7 @@
 
 #include <map>
 
-#include "engine/device_chunk.hpp"
+#include "engine/chunks/device_chunk.hpp"
 #include "topology/collectives.hpp"
 
 namespace troupe::actors {

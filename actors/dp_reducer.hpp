@@ -9,7 +9,7 @@
 
 #include <memory>
 
-#include "engine/trace_recorder.hpp"
+#include "engine/trace/trace_recorder.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::engine {

@@ -25,10 +25,10 @@
 #include "actors/stage.hpp"
 #include "actors/tracer.hpp"
 #include "actors/zero_shard.hpp"
-#include "engine/device_chunk.hpp"
-#include "engine/gpt_weights.hpp"
-#include "engine/memory_plan.hpp"
-#include "engine/support.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/parallel/memory_plan.hpp"
+#include "engine/parallel/support.hpp"
 #include "topology/placement.hpp"
 #include "topology/rendezvous.hpp"
 #include "topology/tensor_exchange.hpp"
@@ -517,7 +517,7 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
 }
 
 // What the job combines that is not built, refused before anything is written
-// (engine/support.hpp), and a chunk kind without tensor groups asked for tensor shards.
+// (engine/parallel/support.hpp), and a chunk kind without tensor groups asked for tensor shards.
 void check_job(const engine::recipe& r, const run_options& o,
                const std::shared_ptr<const engine::chunk_factory>& chunks) {
   engine::job_shape job;
@@ -662,8 +662,8 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
     say("rendezvous: " + std::to_string(o.launch.world) + " processes joined");
   }
 
-  // 4. The actors, watched (engine/watchdog.hpp): a stage stuck in one action ends this process,
-  // which ends the job (its peers lose it) and lets a launcher restart it.
+  // 4. The actors, watched (engine/training/watchdog.hpp): a stage stuck in one action ends this
+  // process, which ends the job (its peers lose it) and lets a launcher restart it.
   in.watchdog = std::make_shared<engine::action_watchdog>(
       std::chrono::duration<double>(r.watchdog.action_timeout),
       [multi, my_rank](const std::string& report) {

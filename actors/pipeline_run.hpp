@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/trainer.hpp"
+#include "engine/training/trainer.hpp"
 #include "topology/launch_env.hpp"
 
 namespace caf {

@@ -9,7 +9,7 @@
 //   ... after 2(d-1) chunks in, 2(d-1) out: reducer r --grad_bucket_reduced--> stage
 #pragma once
 
-#include "engine/trace_recorder.hpp"
+#include "engine/trace/trace_recorder.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {

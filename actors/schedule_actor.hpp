@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "engine/schedule.hpp"
+#include "engine/parallel/schedule.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {

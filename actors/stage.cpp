@@ -52,9 +52,9 @@
 
 #include "actors/error_text.hpp"
 #include "actors/stage_links.hpp"
-#include "engine/checkpoint.hpp"
-#include "engine/gpt_weights.hpp"
-#include "engine/rank_chunks.hpp"
+#include "engine/chunks/rank_chunks.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/training/checkpoint.hpp"
 #include "kernels/cpu_threads.hpp"
 #include "topology/grad_buckets.hpp"
 #include "topology/link_credits.hpp"
@@ -475,7 +475,7 @@ class stage_impl : public stage_actor::base {
     return action_ready(plan_, last_stage(), a, round, stash_links_, stash_batches_);
   }
 
-  // What an action in progress keeps: its pass (engine/block_pass.hpp) and the buffers the
+  // What an action in progress keeps: its pass (engine/model/block_pass.hpp) and the buffers the
   // pass reads and writes until it is done.
   struct running_action {
     engine::pipeline_action a;

@@ -15,7 +15,8 @@
 // device copy) while the link message carries the typed header only, or, to a rank in another
 // process, are staged through host memory and travel inside the message.
 //
-// What is not built yet on device chunks is refused before a job starts (engine/support.hpp).
+// What is not built yet on device chunks is refused before a job starts
+// (engine/parallel/support.hpp).
 #pragma once
 
 #include <cstdint>
@@ -23,13 +24,13 @@
 #include <memory>
 #include <string>
 
-#include "engine/device_chunk.hpp"
-#include "engine/optimizer.hpp"
-#include "engine/pipeline_layout.hpp"
-#include "engine/tensor_group.hpp"
-#include "engine/trace_recorder.hpp"
-#include "engine/watchdog.hpp"
-#include "engine/zero.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/tensor_group.hpp"
+#include "engine/parallel/pipeline_layout.hpp"
+#include "engine/parallel/zero.hpp"
+#include "engine/trace/trace_recorder.hpp"
+#include "engine/training/optimizer.hpp"
+#include "engine/training/watchdog.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {
@@ -79,7 +80,7 @@ struct stage_config {
   bool recompute = false;  // activation checkpointing of every block
   engine::trace::recorder trace;
   std::shared_ptr<const device_chunks_config> device;  // null: CPU chunks
-  // The process's action watchdog (engine/watchdog.hpp); null: none.
+  // The process's action watchdog (engine/training/watchdog.hpp); null: none.
   std::shared_ptr<engine::action_watchdog> watchdog;
   int test_stall_step = -1;  // testing: the first action of this step never ends
 };

@@ -6,8 +6,8 @@
 #include <optional>
 #include <vector>
 
-#include "engine/pipeline_layout.hpp"
-#include "engine/schedule.hpp"
+#include "engine/parallel/pipeline_layout.hpp"
+#include "engine/parallel/schedule.hpp"
 #include "messages/pipeline.hpp"
 #include "topology/link_credits.hpp"
 

@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "engine/schedule_sim.hpp"
+#include "engine/parallel/schedule_sim.hpp"
 
 namespace troupe::actors {
 namespace {

@@ -1,5 +1,5 @@
 // The trace sink: collects every actor's trace batches and writes the Chrome trace-event file
-// when asked (engine/trace.hpp), with the schedule's theoretical bubble for the measured
+// when asked (engine/trace/trace.hpp), with the schedule's theoretical bubble for the measured
 // F/B/W costs, replying with "" or the error.
 #pragma once
 

@@ -16,7 +16,7 @@
 #include <memory>
 
 #include "actors/pipeline_run.hpp"
-#include "engine/checkpoint.hpp"
+#include "engine/training/checkpoint.hpp"
 #include "messages/protocols.hpp"
 #include "troupe/trainer.hpp"
 

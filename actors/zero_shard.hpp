@@ -1,9 +1,9 @@
 // A ZeRO optimizer shard: one per (replica, pipeline rank), next to its stage. It owns what the
-// replica owns of every gradient bucket (engine/zero.hpp): the AdamW moments of those floats
-// (ZeRO-1), and their reduced gradients (ZeRO-2). It serves the stage's grad_bucket protocol with
-// a ring reduce-scatter over ring_chunk messages to the next replica's shard (local, or a gateway
-// proxy of a remote one), updates its floats when the stage forwards the coordinator's update,
-// and all-gathers the new parameters to every replica.
+// replica owns of every gradient bucket (engine/parallel/zero.hpp): the AdamW moments of those
+// floats (ZeRO-1), and their reduced gradients (ZeRO-2). It serves the stage's grad_bucket protocol
+// with a ring reduce-scatter over ring_chunk messages to the next replica's shard (local, or a
+// gateway proxy of a remote one), updates its floats when the stage forwards the coordinator's
+// update, and all-gathers the new parameters to every replica.
 //
 //   stage --zero_layout--> shard                                     (once, before step 0)
 //   stage --grad_bucket(b)--> shard r --ring_chunk(phase 0)--> shard r+1 ...  d-1 chunks in/out
@@ -16,9 +16,9 @@
 // bitwise the DDP gradient; only the order of the global norm's sum differs from DDP.
 #pragma once
 
-#include "engine/optimizer.hpp"
-#include "engine/trace_recorder.hpp"
-#include "engine/zero.hpp"
+#include "engine/parallel/zero.hpp"
+#include "engine/trace/trace_recorder.hpp"
+#include "engine/training/optimizer.hpp"
 #include "messages/protocols.hpp"
 
 namespace troupe::actors {

@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/pipeline_run.hpp"
-#include "engine/checkpoint.hpp"
-#include "engine/recipe.hpp"
+#include "engine/training/checkpoint.hpp"
+#include "engine/training/recipe.hpp"
 
 namespace troupe::bench {
 namespace {

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "bench/peer_process.hpp"
-#include "engine/gpu_trainer.hpp"
-#include "engine/random.hpp"
+#include "engine/model/random.hpp"
+#include "engine/training/gpu_trainer.hpp"
 
 namespace troupe::bench {
 namespace {

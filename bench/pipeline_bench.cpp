@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "actors/pipeline_run.hpp"
-#include "engine/trace_summary.hpp"
+#include "engine/trace/trace_summary.hpp"
 
 namespace troupe::bench {
 namespace {

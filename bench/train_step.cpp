@@ -5,8 +5,8 @@
 #include <chrono>
 #include <vector>
 
-#include "engine/optimizer.hpp"
-#include "engine/random.hpp"
+#include "engine/model/random.hpp"
+#include "engine/training/optimizer.hpp"
 
 namespace troupe::bench {
 

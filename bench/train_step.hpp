@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/gpt_model.hpp"
+#include "engine/model/gpt_model.hpp"
 
 namespace troupe::bench {
 

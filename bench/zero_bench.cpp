@@ -12,8 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/pipeline_run.hpp"
-#include "engine/memory_plan.hpp"
-#include "engine/recipe.hpp"
+#include "engine/parallel/memory_plan.hpp"
+#include "engine/training/recipe.hpp"
 
 namespace troupe::bench {
 namespace {

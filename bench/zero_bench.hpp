@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/metrics.hpp"
-#include "engine/zero.hpp"
+#include "engine/parallel/zero.hpp"
+#include "engine/training/metrics.hpp"
 
 namespace troupe::bench {
 

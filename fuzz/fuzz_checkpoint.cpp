@@ -1,5 +1,5 @@
-// libFuzzer target: the checkpoint reader (engine/checkpoint.hpp) on hostile files. A valid
-// checkpoint of a tiny model is written once; each input replaces one of its files (the first
+// libFuzzer target: the checkpoint reader (engine/training/checkpoint.hpp) on hostile files. A
+// valid checkpoint of a tiny model is written once; each input replaces one of its files (the first
 // byte picks which, the rest is the content), then the checkpoint is verified, its trainer state
 // read and its tensor files loaded as a stage would, and the replaced file is also parsed
 // directly, past the checksums. Every input must end in a refusal (an exception) or a load;
@@ -14,9 +14,9 @@
 #include <fstream>
 #include <string>
 
-#include "engine/checkpoint.hpp"
-#include "engine/gpt_weights.hpp"
-#include "engine/safetensors.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/model/safetensors.hpp"
+#include "engine/training/checkpoint.hpp"
 
 namespace {
 

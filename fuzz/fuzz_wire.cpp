@@ -9,7 +9,7 @@
 #include <fstream>
 #include <string>
 
-#include "engine/recipe.hpp"
+#include "engine/training/recipe.hpp"
 #include "messages/aligned_buffer.hpp"
 #include "messages/wire_codec.hpp"
 

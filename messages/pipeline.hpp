@@ -16,11 +16,11 @@
 #include <utility>
 #include <vector>
 
-#include "engine/checkpoint.hpp"
-#include "engine/metrics.hpp"
-#include "engine/schedule.hpp"
-#include "engine/trace.hpp"
-#include "engine/zero.hpp"
+#include "engine/parallel/schedule.hpp"
+#include "engine/parallel/zero.hpp"
+#include "engine/trace/trace.hpp"
+#include "engine/training/checkpoint.hpp"
+#include "engine/training/metrics.hpp"
 #include "messages/payload.hpp"
 
 namespace troupe::messages {

@@ -24,7 +24,7 @@
 #include <capnp/orphan.h>
 #include <kj/exception.h>
 
-#include "engine/schedule_sim.hpp"
+#include "engine/parallel/schedule_sim.hpp"
 #include "messages/wire.capnp.h"
 
 namespace troupe::messages::wire {

@@ -26,7 +26,7 @@
 #include <variant>
 #include <vector>
 
-#include "engine/recipe.hpp"
+#include "engine/training/recipe.hpp"
 #include "messages/aligned_buffer.hpp"
 #include "messages/pipeline.hpp"
 #include "messages/remote.hpp"

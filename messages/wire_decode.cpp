@@ -13,7 +13,7 @@
 #include <capnp/message.h>
 #include <kj/exception.h>
 
-#include "engine/schedule_sim.hpp"
+#include "engine/parallel/schedule_sim.hpp"
 #include "messages/wire.capnp.h"
 #include "messages/wire_codec.hpp"
 

@@ -3,8 +3,8 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/gpt_model.hpp"
-#include "engine/pipeline_layout.hpp"
+#include "engine/model/gpt_model.hpp"
+#include "engine/parallel/pipeline_layout.hpp"
 #include "messages/wire_codec.hpp"
 
 namespace troupe::messages::wire {

@@ -24,7 +24,7 @@
 #include "bench/train_step.hpp"
 #include "bench/transport_bench.hpp"
 #include "bench/zero_bench.hpp"
-#include "engine/recipe.hpp"
+#include "engine/training/recipe.hpp"
 #include "tools/commands.hpp"
 
 namespace troupe::tools {

@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <string>
 
-#include "engine/checkpoint.hpp"
+#include "engine/training/checkpoint.hpp"
 #include "tools/commands.hpp"
 
 namespace troupe::tools {

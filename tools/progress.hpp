@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <string>
 
-#include "engine/metrics.hpp"
+#include "engine/training/metrics.hpp"
 
 namespace troupe::tools {
 

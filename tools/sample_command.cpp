@@ -7,7 +7,7 @@
 // --recipe, else from the checkpoint's trainer_state.json, else from the tensor shapes (heads:
 // GPT-2's head size 64, said on stderr). Tokens are bytes (engine/data/byte_tokenizer.hpp) for a
 // byte-level model, or GPT-2's BPE from
-// --tokenizer DIR (engine/bpe_tokenizer.hpp). stdout: the prompt, then the new text as it is
+// --tokenizer DIR (engine/model/bpe_tokenizer.hpp). stdout: the prompt, then the new text as it is
 // sampled, then a newline; stderr: what was loaded and the speed. Exit 2 with one line naming
 // the file or option on bad input (nothing sampled), 1 if sampling fails.
 #include <algorithm>
@@ -24,13 +24,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/bpe_tokenizer.hpp"
 #include "engine/data/byte_tokenizer.hpp"
-#include "engine/gpt_weights.hpp"
-#include "engine/gpu_trainer.hpp"
-#include "engine/recipe.hpp"
-#include "engine/safetensors.hpp"
-#include "engine/sample.hpp"
+#include "engine/model/bpe_tokenizer.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/model/safetensors.hpp"
+#include "engine/model/sample.hpp"
+#include "engine/training/gpu_trainer.hpp"
+#include "engine/training/recipe.hpp"
 #include "kernels/cpu_threads.hpp"
 #include "tools/commands.hpp"
 

@@ -12,9 +12,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "engine/trace.hpp"
-#include "engine/trace_render.hpp"
-#include "engine/trace_summary.hpp"
+#include "engine/trace/trace.hpp"
+#include "engine/trace/trace_render.hpp"
+#include "engine/trace/trace_summary.hpp"
 #include "tools/commands.hpp"
 
 namespace troupe::tools {

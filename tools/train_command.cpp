@@ -14,11 +14,11 @@
 #include <cstdio>
 
 #include "actors/pipeline_run.hpp"
-#include "engine/checkpoint.hpp"
-#include "engine/device_chunk.hpp"
-#include "engine/memory_plan.hpp"
-#include "engine/support.hpp"
-#include "engine/trainer.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/parallel/memory_plan.hpp"
+#include "engine/parallel/support.hpp"
+#include "engine/training/checkpoint.hpp"
+#include "engine/training/trainer.hpp"
 #include "kernels/cpu_threads.hpp"
 #include "tools/commands.hpp"
 #include "tools/progress.hpp"

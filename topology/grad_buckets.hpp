@@ -10,9 +10,9 @@
 #include <utility>
 #include <vector>
 
-#include "engine/gpt_model.hpp"
-#include "engine/rank_chunks.hpp"
-#include "engine/zero.hpp"
+#include "engine/chunks/rank_chunks.hpp"
+#include "engine/model/gpt_model.hpp"
+#include "engine/parallel/zero.hpp"
 
 namespace troupe::topology {
 

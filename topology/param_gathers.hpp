@@ -11,7 +11,7 @@
 #include <map>
 #include <vector>
 
-#include "engine/zero.hpp"
+#include "engine/parallel/zero.hpp"
 #include "topology/grad_buckets.hpp"
 
 namespace troupe::topology {

@@ -15,8 +15,8 @@
 #include <memory>
 #include <string>
 
-#include "engine/device_chunk.hpp"
-#include "engine/rank_chunks.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/rank_chunks.hpp"
 #include "messages/pipeline.hpp"
 
 namespace troupe::topology {

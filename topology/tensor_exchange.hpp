@@ -1,4 +1,4 @@
-// A tensor-parallel group whose members live in several processes (engine/tensor_group.hpp's
+// A tensor-parallel group whose members live in several processes (engine/chunks/tensor_group.hpp's
 // contract, over messages): in every collective each member sends its buffer to every other
 // member (messages::tensor_exchange, through the job's gateways) and, once all the others'
 // buffers have arrived, reduces the members' buffers in member order. That is the in-process
@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/tensor_group.hpp"
+#include "engine/chunks/tensor_group.hpp"
 #include "messages/remote.hpp"
 
 namespace troupe::topology {

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/device_chunk.hpp"
-#include "engine/rank_chunks.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/rank_chunks.hpp"
 #include "messages/pipeline.hpp"
 #include "topology/grad_buckets.hpp"
 

@@ -3,7 +3,7 @@
 // state exists and fill(i) never depends on call history.
 #include "engine/data/sampler.hpp"
 
-#include "engine/random.hpp"
+#include "engine/model/random.hpp"
 
 #include <limits>
 #include <stdexcept>

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "actors/pipeline_run.hpp"
-#include "engine/recipe.hpp"
-#include "engine/trainer.hpp"
+#include "engine/training/recipe.hpp"
+#include "engine/training/trainer.hpp"
 #include "tests/data/temp_dir.hpp"
 
 namespace troupe::actors::test {

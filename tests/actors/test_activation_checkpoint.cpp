@@ -3,7 +3,7 @@
 // together (W's recomputations gather their blocks again) give
 // bitwise the losses of the same run without it; every rank's measured activation memory
 // (metrics.jsonl's memory[].activations) is what --dry-run's plan says, with and without it.
-#include "engine/memory_plan.hpp"
+#include "engine/parallel/memory_plan.hpp"
 #include "tests/actors/actor_test_util.hpp"
 
 using namespace troupe::actors::test;

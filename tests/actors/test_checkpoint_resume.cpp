@@ -8,8 +8,8 @@
 #include <filesystem>
 
 #include "actors/checkpoint_writer.hpp"
-#include "engine/checkpoint.hpp"
-#include "engine/device_chunk.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/training/checkpoint.hpp"
 #include "tests/actors/actor_test_util.hpp"
 
 namespace troupe::actors::test {

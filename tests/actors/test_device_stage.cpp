@@ -7,7 +7,7 @@
 #include <cmath>
 #include <tuple>
 
-#include "engine/device_chunk.hpp"
+#include "engine/chunks/device_chunk.hpp"
 #include "tests/actors/actor_test_util.hpp"
 
 namespace troupe::actors::test {

@@ -1,7 +1,7 @@
 // The pipeline protocol under stress: adversarial delivery orders, tight link credits,
 // micro-batches of different lengths, schedule swaps between steps, a user-registered schedule,
 // and a stage that dies (docs/pipeline.md, invariants S1-S4 and C1-C3).
-#include "engine/schedule.hpp"
+#include "engine/parallel/schedule.hpp"
 #include "messages/protocols.hpp"
 #include "tests/actors/actor_test_util.hpp"
 

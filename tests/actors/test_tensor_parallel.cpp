@@ -4,7 +4,7 @@
 // put back together are the parameters of a run without tensor parallelism, a shard that dies ends
 // the run naming it (its peers, waiting in a collective, do not hang), a model that cannot
 // be split is refused naming parallel.tp, and ZeRO-1/2/3 over tensor shards match the serial run.
-#include "engine/memory_plan.hpp"
+#include "engine/parallel/memory_plan.hpp"
 #include "tests/actors/actor_test_util.hpp"
 
 namespace troupe::actors::test {

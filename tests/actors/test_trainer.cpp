@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/checkpoint.hpp"
-#include "engine/metrics.hpp"
+#include "engine/training/checkpoint.hpp"
+#include "engine/training/metrics.hpp"
 #include "tests/actors/actor_test_util.hpp"
 #include "troupe/trainer.hpp"
 

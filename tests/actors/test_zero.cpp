@@ -4,8 +4,8 @@
 // match the ZeRO formulas within 5%.
 #include <cmath>
 
-#include "engine/memory_plan.hpp"
-#include "engine/zero.hpp"
+#include "engine/parallel/memory_plan.hpp"
+#include "engine/parallel/zero.hpp"
 #include "tests/actors/actor_test_util.hpp"
 
 namespace troupe::actors::test {

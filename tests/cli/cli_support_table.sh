@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A table in the docs that the code generates is the one the code prints now: docs/support.md's
 # (`troupe train --help-support`, from the rules that refuse what is not built,
-# engine/support.hpp) and docs/recipe.md's (`troupe train --help-keys`, from the recipe schema,
-# engine/recipe.cpp). Fails, showing the difference, when they differ.
+# engine/parallel/support.hpp) and docs/recipe.md's (`troupe train --help-keys`, from the recipe schema,
+# engine/training/recipe.cpp). Fails, showing the difference, when they differ.
 # Usage: cli_support_table.sh TROUPE DOC OPTION NAME
 #   DOC holds the table between the lines "<!-- NAME: troupe train OPTION -->" and
 #   "<!-- end NAME -->".

@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/gpt_model.hpp"
-#include "engine/random.hpp"
-#include "engine/safetensors.hpp"
+#include "engine/model/gpt_model.hpp"
+#include "engine/model/random.hpp"
+#include "engine/model/safetensors.hpp"
 #include "kernels/tensor.hpp"
 #include "tests/data/temp_dir.hpp"
 

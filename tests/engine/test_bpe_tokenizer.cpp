@@ -1,5 +1,5 @@
-// GPT-2's byte-level BPE (engine/bpe_tokenizer.hpp) on a tiny hand-written vocabulary: GPT-2's
-// pre-tokenizer pieces, merges applied in merges.txt's order (not left to right), the byte
+// GPT-2's byte-level BPE (engine/model/bpe_tokenizer.hpp) on a tiny hand-written vocabulary:
+// GPT-2's pre-tokenizer pieces, merges applied in merges.txt's order (not left to right), the byte
 // symbols of space and newline, decode(encode(s)) == s (for every byte string once every byte
 // has a symbol), and vocab.json / merges.txt read from a directory, bad files refused naming
 // them.
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/bpe_tokenizer.hpp"
+#include "engine/model/bpe_tokenizer.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;

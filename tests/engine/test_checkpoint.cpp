@@ -1,5 +1,5 @@
-// Checkpoints on disk (engine/checkpoint.hpp): a written checkpoint verifies and reads back
-// exactly; the manifest commits it (a write stopped at any point leaves the previous one
+// Checkpoints on disk (engine/training/checkpoint.hpp): a written checkpoint verifies and reads
+// back exactly; the manifest commits it (a write stopped at any point leaves the previous one
 // loadable and the torn one unloadable); flipped bits, truncated, missing or swapped files and
 // unknown versions are named with their checksums and passed over for the previous one; the
 // newest `keep` stay; the assembler puts pieces and tensor shards back together.
@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/checkpoint.hpp"
-#include "engine/gpt_weights.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/training/checkpoint.hpp"
 
 namespace troupe::engine {
 namespace {

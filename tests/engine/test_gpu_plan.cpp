@@ -6,11 +6,11 @@
 
 #include <stdexcept>
 
-#include "engine/gpu_stage.hpp"
-#include "engine/gpu_trainer.hpp"
-#include "engine/memory_plan.hpp"
-#include "engine/pipeline_layout.hpp"
-#include "engine/recipe.hpp"
+#include "engine/chunks/gpu_stage.hpp"
+#include "engine/parallel/memory_plan.hpp"
+#include "engine/parallel/pipeline_layout.hpp"
+#include "engine/training/gpu_trainer.hpp"
+#include "engine/training/recipe.hpp"
 
 using namespace troupe::engine;
 

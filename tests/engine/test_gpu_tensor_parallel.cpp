@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "engine/gpt_model.hpp"
-#include "engine/gpu_stage.hpp"
+#include "engine/chunks/gpu_stage.hpp"
+#include "engine/model/gpt_model.hpp"
 #include "kernels/cuda/device_info.hpp"
 #include "tests/engine/engine_test_util.hpp"
 

@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/gpt_model.hpp"
-#include "engine/gpu_stage.hpp"
-#include "engine/gpu_trainer.hpp"
-#include "engine/optimizer.hpp"
-#include "engine/random.hpp"
-#include "engine/sample.hpp"
+#include "engine/chunks/gpu_stage.hpp"
+#include "engine/model/gpt_model.hpp"
+#include "engine/model/random.hpp"
+#include "engine/model/sample.hpp"
+#include "engine/training/gpu_trainer.hpp"
+#include "engine/training/optimizer.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;

@@ -1,18 +1,19 @@
-// The one chunk contract (engine/rank_chunks.hpp) without actors: CPU chunks and device chunks
-// (host_chunks, the device contract's host kind) driven through the same calls, two chunks of a
-// rank with two micro-batches in flight, payloads moved by the caller as a stage's links would,
-// give bitwise the same losses, gradients and updated weights, the two micro-batches of different
-// sequence lengths; what device chunks do not do yet is refused naming it; slots grow when the
-// micro-batches in flight outnumber them; a split backward (B, then W) is the whole backward.
+// The one chunk contract (engine/chunks/rank_chunks.hpp) without actors: CPU chunks and device
+// chunks (host_chunks, the device contract's host kind) driven through the same calls, two chunks
+// of a rank with two micro-batches in flight, payloads moved by the caller as a stage's links
+// would, give bitwise the same losses, gradients and updated weights, the two micro-batches of
+// different sequence lengths; what device chunks do not do yet is refused naming it; slots grow
+// when the micro-batches in flight outnumber them; a split backward (B, then W) is the whole
+// backward.
 #include <catch2/catch.hpp>
 
 #include <cstring>
 #include <memory>
 #include <vector>
 
-#include "engine/device_chunk.hpp"
-#include "engine/random.hpp"
-#include "engine/rank_chunks.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/rank_chunks.hpp"
+#include "engine/model/random.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;

@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "engine/gpt_weights.hpp"
-#include "engine/gpu_stage.hpp"
-#include "engine/optimizer.hpp"
-#include "engine/recipe.hpp"
-#include "engine/support.hpp"
+#include "engine/chunks/gpu_stage.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/parallel/support.hpp"
+#include "engine/training/optimizer.hpp"
+#include "engine/training/recipe.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;

@@ -1,6 +1,6 @@
-// Sampling (engine/sample.hpp): temperature 0 is the argmax whatever the seed, top-k draws only
-// the k largest logits, the same seed draws the same tokens, the temperature scales the logits of
-// the softmax (and the draws follow those probabilities); the next-token logits are the last
+// Sampling (engine/model/sample.hpp): temperature 0 is the argmax whatever the seed, top-k draws
+// only the k largest logits, the same seed draws the same tokens, the temperature scales the logits
+// of the softmax (and the draws follow those probabilities); the next-token logits are the last
 // position's of a forward pass over the window (padded vocabulary rows left out), the window is
 // the last `context` tokens, and generation is deterministic in its seed.
 #include <catch2/catch.hpp>
@@ -11,7 +11,7 @@
 #include <set>
 #include <vector>
 
-#include "engine/sample.hpp"
+#include "engine/model/sample.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;

@@ -15,8 +15,8 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/schedule.hpp"
-#include "engine/schedule_sim.hpp"
+#include "engine/parallel/schedule.hpp"
+#include "engine/parallel/schedule_sim.hpp"
 
 using namespace troupe::engine;
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/gpt_model.hpp"
+#include "engine/model/gpt_model.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;

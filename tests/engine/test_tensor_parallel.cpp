@@ -1,4 +1,4 @@
-// Tensor parallelism in the engine (engine/tensor_group.hpp): t shards of a stage, each in a
+// Tensor parallelism in the engine (engine/chunks/tensor_group.hpp): t shards of a stage, each in a
 // thread with its member of an in-process group, against the unsharded stage. Loss and
 // gradients (the shards' slices put back together) agree within float rounding of the
 // reordered sums; replicated parameters' gradients are bitwise equal on every shard; split
@@ -8,7 +8,7 @@
 #include <exception>
 #include <thread>
 
-#include "engine/tensor_group.hpp"
+#include "engine/chunks/tensor_group.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 namespace troupe::engine {

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <limits>
 
-#include "engine/update_guard.hpp"
+#include "engine/training/update_guard.hpp"
 
 using troupe::engine::guard_config;
 using troupe::engine::loss_scale_config;

@@ -9,8 +9,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/gpt_weights.hpp"
-#include "engine/safetensors.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/model/safetensors.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 using namespace troupe::engine;

@@ -1,7 +1,7 @@
-// ZeRO shard arithmetic (engine/zero.hpp): the shards of d replicas tile a bucket's parameters
-// exactly once (no padding, alignment gaps never included), a shard's AdamW step is bitwise the
-// full optimizer's on the same elements, a released gradient range reads zero and holds no
-// whole pages, a page pool moves released pages under the next acquired range (nothing copied,
+// ZeRO shard arithmetic (engine/parallel/zero.hpp): the shards of d replicas tile a bucket's
+// parameters exactly once (no padding, alignment gaps never included), a shard's AdamW step is
+// bitwise the full optimizer's on the same elements, a released gradient range reads zero and holds
+// no whole pages, a page pool moves released pages under the next acquired range (nothing copied,
 // nothing lost, bounded mappings), and ZeRO-3's gather plan (param_residency) holds what each use
 // needs, gathers a bucket only when no use holds it, and never holds more than prefetch + 1 uses'
 // buckets.
@@ -16,9 +16,9 @@
 #include <set>
 #include <vector>
 
-#include "engine/gpt_model.hpp"
-#include "engine/optimizer.hpp"
-#include "engine/zero.hpp"
+#include "engine/model/gpt_model.hpp"
+#include "engine/parallel/zero.hpp"
+#include "engine/training/optimizer.hpp"
 #include "kernels/tensor.hpp"
 
 namespace troupe::engine {

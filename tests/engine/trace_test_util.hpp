@@ -16,9 +16,9 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/trace.hpp"
-#include "engine/trace_render.hpp"
-#include "engine/trace_summary.hpp"
+#include "engine/trace/trace.hpp"
+#include "engine/trace/trace_render.hpp"
+#include "engine/trace/trace_summary.hpp"
 #include "tests/engine/engine_test_util.hpp"
 
 namespace troupe::engine::trace::test {

@@ -9,8 +9,8 @@
 #include <functional>
 #include <random>
 
-#include "engine/pipeline_layout.hpp"
-#include "engine/schedule.hpp"
+#include "engine/parallel/pipeline_layout.hpp"
+#include "engine/parallel/schedule.hpp"
 #include "messages/wire_codec.hpp"
 #include "tests/messages/wire_test_util.hpp"
 

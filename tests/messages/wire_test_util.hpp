@@ -8,7 +8,7 @@
 #include <functional>
 #include <random>
 
-#include "engine/schedule.hpp"
+#include "engine/parallel/schedule.hpp"
 #include "messages/wire_codec.hpp"
 
 namespace wire_test {

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/gpt_weights.hpp"
-#include "engine/safetensors.hpp"
+#include "engine/model/gpt_weights.hpp"
+#include "engine/model/safetensors.hpp"
 
 using namespace troupe;
 

@@ -8,8 +8,8 @@
 #include <memory>
 #include <vector>
 
-#include "engine/device_chunk.hpp"
-#include "engine/rank_chunks.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/rank_chunks.hpp"
 #include "tests/engine/engine_test_util.hpp"
 #include "topology/payload_links.hpp"
 

@@ -11,7 +11,7 @@
 #include <random>
 #include <thread>
 
-#include "engine/tensor_group.hpp"
+#include "engine/chunks/tensor_group.hpp"
 #include "topology/tensor_exchange.hpp"
 
 using namespace troupe;

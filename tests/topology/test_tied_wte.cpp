@@ -9,8 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "engine/device_chunk.hpp"
-#include "engine/rank_chunks.hpp"
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/rank_chunks.hpp"
 #include "topology/grad_buckets.hpp"
 #include "topology/tied_wte.hpp"
 

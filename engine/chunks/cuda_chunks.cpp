@@ -1,0 +1,320 @@
+// The CUDA kind of device_chunk (a gpu_stage) and of chunk_link (kernels::cuda::activation_link):
+// see device_chunk.hpp. Built only with CUDA; gpu_stage_stub.cpp says why not otherwise.
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <map>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/gpu_stage.hpp"
+#include "kernels/cuda/activation_link.hpp"
+#include "kernels/cuda/device_info.hpp"
+#include "kernels/cuda/nccl_group.hpp"
+
+namespace troupe::engine {
+namespace {
+
+namespace cu = kernels::cuda;
+
+class cuda_chunk final : public device_chunk {
+ public:
+  cuda_chunk(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options, int slots,
+             int device, std::shared_ptr<device_tensor_group> group)
+      : s_(weights, B, T, options, slots, device, std::move(group)), T_(T) {}
+
+  const stage_range& range() const override { return s_.range(); }
+  int slots() const override { return s_.slots(); }
+  int add_slot() override { return s_.add_slot(); }
+  std::size_t activation_bytes() const override { return s_.activation_bytes(); }
+  void* input(int slot) override { return s_.input(slot); }
+  void* input_gradient(int slot) override { return s_.input_gradient(slot); }
+  block_pass forward_pass(int slot, int seq_len, const std::int32_t* tokens,
+                          const std::int32_t* targets, float loss_scale, bool train,
+                          double* loss) override {
+    lengths_[slot] = seq_len;
+    return s_.forward_pass(slot, tokens, targets, loss_scale, train, seq_len, loss);
+  }
+  const void* output(int slot) const override { return s_.output(slot); }
+  void* output_gradient(int slot) override { return s_.output_gradient(slot); }
+  block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) override {
+    return to_input_gradient(
+        slot, dinput,
+        [this, slot, f = std::move(on_block_done)](const void* dout, const void** d) mutable {
+          return s_.backward_pass(slot, dout, std::move(f), d);
+        });
+  }
+  block_pass backward_input_pass(int slot, void* dinput) override {
+    return to_input_gradient(slot, dinput, [this, slot](const void* dout, const void** d) {
+      return s_.backward_input_pass(slot, dout, d);
+    });
+  }
+  // The backward pass make(doutput, &d) of slot's micro-batch, then its input's gradient (at d)
+  // copied where the caller wants it, if backward wrote it elsewhere.
+  template <class Make>
+  block_pass to_input_gradient(int slot, void* dinput, Make make) {
+    const void* d = nullptr;
+    block_pass inner = make(range().head ? nullptr : s_.output_gradient(slot), &d);
+    while (const auto* stop = inner.next()) co_yield *stop;
+    if (d && dinput && dinput != d)
+      s_.copy(dinput, d,
+              activation_bytes() / static_cast<std::size_t>(T_) *
+                  static_cast<std::size_t>(lengths_.at(slot)));
+  }
+  block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) override {
+    return s_.backward_weight_pass(slot, std::move(on_block_done));
+  }
+  bool recomputes() const override { return s_.recomputes(); }
+  void zero_grad() override { s_.zero_grad(); }
+  double grad_square_sum(bool count_tied_copy) override {
+    return s_.grad_square_sum(count_tied_copy);
+  }
+  // As the CPU's step_with_norm, with unscaling and clipping folded into one multiplier.
+  double update(const optimizer_config& config, int step, int total_steps, double grad_norm,
+                double unscale) override {
+    const double lr = learning_rate(config, step, total_steps);
+    const double multiplier = unscale * clip_coefficient(grad_norm, config.grad_clip);
+    s_.adamw(adamw_hparams_at(config, lr), step + 1, static_cast<float>(multiplier));
+    return lr;
+  }
+  void add_gradients(std::int64_t at, const float* values, std::int64_t n) override {
+    s_.add_gradients(at, values, n);
+  }
+  void copy_gradients(std::int64_t at, const float* values, std::int64_t n) override {
+    s_.copy_gradients(at, values, n);
+  }
+  float* gradient_scratch(std::int64_t n) override { return s_.gradient_scratch(n); }
+  float* device_gradients() override { return s_.device_gradients(); }
+  std::int64_t parameter_count() const override { return s_.parameter_count(); }
+  const std::vector<parameter_info>& layout() const override { return s_.layout(); }
+  std::vector<float> parameters() const override { return s_.parameters(); }
+  void load_parameters(std::int64_t at, const float* host, std::int64_t n) override {
+    s_.load_parameters(at, host, n);
+  }
+  std::int64_t device_bytes() const override { return s_.device_bytes(); }
+  std::int64_t optimizer_bytes() const override { return s_.optimizer_bytes(); }
+  std::pair<std::vector<float>, std::vector<float>> moments() override { return s_.moments(); }
+  void load_moments(const float* m, const float* v) override { s_.load_moments(m, v); }
+  void* record_event() override { return s_.record_event(); }
+  void wait_event(void* event) override { s_.wait_event(event); }
+  void copy_to_host(void* host, const void* memory, std::size_t bytes) override {
+    s_.copy_to_host(host, memory, bytes);
+  }
+  void copy_from_host(void* memory, const void* host, std::size_t bytes) override {
+    s_.copy_from_host(memory, host, bytes);
+  }
+
+ private:
+  gpu_stage s_;
+  int T_ = 0;
+  std::map<int, int> lengths_;  // by slot: its micro-batch's sequence length
+};
+
+// A link on one device (or between devices by a staged copy): kernels::cuda's local link.
+class local_link final : public chunk_link {
+ public:
+  local_link(int from, int to) : link_(cu::make_local_link(from, to)) {}
+  void* send(const void* data, std::size_t bytes, void* ready) override {
+    return link_->send(data, bytes, static_cast<cudaEvent_t>(ready));
+  }
+  void* receive(void* data, std::size_t bytes, void* ready) override {
+    return link_->receive(data, bytes, static_cast<cudaEvent_t>(ready));
+  }
+  std::string describe() const override { return link_->describe(); }
+
+ private:
+  std::shared_ptr<cu::activation_link> link_;
+};
+
+// A link between two devices by NCCL: a two-rank group (sender rank 0, receiver rank 1) for
+// this direction alone, so a link's transfers never queue behind the other direction's.
+class nccl_pair_link final : public chunk_link {
+ public:
+  nccl_pair_link(const std::string& name, int from_device, int to_device) {
+    auto groups = cu::nccl_group::join_all(name, {from_device, to_device});
+    sender_group_ = std::move(groups[0]);
+    receiver_group_ = std::move(groups[1]);
+    sender_ = cu::make_nccl_link(*sender_group_, 1);
+    receiver_ = cu::make_nccl_link(*receiver_group_, 0);
+  }
+  ~nccl_pair_link() override {
+    sender_.reset();
+    receiver_.reset();
+  }
+  void* send(const void* data, std::size_t bytes, void* ready) override {
+    return sender_->send(data, bytes, static_cast<cudaEvent_t>(ready));
+  }
+  void* receive(void* data, std::size_t bytes, void* ready) override {
+    return receiver_->receive(data, bytes, static_cast<cudaEvent_t>(ready));
+  }
+  std::string describe() const override { return sender_->describe(); }
+
+ private:
+  std::unique_ptr<cu::nccl_group> sender_group_, receiver_group_;
+  std::shared_ptr<cu::activation_link> sender_, receiver_;
+};
+
+void set_device(int device) {
+  if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+    throw cu::cuda_error("cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(e));
+}
+
+// The replicas of a pipeline rank on distinct devices: a communicator rank per replica, driven
+// by the one thread that calls mean() (the rank's reducer).
+class nccl_replica_group final : public replica_group {
+ public:
+  nccl_replica_group(const std::string& name, std::vector<int> devices)
+      : devices_(std::move(devices)), groups_(cu::nccl_group::join_all(name, devices_)) {}
+  std::vector<void*> mean(const std::vector<float_ranges>& ranges,
+                          const std::vector<void*>& ready) override {
+    std::vector<cu::nccl_group*> groups;
+    std::vector<cudaEvent_t> after;
+    for (std::size_t d = 0; d < groups_.size(); ++d) {
+      groups.push_back(groups_[d].get());
+      after.push_back(static_cast<cudaEvent_t>(ready.at(d)));
+    }
+    cu::nccl_group::all_reduce_mean(groups, ranges, after);
+    std::vector<void*> done;
+    for (std::size_t d = 0; d < groups_.size(); ++d) {
+      set_device(devices_[d]);
+      done.push_back(groups_[d]->done());  // re-recorded by the next mean(): a later point
+    }
+    return done;
+  }
+  std::string describe() const override {
+    return "NCCL group " + groups_.front()->name() + " of " + std::to_string(groups_.size()) +
+           " devices";
+  }
+
+ private:
+  std::vector<int> devices_;
+  std::vector<std::unique_ptr<cu::nccl_group>> groups_;
+};
+
+// The replicas of a pipeline rank on one device (NCCL refuses two ranks of a communicator on
+// one device): a mean kernel over their copies on the group's own stream.
+class local_replica_group final : public replica_group {
+ public:
+  local_replica_group(int device, int replicas) : device_(device), replicas_(replicas) {
+    if (replicas > cu::kMaxLocalReplicas)
+      throw std::runtime_error("parallel.dp: " + std::to_string(replicas) +
+                               " replicas on one device (at most " +
+                               std::to_string(cu::kMaxLocalReplicas) + ")");
+    set_device(device);
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    if (const cudaError_t e = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+        e != cudaSuccess) {
+      cudaStreamDestroy(stream_);
+      check(e, "cudaEventCreate");
+    }
+  }
+  ~local_replica_group() override {
+    cudaEventDestroy(done_);
+    cudaStreamDestroy(stream_);
+  }
+  local_replica_group(const local_replica_group&) = delete;
+  local_replica_group& operator=(const local_replica_group&) = delete;
+
+  std::vector<void*> mean(const std::vector<float_ranges>& ranges,
+                          const std::vector<void*>& ready) override {
+    if (static_cast<int>(ranges.size()) != replicas_ || ready.size() != ranges.size())
+      throw std::logic_error(describe() + ": ranges or events of another replica count");
+    set_device(device_);
+    for (void* e : ready)
+      if (e)
+        check(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(e), 0), "cudaStreamWaitEvent");
+    for (std::size_t i = 0; i < ranges[0].size(); ++i) {
+      std::vector<float*> copies;
+      for (const auto& r : ranges) {
+        if (r.size() != ranges[0].size() || r[i].second != ranges[0][i].second)
+          throw std::logic_error(describe() + ": replicas disagree on a bucket's ranges");
+        copies.push_back(r[i].first);
+      }
+      cu::replica_mean(stream_, copies.data(), replicas_, ranges[0][i].second);
+    }
+    check(cudaEventRecord(done_, stream_), "cudaEventRecord");  // a later point next time
+    return std::vector<void*>(ranges.size(), done_);
+  }
+  std::string describe() const override {
+    return "mean kernel of " + std::to_string(replicas_) + " replicas on device " +
+           std::to_string(device_);
+  }
+
+ private:
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw cu::cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
+  }
+  int device_ = 0, replicas_ = 1;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+};
+
+}  // namespace
+
+chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, int local_rank) {
+  const int devices = kernels::cuda_device_count();
+  if (devices < 1) throw std::runtime_error("--device cuda: no usable CUDA device");
+  // Lane d * tp + j (shard j of replica d): a rank's shards on neighbouring devices; or, in a
+  // process of a multi-process job, its local rank's device.
+  auto device_of = [devices, pp, tp, local_rank](int rank, int lane) {
+    if (local_rank >= 0) return local_rank % devices;
+    return ((lane / tp * pp + rank) * tp + lane % tp) % devices;
+  };
+  chunk_factory f;
+  f.name = "cuda";
+  f.make_chunk = [options, device_of](const gpt_stage& weights, int B, int T, int slots, int rank,
+                                      int lane, std::shared_ptr<group_member> member,
+                                      bool optimizer_state) -> std::unique_ptr<device_chunk> {
+    auto group = std::dynamic_pointer_cast<device_tensor_group>(member);
+    if (member && !group)
+      throw std::logic_error("cuda_chunks: a tensor group member of another kind");
+    auto o = options;
+    o.optimizer_state = optimizer_state;
+    return std::make_unique<cuda_chunk>(weights, B, T, o, slots, device_of(rank, lane),
+                                        std::move(group));
+  };
+  f.make_link = [device_of](int from, int to, int lane) -> std::shared_ptr<chunk_link> {
+    const int a = device_of(from, lane), b = device_of(to, lane);
+    if (a == b) return std::make_shared<local_link>(a, b);
+    return std::make_shared<nccl_pair_link>(
+        "pp-" + std::to_string(lane) + "-" + std::to_string(from) + "-" + std::to_string(to), a, b);
+  };
+  f.make_tensor_group = [device_of, tp](int rank, int replica,
+                                        int shards) -> std::vector<std::shared_ptr<group_member>> {
+    if (shards != tp)
+      throw std::logic_error("cuda_chunks: a tensor group of " + std::to_string(shards) +
+                             " shards in a factory for " + std::to_string(tp));
+    std::vector<int> on;
+    for (int j = 0; j < tp; ++j) on.push_back(device_of(rank, replica * tp + j));
+    auto members =
+        make_device_tensor_group("tp-" + std::to_string(replica) + "-" + std::to_string(rank), on);
+    return {members.begin(), members.end()};
+  };
+  f.make_group = [device_of, devices, tp](int rank, int shard,
+                                          int replicas) -> std::shared_ptr<replica_group> {
+    std::vector<int> on;
+    for (int d = 0; d < replicas; ++d) on.push_back(device_of(rank, d * tp + shard));
+    if (std::all_of(on.begin(), on.end(), [&on](int x) { return x == on[0]; }))
+      return std::make_shared<local_replica_group>(on[0], replicas);
+    auto sorted = on;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end())
+      return std::make_shared<nccl_replica_group>(
+          "dp-" + std::to_string(rank) + "-" + std::to_string(shard), on);
+    std::string list;
+    for (int x : on) {
+      if (!list.empty()) list += ',';
+      list += std::to_string(x);
+    }
+    throw std::runtime_error(
+        "parallel.dp: the replicas of pipeline rank " + std::to_string(rank) + " fall on devices " +
+        list + " of " + std::to_string(devices) +
+        ": give each replica its own device (pp x dp devices) or put them all on one");
+  };
+  return f;
+}
+
+}  // namespace troupe::engine

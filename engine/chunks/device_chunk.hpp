@@ -1,0 +1,209 @@
+// What the device kind of engine::rank_chunks (the stage actor's chunks) drives: one pipeline
+// chunk on a device, with the saved activations of a number of micro-batches in flight (slots), and
+// the links that move activations and their gradients between chunks while the typed header
+// travels as a message (docs/gpu.md). engine::gpu_stage is the CUDA chunk and
+// kernels::cuda::activation_link (through make_cuda_links) the CUDA links; host_chunk and
+// make_host_link are the same contracts in host memory, so the actor's protocol is tested
+// without a GPU against the CPU pipeline, bitwise.
+//
+// Invariants (for both kinds):
+//  - Every buffer a call takes or returns is device memory of the chunk's device (host memory
+//    for host_chunk); an activation, or its gradient, is activation_bytes() bytes.
+//  - Work is enqueued in call order on the chunk's stream. An event (void*: a cudaEvent_t, or
+//    nullptr for host chunks, whose calls finish before they return) orders it against links:
+//    record_event() marks what was enqueued so far; wait_event(e) makes what follows wait for e.
+//  - A link moves bytes in send order: the receiver posts its receives in the order the
+//    sender's headers arrive, and the sender sends a payload right before its header.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/chunks/gpu_stage.hpp"
+#include "engine/model/block_pass.hpp"
+#include "engine/model/gpt_model.hpp"
+#include "engine/training/optimizer.hpp"
+
+namespace troupe::engine {
+
+class device_chunk {
+ public:
+  virtual ~device_chunk() = default;
+
+  virtual const stage_range& range() const = 0;
+  virtual int slots() const = 0;
+  // One more slot (its buffers allocated now); returns the new count. Slots already handed out
+  // keep their buffers.
+  virtual int add_slot() = 0;
+  // B * T * width values: the most an activation (or its gradient) holds; a micro-batch of
+  // sequence length t uses the front B * t * width.
+  virtual std::size_t activation_bytes() const = 0;
+  // A chunk without the embedding: where slot's input activation is received before forward.
+  virtual void* input(int slot) = 0;
+  // A chunk without the embedding: where the gradient of input(slot) is written by backward (or
+  // backward_input) and sent from: input(slot) itself, unless the chunk keeps the input for a
+  // split backward's W.
+  virtual void* input_gradient(int slot) = 0;
+  // Forward of one micro-batch of B x seq_len tokens (seq_len <= T) into `slot` (tokens and
+  // targets on the host); backward of the slot follows its length. A head chunk returns the
+  // mean loss over the counted targets (and, training, seeds backward with loss_scale); other
+  // chunks return NaN.
+  double forward(int slot, int seq_len, const std::int32_t* tokens, const std::int32_t* targets,
+                 float loss_scale, bool train) {
+    double loss = std::numeric_limits<double>::quiet_NaN();
+    forward_pass(slot, seq_len, tokens, targets, loss_scale, train, &loss).run();
+    return loss;
+  }
+  // A chunk without the head: slot's output activation, valid until slot's next forward.
+  virtual const void* output(int slot) const = 0;
+  // A chunk without the head: where the gradient of output(slot) is received, once output(slot)
+  // has been sent, before backward(slot).
+  virtual void* output_gradient(int slot) = 0;
+  // Backward of slot's micro-batch (weight gradients accumulate). A chunk without the embedding
+  // writes the gradient of input(slot) to `dinput` (activation_bytes; it may be input(slot)).
+  // on_block_done(i) (if set) runs once block i (an index into stage_grad_blocks) has this
+  // micro-batch's gradient enqueued: an event recorded then marks it final on the stream, so a
+  // data-parallel reduction can start on it while backward continues on earlier blocks.
+  void backward(int slot, void* dinput, const grad_block_fn& on_block_done) {
+    backward_pass(slot, dinput, on_block_done).run();
+  }
+  // A split backward (zero-bubble schedules): backward_input writes the input's gradient as
+  // backward does (B); backward_weight then makes the weight gradients final, calling
+  // on_block_done as backward does (W). Together backward's gradients.
+  void backward_input(int slot, void* dinput) { backward_input_pass(slot, dinput).run(); }
+  void backward_weight(int slot, const grad_block_fn& on_block_done) {
+    backward_weight_pass(slot, on_block_done).run();
+  }
+  // Whether the chunk checkpoints its blocks (recomputes them in backward, and in W).
+  virtual bool recomputes() const = 0;
+  // forward, backward, backward_input and backward_weight as passes (engine/model/block_pass.hpp)
+  // that stop before each piece reading parameters (pass_stops(range(), kind, recomputes())), so a
+  // ZeRO-3 stage gathers the piece's blocks first (the calls above run them whole). A pass keeps
+  // its arguments; *loss (forward's return value) is written when the pass is done.
+  virtual block_pass forward_pass(int slot, int seq_len, const std::int32_t* tokens,
+                                  const std::int32_t* targets, float loss_scale, bool train,
+                                  double* loss) = 0;
+  virtual block_pass backward_pass(int slot, void* dinput, grad_block_fn on_block_done) = 0;
+  virtual block_pass backward_input_pass(int slot, void* dinput) = 0;
+  virtual block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) = 0;
+
+  virtual void zero_grad() = 0;
+  virtual double grad_square_sum(bool count_tied_copy) = 0;
+  // The optimizer step of the actor engine's apply_update: gradients unscaled by `unscale` and
+  // clipped to the global grad_norm, then AdamW at 0-based `step`. Returns the learning rate.
+  virtual double update(const optimizer_config& config, int step, int total_steps, double grad_norm,
+                        double unscale) = 0;
+  // Gradients [at, at + n) of the flat layout (gpt_stage's), on the chunk's stream: each
+  // becomes own + values[i] (in that order), or values[i]. values: n floats of device memory of
+  // the chunk's device (of this chunk, another chunk of the rank, or gradient_scratch).
+  virtual void add_gradients(std::int64_t at, const float* values, std::int64_t n) = 0;
+  virtual void copy_gradients(std::int64_t at, const float* values, std::int64_t n) = 0;
+  // n floats of device memory the chunk keeps to receive a peer's gradients into (the tied
+  // wte's other copy): allocated at the first call, the same buffer after.
+  virtual float* gradient_scratch(std::int64_t n) = 0;
+  // fp32 gradients on the device, in the flat layout (parameter_count() floats), for
+  // collectives on the chunk's stream order.
+  virtual float* device_gradients() = 0;
+  virtual std::int64_t parameter_count() const = 0;
+  virtual const std::vector<parameter_info>& layout() const = 0;
+  virtual std::vector<float> parameters() const = 0;  // the master weights, on the host
+  // Master weights [at, at + n) of the layout from n host floats (and the 16-bit copy the
+  // passes read), after the chunk's work so far; the host buffer may be reused on return.
+  virtual void load_parameters(std::int64_t at, const float* host, std::int64_t n) = 0;
+  // The AdamW moments (m, v) on the host, after the chunk's work so far; loading them (a chunk
+  // made with optimizer state; parameter_count() floats each).
+  virtual std::pair<std::vector<float>, std::vector<float>> moments() = 0;
+  virtual void load_moments(const float* m, const float* v) = 0;
+  virtual std::int64_t device_bytes() const = 0;     // what the chunk allocated
+  virtual std::int64_t optimizer_bytes() const = 0;  // of which AdamW moments
+
+  virtual void* record_event() = 0;
+  virtual void wait_event(void* event) = 0;
+  // Copies between this chunk's memory and the host (a payload staged through host memory
+  // across processes), after the chunk's work so far; they return once the host buffer holds
+  // the bytes (to_host) or may be reused (from_host), and the chunk's later work sees them.
+  virtual void copy_to_host(void* host, const void* memory, std::size_t bytes) = 0;
+  virtual void copy_from_host(void* memory, const void* host, std::size_t bytes) = 0;
+};
+
+// One direction of a link between two chunks (both ends may share the object).
+class chunk_link {
+ public:
+  virtual ~chunk_link() = default;
+  // Reads `data` after `ready`; returns the event after which `data` may be overwritten.
+  virtual void* send(const void* data, std::size_t bytes, void* ready) = 0;
+  // Writes the oldest payload not yet received into `data` after `ready`; returns the event
+  // after which `data` holds it.
+  virtual void* receive(void* data, std::size_t bytes, void* ready) = 0;
+  virtual std::string describe() const = 0;
+};
+
+// The data-parallel replicas of one pipeline rank's chunks, all in this process: replaces
+// gradient ranges with their mean over the replicas.
+class replica_group {
+ public:
+  using float_ranges = std::vector<std::pair<float*, std::int64_t>>;
+  virtual ~replica_group() = default;
+  // ranges[d]: replica d's copy of the same ranges (the same sizes, in the same order), final
+  // after its event ready[d]. Enqueues the mean and returns, by replica, the event after which
+  // its ranges hold it (nullptr: they already do). Returns at once; never waits for the
+  // replicas' devices.
+  virtual std::vector<void*> mean(const std::vector<float_ranges>& ranges,
+                                  const std::vector<void*>& ready) = 0;
+  virtual std::string describe() const = 0;
+};
+
+// How a device pipeline makes its chunks and links. A lane is one tensor shard of one
+// data-parallel replica: lane d * tp + j is shard j of replica d (lanes are replicas without
+// tensor parallelism). The CUDA kind places pipeline rank r of lane d * tp + j on device
+// ((d * pp + r) * tp + j) % devices, the shards of a rank on neighbouring devices
+// (cuda_chunks); the host kind is for tests.
+struct chunk_factory {
+  std::string name;  // "cuda", "host"
+  // The chunk of `weights` (a tensor shard's slice when weights.shard() is split) for
+  // micro-batches of B x T with `slots` in flight, for pipeline rank `rank` of lane `lane`.
+  // tp_member: the shard's member of its (replica, rank) tensor group (make_tensor_group's),
+  // null without tensor parallelism. Without optimizer_state the chunk holds no AdamW moments
+  // (ZeRO: its shards do) and update throws.
+  std::function<std::unique_ptr<device_chunk>(
+      const gpt_stage& weights, int B, int T, int slots, int rank, int lane,
+      std::shared_ptr<group_member> tp_member, bool optimizer_state)>
+      make_chunk;
+  // The link carrying payloads from pipeline rank `from` to rank `to` of one lane (from may
+  // equal to: chunks of one rank). One object serves both ends.
+  std::function<std::shared_ptr<chunk_link>(int from, int to, int lane)> make_link;
+  // The data-parallel group of tensor shard `shard` of pipeline rank `rank` over `replicas`
+  // replicas. Unset: the chunks' gradients are host memory, and the host's ring-order mean
+  // (topology::ring_order_mean) serves them.
+  std::function<std::shared_ptr<replica_group>(int rank, int shard, int replicas)> make_group;
+  // The tensor-parallel group of pipeline rank `rank` of replica `replica`: member j for shard
+  // j's chunks (every chunk of the rank's shard uses it, one pass at a time). Unset: this kind
+  // has no tensor parallelism.
+  std::function<std::vector<std::shared_ptr<group_member>>(int rank, int replica, int tp)>
+      make_tensor_group;
+  // Whether make_chunk also takes a host tensor_group's member (engine/chunks/tensor_group.hpp): a
+  // tensor group whose shards live in several processes is one (topology/tensor_exchange.hpp).
+  bool host_tensor_groups = false;
+};
+
+// CUDA chunks (gpu_stage) for a pipeline of `pp` ranks of `tp` tensor shards each, and links
+// between them: a staged copy when both ends share a device, otherwise an NCCL group of two for
+// each direction. A replica group is one NCCL communicator per replica (ncclAvg, one group call)
+// when the replicas of a rank sit on distinct devices, a mean kernel when they share one device;
+// a tensor group likewise (make_device_tensor_group). Throws
+// std::runtime_error saying why in a build or on a machine without CUDA.
+// local_rank >= 0 (a process of a multi-process job): every chunk, link and group of this
+// process on device local_rank mod the devices.
+chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp = 1,
+                          int local_rank = -1);
+// Host chunks and links: the CPU engine's arithmetic (engine::stage_compute) behind the device
+// contracts, bitwise the CPU pipeline's numbers; tensor groups are make_local_tensor_group's
+// (or, across processes, any host tensor_group).
+chunk_factory host_chunks(bool recompute);
+
+}  // namespace troupe::engine

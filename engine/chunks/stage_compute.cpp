@@ -1,0 +1,145 @@
+// One pipeline rank's arithmetic. See stage_compute.hpp.
+#include "engine/chunks/stage_compute.hpp"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace troupe::engine {
+namespace {
+
+std::string describe(int c, micro_batch_id id) {
+  return "chunk " + std::to_string(c) + " round " + std::to_string(id.round) + " micro-batch " +
+         std::to_string(id.micro_batch);
+}
+
+}  // namespace
+
+stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
+                             bool optimizer_state, bool recompute, tensor_shard shard,
+                             std::shared_ptr<tensor_group> group)
+    : recompute_(recompute), tp_(shard.size) {
+  for (const auto& r : chunks) {
+    chunk_state s;
+    s.stage = std::make_unique<gpt_stage>(model, r, shard);
+    if (group) s.stage->set_tensor_group(group);
+    if (optimizer_state) s.opt = std::make_unique<adamw_optimizer>(*s.stage);
+    chunks_.push_back(std::move(s));
+  }
+}
+
+adamw_optimizer& stage_compute::optimizer(int c) {
+  auto& opt = chunks_.at(static_cast<std::size_t>(c)).opt;
+  if (!opt)
+    throw std::logic_error("stage_compute: no optimizer state here (a ZeRO shard holds it)");
+  return *opt;
+}
+
+std::int64_t stage_compute::optimizer_bytes() const {
+  std::int64_t bytes = 0;
+  for (const auto& c : chunks_)
+    if (c.opt)
+      bytes += static_cast<std::int64_t>(c.opt->first_moment().nbytes() +
+                                         c.opt->second_moment().nbytes());
+  return bytes;
+}
+
+std::int64_t stage_compute::activation_bytes() const {
+  std::int64_t bytes = 0;
+  for (const auto& c : chunks_) {
+    for (const auto& [id, s] : c.live) bytes += s.acts->bytes();
+    for (const auto& [shape, acts] : c.pool) bytes += acts->bytes();
+  }
+  for (const auto& [shape, s] : scratch_) bytes += s->bytes();
+  return bytes;
+}
+
+void stage_compute::zero_grad() {
+  for (auto& c : chunks_) c.stage->zero_grad();
+}
+
+stage_compute::slot& stage_compute::live_slot(int c, micro_batch_id id) {
+  auto& live = chunks_.at(static_cast<std::size_t>(c)).live;
+  auto it = live.find(id);
+  if (it == live.end()) throw std::logic_error("no forward state for " + describe(c, id));
+  return it->second;
+}
+
+const stage_compute::slot& stage_compute::live_slot(int c, micro_batch_id id) const {
+  const auto& live = chunks_.at(static_cast<std::size_t>(c)).live;
+  auto it = live.find(id);
+  if (it == live.end()) throw std::logic_error("no forward state for " + describe(c, id));
+  return it->second;
+}
+
+block_pass stage_compute::forward(int c, micro_batch_id id, forward_args args) {
+  auto& ch = chunks_.at(static_cast<std::size_t>(c));
+  if (ch.live.count(id)) throw std::logic_error("forward twice for " + describe(c, id));
+  slot fresh;
+  auto pooled = ch.pool.find({args.B, args.T});
+  if (pooled != ch.pool.end()) {
+    fresh.acts = std::move(pooled->second);
+    ch.pool.erase(pooled);
+  } else {
+    std::shared_ptr<block_scratch> scratch;
+    if (recompute_) {
+      auto& shared = scratch_[{args.B, args.T}];
+      if (!shared)
+        shared = std::make_shared<block_scratch>(ch.stage->config(), args.B, args.T, tp_);
+      scratch = shared;
+    }
+    fresh.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T, std::move(scratch));
+  }
+  fresh.hold = std::move(args.hold);
+  slot& s = ch.live.emplace(id, std::move(fresh)).first->second;  // map nodes do not move
+  return forward_pass(*ch.stage, s, args);
+}
+
+block_pass stage_compute::forward_pass(const gpt_stage& st, slot& s, forward_args args) {
+  auto inner = stage_forward_pass(st, *s.acts, args.tokens, args.input);
+  while (const auto* stop = inner.next()) co_yield *stop;
+  if (st.range().head) {
+    s.loss = args.train
+                 ? stage_loss_backward_start(st, *s.acts, args.targets, args.loss_scale).mean()
+                 : stage_loss(st, *s.acts, args.targets).mean();
+  }
+}
+
+double stage_compute::loss(int c, micro_batch_id id) const { return live_slot(c, id).loss; }
+
+const float* stage_compute::output(int c, micro_batch_id id) const {
+  return stage_output(*live_slot(c, id).acts);
+}
+
+std::pair<int, int> stage_compute::shape(int c, micro_batch_id id) const {
+  const auto& acts = *live_slot(c, id).acts;
+  return {acts.batch(), acts.seq_len()};
+}
+
+block_pass stage_compute::backward(int c, micro_batch_id id, const float* doutput, float* dinput,
+                                   grad_block_fn on_block_done) {
+  return stage_backward_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput,
+                             std::move(on_block_done));
+}
+
+block_pass stage_compute::backward_input(int c, micro_batch_id id, const float* doutput,
+                                         float* dinput) {
+  return stage_backward_input_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput);
+}
+
+block_pass stage_compute::backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done) {
+  return stage_backward_weight_pass(chunk(c), *live_slot(c, id).acts, std::move(on_block_done));
+}
+
+void stage_compute::release(int c, micro_batch_id id) {
+  auto& ch = chunks_.at(static_cast<std::size_t>(c));
+  auto it = ch.live.find(id);
+  if (it == ch.live.end()) throw std::logic_error("release without forward: " + describe(c, id));
+  auto acts = std::move(it->second.acts);
+  ch.live.erase(it);
+  const std::pair<int, int> key{acts->batch(), acts->seq_len()};
+  ch.pool.emplace(key, std::move(acts));
+}
+
+}  // namespace troupe::engine

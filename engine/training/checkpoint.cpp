@@ -1,0 +1,492 @@
+// Checkpoints on disk. See checkpoint.hpp and docs/checkpoints.md.
+#include "engine/training/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "engine/model/gpt_weights.hpp"
+#include "engine/model/safetensors.hpp"
+
+namespace troupe::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+const char* const tensor_files[] = {"model", "exp_avg", "exp_avg_sq"};
+
+std::runtime_error ckpt_error(const fs::path& path, const std::string& what) {
+  return std::runtime_error(path.string() + ": " + what);
+}
+
+std::string hex64(std::uint64_t x) {
+  char text[17];
+  std::snprintf(text, sizeof text, "%016" PRIx64, x);
+  return text;
+}
+
+// The file's size and xxh64, read from disk.
+std::pair<std::uint64_t, std::uint64_t> size_and_hash(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw ckpt_error(path, std::string("cannot open: ") + std::strerror(errno));
+  XXH64_state_t* st = XXH64_createState();
+  XXH64_reset(st, 0);
+  std::vector<char> buf(1 << 20);
+  std::uint64_t size = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const std::string err = std::strerror(errno);
+      XXH64_freeState(st);
+      ::close(fd);
+      throw ckpt_error(path, "cannot read: " + err);
+    }
+    if (n == 0) break;
+    XXH64_update(st, buf.data(), static_cast<std::size_t>(n));
+    size += static_cast<std::uint64_t>(n);
+  }
+  const std::uint64_t h = XXH64_digest(st);
+  XXH64_freeState(st);
+  ::close(fd);
+  return {size, h};
+}
+
+void fsync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw ckpt_error(dir, std::string("cannot open: ") + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw ckpt_error(dir, std::string("fsync failed: ") + std::strerror(errno));
+}
+
+file_digest write_text(const fs::path& path, const std::string& text) {
+  std::vector<std::byte> bytes(text.size());
+  std::memcpy(bytes.data(), text.data(), text.size());
+  return write_file_atomically(path, bytes);
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ckpt_error(path, "cannot read");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Doubles as their bit patterns: exact, and NaN and infinities survive JSON.
+std::uint64_t bits(double x) {
+  std::uint64_t u;
+  std::memcpy(&u, &x, 8);
+  return u;
+}
+double from_bits(std::uint64_t u) {
+  double x;
+  std::memcpy(&x, &u, 8);
+  return x;
+}
+
+json window_json(const outlier_detector::state& w) {
+  json values = json::array();
+  for (double v : w.values) values.push_back(bits(v));
+  return {{"values_bits", values}, {"next", w.next}, {"count", w.count}};
+}
+outlier_detector::state window_from(const json& j) {
+  outlier_detector::state w;
+  for (const auto& v : j.at("values_bits")) w.values.push_back(from_bits(v.get<std::uint64_t>()));
+  w.next = j.at("next").get<std::size_t>();
+  w.count = j.at("count").get<std::size_t>();
+  return w;
+}
+
+json state_json(const checkpoint_state& s) {
+  const auto& m = s.mesh;
+  return {
+      {"step", s.step},
+      {"tokens", s.tokens},
+      {"micro_batches", s.micro_batches},
+      {"guard",
+       {{"scale_bits", bits(s.guard.scale)},
+        {"scale", s.guard.scale},
+        {"good_steps", s.guard.good_steps},
+        {"skips_in_a_row", s.guard.skips_in_a_row},
+        {"loss_window", window_json(s.guard.loss)},
+        {"grad_norm_window", window_json(s.guard.grad_norm)}}},
+      {"schedule", s.schedule},
+      {"mesh",
+       {{"pp", m.pp},
+        {"dp", m.dp},
+        {"tp", m.tp},
+        {"zero", m.zero},
+        {"virtual_stages", m.virtual_stages},
+        {"micro_batches", m.micro_batches},
+        {"grad_accum", m.grad_accum},
+        {"micro_batch", m.micro_batch}}},
+      {"recipe", s.recipe_text},
+      {"overrides", s.overrides},
+  };
+}
+
+checkpoint_state state_from(const json& j) {
+  checkpoint_state s;
+  s.step = j.at("step").get<int>();
+  s.tokens = j.at("tokens").get<std::int64_t>();
+  s.micro_batches = j.at("micro_batches").get<std::int64_t>();
+  const auto& g = j.at("guard");
+  s.guard.scale = from_bits(g.at("scale_bits").get<std::uint64_t>());
+  s.guard.good_steps = g.at("good_steps").get<int>();
+  s.guard.skips_in_a_row = g.at("skips_in_a_row").get<int>();
+  s.guard.loss = window_from(g.at("loss_window"));
+  s.guard.grad_norm = window_from(g.at("grad_norm_window"));
+  s.schedule = j.at("schedule").get<std::string>();
+  const auto& m = j.at("mesh");
+  s.mesh = {m.at("pp").get<int>(),
+            m.at("dp").get<int>(),
+            m.at("tp").get<int>(),
+            m.at("zero").get<int>(),
+            m.at("virtual_stages").get<int>(),
+            m.at("micro_batches").get<int>(),
+            m.at("grad_accum").get<int>(),
+            m.at("micro_batch").get<int>()};
+  s.recipe_text = j.at("recipe").get<std::string>();
+  s.overrides = j.at("overrides").get<std::vector<std::string>>();
+  return s;
+}
+
+// step-00000012 -> 12; -1 for anything else.
+int step_of(const std::string& name) {
+  if (name.size() != 13 || !name.starts_with("step-")) return -1;
+  int step = 0;
+  for (char c : name.substr(5)) {
+    if (c < '0' || c > '9') return -1;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+
+}  // namespace
+
+checkpoint_assembler::checkpoint_assembler(const gpt_config& model, int tp)
+    : model_(model), tp_(tp) {
+  for (int j = 0; j < tp; ++j) {
+    auto& l = layouts_.emplace_back();
+    for (const auto& p : stage_parameter_layout(model, stage_range::whole(model), {j, tp})) {
+      l.emplace(p.name, p);
+      if (p.name == "transformer.wte.weight") l.emplace(checkpoint_head_copy, p);
+    }
+  }
+}
+
+std::int64_t checkpoint_assembler::slice_numel(const std::string& name, int shard,
+                                               std::int64_t offset, std::int64_t n) const {
+  if (shard < 0 || shard >= tp_)
+    throw std::runtime_error("checkpoint: tensor shard " + std::to_string(shard) + " of " +
+                             std::to_string(tp_));
+  const auto& layout = layouts_[static_cast<std::size_t>(shard)];
+  const auto it = layout.find(name);
+  if (it == layout.end()) throw std::runtime_error("checkpoint: no parameter " + name);
+  const std::int64_t numel = it->second.numel;
+  if (offset < 0 || n < 0 || offset + n > numel)
+    throw std::runtime_error("checkpoint: " + name + " values [" + std::to_string(offset) + ", " +
+                             std::to_string(offset + n) + ") outside its " + std::to_string(numel));
+  return numel;
+}
+
+void checkpoint_assembler::add(role r, const std::string& name, int shard, std::int64_t offset,
+                               const float* values, std::int64_t n) {
+  const std::int64_t numel = slice_numel(name, shard, offset, n);
+  auto& s = slices_[{r, name, shard}];
+  if (s.values.empty()) s.values.assign(static_cast<std::size_t>(numel), 0.0f);
+  std::copy(values, values + n, s.values.begin() + offset);
+  s.covered.emplace_back(offset, n);
+}
+
+void checkpoint_assembler::add(role r, const std::string& name, int shard, std::int64_t offset,
+                               std::vector<float>&& values) {
+  const auto n = static_cast<std::int64_t>(values.size());
+  const std::int64_t numel = slice_numel(name, shard, offset, n);
+  auto& s = slices_[{r, name, shard}];
+  if (s.values.empty() && offset == 0 && n == numel) {
+    s.values = std::move(values);
+    s.covered.emplace_back(0, n);
+    return;
+  }
+  add(r, name, shard, offset, values.data(), n);
+}
+
+checkpoint_tensors checkpoint_assembler::finish() {
+  checkpoint_tensors out;
+  named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
+  const auto whole = stage_parameter_layout(model_, stage_range::whole(model_));
+  // The head's copy of wte, when any stage sent one.
+  bool head_copy = false;
+  for (const auto& [key, s] : slices_)
+    head_copy = head_copy || std::get<1>(key) == checkpoint_head_copy;
+  std::vector<parameter_info> tensors = whole;
+  if (head_copy) {
+    for (const auto& p : whole) {
+      if (p.name != "transformer.wte.weight") continue;
+      tensors.push_back(p);
+      tensors.back().name = checkpoint_head_copy;
+    }
+  }
+  for (int r = 0; r < 3; ++r) {
+    for (const auto& p : tensors) {
+      auto& dst = (*maps[r])[p.name];
+      if (tp_ > 1) dst.assign(static_cast<std::size_t>(p.numel), 0.0f);
+      for (int j = 0; j < tp_; ++j) {
+        const auto it = slices_.find({r, p.name, j});
+        const auto& info = layouts_[static_cast<std::size_t>(j)].at(p.name);
+        auto covered = it == slices_.end() ? decltype(it->second.covered){} : it->second.covered;
+        std::sort(covered.begin(), covered.end());
+        std::int64_t reach = 0;
+        for (const auto& [o, n] : covered) {
+          if (o > reach) break;
+          reach = std::max(reach, o + n);
+        }
+        if (reach < info.numel)
+          throw std::runtime_error(std::string("checkpoint: ") + tensor_files[r] + " of " + p.name +
+                                   (tp_ > 1 ? " shard " + std::to_string(j) : "") +
+                                   ": elements from " + std::to_string(reach) + " never sent");
+        if (tp_ == 1)  // the one shard is the tensor: taken, not copied
+          dst = std::move(it->second.values);
+        else
+          put_shard(info, {j, tp_}, it->second.values.data(), dst.data());
+      }
+    }
+  }
+  return out;
+}
+
+fs::path checkpoint_dir(const fs::path& root, int step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08d", step);
+  return root / name;
+}
+
+void write_checkpoint(const fs::path& root, const gpt_config& model,
+                      const checkpoint_tensors& tensors, const checkpoint_state& state, int keep,
+                      const checkpoint_hook& hook) {
+  auto point = [&](const std::string& p) {
+    if (hook) hook(p);
+  };
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) throw ckpt_error(root, "cannot create: " + ec.message());
+  const fs::path dir = checkpoint_dir(root, state.step);
+  // A committed checkpoint of this step that verifies is never replaced; a torn or corrupt one
+  // (the run resumed from an older one after it failed to verify) is.
+  if (fs::exists(dir / "manifest.json", ec) && verify_checkpoint(dir).empty())
+    throw ckpt_error(
+        dir, "a committed checkpoint of step " + std::to_string(state.step) + " is there already");
+  fs::remove_all(dir, ec);
+  if (ec) throw ckpt_error(dir, "cannot remove a torn checkpoint: " + ec.message());
+  fs::create_directory(dir, ec);
+  if (ec) throw ckpt_error(dir, "cannot create: " + ec.message());
+
+  json files = json::array();
+  auto add = [&](const std::string& name, file_digest d) {
+    files.push_back({{"name", name}, {"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}});
+    point("wrote " + name);
+  };
+  // Each tensor file streamed from the assembled tensors (hashed as written, nothing copied
+  // whole): Hugging Face GPT-2's names and layout, as save_hf_weights writes them.
+  const named_tensors* maps[] = {&tensors.params, &tensors.exp_avg, &tensors.exp_avg_sq};
+  const auto layout = stage_parameter_layout(model, stage_range::whole(model));
+  for (int i = 0; i < 3; ++i) {
+    const auto& values = *maps[i];
+    std::map<std::string, safetensors_tensor> out;
+    for (const auto& p : layout) {
+      const auto it = values.find(p.name);
+      if (it == values.end() || static_cast<std::int64_t>(it->second.size()) != p.numel)
+        throw std::logic_error(std::string("checkpoint: ") + tensor_files[i] + " tensor " + p.name +
+                               (it == values.end() ? " is missing" : " has another size"));
+      out[p.name] = hf_tensor(model, p, it->second.data());
+    }
+    const std::string name = std::string(tensor_files[i]) + ".safetensors";
+    add(name, write_safetensors(dir / name, out, {{"format", "pt"}}));
+  }
+  if (tensors.params.count(checkpoint_head_copy)) {  // the head's copy of wte, HF's wte layout
+    const std::string base = checkpoint_head_copy;
+    const kernels::shape_t shape = {model.vocab_size, model.width};
+    const auto bytes = static_cast<std::size_t>(model.vocab_size) * model.width * sizeof(float);
+    std::map<std::string, safetensors_tensor> out;
+    const std::pair<const char*, const named_tensors*> parts[] = {
+        {"", &tensors.params},
+        {".exp_avg", &tensors.exp_avg},
+        {".exp_avg_sq", &tensors.exp_avg_sq}};
+    for (const auto& [suffix, map] : parts) {
+      const auto& v = map->at(base);
+      out[base + suffix] = safetensors_tensor{"F32", shape, v.data(), bytes};
+    }
+    add("lm_head.safetensors",
+        write_safetensors(dir / "lm_head.safetensors", out, {{"format", "pt"}}));
+  }
+  add("trainer_state.json",
+      write_text(dir / "trainer_state.json", state_json(state).dump(1) + "\n"));
+  fsync_dir(dir);
+  point("before manifest");
+  const json manifest = {{"magic", checkpoint_magic},
+                         {"version", checkpoint_format_version},
+                         {"step", state.step},
+                         {"files", files}};
+  write_text(dir / "manifest.json", manifest.dump(1) + "\n");
+  fsync_dir(dir);
+  fsync_dir(root);
+  point("committed");
+
+  // The newest `keep` committed checkpoints stay; older ones and torn directories go.
+  int committed = 0;
+  for (const auto& e : list_checkpoints(root)) {
+    if (e.committed && ++committed <= keep) continue;
+    if (!e.committed && e.step > state.step) continue;  // not ours to judge
+    fs::remove_all(e.dir, ec);
+    if (ec) throw ckpt_error(e.dir, "cannot remove: " + ec.message());
+    point("removed " + e.dir.filename().string());
+  }
+}
+
+std::vector<checkpoint_entry> list_checkpoints(const fs::path& root) {
+  std::vector<checkpoint_entry> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& d : fs::directory_iterator(root, ec)) {
+    if (!d.is_directory(ec)) continue;
+    const int step = step_of(d.path().filename().string());
+    if (step < 0) continue;
+    out.push_back({d.path(), step, fs::exists(d.path() / "manifest.json", ec)});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.step > b.step; });
+  return out;
+}
+
+std::string verify_checkpoint(const fs::path& dir) {
+  const fs::path mpath = dir / "manifest.json";
+  std::error_code ec;
+  if (!fs::exists(mpath, ec))
+    return mpath.string() + ": missing (the checkpoint was not committed)";
+  json m;
+  try {
+    m = json::parse(read_text(mpath));
+  } catch (const std::exception& e) {
+    return mpath.string() + ": not a manifest (" + e.what() + ")";
+  }
+  if (!m.is_object() || m.value("magic", std::string()) != checkpoint_magic)
+    return mpath.string() + ": not a Troupe checkpoint manifest (magic)";
+  if (!m.contains("version") || !m["version"].is_number_integer() ||
+      m["version"].get<int>() != checkpoint_format_version)
+    return mpath.string() + ": format version " +
+           (m.contains("version") ? m["version"].dump() : std::string("missing")) +
+           " (this Troupe reads " + std::to_string(checkpoint_format_version) + ")";
+  const int expected_step = step_of(dir.filename().string());
+  if (!m.contains("step") || !m["step"].is_number_integer() ||
+      (expected_step >= 0 && m["step"].get<int>() != expected_step))
+    return mpath.string() + ": the manifest is of another step than its directory";
+  if (!m.contains("files") || !m["files"].is_array()) return mpath.string() + ": no file list";
+  std::vector<std::string> required = {"model.safetensors", "exp_avg.safetensors",
+                                       "exp_avg_sq.safetensors", "trainer_state.json"};
+  for (const auto& f : m["files"]) {
+    if (!f.is_object() || !f.contains("name") || !f["name"].is_string() || !f.contains("bytes") ||
+        !f["bytes"].is_number_unsigned() || !f.contains("xxh64") || !f["xxh64"].is_string())
+      return mpath.string() + ": a malformed file entry";
+    const std::string name = f["name"].get<std::string>();
+    if (name.find('/') != std::string::npos || name == ".." || name == ".")
+      return mpath.string() + ": a file entry outside the checkpoint (" + name + ")";
+    std::erase(required, name);
+    const fs::path path = dir / name;
+    if (!fs::exists(path, ec)) return path.string() + ": missing";
+    std::uint64_t size = 0, hash = 0;
+    try {
+      std::tie(size, hash) = size_and_hash(path);
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    const auto want_size = f["bytes"].get<std::uint64_t>();
+    const std::string want = f["xxh64"].get<std::string>();
+    if (size != want_size)
+      return path.string() + ": " + std::to_string(size) + " bytes, the manifest says " +
+             std::to_string(want_size) + " (truncated or replaced)";
+    if (hex64(hash) != want)
+      return path.string() + ": xxh64 " + hex64(hash) + ", the manifest says " + want +
+             " (corrupt or replaced)";
+  }
+  if (!required.empty()) return mpath.string() + ": lists no " + required.front();
+  try {
+    read_checkpoint_state(dir);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+fs::path find_checkpoint(const fs::path& where,
+                         const std::function<void(const std::string&)>& say) {
+  std::error_code ec;
+  if (step_of(where.filename().string()) >= 0 && fs::is_directory(where, ec)) {
+    const std::string problem = verify_checkpoint(where);
+    if (!problem.empty()) throw std::runtime_error("cannot resume: " + problem);
+    return where;
+  }
+  if (!fs::is_directory(where, ec))
+    throw std::runtime_error("cannot resume: " + where.string() + " is not a directory");
+  std::string passed;
+  for (const auto& e : list_checkpoints(where)) {
+    if (!e.committed) continue;  // torn: never loaded
+    const std::string problem = verify_checkpoint(e.dir);
+    if (problem.empty()) {
+      if (!passed.empty() && say) say("falling back to " + e.dir.filename().string());
+      return e.dir;
+    }
+    if (say) say("checkpoint " + e.dir.filename().string() + " is unusable: " + problem);
+    passed = e.dir.filename().string();
+  }
+  throw std::runtime_error("cannot resume: no committed checkpoint in " + where.string() +
+                           (passed.empty() ? "" : " verifies"));
+}
+
+checkpoint_state read_checkpoint_state(const fs::path& dir) {
+  const fs::path path = dir / "trainer_state.json";
+  try {
+    return state_from(json::parse(read_text(path)));
+  } catch (const std::exception& e) {
+    throw ckpt_error(path, std::string("unreadable trainer state: ") + e.what());
+  }
+}
+
+std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::string& which,
+                                           const gpt_config& model, const stage_range& range,
+                                           tensor_shard shard) {
+  gpt_stage st(model, range, shard);
+  load_hf_weights(st, dir / (which + ".safetensors"));
+  std::error_code ec;
+  if (range.head && !range.embedding && fs::exists(dir / "lm_head.safetensors", ec)) {
+    const safetensors_file file(dir / "lm_head.safetensors");
+    const std::string name =
+        std::string(checkpoint_head_copy) + (which == "model" ? "" : "." + which);
+    if (!file.contains(name)) throw ckpt_error(file.path(), "no tensor " + name);
+    const auto t = file.read_f32(name);
+    for (const auto& p : st.parameters()) {
+      if (p.name != "transformer.wte.weight") continue;
+      const std::int64_t rows = model.vocab_size * model.width;
+      if (t.numel() != rows) throw ckpt_error(file.path(), "tensor " + name + " of another shape");
+      std::vector<float> whole(static_cast<std::size_t>(kernels::shape_numel(p.full_shape)), 0.0f);
+      std::copy(t.f32(), t.f32() + rows, whole.begin());
+      take_shard(p, st.shard(), whole.data(), st.params() + p.offset);
+    }
+  }
+  return {st.params(), st.params() + st.parameter_count()};
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,144 @@
+// Checkpoints on disk (docs/checkpoints.md): what exact resume needs, in files other tools can
+// read, committed by a manifest written last. CAF-free: the checkpoint writer actor and the
+// `troupe ckpt` command call it.
+//
+// A checkpoint of step s is the directory ROOT/step-0000000s holding
+//   model.safetensors       fp32 master weights, Hugging Face GPT-2 names and layout
+//   exp_avg.safetensors     AdamW first moments, the same names and layout
+//   exp_avg_sq.safetensors  AdamW second moments
+//   lm_head.safetensors     when the head's chunk holds its own copy of the tied wte (a
+//                           pipeline): that copy ("lm_head.weight") and its moments, which may
+//                           differ from wte's in their last bits (summed in another order)
+//   trainer_state.json      step, tokens, data position, update guard, schedule, mesh, recipe
+//   manifest.json           magic, format version, step, and every file's size and xxh64
+// The tensors are whole-model tensors whatever the mesh that saved them, so a checkpoint loads
+// at any pipeline, data, tensor or ZeRO layout.
+//
+// Invariants:
+//  - The manifest is the commit marker: written after every other file is on disk (each file
+//    and the manifest: tmp, fsync, rename; then fsync of the directory). A directory without a
+//    manifest is torn and is never loaded; the next write removes it.
+//  - An older checkpoint is removed only after a newer one is committed; the newest `keep`
+//    committed ones stay.
+//  - Loading verifies the manifest and every file's size and xxh64 before any tensor is read;
+//    a problem is one line naming the file (and the expected and actual checksum).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "engine/model/gpt_model.hpp"
+#include "engine/training/update_guard.hpp"
+
+namespace troupe::engine {
+
+constexpr int checkpoint_format_version = 1;
+inline constexpr const char* checkpoint_magic = "troupe-checkpoint";
+// The name of a head chunk's own copy of the tied wte in checkpoint tensors.
+inline constexpr const char* checkpoint_head_copy = "lm_head.weight";
+
+// The mesh that saved a checkpoint (resume at another one reshards).
+struct checkpoint_mesh {
+  int pp = 1, dp = 1, tp = 1, zero = 0, virtual_stages = 1, micro_batches = 1, grad_accum = 1;
+  int micro_batch = 1;  // rows per micro-batch
+};
+
+// trainer_state.json.
+struct checkpoint_state {
+  int step = 0;                    // optimizer steps done (the next step is step + 1)
+  std::int64_t tokens = 0;         // tokens trained on
+  std::int64_t micro_batches = 0;  // training micro-batches consumed, all replicas together
+  update_guard::state guard;       // loss scale, skip counters, outlier windows
+  std::string schedule;            // the schedule in effect
+  checkpoint_mesh mesh;
+  std::string recipe_text;  // the recipe's TOML and its overrides
+  std::vector<std::string> overrides;
+};
+
+// Whole-model tensors by parameter name in Troupe's layout (gpt_stage with stage_range::whole:
+// [out, in] linear weights, padded vocabulary rows), as the stages' snapshots give them; and
+// optionally checkpoint_head_copy, shaped as wte.
+using named_tensors = std::map<std::string, std::vector<float>>;
+struct checkpoint_tensors {
+  named_tensors params, exp_avg, exp_avg_sq;
+};
+
+// Whole-model tensors from the pieces the stages of a mesh send (tensor shards' slices, ZeRO
+// shards' owned ranges; a range may come twice, as the tied wte's two copies do).
+class checkpoint_assembler {
+ public:
+  enum role : int { parameter = 0, exp_avg = 1, exp_avg_sq = 2 };
+  checkpoint_assembler(const gpt_config& model, int tp);
+  // Values [offset, offset + n) of tensor shard `shard`'s slice of `name` (the whole tensor
+  // without tensor parallelism). Throws std::runtime_error for an unknown name or a range
+  // outside the slice.
+  void add(role r, const std::string& name, int shard, std::int64_t offset, const float* values,
+           std::int64_t n);
+  // The same, taking the values: a piece that is its whole slice, the first to arrive for it,
+  // is kept as it is (moved, not copied).
+  void add(role r, const std::string& name, int shard, std::int64_t offset,
+           std::vector<float>&& values);
+  // Throws std::runtime_error naming the first tensor some part of which nobody sent. Takes
+  // the slices' values (a tensor without tensor shards is moved, not copied): call it once.
+  checkpoint_tensors finish();
+
+ private:
+  // The slice's element count; throws for an unknown shard or name, or a range outside it.
+  std::int64_t slice_numel(const std::string& name, int shard, std::int64_t offset,
+                           std::int64_t n) const;
+  struct slice {
+    std::vector<float> values;
+    std::vector<std::pair<std::int64_t, std::int64_t>> covered;  // (offset, n)
+  };
+  gpt_config model_;
+  int tp_;
+  std::vector<std::map<std::string, parameter_info>> layouts_;  // by shard
+  std::map<std::tuple<int, std::string, int>, slice> slices_;   // (role, name, shard)
+};
+
+std::filesystem::path checkpoint_dir(const std::filesystem::path& root, int step);
+
+// Called at each point of a write (after each file, before and after the commit): a test
+// throws from it to stop the write there, as a killed writer would.
+using checkpoint_hook = std::function<void(const std::string& point)>;
+
+// Writes the checkpoint of state.step under root and commits it, then removes committed
+// checkpoints beyond the newest `keep` and torn directories. Throws std::runtime_error naming
+// the file at fault; what was committed before stays loadable.
+void write_checkpoint(const std::filesystem::path& root, const gpt_config& model,
+                      const checkpoint_tensors& tensors, const checkpoint_state& state, int keep,
+                      const checkpoint_hook& hook = {});
+
+struct checkpoint_entry {
+  std::filesystem::path dir;
+  int step = 0;
+  bool committed = false;  // has a manifest (not verified)
+};
+// The step directories under root, newest first (none when root does not exist).
+std::vector<checkpoint_entry> list_checkpoints(const std::filesystem::path& root);
+
+// Verifies dir's manifest (magic, version, step) and every file it lists (present, size,
+// xxh64). Returns "" or the one-line problem, naming the file.
+std::string verify_checkpoint(const std::filesystem::path& dir);
+
+// The checkpoint to resume from: `where` is a step directory (which must verify) or a root
+// (its newest committed checkpoint that verifies; each one passed over is reported through
+// `say` with its problem and the one fallen back to). Throws std::runtime_error when none.
+std::filesystem::path find_checkpoint(const std::filesystem::path& where,
+                                      const std::function<void(const std::string&)>& say);
+
+checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
+
+// One of the checkpoint's tensor files ("model", "exp_avg", "exp_avg_sq") as a stage's flat
+// buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`. A head range
+// without the embedding takes the head's copy of wte where the checkpoint has one.
+std::vector<float> load_checkpoint_tensors(const std::filesystem::path& dir,
+                                           const std::string& which, const gpt_config& model,
+                                           const stage_range& range, tensor_shard shard = {});
+
+}  // namespace troupe::engine
