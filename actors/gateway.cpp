@@ -8,7 +8,7 @@
 #include <mutex>
 
 #include "actors/error_text.hpp"
-#include "topology/ucx_transport.hpp"
+#include "transport/ucx_transport.hpp"
 
 namespace troupe::actors {
 
@@ -17,7 +17,7 @@ using clock_type = std::chrono::steady_clock;
 
 struct mesh_state {
   gateway_config cfg;
-  std::unique_ptr<topology::ucx_transport> transport;
+  std::unique_ptr<transport::ucx_transport> transport;
   // Fixed before the gateway starts.
   std::map<std::uint32_t, caf::actor> local, proxies;
   std::map<std::uint32_t, std::function<void(wire::body&&)>> sinks;
@@ -342,7 +342,7 @@ class gateway_impl : public caf::blocking_actor {
 
 }  // namespace
 
-remote_mesh::remote_mesh(std::unique_ptr<topology::ucx_transport> transport, gateway_config config)
+remote_mesh::remote_mesh(std::unique_ptr<transport::ucx_transport> transport, gateway_config config)
     : state_(std::make_shared<mesh_state>()) {
   state_->cfg = std::move(config);
   state_->transport = std::move(transport);

@@ -22,7 +22,7 @@
 #include "messages/protocols.hpp"
 #include "messages/wire_codec.hpp"
 
-namespace troupe::topology {
+namespace troupe::transport {
 class ucx_transport;
 }
 
@@ -41,7 +41,7 @@ struct mesh_state;
 class remote_mesh {
  public:
   // The transport must already be connected to every peer.
-  remote_mesh(std::unique_ptr<topology::ucx_transport> transport, gateway_config config);
+  remote_mesh(std::unique_ptr<transport::ucx_transport> transport, gateway_config config);
   ~remote_mesh();
   remote_mesh(const remote_mesh&) = delete;
   remote_mesh& operator=(const remote_mesh&) = delete;

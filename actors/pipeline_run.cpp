@@ -30,9 +30,9 @@
 #include "engine/parallel/memory_plan.hpp"
 #include "engine/parallel/support.hpp"
 #include "topology/placement.hpp"
-#include "topology/rendezvous.hpp"
+#include "transport/rendezvous.hpp"
 #include "topology/tensor_exchange.hpp"
-#include "topology/ucx_transport.hpp"
+#include "transport/ucx_transport.hpp"
 
 namespace troupe::actors {
 namespace {
@@ -484,7 +484,7 @@ namespace {
 std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options& o,
                                       const topology::job_placement& pl) {
   const auto& env = o.launch;
-  auto transport = std::make_unique<topology::ucx_transport>(env.rank);
+  auto transport = std::make_unique<transport::ucx_transport>(env.rank);
   hello h;
   h.job_token = env.job_token;
   h.coords = {env.rank, env.world, 0, 0};
@@ -496,9 +496,9 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
   ::gethostname(host, sizeof host - 1);
   h.host = host;
   h.worker_address = transport->address();
-  topology::rendezvous_options ro{env.master_addr, env.master_port, o.rendezvous_timeout};
+  transport::rendezvous_options ro{env.master_addr, env.master_port, o.rendezvous_timeout};
   const welcome w =
-      env.rank == 0 ? topology::rendezvous_serve(ro, h) : topology::rendezvous_join(ro, h);
+      env.rank == 0 ? transport::rendezvous_serve(ro, h) : transport::rendezvous_join(ro, h);
   gateway_config gc;
   gc.rank = env.rank;
   gc.world = env.world;

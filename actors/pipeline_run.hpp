@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "engine/training/trainer.hpp"
-#include "topology/launch_env.hpp"
+#include "transport/launch_env.hpp"
 
 namespace caf {
 class actor;
@@ -53,7 +53,7 @@ struct run_options {
   // recipe device "cuda" sets CUDA ones. Tests pass engine::host_chunks.
   std::shared_ptr<const engine::chunk_factory> device_chunks;
   // This process's place in a multi-process job; world 1 (the default): everything in-process.
-  topology::launch_env launch;
+  transport::launch_env launch;
   std::chrono::milliseconds rendezvous_timeout{120000};
   std::chrono::milliseconds peer_timeout{10000};  // a silent peer is lost after this
   // Resume from a checkpoint (docs/checkpoints.md): a step directory, or a checkpoint root (its

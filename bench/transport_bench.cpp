@@ -31,7 +31,7 @@
 #include "bench/transport_io.hpp"
 #include "bench/transport_source.hpp"
 #include "messages/wire_codec.hpp"
-#include "topology/ucx_transport.hpp"
+#include "transport/ucx_transport.hpp"
 
 namespace troupe::bench {
 namespace {
@@ -139,9 +139,9 @@ class peer_session {
          "--mode", mode, "--warmup", std::to_string(warmup), "--frames", std::to_string(frames)},
         tls, 2, 1);
     ::close(sp[1]);
-    topology::ucx_options uo;
+    transport::ucx_options uo;
     uo.transports = tls;
-    transport = std::make_unique<topology::ucx_transport>(0, uo);
+    transport = std::make_unique<transport::ucx_transport>(0, uo);
     const auto theirs = receive_blob(sock_);
     send_blob(sock_, transport->address());
     transport->connect(1, theirs);
@@ -172,7 +172,7 @@ class peer_session {
       line = "peer process exited with status " + std::to_string(status);
     return line.empty() ? "peer process sent no status" : line;
   }
-  std::unique_ptr<topology::ucx_transport> transport;
+  std::unique_ptr<transport::ucx_transport> transport;
 
  private:
   cpu_pin pin_{0};  // this process measures on the first CPU while the session lasts
@@ -256,7 +256,7 @@ latency_run ours_latency(const transport_bench_options& o, const std::string& tl
   latency_run run;
   run.info = s.transport->transport_info(1);
   std::uint64_t word = 0x7472'6f75'7065'0008;
-  const topology::iov_list iov = {{&word, sizeof word}};
+  const transport::iov_list iov = {{&word, sizeof word}};
   std::vector<double> one_way_us;
   one_way_us.reserve(static_cast<std::size_t>(frames));
   const auto deadline = clock_type::now() + measurement_deadline;

@@ -1,4 +1,4 @@
-// `troupe bench transport`: topology::ucx_transport between two processes (this one and a peer
+// `troupe bench transport`: transport::ucx_transport between two processes (this one and a peer
 // process, the troupe binary itself run as `bench transport-peer`) next to ucx_perftest measured
 // in the same run on the same UCX transports: bandwidth of activation frames (64 KiB, 1 MiB,
 // 16 MiB payloads) and 8-byte one-way latency. A benchmark: it prints, it asserts nothing.

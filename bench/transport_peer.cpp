@@ -14,7 +14,7 @@
 #include "bench/transport_bench.hpp"
 #include "bench/transport_io.hpp"
 #include "messages/wire_codec.hpp"
-#include "topology/ucx_transport.hpp"
+#include "transport/ucx_transport.hpp"
 
 namespace troupe::bench {
 
@@ -29,15 +29,15 @@ int run_transport_peer(const transport_peer_options& o) {
     if (o.fd < 0) fail("--fd is required");
     if (o.mode != "bandwidth" && o.mode != "latency" && o.mode != "latency-wait")
       fail("unknown --mode '" + o.mode + "' (bandwidth, latency or latency-wait)");
-    topology::ucx_options uo;
+    transport::ucx_options uo;
     uo.transports = o.transports;
-    auto t = std::make_unique<topology::ucx_transport>(1, uo);
+    auto t = std::make_unique<transport::ucx_transport>(1, uo);
     send_blob(o.fd, t->address());
     t->connect(0, receive_blob(o.fd));
     const bool echo = o.mode != "bandwidth", wait_mode = o.mode == "latency-wait";
     const wire::limits lim = bench_limits();
     std::uint64_t ack = 0;
-    const topology::iov_list ack_iov = {{&ack, sizeof ack}};
+    const transport::iov_list ack_iov = {{&ack, sizeof ack}};
     bool bye = false, views = true;
     long received = 0;
     std::string error;
@@ -46,7 +46,7 @@ int run_transport_peer(const transport_peer_options& o) {
     // list reuse their storage, so an echo allocates nothing (the bench times the transport, not
     // the heap).
     struct echo_state {
-      topology::iov_list iov{{nullptr, 0}};
+      transport::iov_list iov{{nullptr, 0}};
       std::vector<std::shared_ptr<messages::aligned_buffer>> kept;
       long in_flight = 0;
       bool done_at_once = false;  // the send just made completed inside send()

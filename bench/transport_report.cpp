@@ -21,7 +21,7 @@ std::string goal_text(const transport_row& row) {
 std::string format_transport_report(const transport_bench_report& r) {
   std::string out;
   char line[512];  // one row; the header, whose frame text has no bound, is appended as strings
-  out += "topology::ucx_transport vs ucx_perftest, same run, same UCX_TLS: " +
+  out += "transport::ucx_transport vs ucx_perftest, same run, same UCX_TLS: " +
          std::to_string(r.repeats) +
          " ucx_perftest runs a row, each between two of ours (ours, peer, ours, ..., peer, ours)\n"
          "figures: the median run of each side; ratio: the median over the peer's runs of (the "

@@ -1,7 +1,7 @@
 // Messages that exist only because a job spans processes: membership, liveness, failures,
 // ring collectives between replicas and request/response across a gateway. CAF-free, like
 // messages/pipeline.hpp. Their wire form is messages/wire.capnp (codec: messages/wire_codec.hpp);
-// hello/welcome/refusal travel during rendezvous (topology/rendezvous.hpp).
+// hello/welcome/refusal travel during rendezvous (transport/rendezvous.hpp).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 @0x96829e3555171361;
-# Rendezvous frames (topology/rendezvous.cpp): every process except rank 0 connects to rank 0 over
+# Rendezvous frames (transport/rendezvous.cpp): every process except rank 0 connects to rank 0 over
 # TCP and sends one Hello; rank 0 answers each with a Refusal (and closes), or, once all `world`
 # processes have joined, with the same Welcome. One frame per direction, a plain Cap'n Proto
 # stream message (segment table + segments). Limits the reader applies are in rendezvous.cpp.

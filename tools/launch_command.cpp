@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "tools/commands.hpp"
-#include "topology/launch_env.hpp"
+#include "transport/launch_env.hpp"
 
 extern char** environ;
 
@@ -313,9 +313,9 @@ int run_launch(const launch_options& o) {
       return bad_input("unexpected argument " + extra +
                        ": put the command after -- (troupe launch --nproc N -- COMMAND...)");
   if (o.app->count("--nproc") == 0) return bad_input("--nproc N is required");
-  if (o.nproc < 1 || o.nproc > topology::max_world)
+  if (o.nproc < 1 || o.nproc > transport::max_world)
     return bad_input("--nproc " + std::to_string(o.nproc) + " is outside 1-" +
-                     std::to_string(topology::max_world));
+                     std::to_string(transport::max_world));
   if (o.command.empty())
     return bad_input(
         "no command: troupe launch --nproc N -- COMMAND... (e.g. -- train recipe.toml)");
@@ -345,7 +345,7 @@ int run_launch(const launch_options& o) {
     if (n <= 0) return bad_input(std::string("cannot find this binary: ") + std::strerror(errno));
     program.assign(path.data(), static_cast<std::size_t>(n));
   }
-  const auto env = topology::current_environment();
+  const auto env = transport::current_environment();
   std::vector<std::pair<double, std::string>> failures;  // (seconds since start, what failed)
   const auto start = steady::now();
   for (int attempt = 0;; ++attempt) {

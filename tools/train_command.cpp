@@ -3,7 +3,7 @@
 // default on the CPU, or the serial loop (the reference, and the whole model on one GPU with
 // --device cuda and parallel.pp = 1; a GPU pipeline, pp > 1, runs device stage actors). A process
 // started by `troupe launch`, srun, mpirun or a torchrun-style environment joins its job from the
-// environment (topology/launch_env.hpp); rank 0 prints. With --report-peak-rss every process,
+// environment (transport/launch_env.hpp); rank 0 prints. With --report-peak-rss every process,
 // whatever its rank, ends a successful run with one JSON line on stderr:
 // {"rank":R,"world":W,"peak_rss_bytes":N} (`troupe bench zero` reads it). Exit 2 with one line
 // naming the key or file on bad input (nothing written), 1 on a failed run.
@@ -22,7 +22,7 @@
 #include "kernels/cpu_threads.hpp"
 #include "tools/commands.hpp"
 #include "tools/progress.hpp"
-#include "topology/launch_env.hpp"
+#include "transport/launch_env.hpp"
 
 namespace troupe::tools {
 namespace {
@@ -142,10 +142,10 @@ std::function<int()> add_train_command(CLI::App& app) {
       }
       return exit_ok;
     }
-    topology::launch_env launch;
+    transport::launch_env launch;
     try {
-      launch = topology::detect_launch_env(topology::current_environment());
-    } catch (const topology::launch_error& e) {
+      launch = transport::detect_launch_env(transport::current_environment());
+    } catch (const transport::launch_error& e) {
       std::fprintf(stderr, "troupe train: %s\n", e.what());
       return exit_bad_input;
     }
@@ -154,7 +154,7 @@ std::function<int()> add_train_command(CLI::App& app) {
     bool resume = resume_opt->count() > 0;
     // A job started again (troupe launch --max-restarts, or Slurm's --requeue) goes on from its
     // last committed checkpoint, if it has one.
-    const auto env = topology::current_environment();
+    const auto env = transport::current_environment();
     for (const char* key : {"TROUPE_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
       const auto it = env.find(key);
       if (resume || it == env.end() || it->second.empty() || it->second == "0") continue;

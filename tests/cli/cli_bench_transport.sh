@@ -98,7 +98,7 @@ PY
 # lowest and highest ratio.
 timeout 120 "$troupe" bench transport --quick --only shm,latency >"$tmp/text.out" 2>"$tmp/text.err" ||
   { echo "FAIL: bench transport (text report) exited non-zero" >&2; exit 1; }
-for want in "^topology::ucx_transport vs ucx_perftest" "^figures: " "^bandwidth frames: .*frame size$" \
+for want in "^transport::ucx_transport vs ucx_perftest" "^figures: " "^bandwidth frames: .*frame size$" \
   "^tensor: in the write state of ucx_perftest's send buffer, from our own allocator \(--source engine\): .*zero page\)$" \
   "^latency: one-way = half a round trip of an 8-byte frame, median \(mean\)$" \
   "^latency +8 B +posix,cma,self +- .* [0-9.]+x +[0-9.]+-[0-9.]+x +<= 2x peer +(met|NOT MET)$"; do

@@ -1,7 +1,7 @@
 // The UCX transport (ucx_transport.hpp; its inside and design: ucx_transport_impl.hpp): context,
 // worker, endpoints, progress, wait and shutdown. Receiving: ucx_receive.cpp; sending:
 // ucx_send.cpp.
-#include "topology/ucx_transport_impl.hpp"
+#include "transport/ucx_transport_impl.hpp"
 
 #include <poll.h>
 
@@ -12,7 +12,7 @@
 #include <set>
 #include <sstream>
 
-namespace troupe::topology {
+namespace troupe::transport {
 using namespace ucx_detail;
 namespace {
 
@@ -308,4 +308,4 @@ std::string ucx_transport::transport_info(int peer) const {
   return impl::lanes(impl_->connected(peer, "transport_info for").ep);
 }
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

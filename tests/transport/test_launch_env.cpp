@@ -9,9 +9,9 @@
 #include <fstream>
 #include <set>
 
-#include "topology/launch_env.hpp"
+#include "transport/launch_env.hpp"
 
-using namespace troupe::topology;
+using namespace troupe::transport;
 using Catch::Matchers::Contains;
 
 namespace {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace troupe::topology {
+namespace troupe::transport {
 
 struct launch_error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -68,4 +68,4 @@ int slurm_derived_port(std::uint64_t job_id, std::uint64_t step_id);
 // derived_port_base + fnv1a64(jobid) mod derived_port_span.
 int openmpi_derived_port(const std::string& jobid);
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

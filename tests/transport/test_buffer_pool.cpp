@@ -1,4 +1,4 @@
-// topology::buffer_pool: size classes, reuse only after the last holder dropped a buffer, the
+// transport::buffer_pool: size classes, reuse only after the last holder dropped a buffer, the
 // buffer released last handed out first, and the cap on idle bytes. No UCX.
 #include <catch2/catch.hpp>
 
@@ -8,9 +8,9 @@
 #include <thread>
 #include <vector>
 
-#include "topology/buffer_pool.hpp"
+#include "transport/buffer_pool.hpp"
 
-using troupe::topology::buffer_pool;
+using troupe::transport::buffer_pool;
 
 TEST_CASE("buffer_pool size classes hold the frame, 64-byte aligned", "[unit]") {
   CHECK(buffer_pool::size_class(0) == 64);

@@ -5,7 +5,7 @@
 // so, and a malformed frame closes the connection without a reply. Replies (refusal, welcome)
 // are written without blocking; afterwards rank 0 shuts down its side and lingers until the
 // peer closes, so the reply is never lost to a reset.
-#include "topology/rendezvous.hpp"
+#include "transport/rendezvous.hpp"
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "messages/rendezvous.capnp.h"
-#include "topology/launch_env.hpp"
+#include "transport/launch_env.hpp"
 
-namespace troupe::topology {
+namespace troupe::transport {
 namespace {
 
 namespace wire = messages::rendezvous_wire;
@@ -666,4 +666,4 @@ messages::welcome rendezvous_join(const rendezvous_options& o, const messages::h
                          std::to_string(o.timeout.count()) + " ms (" + last_error + ")");
 }
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

@@ -17,7 +17,7 @@
 
 #include "messages/remote.hpp"
 
-namespace troupe::topology {
+namespace troupe::transport {
 
 struct rendezvous_error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -48,4 +48,4 @@ messages::welcome rendezvous_serve(const rendezvous_options& o, const messages::
 // process: <reason>") on a refusal, or naming the address on a timeout.
 messages::welcome rendezvous_join(const rendezvous_options& o, const messages::hello& own);
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

@@ -1,11 +1,11 @@
 // The sending side of the UCX transport (ucx_transport_impl.hpp): a small frame offered to UCX for
 // immediate completion, any other frame planned into active messages with a recycled record.
-#include "topology/ucx_transport_impl.hpp"
+#include "transport/ucx_transport_impl.hpp"
 
 #include <algorithm>
 #include <cstring>
 
-namespace troupe::topology {
+namespace troupe::transport {
 using namespace ucx_detail;
 namespace {
 
@@ -165,4 +165,4 @@ void ucx_transport::send(int peer, const iov_list& iov, send_callback done) {
   impl_->send_with_record(p, peer, iov, done, total, staged);
 }
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

@@ -2,7 +2,7 @@
 // Precedence (the first that applies wins): TROUPE_LAUNCHER=troupe, torchrun-style RANK/WORLD_SIZE,
 // Slurm SLURM_PROCID, OpenMPI OMPI_COMM_WORLD_RANK/SIZE, else a plain single process. Every value
 // is checked here, so later code can trust a launch_env (see its invariants in the header).
-#include "topology/launch_env.hpp"
+#include "transport/launch_env.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -16,7 +16,7 @@
 
 extern char** environ;
 
-namespace troupe::topology {
+namespace troupe::transport {
 namespace {
 
 const std::string* find(const env_map& env, const std::string& name) {
@@ -468,4 +468,4 @@ launch_env detect_launch_env(const env_map& env) {
   return e;
 }
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "topology/ucx_transport.hpp"
+#include "transport/ucx_transport.hpp"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/lsan_interface.h>
@@ -33,10 +33,10 @@
 
 namespace ucx_test {
 
-using troupe::topology::iov_list;
-using troupe::topology::ucx_error;
-using troupe::topology::ucx_options;
-using troupe::topology::ucx_transport;
+using troupe::transport::iov_list;
+using troupe::transport::ucx_error;
+using troupe::transport::ucx_options;
+using troupe::transport::ucx_transport;
 using clock_type = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 

@@ -16,10 +16,10 @@
 #include <thread>
 #include <vector>
 
-#include "topology/rendezvous.hpp"
+#include "transport/rendezvous.hpp"
 
 using namespace troupe;
-using namespace troupe::topology;
+using namespace troupe::transport;
 using Catch::Matchers::Contains;
 using namespace std::chrono_literals;
 

@@ -69,10 +69,10 @@
 #include <utility>
 #include <vector>
 
-#include "topology/buffer_pool.hpp"
-#include "topology/ucx_transport.hpp"
+#include "transport/buffer_pool.hpp"
+#include "transport/ucx_transport.hpp"
 
-namespace troupe::topology {
+namespace troupe::transport {
 namespace ucx_detail {
 
 // An iov entry this long or longer is the data of a message of its own (zero-copy rendezvous).
@@ -286,4 +286,4 @@ struct ucx_transport::impl {
   }
 };
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

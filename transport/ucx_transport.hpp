@@ -31,7 +31,7 @@
 
 #include "messages/aligned_buffer.hpp"
 
-namespace troupe::topology {
+namespace troupe::transport {
 
 struct ucx_error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -117,4 +117,4 @@ class ucx_transport {
   std::unique_ptr<impl> impl_;
 };
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

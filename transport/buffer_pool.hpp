@@ -20,7 +20,7 @@
 
 #include "messages/aligned_buffer.hpp"
 
-namespace troupe::topology {
+namespace troupe::transport {
 
 // Receive buffers by size class: powers of two from 64 bytes up to 4 KiB, then a granule of 1/16
 // of the size's power of two, at least 4 KiB. take() hands out a buffer that no one else holds.
@@ -126,4 +126,4 @@ class buffer_pool {
   std::size_t held_bytes_ = 0;  // in every buffer the pool made and still holds, idle or not
 };
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport

@@ -1,4 +1,4 @@
-// topology::ucx_transport between two real processes. The test process itself never calls UCX:
+// transport::ucx_transport between two real processes. The test process itself never calls UCX:
 // every case forks its two sides first (ucx_test_harness.hpp), and every wait has a deadline.
 #include <signal.h>
 #include <sys/wait.h>
@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
-#include "tests/topology/ucx_test_harness.hpp"
-#include "topology/ucx_transport.hpp"
+#include "tests/transport/ucx_test_harness.hpp"
+#include "transport/ucx_transport.hpp"
 
 using namespace ucx_test;
 

@@ -1,12 +1,12 @@
 // The receiving side of the UCX transport (ucx_transport_impl.hpp): UCX's AM callback, frames
 // assembled in pool buffers, rendezvous receives under their bounds, delivery in each peer's
 // order, and the dispatch of completions to the user's callbacks.
-#include "topology/ucx_transport_impl.hpp"
+#include "transport/ucx_transport_impl.hpp"
 
 #include <algorithm>
 #include <cstring>
 
-namespace troupe::topology {
+namespace troupe::transport {
 using namespace ucx_detail;
 namespace {
 
@@ -305,4 +305,4 @@ unsigned ucx_transport::impl::dispatch() {
   return events;
 }
 
-}  // namespace troupe::topology
+}  // namespace troupe::transport
