@@ -30,8 +30,8 @@
 #include "engine/parallel/memory_plan.hpp"
 #include "engine/parallel/support.hpp"
 #include "topology/placement.hpp"
-#include "transport/rendezvous.hpp"
 #include "topology/tensor_exchange.hpp"
+#include "transport/rendezvous.hpp"
 #include "transport/ucx_transport.hpp"
 
 namespace troupe::actors {
@@ -467,7 +467,7 @@ trace::metadata trace_metadata(const engine::recipe& r, const engine::pipeline_p
 void write_final_weights(const engine::recipe& r, const run_result& res) {
   const auto path = r.weights_path();
   if (path.empty()) return;
-  engine::gpt_stage whole(r.model, engine::stage_range::whole(r.model));
+  engine::gpt_chunk whole(r.model, engine::chunk_range::whole(r.model));
   for (const auto& p : whole.parameters()) {
     const auto& v = res.parameters.at(p.name);
     std::memcpy(whole.params() + p.offset, v.data(), v.size() * sizeof(float));
@@ -814,7 +814,7 @@ std::string training_job::finish(caf::actor_system& sys, std::string failure) {
         for (int j = 0; j < tp; ++j) {
           std::map<std::string, const engine::parameter_info*> info;
           const auto layout =
-              engine::stage_parameter_layout(r.model, engine::stage_range::whole(r.model), {j, tp});
+              engine::chunk_parameter_layout(r.model, engine::chunk_range::whole(r.model), {j, tp});
           for (const auto& p : layout) info[p.name] = &p;
           for (auto& answer : answers[static_cast<std::size_t>(d * tp + j)]) {
             answer.receive(

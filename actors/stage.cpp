@@ -181,7 +181,7 @@ class stage_impl : public stage_actor::base {
 
   void init_chunks() {
     const auto ranges = cfg_.layout.rank_chunks(cfg_.rank);
-    const engine::chunk_init init = [this](engine::gpt_stage& st) {
+    const engine::chunk_init init = [this](engine::gpt_chunk& st) {
       if (!cfg_.resume.empty()) {  // with the head's own copy of the tied wte, where saved
         const auto values = engine::load_checkpoint_tensors(cfg_.resume, "model", cfg_.model,
                                                             st.range(), st.shard());

@@ -12,7 +12,7 @@ namespace troupe::bench {
 
 train_step_result measure_troupe_train_step(const train_step_case& c) {
   using namespace troupe::engine;
-  gpt_stage model(c.model, stage_range::whole(c.model));
+  gpt_chunk model(c.model, chunk_range::whole(c.model));
   model.init_gpt2(1234);
   adamw_optimizer optimizer(model);
   optimizer_config oc;
@@ -29,9 +29,9 @@ train_step_result measure_troupe_train_step(const train_step_case& c) {
   for (int s = 0; s < c.warmup + c.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
     model.zero_grad();
-    stage_forward(model, acts, inputs.data(), nullptr);
-    stage_loss_backward_start(model, acts, targets.data(), 1.0f);
-    stage_backward(model, acts, nullptr, nullptr);
+    chunk_forward(model, acts, inputs.data(), nullptr);
+    chunk_loss_backward_start(model, acts, targets.data(), 1.0f);
+    chunk_backward(model, acts, nullptr, nullptr);
     optimizer.step(model, oc, s, c.warmup + c.steps);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= c.warmup) times.push_back(dt);

@@ -44,7 +44,7 @@ struct fixture {
     root = ::mkdtemp(tmpl);
     const auto c = model();
     checkpoint_tensors t;
-    gpt_stage whole(c, stage_range::whole(c));
+    gpt_chunk whole(c, chunk_range::whole(c));
     named_tensors* maps[] = {&t.params, &t.exp_avg, &t.exp_avg_sq};
     for (auto* m : maps)
       for (const auto& p : whole.parameters()) {
@@ -119,7 +119,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   attempt([&] { check_hf_weights(c, f.dir / name); });
   attempt([&] { safetensors_file file(f.dir / name); });
   for (const char* which : {"model", "exp_avg"})
-    for (const auto& range : {stage_range::whole(c), partition_layers(c, 2)[1]})
+    for (const auto& range : {chunk_range::whole(c), partition_layers(c, 2)[1]})
       attempt([&] { (void)load_checkpoint_tensors(f.dir, which, c, range, {0, 1}); });
   return 0;
 }

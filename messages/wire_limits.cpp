@@ -16,7 +16,7 @@ namespace troupe::messages::wire {
 //    any stage (stage_snapshot sends parameters one tensor each); with dp > 1, a ring chunk,
 //    bounded by the largest gradient bucket (bucket_layers transformer blocks of a chunk, or the
 //    head block ln_f + tied wte copy, or the embedding block wte + wpe, alignment gaps included:
-//    engine::stage_grad_blocks), whatever number of chunks the ring cuts it into. A checkpoint
+//    engine::chunk_grad_blocks), whatever number of chunks the ring cuts it into. A checkpoint
 //    chunk's sender must cut its pieces to fit the same bound.
 //  - Lists. Plan actions: at most 3 per (virtual stage, micro-batch), so pp x v x m x 3 in all.
 //    Parameter names: those of the rank with most parameters. Trace events per batch (an actor
@@ -40,7 +40,7 @@ limits limits_for(const engine::recipe& r) {
   for (int rank = 0; rank < par.pp; ++rank) {
     std::int64_t bytes = 0, count = 0;
     for (const auto& range : layout.rank_chunks(rank)) {
-      const auto params = engine::stage_parameter_layout(m, range);
+      const auto params = engine::chunk_parameter_layout(m, range);
       const auto at = [&params](const std::string& name) {
         return *std::find_if(params.begin(), params.end(),
                              [&name](const auto& p) { return p.name == name; });

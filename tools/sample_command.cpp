@@ -240,7 +240,7 @@ text_codec make_codec(const options& o, const model_shape& shape) {
 // What sampling needs, every check on the input passed. Throws bad_input (or, for an unreadable
 // weights file, what the safetensors reader throws).
 struct loaded_model {
-  std::unique_ptr<engine::gpt_stage> model;
+  std::unique_ptr<engine::gpt_chunk> model;
   text_codec codec;
   std::vector<std::int32_t> prompt;
   std::string source;  // where the shape came from
@@ -274,7 +274,7 @@ loaded_model load_model(const options& o) {
     throw bad_input(std::string("--prompt: ") + e.what());
   }
   m.model =
-      std::make_unique<engine::gpt_stage>(shape.config, engine::stage_range::whole(shape.config));
+      std::make_unique<engine::gpt_chunk>(shape.config, engine::chunk_range::whole(shape.config));
   try {
     engine::load_hf_weights(*m.model, files.weights);
   } catch (const std::runtime_error& e) {

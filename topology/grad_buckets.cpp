@@ -5,11 +5,11 @@
 
 namespace troupe::topology {
 
-void grad_buckets::build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket) {
+void grad_buckets::build(const std::vector<engine::gpt_chunk*>& chunks, int layers_per_bucket) {
   std::vector<std::vector<engine::grad_block>> blocks;
   std::vector<float*> grads;
   for (auto* st : chunks) {
-    blocks.push_back(engine::stage_grad_blocks(*st));
+    blocks.push_back(engine::chunk_grad_blocks(*st));
     grads.push_back(st->grads());
   }
   build(blocks, grads, layers_per_bucket);

@@ -1,5 +1,5 @@
 // Data-parallel gradient buckets of one pipeline rank: consecutive gradient blocks of a chunk
-// (engine::stage_grad_blocks: head, layers from last to first, embedding) grouped so that a
+// (engine::chunk_grad_blocks: head, layers from last to first, embedding) grouped so that a
 // bucket is complete as soon as its last block's gradient is final. Backward reports blocks as
 // they finish; a complete bucket can be reduced while backward continues on earlier layers.
 #pragma once
@@ -27,12 +27,12 @@ class grad_buckets {
  public:
   // layers_per_bucket: "h.N" blocks per bucket; head and embedding blocks are buckets of
   // their own.
-  void build(const std::vector<engine::gpt_stage*>& chunks, int layers_per_bucket);
+  void build(const std::vector<engine::gpt_chunk*>& chunks, int layers_per_bucket);
   // The buckets of a rank's chunks, over their gradients (device memory for device chunks).
   // With `zero`, ZeRO's side (param_ranges, shard_grad_ranges, shards, views) is the chunks'
   // flat buffers in host memory (rank_chunks::host_parameters / host_gradients).
   void build(engine::rank_chunks& chunks, int layers_per_bucket, bool zero);
-  // The same buckets over gradients held elsewhere: chunk c's blocks (its stage_grad_blocks) at
+  // The same buckets over gradients held elsewhere: chunk c's blocks (its chunk_grad_blocks) at
   // offsets of grads[c]; no ZeRO side.
   void build(const std::vector<std::vector<engine::grad_block>>& blocks,
              const std::vector<float*>& grads, int layers_per_bucket);
@@ -42,7 +42,7 @@ class grad_buckets {
   std::optional<int> block_done(int chunk, int block);
   const grad_bucket_info& bucket(int i) const { return buckets_.at(static_cast<std::size_t>(i)); }
   int size() const { return static_cast<int>(buckets_.size()); }
-  // The bucket holding gradient block `block` (a stage_grad_blocks index) of `chunk`.
+  // The bucket holding gradient block `block` (a chunk_grad_blocks index) of `chunk`.
   int bucket_of(int chunk, int block) const;
   // ZeRO's side: the bucket's ranges in its chunk's host parameter and gradient buffers (the
   // offsets of its gradient ranges; the gradient ranges themselves for CPU chunks).
@@ -60,7 +60,7 @@ class grad_buckets {
  private:
   // A chunk's side of ZeRO: its parameter layout and host buffers.
   struct shard_side {
-    engine::stage_range range;
+    engine::chunk_range range;
     const std::vector<engine::parameter_info>* layout = nullptr;
     float *params = nullptr, *grads = nullptr;
   };

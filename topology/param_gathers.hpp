@@ -25,7 +25,7 @@ class param_gathers {
   // buckets must outlive this; capacity_bytes bounds the page pool (the rank's parameters).
   param_gathers(const grad_buckets& buckets, std::int64_t capacity_bytes);
 
-  // The sorted, distinct buckets holding `blocks` (stage_grad_blocks indices) of `chunk`.
+  // The sorted, distinct buckets holding `blocks` (chunk_grad_blocks indices) of `chunk`.
   std::vector<int> buckets_of(int chunk, const std::vector<int>& blocks) const;
 
   // A plan starts: releases and gathers what the first prefetch + 1 uses need.

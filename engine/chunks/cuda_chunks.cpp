@@ -1,5 +1,5 @@
-// The CUDA kind of device_chunk (a gpu_stage) and of chunk_link (kernels::cuda::activation_link):
-// see device_chunk.hpp. Built only with CUDA; gpu_stage_stub.cpp says why not otherwise.
+// The CUDA kind of device_chunk (a gpu_chunk) and of chunk_link (kernels::cuda::activation_link):
+// see device_chunk.hpp. Built only with CUDA; gpu_chunk_stub.cpp says why not otherwise.
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "engine/chunks/device_chunk.hpp"
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "kernels/cuda/activation_link.hpp"
 #include "kernels/cuda/device_info.hpp"
 #include "kernels/cuda/nccl_group.hpp"
@@ -22,11 +22,11 @@ namespace cu = kernels::cuda;
 
 class cuda_chunk final : public device_chunk {
  public:
-  cuda_chunk(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options, int slots,
+  cuda_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_options& options, int slots,
              int device, std::shared_ptr<device_tensor_group> group)
       : s_(weights, B, T, options, slots, device, std::move(group)), T_(T) {}
 
-  const stage_range& range() const override { return s_.range(); }
+  const chunk_range& range() const override { return s_.range(); }
   int slots() const override { return s_.slots(); }
   int add_slot() override { return s_.add_slot(); }
   std::size_t activation_bytes() const override { return s_.activation_bytes(); }
@@ -108,7 +108,7 @@ class cuda_chunk final : public device_chunk {
   }
 
  private:
-  gpu_stage s_;
+  gpu_chunk s_;
   int T_ = 0;
   std::map<int, int> lengths_;  // by slot: its micro-batch's sequence length
 };
@@ -265,7 +265,7 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
   };
   chunk_factory f;
   f.name = "cuda";
-  f.make_chunk = [options, device_of](const gpt_stage& weights, int B, int T, int slots, int rank,
+  f.make_chunk = [options, device_of](const gpt_chunk& weights, int B, int T, int slots, int rank,
                                       int lane, std::shared_ptr<group_member> member,
                                       bool optimizer_state) -> std::unique_ptr<device_chunk> {
     auto group = std::dynamic_pointer_cast<device_tensor_group>(member);

@@ -1,7 +1,7 @@
 // What the device kind of engine::rank_chunks (the stage actor's chunks) drives: one pipeline
 // chunk on a device, with the saved activations of a number of micro-batches in flight (slots), and
 // the links that move activations and their gradients between chunks while the typed header
-// travels as a message (docs/gpu.md). engine::gpu_stage is the CUDA chunk and
+// travels as a message (docs/gpu.md). engine::gpu_chunk is the CUDA chunk and
 // kernels::cuda::activation_link (through make_cuda_links) the CUDA links; host_chunk and
 // make_host_link are the same contracts in host memory, so the actor's protocol is tested
 // without a GPU against the CPU pipeline, bitwise.
@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/block_pass.hpp"
 #include "engine/model/gpt_model.hpp"
 #include "engine/training/optimizer.hpp"
@@ -35,7 +35,7 @@ class device_chunk {
  public:
   virtual ~device_chunk() = default;
 
-  virtual const stage_range& range() const = 0;
+  virtual const chunk_range& range() const = 0;
   virtual int slots() const = 0;
   // One more slot (its buffers allocated now); returns the new count. Slots already handed out
   // keep their buffers.
@@ -66,7 +66,7 @@ class device_chunk {
   virtual void* output_gradient(int slot) = 0;
   // Backward of slot's micro-batch (weight gradients accumulate). A chunk without the embedding
   // writes the gradient of input(slot) to `dinput` (activation_bytes; it may be input(slot)).
-  // on_block_done(i) (if set) runs once block i (an index into stage_grad_blocks) has this
+  // on_block_done(i) (if set) runs once block i (an index into chunk_grad_blocks) has this
   // micro-batch's gradient enqueued: an event recorded then marks it final on the stream, so a
   // data-parallel reduction can start on it while backward continues on earlier blocks.
   void backward(int slot, void* dinput, const grad_block_fn& on_block_done) {
@@ -98,7 +98,7 @@ class device_chunk {
   // clipped to the global grad_norm, then AdamW at 0-based `step`. Returns the learning rate.
   virtual double update(const optimizer_config& config, int step, int total_steps, double grad_norm,
                         double unscale) = 0;
-  // Gradients [at, at + n) of the flat layout (gpt_stage's), on the chunk's stream: each
+  // Gradients [at, at + n) of the flat layout (gpt_chunk's), on the chunk's stream: each
   // becomes own + values[i] (in that order), or values[i]. values: n floats of device memory of
   // the chunk's device (of this chunk, another chunk of the rank, or gradient_scratch).
   virtual void add_gradients(std::int64_t at, const float* values, std::int64_t n) = 0;
@@ -171,7 +171,7 @@ struct chunk_factory {
   // null without tensor parallelism. Without optimizer_state the chunk holds no AdamW moments
   // (ZeRO: its shards do) and update throws.
   std::function<std::unique_ptr<device_chunk>(
-      const gpt_stage& weights, int B, int T, int slots, int rank, int lane,
+      const gpt_chunk& weights, int B, int T, int slots, int rank, int lane,
       std::shared_ptr<group_member> tp_member, bool optimizer_state)>
       make_chunk;
   // The link carrying payloads from pipeline rank `from` to rank `to` of one lane (from may
@@ -191,7 +191,7 @@ struct chunk_factory {
   bool host_tensor_groups = false;
 };
 
-// CUDA chunks (gpu_stage) for a pipeline of `pp` ranks of `tp` tensor shards each, and links
+// CUDA chunks (gpu_chunk) for a pipeline of `pp` ranks of `tp` tensor shards each, and links
 // between them: a staged copy when both ends share a device, otherwise an NCCL group of two for
 // each direction. A replica group is one NCCL communicator per replica (ncclAvg, one group call)
 // when the replicas of a rank sit on distinct devices, a mean kernel when they share one device;
@@ -201,7 +201,7 @@ struct chunk_factory {
 // process on device local_rank mod the devices.
 chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp = 1,
                           int local_rank = -1);
-// Host chunks and links: the CPU engine's arithmetic (engine::stage_compute) behind the device
+// Host chunks and links: the CPU engine's arithmetic (engine::cpu_chunks) behind the device
 // contracts, bitwise the CPU pipeline's numbers; tensor groups are make_local_tensor_group's
 // (or, across processes, any host tensor_group).
 chunk_factory host_chunks(bool recompute);

@@ -1,6 +1,6 @@
-// Tensor groups of device chunks (gpu_stage.hpp: make_device_tensor_group): NCCL between
+// Tensor groups of device chunks (gpu_chunk.hpp: make_device_tensor_group): NCCL between
 // distinct devices, an in-place summing kernel between the members' streams on one device.
-// Built only with CUDA; gpu_stage_stub.cpp says why not otherwise.
+// Built only with CUDA; gpu_chunk_stub.cpp says why not otherwise.
 //
 // Invariants:
 //  - A member's collective reads its buffer after everything its chunk's stream enqueued before
@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "kernels/cuda/cuda_ops.hpp"
 #include "kernels/cuda/nccl_group.hpp"
 

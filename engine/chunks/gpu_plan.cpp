@@ -1,8 +1,8 @@
-// The host-side parts of the GPU chunks (gpu_stage.hpp), built with or without CUDA: dtype
+// The host-side parts of the GPU chunks (gpu_chunk.hpp), built with or without CUDA: dtype
 // names and the device memory plan.
 #include <stdexcept>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/training/recipe.hpp"
 
 namespace troupe::engine {
@@ -55,12 +55,12 @@ const char* compute_dtype_name(compute_dtype dtype) {
 }
 
 namespace {
-// gpu_stage.cpp's arena allocation by allocation (model_impl::allocate and the constructor);
-// the GPU suite checks gpu_stage::device_bytes() against it. On a tensor shard (tp > 1) the
+// gpu_chunk.cpp's arena allocation by allocation (model_impl::allocate and the constructor);
+// the GPU suite checks gpu_chunk::device_bytes() against it. On a tensor shard (tp > 1) the
 // column-parallel pieces (qkv, atty, fch, fch_gelu and their gradients), the attention's
 // heads and the logits are the shard's; the head adds the cross-entropy's row maxima and
 // statistics.
-std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
+std::int64_t activation_bytes(const gpt_config& config, const chunk_range& range, int B, int T,
                               std::int64_t d, bool recompute, attention_kernel attention,
                               bool split_backward, int slots, int tp) {
   const std::int64_t N = std::int64_t{B} * T, NC = N * config.width, NCl = NC / tp;
@@ -101,11 +101,11 @@ std::int64_t activation_bytes(const gpt_config& config, const stage_range& range
 }
 }  // namespace
 
-gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_range& range, int B,
+gpu_memory_plan plan_gpu_chunk_memory(const gpt_config& config, const chunk_range& range, int B,
                                       int T, const gpu_trainer_options& options, int slots,
                                       int tp) {
   const std::int64_t d = options.dtype == compute_dtype::fp32 ? 4 : 2;  // activation bytes
-  const auto layout = stage_parameter_layout(config, range, {0, tp});
+  const auto layout = chunk_parameter_layout(config, range, {0, tp});
   const std::int64_t P = layout.empty() ? 0 : layout.back().offset + layout.back().numel;
   gpu_memory_plan plan;
   plan.model_state = (options.optimizer_state ? 4 : 2) * P * 4 + (d == 2 ? 2 * P : 0);
@@ -118,7 +118,7 @@ gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_rang
 
 gpu_memory_plan plan_gpu_memory(const gpt_config& config, int B, int T,
                                 const gpu_trainer_options& options) {
-  return plan_gpu_stage_memory(config, stage_range::whole(config), B, T, options, 1);
+  return plan_gpu_chunk_memory(config, chunk_range::whole(config), B, T, options, 1);
 }
 
 }  // namespace troupe::engine

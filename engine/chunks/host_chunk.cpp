@@ -1,4 +1,4 @@
-// Host chunks and links (device_chunk.hpp): one chunk of an engine::stage_compute behind the
+// Host chunks and links (device_chunk.hpp): one chunk of an engine::cpu_chunks behind the
 // device contracts, so a device pipeline run on the host computes what the CPU pipeline does,
 // bitwise. Every call finishes before it returns: events are nullptr.
 #include <cmath>
@@ -8,15 +8,15 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "engine/chunks/cpu_chunks.hpp"
 #include "engine/chunks/device_chunk.hpp"
-#include "engine/chunks/stage_compute.hpp"
 
 namespace troupe::engine {
 namespace {
 
 class host_chunk final : public device_chunk {
  public:
-  host_chunk(const gpt_stage& weights, int B, int T, int slots, bool recompute,
+  host_chunk(const gpt_chunk& weights, int B, int T, int slots, bool recompute,
              std::shared_ptr<tensor_group> group, bool optimizer_state)
       : compute_(weights.config(), {weights.range()}, optimizer_state, recompute, weights.shard(),
                  std::move(group)),
@@ -31,7 +31,7 @@ class host_chunk final : public device_chunk {
     for (int s = 0; s < slots; ++s) add_slot();
   }
 
-  const stage_range& range() const override { return compute_.chunk(0).range(); }
+  const chunk_range& range() const override { return compute_.chunk(0).range(); }
   int slots() const override { return static_cast<int>(slots_.size()); }
   int add_slot() final {
     auto& s = slots_.emplace_back();
@@ -64,10 +64,10 @@ class host_chunk final : public device_chunk {
                                   std::to_string(T_) + ")");
     if (s.live) compute_.release(0, id(slot));  // an evaluation's saved activations
     s.T = seq_len;
-    stage_compute::forward_args args;
+    cpu_chunks::forward_args args;
     args.B = B_;
     args.T = seq_len;
-    // The passes read tokens and targets until backward: the slot keeps copies (as gpu_stage).
+    // The passes read tokens and targets until backward: the slot keeps copies (as gpu_chunk).
     const std::size_t n = std::size_t(B_) * std::size_t(seq_len);
     if (range().embedding) s.tokens.assign(tokens, tokens + n);
     if (range().head) s.targets.assign(targets, targets + n);
@@ -208,7 +208,7 @@ class host_chunk final : public device_chunk {
       std::memcpy(dinput, din, activation_bytes() / std::size_t(T_) * std::size_t(at(slot).T));
   }
 
-  mutable stage_compute compute_;
+  mutable cpu_chunks compute_;
   int B_ = 0, T_ = 0;
   bool recompute_ = false;
   std::vector<slot_state> slots_;
@@ -256,7 +256,7 @@ chunk_factory host_chunks(bool recompute) {
   chunk_factory f;
   f.name = "host";
   f.host_tensor_groups = true;
-  f.make_chunk = [recompute](const gpt_stage& weights, int B, int T, int slots, int, int,
+  f.make_chunk = [recompute](const gpt_chunk& weights, int B, int T, int slots, int, int,
                              std::shared_ptr<group_member> member,
                              bool optimizer_state) -> std::unique_ptr<device_chunk> {
     auto group = std::dynamic_pointer_cast<tensor_group>(member);

@@ -19,10 +19,10 @@ std::string describe(int c, micro_batch_id id) {
          std::to_string(id.micro_batch);
 }
 
-// ---- CPU chunks: stage_compute ---------------------------------------------------------------
+// ---- CPU chunks: cpu_chunks ---------------------------------------------------------------
 class cpu_rank_chunks final : public rank_chunks {
  public:
-  cpu_rank_chunks(const gpt_config& model, const std::vector<stage_range>& ranges,
+  cpu_rank_chunks(const gpt_config& model, const std::vector<chunk_range>& ranges,
                   const chunk_init& init, bool optimizer_state, bool recompute, tensor_shard shard,
                   std::shared_ptr<tensor_group> group)
       : compute_(model, ranges, optimizer_state, recompute, shard, std::move(group)) {
@@ -30,20 +30,20 @@ class cpu_rank_chunks final : public rank_chunks {
       auto& st = compute_.chunk(c);
       init(st);
       st.zero_grad();
-      blocks_.push_back(stage_grad_blocks(st));
+      blocks_.push_back(chunk_grad_blocks(st));
     }
   }
 
   std::string kind() const override { return "cpu"; }
   int chunk_count() const override { return compute_.chunk_count(); }
-  const stage_range& range(int c) const override { return stage(c).range(); }
+  const chunk_range& range(int c) const override { return stage(c).range(); }
   const std::vector<parameter_info>& layout(int c) const override { return stage(c).parameters(); }
   std::int64_t parameter_count(int c) const override { return stage(c).parameter_count(); }
   const std::vector<grad_block>& grad_blocks(int c) const override {
     return blocks_.at(static_cast<std::size_t>(c));
   }
   float* gradients(int c) override { return compute_.chunk(c).grads(); }
-  gpt_stage* host_stage(int c) override { return &compute_.chunk(c); }
+  gpt_chunk* host_stage(int c) override { return &compute_.chunk(c); }
   std::vector<float> parameters(int c) const override {
     const auto& st = stage(c);
     return {st.params(), st.params() + st.parameter_count()};
@@ -146,14 +146,14 @@ class cpu_rank_chunks final : public rank_chunks {
   std::int64_t activation_bytes() const override { return compute_.activation_bytes(); }
 
  private:
-  const gpt_stage& stage(int c) const { return compute_.chunk(c); }
+  const gpt_chunk& stage(int c) const { return compute_.chunk(c); }
   float* span(int c, std::int64_t at, std::int64_t n) {
     if (at < 0 || n < 0 || at + n > parameter_count(c))
       throw std::out_of_range("chunk " + std::to_string(c) + ": gradients outside the layout");
     return compute_.chunk(c).grads() + at;
   }
 
-  stage_compute compute_;
+  cpu_chunks compute_;
   std::vector<std::vector<grad_block>> blocks_;
   std::map<int, std::vector<float>> scratch_;
 };
@@ -202,17 +202,17 @@ class slot_table {
 class device_rank_chunks final : public rank_chunks {
  public:
   device_rank_chunks(const chunk_factory& factory, const gpt_config& model,
-                     const std::vector<stage_range>& ranges, tensor_shard shard,
+                     const std::vector<chunk_range>& ranges, tensor_shard shard,
                      const chunk_init& init, int B, int T, int slots, int rank, int lane,
                      std::shared_ptr<group_member> tp_member, bool optimizer_state)
       : kind_(factory.name), B_(B), T_(T) {
     for (const auto& range : ranges) {
-      gpt_stage host(model, range, shard);
+      gpt_chunk host(model, range, shard);
       init(host);
       chunks_.push_back(
           factory.make_chunk(host, B, T, slots, rank, lane, tp_member, optimizer_state));
       slots_.emplace_back(slots);
-      blocks_.push_back(stage_grad_blocks(host));
+      blocks_.push_back(chunk_grad_blocks(host));
       losses_.emplace_back();
       lengths_.emplace_back();
     }
@@ -220,14 +220,14 @@ class device_rank_chunks final : public rank_chunks {
 
   std::string kind() const override { return kind_; }
   int chunk_count() const override { return static_cast<int>(chunks_.size()); }
-  const stage_range& range(int c) const override { return chunk(c).range(); }
+  const chunk_range& range(int c) const override { return chunk(c).range(); }
   const std::vector<parameter_info>& layout(int c) const override { return chunk(c).layout(); }
   std::int64_t parameter_count(int c) const override { return chunk(c).parameter_count(); }
   const std::vector<grad_block>& grad_blocks(int c) const override {
     return blocks_.at(static_cast<std::size_t>(c));
   }
   float* gradients(int c) override { return chunk(c).device_gradients(); }
-  gpt_stage* host_stage(int) override { return nullptr; }
+  gpt_chunk* host_stage(int) override { return nullptr; }
   std::vector<float> parameters(int c) const override { return chunk(c).parameters(); }
 
   bool host_payloads() const override { return false; }
@@ -450,7 +450,7 @@ rank_chunks::host_state rank_chunks::state_on_host(int c, bool with_moments) {
 }
 
 std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
-                                                  const std::vector<stage_range>& ranges,
+                                                  const std::vector<chunk_range>& ranges,
                                                   const chunk_init& init, bool optimizer_state,
                                                   bool recompute, tensor_shard shard,
                                                   std::shared_ptr<tensor_group> group) {
@@ -459,7 +459,7 @@ std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
 }
 
 std::unique_ptr<rank_chunks> make_device_rank_chunks(
-    const chunk_factory& factory, const gpt_config& model, const std::vector<stage_range>& ranges,
+    const chunk_factory& factory, const gpt_config& model, const std::vector<chunk_range>& ranges,
     tensor_shard shard, const chunk_init& init, int B, int T, int slots, int rank, int lane,
     std::shared_ptr<group_member> tp_member, bool optimizer_state) {
   return std::make_unique<device_rank_chunks>(factory, model, ranges, shard, init, B, T, slots,

@@ -1,9 +1,9 @@
 // The one chunk contract: what a pipeline rank's model chunks offer its stage actor, whatever
 // the device (docs/pipeline.md). CAF-free. Two kinds implement it:
-//  - CPU chunks (make_cpu_rank_chunks): engine::stage_compute's gpt_stages, BLAS arithmetic,
+//  - CPU chunks (make_cpu_rank_chunks): engine::cpu_chunks's gpt_chunks, BLAS arithmetic,
 //    passes that stop before each piece reading parameters (ZeRO-3 gathers), split backward,
 //    any micro-batch shape; payloads are host buffers the caller hands in and keeps.
-//  - device chunks (make_device_rank_chunks): engine::device_chunk's (CUDA's gpu_stage, or
+//  - device chunks (make_device_rank_chunks): engine::device_chunk's (CUDA's gpu_chunk, or
 //    host_chunk for tests), one micro-batch shape, passes that run whole; payloads live in the
 //    chunks' own buffers (slots) and move through chunk_links, ordered by events.
 //
@@ -25,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/chunks/stage_compute.hpp"
+#include "engine/chunks/cpu_chunks.hpp"
 #include "engine/model/block_pass.hpp"
 #include "engine/model/gpt_model.hpp"
 #include "engine/training/optimizer.hpp"
@@ -43,15 +43,15 @@ class rank_chunks {
   // ---- the chunks and their parameters ------------------------------------------------------
   virtual std::string kind() const = 0;  // "cpu", or the device factory's name ("cuda", "host")
   virtual int chunk_count() const = 0;
-  virtual const stage_range& range(int c) const = 0;
+  virtual const chunk_range& range(int c) const = 0;
   virtual const std::vector<parameter_info>& layout(int c) const = 0;
   virtual std::int64_t parameter_count(int c) const = 0;
-  // stage_grad_blocks of the chunk: the ranges whose gradients become final together.
+  // chunk_grad_blocks of the chunk: the ranges whose gradients become final together.
   virtual const std::vector<grad_block>& grad_blocks(int c) const = 0;
   // fp32 gradients in the layout, in the chunk's memory (host memory for CPU chunks).
   virtual float* gradients(int c) = 0;
-  // CPU chunks: the chunk's gpt_stage (ZeRO works on its host buffers); nullptr otherwise.
-  virtual gpt_stage* host_stage(int c) = 0;
+  // CPU chunks: the chunk's gpt_chunk (ZeRO works on its host buffers); nullptr otherwise.
+  virtual gpt_chunk* host_stage(int c) = 0;
   // The master weights, copied to the host.
   virtual std::vector<float> parameters(int c) const = 0;
 
@@ -77,7 +77,7 @@ class rank_chunks {
   virtual void drop(int c, micro_batch_id id) = 0;
 
   // ---- passes ------------------------------------------------------------------------------
-  using forward_args = stage_compute::forward_args;  // `input` is ignored by device chunks
+  using forward_args = cpu_chunks::forward_args;  // `input` is ignored by device chunks
   virtual block_pass forward(int c, micro_batch_id id, forward_args args) = 0;
   // After forward: a head chunk's mean loss over its counted targets, NaN otherwise.
   virtual double loss(int c, micro_batch_id id) const = 0;
@@ -151,11 +151,11 @@ class rank_chunks {
 };
 
 // A chunk's weights before it starts (GPT-2 init from a seed, or a Hugging Face file).
-using chunk_init = std::function<void(gpt_stage&)>;
+using chunk_init = std::function<void(gpt_chunk&)>;
 
-// CPU chunks for `ranges` (stage_compute's arguments), each initialised by `init`.
+// CPU chunks for `ranges` (cpu_chunks's arguments), each initialised by `init`.
 std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
-                                                  const std::vector<stage_range>& ranges,
+                                                  const std::vector<chunk_range>& ranges,
                                                   const chunk_init& init, bool optimizer_state,
                                                   bool recompute, tensor_shard shard = {},
                                                   std::shared_ptr<tensor_group> group = nullptr);
@@ -164,7 +164,7 @@ std::unique_ptr<rank_chunks> make_cpu_rank_chunks(const gpt_config& model,
 // micro-batches of B x T, `slots` in flight to start with; without optimizer_state they hold no
 // AdamW moments (ZeRO: its shards do) and update throws.
 std::unique_ptr<rank_chunks> make_device_rank_chunks(
-    const chunk_factory& factory, const gpt_config& model, const std::vector<stage_range>& ranges,
+    const chunk_factory& factory, const gpt_config& model, const std::vector<chunk_range>& ranges,
     tensor_shard shard, const chunk_init& init, int B, int T, int slots, int rank, int lane,
     std::shared_ptr<group_member> tp_member, bool optimizer_state = true);
 

@@ -29,7 +29,7 @@
 
 namespace troupe::engine {
 
-// Which of t shards a gpt_stage holds.
+// Which of t shards a gpt_chunk holds.
 struct tensor_shard {
   int rank = 0;
   int size = 1;
@@ -41,7 +41,7 @@ class tensor_group_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// What every kind of group member has (host groups here, device groups in gpu_stage.hpp): its
+// What every kind of group member has (host groups here, device groups in gpu_chunk.hpp): its
 // place, and a way to stop the others waiting in a collective.
 class group_member {
  public:

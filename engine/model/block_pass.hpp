@@ -1,6 +1,6 @@
 // A pass over one micro-batch (forward, backward, or the input half of a split backward) that
 // stops before each piece that reads parameters, naming the parameter blocks the piece reads
-// (indices into stage_grad_blocks). Whoever drives the pass decides when to go on: the serial
+// (indices into chunk_grad_blocks). Whoever drives the pass decides when to go on: the serial
 // engine at once; a ZeRO-3 stage once those blocks are gathered (actors/stage.cpp).
 //
 // Invariants:

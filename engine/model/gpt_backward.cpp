@@ -1,5 +1,5 @@
-// GPT-2 stage backward, whole (stage_backward) or split into B (stage_backward_input) and W
-// (stage_backward_weight) for zero-bubble pipeline schedules. See gpt_model.hpp.
+// GPT-2 stage backward, whole (chunk_backward) or split into B (chunk_backward_input) and W
+// (chunk_backward_weight) for zero-bubble pipeline schedules. See gpt_model.hpp.
 //
 // Invariants:
 //  - Every block (head, each transformer layer, embedding) has an input part (the gradient of
@@ -9,7 +9,7 @@
 //    backward produce the same numbers bitwise.
 //  - Whole backward runs each block's weight part right after its input part, with the output
 //    gradients in scratch; B writes them into acts.saved_ instead and W reads them from there.
-//  - Blocks complete in stage_grad_blocks order: head, layers last to first, embedding.
+//  - Blocks complete in chunk_grad_blocks order: head, layers last to first, embedding.
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -36,7 +36,7 @@ struct block_counter {
 
 }  // namespace
 
-std::vector<grad_block> stage_grad_blocks(const gpt_stage& stage) {
+std::vector<grad_block> chunk_grad_blocks(const gpt_chunk& stage) {
   // (offset, numel) from the first parameter named to the end of the last, which follow each
   // other in the layout.
   auto span = [&stage](const std::string& first, const std::string& last) {
@@ -72,13 +72,13 @@ struct backward_pass {
 
   // On a tensor shard, Cl, NH and Vl are the shard's channels, heads and vocabulary rows
   // (the whole model's without tensor parallelism); NCl = N * Cl.
-  const gpt_stage& stage;
+  const gpt_chunk& stage;
   gpt_activations& a;
   const int B, T, C, Cl, NH, Vl, N;
   const std::int64_t NC, NCl;
   const std::size_t layers;
 
-  backward_pass(const gpt_stage& s, gpt_activations& acts)
+  backward_pass(const gpt_chunk& s, gpt_activations& acts)
       : stage(s),
         a(acts),
         B(acts.B_),
@@ -241,7 +241,7 @@ struct backward_pass {
   }
 
   // The top of the chain: the head's input gradient, or a copy of doutput, into dx.
-  void stage_output_grad(const float* doutput, float* dlnf, float* dx) const {
+  void chunk_output_grad(const float* doutput, float* dlnf, float* dx) const {
     if (stage.range().head) {
       head_input(dlnf, dx);
     } else if (dx != doutput) {
@@ -251,7 +251,7 @@ struct backward_pass {
 
   // A coroutine (block_pass): stops before each piece that reads parameters, at pass_stops.
   block_pass run_whole(const float* doutput, float* dinput, grad_block_fn on_block_done) {
-    require_loss("stage_backward");
+    require_loss("chunk_backward");
     const auto stops = pass_stops(stage, pass_kind::backward);
     std::size_t stop = 0;
     auto next_stop = [&] { return stops.at(stop++); };
@@ -261,7 +261,7 @@ struct backward_pass {
     float* top = layers == 0 && dinput_direct ? dinput_direct : a.dres_.f32();
     float* spare = a.dres_next_.f32();
     if (stage.range().head) co_yield next_stop();
-    stage_output_grad(doutput, a.dln_.f32(), top);
+    chunk_output_grad(doutput, a.dln_.f32(), top);
     if (stage.range().head) {
       head_weight(a.dln_.f32());
       blocks.done();
@@ -284,14 +284,14 @@ struct backward_pass {
   }
 
   block_pass run_input(const float* doutput, float* dinput, grad_block_fn /*unused*/) {
-    require_loss("stage_backward_input");
+    require_loss("chunk_backward_input");
     const auto stops = pass_stops(stage, pass_kind::backward);
     std::size_t stop = 0;
     auto next_stop = [&] { return stops.at(stop++); };
     if (a.weight_grads_pending_) {
       throw std::logic_error(
-          "stage_backward_input: the previous stage_backward_input on these activations still "
-          "waits for its stage_backward_weight");
+          "chunk_backward_input: the previous chunk_backward_input on these activations still "
+          "waits for its chunk_backward_weight");
     }
     allocate_saved();
     auto& s = a.saved_;
@@ -304,7 +304,7 @@ struct backward_pass {
       return i == 0 ? stage_dx : s.layers[i - 1].mlp_proj.f32();
     };
     if (stage.range().head) co_yield next_stop();
-    stage_output_grad(doutput, stage.range().head ? s.lnf.f32() : nullptr, input_grad_of(layers));
+    chunk_output_grad(doutput, stage.range().head ? s.lnf.f32() : nullptr, input_grad_of(layers));
     for (std::size_t i = layers; i-- > 0;) {
       co_yield next_stop();
       recompute(i);
@@ -319,7 +319,7 @@ struct backward_pass {
     auto next_stop = [&] { return stops.at(stop++); };
     if (!a.weight_grads_pending_) {
       throw std::logic_error(
-          "stage_backward_weight: no stage_backward_input on these activations waits for its "
+          "chunk_backward_weight: no chunk_backward_input on these activations waits for its "
           "weight gradients");
     }
     a.weight_grads_pending_ = false;  // a second W must throw, not add the gradients twice
@@ -354,36 +354,36 @@ block_pass drive(backward_pass p,
 
 }  // namespace
 
-block_pass stage_backward_pass(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+block_pass chunk_backward_pass(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
                                float* dinput, grad_block_fn on_block_done) {
   return drive(backward_pass(stage, acts), &backward_pass::run_whole, doutput, dinput,
                std::move(on_block_done));
 }
 
-block_pass stage_backward_input_pass(const gpt_stage& stage, gpt_activations& acts,
+block_pass chunk_backward_input_pass(const gpt_chunk& stage, gpt_activations& acts,
                                      const float* doutput, float* dinput) {
   return drive(backward_pass(stage, acts), &backward_pass::run_input, doutput, dinput, {});
 }
 
-void stage_backward(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
                     float* dinput, const grad_block_fn& on_block_done) {
-  stage_backward_pass(stage, acts, doutput, dinput, on_block_done).run();
+  chunk_backward_pass(stage, acts, doutput, dinput, on_block_done).run();
 }
 
-void stage_backward_input(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward_input(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
                           float* dinput) {
-  stage_backward_input_pass(stage, acts, doutput, dinput).run();
+  chunk_backward_input_pass(stage, acts, doutput, dinput).run();
 }
 
-block_pass stage_backward_weight_pass(const gpt_stage& stage, gpt_activations& acts,
+block_pass chunk_backward_weight_pass(const gpt_chunk& stage, gpt_activations& acts,
                                       grad_block_fn on_block_done) {
   return drive(backward_pass(stage, acts), &backward_pass::run_weight, nullptr, nullptr,
                std::move(on_block_done));
 }
 
-void stage_backward_weight(const gpt_stage& stage, gpt_activations& acts,
+void chunk_backward_weight(const gpt_chunk& stage, gpt_activations& acts,
                            const grad_block_fn& on_block_done) {
-  stage_backward_weight_pass(stage, acts, on_block_done).run();
+  chunk_backward_weight_pass(stage, acts, on_block_done).run();
 }
 
 }  // namespace troupe::engine

@@ -112,12 +112,12 @@ void put_shard(const parameter_info& p, tensor_shard sh, const float* slice, flo
   });
 }
 
-std::vector<stage_range> partition_layers(const gpt_config& c, int stages) {
+std::vector<chunk_range> partition_layers(const gpt_config& c, int stages) {
   if (stages < 1 || stages > c.layers) {
     throw std::invalid_argument("cannot split " + std::to_string(c.layers) + " layers into " +
                                 std::to_string(stages) + " stages");
   }
-  std::vector<stage_range> out;
+  std::vector<chunk_range> out;
   int first = 0;
   for (int s = 0; s < stages; ++s) {
     const int n = c.layers / stages + (s < c.layers % stages ? 1 : 0);
@@ -127,8 +127,8 @@ std::vector<stage_range> partition_layers(const gpt_config& c, int stages) {
   return out;
 }
 
-std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
-                                                   const stage_range& range, tensor_shard shard) {
+std::vector<parameter_info> chunk_parameter_layout(const gpt_config& config,
+                                                   const chunk_range& range, tensor_shard shard) {
   config.validate();
   check_tensor_parallel(config, shard.size);
   if (range.first_layer < 0 || range.last_layer > config.layers ||
@@ -182,18 +182,18 @@ std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
   return params;
 }
 
-gpt_stage::gpt_stage(const gpt_config& config, const stage_range& range, tensor_shard shard)
+gpt_chunk::gpt_chunk(const gpt_config& config, const chunk_range& range, tensor_shard shard)
     : config_(config),
       range_(range),
       shard_(shard),
-      params_(stage_parameter_layout(config, range, shard)) {
+      params_(chunk_parameter_layout(config, range, shard)) {
   const std::int64_t total = params_.empty() ? 0 : params_.back().offset + params_.back().numel;
   // Mappings of their own: ZeRO releases and moves their pages (engine/parallel/zero.hpp).
   param_buf_ = tensor::mapped_zeros({total});
   grad_buf_ = tensor::mapped_zeros({total});
 }
 
-void gpt_stage::set_tensor_group(std::shared_ptr<tensor_group> group) {
+void gpt_chunk::set_tensor_group(std::shared_ptr<tensor_group> group) {
   if (group && (group->size() != shard_.size || group->rank() != shard_.rank))
     throw std::invalid_argument("tensor group member " + std::to_string(group->rank()) + " of " +
                                 std::to_string(group->size()) + " for tensor shard " +
@@ -201,31 +201,31 @@ void gpt_stage::set_tensor_group(std::shared_ptr<tensor_group> group) {
   group_ = std::move(group);
 }
 
-tensor_group& gpt_stage::group() const {
+tensor_group& gpt_chunk::group() const {
   if (!group_)
     throw std::logic_error("tensor shard " + std::to_string(shard_.rank) + " of " +
                            std::to_string(shard_.size) + " has no tensor-parallel group");
   return *group_;
 }
 
-const parameter_info& gpt_stage::parameter(const std::string& name) const {
+const parameter_info& gpt_chunk::parameter(const std::string& name) const {
   for (const auto& p : params_) {
     if (p.name == name) return p;
   }
   throw std::out_of_range("no parameter " + name + " in this stage");
 }
 
-tensor gpt_stage::param(const std::string& name) const {
+tensor gpt_chunk::param(const std::string& name) const {
   const auto& p = parameter(name);
   return param_buf_.view(p.offset, p.shape);
 }
 
-tensor gpt_stage::grad(const std::string& name) const {
+tensor gpt_chunk::grad(const std::string& name) const {
   const auto& p = parameter(name);
   return grad_buf_.view(p.offset, p.shape);
 }
 
-void gpt_stage::init_gpt2(std::uint64_t seed) {
+void gpt_chunk::init_gpt2(std::uint64_t seed) {
   const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config_.layers));
   for (const auto& p : params_) {
     float* w = params() + p.offset;
@@ -308,7 +308,7 @@ std::int64_t block_scratch_bytes(const gpt_config& c, int B, int T, int tp) {
   return 4 * (N * (3 * C + 12 * Cl) + N * 4 + std::int64_t{B} * (c.heads / tp) * T * T);
 }
 
-std::int64_t activation_bytes(const gpt_config& c, const stage_range& s, int B, int T,
+std::int64_t activation_bytes(const gpt_config& c, const chunk_range& s, int B, int T,
                               bool recompute, bool split_backward, int tp) {
   const std::int64_t N = std::int64_t{B} * T, C = c.width, NC = N * C, NCl = NC / tp;
   const std::int64_t layers = s.last_layer - s.first_layer;
@@ -318,7 +318,7 @@ std::int64_t activation_bytes(const gpt_config& c, const stage_range& s, int B, 
   if (!recompute) f += layers * (block_scratch_bytes(c, B, T, tp) / 4);
   if (s.embedding) f += NC;                                    // encoded
   if (s.head) f += NC + 2 * N + N * c.padded_vocab_size / tp;  // ln_f, statistics, logits
-  if (split_backward) {  // stage_backward_input's saved gradients (fc and qkv of the shard)
+  if (split_backward) {  // chunk_backward_input's saved gradients (fc and qkv of the shard)
     f += layers * (4 * NC + 7 * NCl);
     if (s.head) f += NC;
     if (s.embedding) f += NC;
@@ -326,7 +326,7 @@ std::int64_t activation_bytes(const gpt_config& c, const stage_range& s, int B, 
   return 4 * f;
 }
 
-gpt_activations::gpt_activations(const gpt_stage& stage, int B, int T,
+gpt_activations::gpt_activations(const gpt_chunk& stage, int B, int T,
                                  std::shared_ptr<block_scratch> recompute)
     : B_(B), T_(T), scratch_(std::move(recompute)) {
   const auto& c = stage.config();
@@ -394,7 +394,7 @@ void add_into(float* out, const float* a, std::int64_t n) {
 // out[N,OC] = inp[N,K] * w[OC,K]^T + bias + residual. On a tensor shard the linear is
 // row-parallel (K is the shard's slice): its partial products are all-reduced, then the
 // (replicated) bias and the residual are added.
-void row_parallel_forward(const gpt_stage& st, float* out, const float* inp, const float* w,
+void row_parallel_forward(const gpt_chunk& st, float* out, const float* inp, const float* w,
                           const float* bias, const float* residual, int N, int K, int OC) {
   const std::int64_t n = std::int64_t{N} * OC;
   if (!st.shard().split()) {
@@ -414,7 +414,7 @@ void row_parallel_forward(const gpt_stage& st, float* out, const float* inp, con
 }
 
 // The tensor shard's slice of the vocabulary, for the vocabulary-parallel head.
-kernels::vocab_shard vocab_of(const gpt_stage& st) {
+kernels::vocab_shard vocab_of(const gpt_chunk& st) {
   const auto& c = st.config();
   const int cols = c.padded_vocab_size / st.shard().size;
   return {st.shard().rank * cols, cols, c.vocab_size, c.padded_vocab_size};
@@ -422,7 +422,7 @@ kernels::vocab_shard vocab_of(const gpt_stage& st) {
 
 // Vocabulary-parallel cross-entropy over the shard's logits; with dlogits, also its gradient
 // (dlogits may alias logits).
-kernels::cross_entropy_result vocab_parallel_cross_entropy(const gpt_stage& st, const float* logits,
+kernels::cross_entropy_result vocab_parallel_cross_entropy(const gpt_chunk& st, const float* logits,
                                                            float* dlogits,
                                                            const std::int32_t* targets, int N,
                                                            float grad_scale) {
@@ -443,13 +443,13 @@ kernels::cross_entropy_result vocab_parallel_cross_entropy(const gpt_stage& st, 
 
 }  // namespace
 
-const float* stage_output(const gpt_activations& acts) {
+const float* chunk_output(const gpt_activations& acts) {
   if (acts.logits_.numel() > 0) return acts.logits_.f32();
   if (!acts.layers_.empty()) return acts.layers_.back().res3.f32();
   return acts.encoded_.numel() > 0 ? acts.encoded_.f32() : acts.input_;
 }
 
-std::vector<std::vector<int>> pass_stops(const stage_range& r, pass_kind kind, bool recompute) {
+std::vector<std::vector<int>> pass_stops(const chunk_range& r, pass_kind kind, bool recompute) {
   const int layers = r.last_layer - r.first_layer;
   const int head = r.head ? 1 : 0;
   const int embedding = head + layers;  // its index, when the stage has it
@@ -470,12 +470,12 @@ std::vector<std::vector<int>> pass_stops(const stage_range& r, pass_kind kind, b
   return stops;
 }
 
-void stage_forward(const gpt_stage& stage, gpt_activations& acts, const std::int32_t* tokens,
+void chunk_forward(const gpt_chunk& stage, gpt_activations& acts, const std::int32_t* tokens,
                    const float* input) {
-  stage_forward_pass(stage, acts, tokens, input).run();
+  chunk_forward_pass(stage, acts, tokens, input).run();
 }
 
-void block_forward(const gpt_stage& stage, int i, const block_activations& L, const float* x, int B,
+void block_forward(const gpt_chunk& stage, int i, const block_activations& L, const float* x, int B,
                    int T, bool output) {
   // Cl, NH: the tensor shard's channels and heads (the whole block's without tensor parallelism).
   const int t = stage.shard().size;
@@ -499,7 +499,7 @@ void block_forward(const gpt_stage& stage, int i, const block_activations& L, co
                        P("mlp.c_proj.bias"), L.res2.f32(), N, 4 * Cl, C);
 }
 
-block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
+block_pass chunk_forward_pass(const gpt_chunk& stage, gpt_activations& a,
                               const std::int32_t* tokens, const float* input) {
   const auto stops = pass_stops(stage, pass_kind::forward);
   std::size_t stop = 0;
@@ -509,7 +509,7 @@ block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
   const int N = B * T;
   if (a.weight_grads_pending_) {
     throw std::logic_error(
-        "stage_forward: these activations still wait for stage_backward_weight, which needs them");
+        "chunk_forward: these activations still wait for chunk_backward_weight, which needs them");
   }
   const float* x;
   if (stage.range().embedding) {
@@ -547,10 +547,10 @@ block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& a,
   }
 }
 
-kernels::cross_entropy_result stage_loss(const gpt_stage& stage, gpt_activations& a,
+kernels::cross_entropy_result chunk_loss(const gpt_chunk& stage, gpt_activations& a,
                                          const std::int32_t* targets) {
   if (!stage.range().head || a.logits_are_grads_)
-    throw std::logic_error("stage_loss needs fresh logits");
+    throw std::logic_error("chunk_loss needs fresh logits");
   const auto& c = stage.config();
   if (stage.shard().split())
     return vocab_parallel_cross_entropy(stage, a.logits_.f32(), nullptr, targets, a.B_ * a.T_, 1);
@@ -558,11 +558,11 @@ kernels::cross_entropy_result stage_loss(const gpt_stage& stage, gpt_activations
                                         c.vocab_size, c.padded_vocab_size, ignore_index);
 }
 
-kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage, gpt_activations& a,
+kernels::cross_entropy_result chunk_loss_backward_start(const gpt_chunk& stage, gpt_activations& a,
                                                         const std::int32_t* targets,
                                                         float grad_scale) {
   if (!stage.range().head || a.logits_are_grads_) {
-    throw std::logic_error("stage_loss_backward_start needs fresh logits");
+    throw std::logic_error("chunk_loss_backward_start needs fresh logits");
   }
   const auto& c = stage.config();
   auto r = stage.shard().split()

@@ -11,10 +11,10 @@
 //    stage can hold several micro-batches in flight.
 //  - A last stage without the embedding holds its own copy of the tied wte; keeping the two
 //    copies equal (summing their gradients) is the pipeline's job.
-//  - Backward can run whole (stage_backward) or split (Qi et al. 2024, zero-bubble pipelines):
-//    B = stage_backward_input (input gradient only, no weight-gradient GEMM) and later
-//    W = stage_backward_weight (the weight gradients from what B saved). Both give
-//    stage_backward's numbers bitwise. The forward/backward code is in gpt_model.cpp and
+//  - Backward can run whole (chunk_backward) or split (Qi et al. 2024, zero-bubble pipelines):
+//    B = chunk_backward_input (input gradient only, no weight-gradient GEMM) and later
+//    W = chunk_backward_weight (the weight gradients from what B saved). Both give
+//    chunk_backward's numbers bitwise. The forward/backward code is in gpt_model.cpp and
 //    gpt_backward.cpp.
 #pragma once
 
@@ -48,18 +48,18 @@ struct gpt_config {
   double train_flops_per_token(int T) const;
 };
 
-struct stage_range {
+struct chunk_range {
   int first_layer = 0;  // blocks [first_layer, last_layer)
   int last_layer = 0;
   bool embedding = true;  // holds wte + wpe, consumes tokens
   bool head = true;       // holds ln_f (+ tied wte), produces the loss
 
-  static stage_range whole(const gpt_config& c) { return {0, c.layers, true, true}; }
+  static chunk_range whole(const gpt_config& c) { return {0, c.layers, true, true}; }
 };
 
 // Contiguous layer ranges for `stages` pipeline stages, as even as possible (earlier stages
 // take the remainder). Throws if stages < 1 or stages > layers.
-std::vector<stage_range> partition_layers(const gpt_config& c, int stages);
+std::vector<chunk_range> partition_layers(const gpt_config& c, int stages);
 
 // How a tensor shard holds a slice of a whole parameter (engine/chunks/tensor_group.hpp).
 enum class tensor_split {
@@ -90,17 +90,17 @@ void put_shard(const parameter_info& p, tensor_shard shard, const float* slice, 
 void check_tensor_parallel(const gpt_config& config, int t);
 
 // The parameters of a stage, in order, with their offsets into the flat buffers.
-std::vector<parameter_info> stage_parameter_layout(const gpt_config& config,
-                                                   const stage_range& range,
+std::vector<parameter_info> chunk_parameter_layout(const gpt_config& config,
+                                                   const chunk_range& range,
                                                    tensor_shard shard = {});
 
-class gpt_stage {
+class gpt_chunk {
  public:
   // With a split shard, set_tensor_group must name the shard's group before a pass runs.
-  gpt_stage(const gpt_config& config, const stage_range& range, tensor_shard shard = {});
+  gpt_chunk(const gpt_config& config, const chunk_range& range, tensor_shard shard = {});
 
   const gpt_config& config() const { return config_; }
-  const stage_range& range() const { return range_; }
+  const chunk_range& range() const { return range_; }
   const tensor_shard& shard() const { return shard_; }
   void set_tensor_group(std::shared_ptr<tensor_group> group);
   // The shard's group; throws std::logic_error for a split shard without one.
@@ -121,7 +121,7 @@ class gpt_stage {
 
  private:
   gpt_config config_;
-  stage_range range_;
+  chunk_range range_;
   tensor_shard shard_;
   std::shared_ptr<tensor_group> group_;
   std::vector<parameter_info> params_;
@@ -158,12 +158,12 @@ class block_scratch {
 };
 
 // Bytes a micro-batch's gpt_activations hold once its backward has run (split_backward: the
-// output gradients stage_backward_input saves for stage_backward_weight included), with or
+// output gradients chunk_backward_input saves for chunk_backward_weight included), with or
 // without checkpointing; and the bytes of the block_scratch checkpointing adds per rank and
 // shape. gpt_activations::bytes() is exactly the first (tested); `troupe train --dry-run`
 // plans with both.
 // tp: the tensor-parallel degree (one shard's bytes).
-std::int64_t activation_bytes(const gpt_config& config, const stage_range& range, int B, int T,
+std::int64_t activation_bytes(const gpt_config& config, const chunk_range& range, int B, int T,
                               bool recompute, bool split_backward, int tp = 1);
 std::int64_t block_scratch_bytes(const gpt_config& config, int B, int T, int tp = 1);
 
@@ -171,7 +171,7 @@ std::int64_t block_scratch_bytes(const gpt_config& config, int B, int T, int tp 
 // With a block_scratch, blocks are checkpointed (recomputed in backward).
 class gpt_activations {
  public:
-  gpt_activations(const gpt_stage& stage, int B, int T,
+  gpt_activations(const gpt_chunk& stage, int B, int T,
                   std::shared_ptr<block_scratch> recompute = nullptr);
   int batch() const { return B_; }
   int seq_len() const { return T_; }
@@ -180,14 +180,14 @@ class gpt_activations {
   std::int64_t bytes() const;
 
  private:
-  friend block_pass stage_forward_pass(const gpt_stage&, gpt_activations&, const std::int32_t*,
+  friend block_pass chunk_forward_pass(const gpt_chunk&, gpt_activations&, const std::int32_t*,
                                        const float*);
-  friend kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage&, gpt_activations&,
+  friend kernels::cross_entropy_result chunk_loss_backward_start(const gpt_chunk&, gpt_activations&,
                                                                  const std::int32_t*, float);
-  friend kernels::cross_entropy_result stage_loss(const gpt_stage&, gpt_activations&,
+  friend kernels::cross_entropy_result chunk_loss(const gpt_chunk&, gpt_activations&,
                                                   const std::int32_t*);
-  friend const float* stage_output(const gpt_activations&);
-  friend struct backward_pass;  // stage_backward, _input and _weight (gpt_backward.cpp)
+  friend const float* chunk_output(const gpt_activations&);
+  friend struct backward_pass;  // chunk_backward, _input and _weight (gpt_backward.cpp)
 
   using layer_acts = block_activations;
   // The gradients of one block's linear and layernorm outputs, which its weight gradients need.
@@ -200,8 +200,8 @@ class gpt_activations {
     kernels::tensor qkv;        // of attn.c_attn output [N,3C]
     kernels::tensor ln1;        // of ln_1 output
   };
-  // What stage_backward_input saves for stage_backward_weight. Allocated by the first
-  // stage_backward_input only. The head's dlogits stay in logits_.
+  // What chunk_backward_input saves for chunk_backward_weight. Allocated by the first
+  // chunk_backward_input only. The head's dlogits stay in logits_.
   struct saved_output_grads {
     std::vector<layer_output_grads> layers;
     kernels::tensor lnf;      // of ln_f output (last stage)
@@ -220,39 +220,39 @@ class gpt_activations {
   bool logits_are_grads_ = false;
   saved_output_grads saved_;
   bool saved_allocated_ = false;
-  bool weight_grads_pending_ = false;  // stage_backward_input ran, stage_backward_weight not yet
+  bool weight_grads_pending_ = false;  // chunk_backward_input ran, chunk_backward_weight not yet
 };
 
 // The passes over a micro-batch, as block_pass stops: for each piece that reads parameters,
-// the blocks (indices into stage_grad_blocks) it reads, in order. Forward: embedding, layers
+// the blocks (indices into chunk_grad_blocks) it reads, in order. Forward: embedding, layers
 // first to last, head; backward (whole or its input half): head, layers last to first. The head
 // reads ln_f and the wte it holds (on a stage with both ends, the embedding block's). Weight
-// gradients (W of a split backward) read no parameters, so stage_backward_weight_pass has no
+// gradients (W of a split backward) read no parameters, so chunk_backward_weight_pass has no
 // stops, unless the blocks are checkpointed (recompute): then it recomputes each layer, last to
 // first, and stops before each. recompute changes only the weight stops.
 enum class pass_kind { forward, backward, weight };
-std::vector<std::vector<int>> pass_stops(const stage_range& range, pass_kind kind,
+std::vector<std::vector<int>> pass_stops(const chunk_range& range, pass_kind kind,
                                          bool recompute = false);
-inline std::vector<std::vector<int>> pass_stops(const gpt_stage& stage, pass_kind kind,
+inline std::vector<std::vector<int>> pass_stops(const gpt_chunk& stage, pass_kind kind,
                                                 bool recompute = false) {
   return pass_stops(stage.range(), kind, recompute);
 }
 
 // Forward through the stage. First stage: tokens[B*T] (input ignored). Later stages:
 // input[B*T*C] (tokens ignored). Pointers must stay valid until backward (until
-// stage_backward_weight when the backward is split). Throws std::logic_error while the
-// activations still wait for a stage_backward_weight (the forward would overwrite what it needs).
-void stage_forward(const gpt_stage& stage, gpt_activations& acts, const std::int32_t* tokens,
+// chunk_backward_weight when the backward is split). Throws std::logic_error while the
+// activations still wait for a chunk_backward_weight (the forward would overwrite what it needs).
+void chunk_forward(const gpt_chunk& stage, gpt_activations& acts, const std::int32_t* tokens,
                    const float* input);
-// stage_forward as a pass that stops before each piece reading parameters (pass_stops).
-block_pass stage_forward_pass(const gpt_stage& stage, gpt_activations& acts,
+// chunk_forward as a pass that stops before each piece reading parameters (pass_stops).
+block_pass chunk_forward_pass(const gpt_chunk& stage, gpt_activations& acts,
                               const std::int32_t* tokens, const float* input);
-// Last stage only, after stage_forward: the loss against targets (ignore index -100), no grads.
-kernels::cross_entropy_result stage_loss(const gpt_stage& stage, gpt_activations& acts,
+// Last stage only, after chunk_forward: the loss against targets (ignore index -100), no grads.
+kernels::cross_entropy_result chunk_loss(const gpt_chunk& stage, gpt_activations& acts,
                                          const std::int32_t* targets);
-// Last stage only, after stage_forward: the loss, and the logits overwritten by
-// d(grad_scale * loss)/dlogits, ready for stage_backward.
-kernels::cross_entropy_result stage_loss_backward_start(const gpt_stage& stage,
+// Last stage only, after chunk_forward: the loss, and the logits overwritten by
+// d(grad_scale * loss)/dlogits, ready for chunk_backward.
+kernels::cross_entropy_result chunk_loss_backward_start(const gpt_chunk& stage,
                                                         gpt_activations& acts,
                                                         const std::int32_t* targets,
                                                         float grad_scale);
@@ -267,8 +267,8 @@ struct grad_block {
 // backward is the last to touch it). Every parameter is in exactly one block. A range spans
 // consecutive parameters of the layout and so includes the alignment padding between them
 // (never written, zero in the gradient buffer); ranges are in increasing offset order.
-std::vector<grad_block> stage_grad_blocks(const gpt_stage& stage);
-// Called with an index into stage_grad_blocks(stage).
+std::vector<grad_block> chunk_grad_blocks(const gpt_chunk& stage);
+// Called with an index into chunk_grad_blocks(stage).
 using grad_block_fn = std::function<void(int block_index)>;
 
 // Backward through the stage, ACCUMULATING parameter gradients into stage.grads().
@@ -277,36 +277,36 @@ using grad_block_fn = std::function<void(int block_index)>;
 // the stage's input. on_block_done(i) (if set) runs right after block i's gradient for this
 // micro-batch is fully accumulated, so a data-parallel reduction can start on it while
 // backward continues on earlier layers.
-void stage_backward(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
                     float* dinput, const grad_block_fn& on_block_done = {});
-// stage_backward as a pass (pass_stops(stage, pass_kind::backward)). on_block_done is kept by
+// chunk_backward as a pass (pass_stops(stage, pass_kind::backward)). on_block_done is kept by
 // the pass.
-block_pass stage_backward_pass(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+block_pass chunk_backward_pass(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
                                float* dinput, grad_block_fn on_block_done);
-// B of a split backward: dinput exactly as stage_backward (same doutput and loss rules), and
+// B of a split backward: dinput exactly as chunk_backward (same doutput and loss rules), and
 // the output gradients that the weight gradients need saved in acts (allocated on first use).
 // No parameter gradient is touched and no weight-gradient GEMM runs. Throws std::logic_error
 // while an earlier B on these activations waits for its W.
-void stage_backward_input(const gpt_stage& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward_input(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
                           float* dinput);
-// stage_backward_input as a pass (the same stops as stage_backward_pass).
-block_pass stage_backward_input_pass(const gpt_stage& stage, gpt_activations& acts,
+// chunk_backward_input as a pass (the same stops as chunk_backward_pass).
+block_pass chunk_backward_input_pass(const gpt_chunk& stage, gpt_activations& acts,
                                      const float* doutput, float* dinput);
-// W of a split backward: the weight gradients of the micro-batch whose stage_backward_input
-// ran, ACCUMULATED into stage.grads() (bitwise what stage_backward adds), calling
-// on_block_done as stage_backward does. Throws std::logic_error if no B waits for its W.
-void stage_backward_weight(const gpt_stage& stage, gpt_activations& acts,
+// W of a split backward: the weight gradients of the micro-batch whose chunk_backward_input
+// ran, ACCUMULATED into stage.grads() (bitwise what chunk_backward adds), calling
+// on_block_done as chunk_backward does. Throws std::logic_error if no B waits for its W.
+void chunk_backward_weight(const gpt_chunk& stage, gpt_activations& acts,
                            const grad_block_fn& on_block_done = {});
-// stage_backward_weight as a pass (pass_stops(stage, pass_kind::weight, acts.recomputes())).
+// chunk_backward_weight as a pass (pass_stops(stage, pass_kind::weight, acts.recomputes())).
 // on_block_done is kept by the pass.
-block_pass stage_backward_weight_pass(const gpt_stage& stage, gpt_activations& acts,
+block_pass chunk_backward_weight_pass(const gpt_chunk& stage, gpt_activations& acts,
                                       grad_block_fn on_block_done);
 // Transformer block i of the stage (0 = its first) forward from x[N,C] into L. With output =
 // false it stops after the MLP's GELU: what a recomputation for the block's backward needs.
-void block_forward(const gpt_stage& stage, int i, const block_activations& L, const float* x, int B,
+void block_forward(const gpt_chunk& stage, int i, const block_activations& L, const float* x, int B,
                    int T, bool output);
 // The stage's output hidden state [B,T,C] (not for the last stage) or logits [B,T,Vp].
-const float* stage_output(const gpt_activations& acts);
+const float* chunk_output(const gpt_activations& acts);
 
 constexpr int ignore_index = -100;
 

@@ -43,7 +43,7 @@ std::map<std::string, std::string> check_file(const gpt_config& config,
                           "tensor " + name + " appears twice (with and without prefix)");
     }
   }
-  const auto whole = stage_parameter_layout(config, stage_range::whole(config));
+  const auto whole = chunk_parameter_layout(config, chunk_range::whole(config));
   for (const auto& p : whole) {
     auto it = names.find(p.name);
     if (it == names.end()) throw weights_error(file.path(), "missing tensor " + p.name);
@@ -75,7 +75,7 @@ void check_hf_weights(const gpt_config& config, const std::filesystem::path& pat
   check_file(config, file);
 }
 
-void load_hf_weights(gpt_stage& stage, const std::filesystem::path& path) {
+void load_hf_weights(gpt_chunk& stage, const std::filesystem::path& path) {
   const safetensors_file file(path);
   const gpt_config& c = stage.config();
   const auto names = check_file(c, file);
@@ -116,7 +116,7 @@ safetensors_tensor hf_tensor(const gpt_config& config, const parameter_info& p,
                             p.conv1d ? p.shape[0] : 0};
 }
 
-void save_hf_weights(const gpt_stage& stage, const std::filesystem::path& path) {
+void save_hf_weights(const gpt_chunk& stage, const std::filesystem::path& path) {
   std::map<std::string, safetensors_tensor> out;
   for (const auto& p : stage.parameters())
     out[p.name] = hf_tensor(stage.config(), p, stage.params() + p.offset);

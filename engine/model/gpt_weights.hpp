@@ -14,13 +14,13 @@
 namespace troupe::engine {
 
 // Loads the stage's parameters from a Hugging Face GPT-2 safetensors file.
-void load_hf_weights(gpt_stage& stage, const std::filesystem::path& path);
+void load_hf_weights(gpt_chunk& stage, const std::filesystem::path& path);
 
 // Checks a file against the model without loading (the recipe check uses it before any work).
 void check_hf_weights(const gpt_config& config, const std::filesystem::path& path);
 
 // Writes the stage's parameters (normally the whole model) in Hugging Face layout, atomically.
-void save_hf_weights(const gpt_stage& stage, const std::filesystem::path& path);
+void save_hf_weights(const gpt_chunk& stage, const std::filesystem::path& path);
 // Parameter p, its values in Troupe's layout, as the tensor a Hugging Face file holds under
 // p.name (Conv1D weights transposed as they are written; wte's real vocabulary rows).
 safetensors_tensor hf_tensor(const gpt_config& config, const parameter_info& p,

@@ -72,7 +72,7 @@ std::int32_t sample_token(std::span<const float> logits, const sampling_options&
   return static_cast<std::int32_t>(last);
 }
 
-next_token_logits::next_token_logits(const gpt_stage& model) : model_(model) {
+next_token_logits::next_token_logits(const gpt_chunk& model) : model_(model) {
   const auto& r = model.range();
   if (!r.embedding || !r.head || r.first_layer != 0 || r.last_layer != model.config().layers ||
       model.shard().split())
@@ -92,8 +92,8 @@ std::span<const float> next_token_logits::operator()(std::span<const std::int32_
                                   ")");
   if (!acts_ || acts_->seq_len() != T) acts_ = std::make_unique<gpt_activations>(model_, 1, T);
   tokens_.assign(window.begin(), window.end());
-  stage_forward(model_, *acts_, tokens_.data(), nullptr);
-  const float* last = stage_output(*acts_) + std::int64_t{T - 1} * c.padded_vocab_size;
+  chunk_forward(model_, *acts_, tokens_.data(), nullptr);
+  const float* last = chunk_output(*acts_) + std::int64_t{T - 1} * c.padded_vocab_size;
   return {last, static_cast<std::size_t>(c.vocab_size)};
 }
 
@@ -124,7 +124,7 @@ std::vector<std::int32_t> generate(const logits_function& logits_of, int context
   return out;
 }
 
-std::vector<std::int32_t> generate(const gpt_stage& model, std::span<const std::int32_t> prompt,
+std::vector<std::int32_t> generate(const gpt_chunk& model, std::span<const std::int32_t> prompt,
                                    int new_tokens, const sampling_options& o, int vocab_limit,
                                    const std::function<void(std::int32_t)>& on_token) {
   next_token_logits logits_of(model);

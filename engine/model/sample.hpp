@@ -3,7 +3,7 @@
 // a temperature from the top k, as nanoGPT's sample.py and llm.c's sampler do.
 //
 // Invariants:
-//  - The logits come from stage_forward on the whole model: no arithmetic of the model is
+//  - The logits come from chunk_forward on the whole model: no arithmetic of the model is
 //    repeated here. The window is the last `context` tokens (the left is cropped).
 //  - The choice of a token is a pure function of (logits, options, draw index): the uniform
 //    number of draw i is keyed by (seed, i) (engine/model/random.hpp), so the same seed and prompt
@@ -47,13 +47,13 @@ class next_token_logits {
  public:
   // Throws std::invalid_argument unless the stage is the whole model (both ends, every layer,
   // no tensor shards).
-  explicit next_token_logits(const gpt_stage& model);
+  explicit next_token_logits(const gpt_chunk& model);
   // window: 1 to context token ids, each < vocab_size. Returns the vocab_size logits of its last
   // position (padded vocabulary rows left out), valid until the next call.
   std::span<const float> operator()(std::span<const std::int32_t> window);
 
  private:
-  const gpt_stage& model_;
+  const gpt_chunk& model_;
   std::vector<std::int32_t> tokens_;       // the forward pass reads them
   std::unique_ptr<gpt_activations> acts_;  // kept while the window's length stays the same
 };
@@ -62,7 +62,7 @@ class next_token_logits {
 // (draw i for the i-th new token) among the ids below vocab_limit (0: the model's vocab_size)
 // from the logits of the last `context` tokens. on_token (if set) sees each as it is chosen.
 // Returns the new tokens.
-std::vector<std::int32_t> generate(const gpt_stage& model, std::span<const std::int32_t> prompt,
+std::vector<std::int32_t> generate(const gpt_chunk& model, std::span<const std::int32_t> prompt,
                                    int new_tokens, const sampling_options& o, int vocab_limit = 0,
                                    const std::function<void(std::int32_t)>& on_token = {});
 

@@ -35,7 +35,7 @@ std::vector<rank_memory_plan> plan_memory(const recipe& r) {
     const int B = r.batch.micro_batch, T = r.batch.seq_len, tp = r.parallel.tp;
     std::int64_t act = 0, act_plain = 0;
     for (const auto& range : layout.rank_chunks(rank)) {  // one tensor shard's (all the same)
-      const auto params = stage_parameter_layout(r.model, range, {0, tp});
+      const auto params = chunk_parameter_layout(r.model, range, {0, tp});
       if (!params.empty()) p.parameters += params.back().offset + params.back().numel;
       act += activation_bytes(r.model, range, B, T, recompute, plan.split_backward, tp);
       act_plain += activation_bytes(r.model, range, B, T, false, plan.split_backward, tp);
@@ -165,11 +165,11 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
     std::int64_t params = 0;
     for (const auto& range : layout.rank_chunks(rank)) {
       const auto p =
-          plan_gpu_stage_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len, o, slots, tp);
+          plan_gpu_chunk_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len, o, slots, tp);
       sum.model_state += p.model_state;
       sum.activations += p.activations;
       sum.activations_without_recompute += p.activations_without_recompute;
-      const auto params_of = stage_parameter_layout(r.model, range, {0, tp});
+      const auto params_of = chunk_parameter_layout(r.model, range, {0, tp});
       if (!params_of.empty()) params += params_of.back().offset + params_of.back().numel;
     }
     with += sum.activations;

@@ -23,7 +23,7 @@ struct rank_memory_plan {
   std::int64_t recompute_scratch = 0;  // activation checkpointing: one block_scratch per rank
   // The same rank without checkpointing (equal to activation_bytes() when it is off).
   std::int64_t activation_bytes_without_recompute = 0;
-  // What stage_compute::activation_bytes() measures once the schedule has run a step.
+  // What cpu_chunks::activation_bytes() measures once the schedule has run a step.
   std::int64_t activation_bytes() const {
     return activation_bytes_per_micro_batch * micro_batches_in_flight + recompute_scratch;
   }
@@ -37,7 +37,7 @@ std::string format_memory_plan(const recipe& r, const std::vector<rank_memory_pl
 
 // device = "cuda": the device memory of the whole model on one GPU (plan_gpu_memory in
 // engine/training/gpu_trainer.hpp), or with parallel.pp > 1 of every device stage's chunks
-// (plan_gpu_stage_memory), with and without activation checkpointing. Throws recipe_error.
+// (plan_gpu_chunk_memory), with and without activation checkpointing. Throws recipe_error.
 std::string format_gpu_memory_plan(const recipe& r);
 // The slots a device stage's chunks start with on pipeline rank `rank`: the most micro-batches
 // one of its chunks holds at once in the schedule's plan (forward done, backward not). A chunk

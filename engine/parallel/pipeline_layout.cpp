@@ -6,8 +6,8 @@
 
 namespace troupe::engine {
 
-std::vector<stage_range> pipeline_layout::rank_chunks(int rank) const {
-  std::vector<stage_range> out;
+std::vector<chunk_range> pipeline_layout::rank_chunks(int rank) const {
+  std::vector<chunk_range> out;
   for (int c = 0; c < virtual_stages; ++c) out.push_back(stages[stage_of(rank, c)]);
   return out;
 }

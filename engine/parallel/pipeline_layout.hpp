@@ -14,14 +14,14 @@ namespace troupe::engine {
 struct pipeline_layout {
   int ranks = 1;
   int virtual_stages = 1;
-  std::vector<stage_range> stages;  // by virtual stage
+  std::vector<chunk_range> stages;  // by virtual stage
 
   int stage_count() const { return static_cast<int>(stages.size()); }
   int rank_of(int stage) const { return stage % ranks; }
   int chunk_of(int stage) const { return stage / ranks; }
   int stage_of(int rank, int chunk) const { return chunk * ranks + rank; }
   // The ranges of the chunks of one rank, by chunk.
-  std::vector<stage_range> rank_chunks(int rank) const;
+  std::vector<chunk_range> rank_chunks(int rank) const;
   int embedding_rank() const { return 0; }
   int head_rank() const { return rank_of(stage_count() - 1); }
 };

@@ -14,7 +14,7 @@
 
 namespace troupe::engine {
 
-bucket_shard make_bucket_shard(const stage_range& range, const std::vector<parameter_info>& layout,
+bucket_shard make_bucket_shard(const chunk_range& range, const std::vector<parameter_info>& layout,
                                int chunk, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                int replica, int replicas, std::int64_t at, tensor_shard tp) {
   bucket_shard b;

@@ -49,10 +49,10 @@ struct bucket_shard {
 // topology::grad_buckets) that `replica` of `replicas` owns; `at` is the shard storage used by
 // the buckets before it. Segments come from the chunk's parameter layout, that of tensor shard
 // `tp` (ZeRO over tensor shards: each shard's data-parallel group shards its own slices).
-bucket_shard make_bucket_shard(const stage_range& range, const std::vector<parameter_info>& layout,
+bucket_shard make_bucket_shard(const chunk_range& range, const std::vector<parameter_info>& layout,
                                int chunk, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                int replica, int replicas, std::int64_t at, tensor_shard tp = {});
-inline bucket_shard make_bucket_shard(const gpt_stage& stage, int chunk,
+inline bucket_shard make_bucket_shard(const gpt_chunk& stage, int chunk,
                                       std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                       int replica, int replicas, std::int64_t at) {
   return make_bucket_shard(stage.range(), stage.parameters(), chunk, std::move(ranges), replica,

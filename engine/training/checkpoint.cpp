@@ -182,7 +182,7 @@ checkpoint_assembler::checkpoint_assembler(const gpt_config& model, int tp)
     : model_(model), tp_(tp) {
   for (int j = 0; j < tp; ++j) {
     auto& l = layouts_.emplace_back();
-    for (const auto& p : stage_parameter_layout(model, stage_range::whole(model), {j, tp})) {
+    for (const auto& p : chunk_parameter_layout(model, chunk_range::whole(model), {j, tp})) {
       l.emplace(p.name, p);
       if (p.name == "transformer.wte.weight") l.emplace(checkpoint_head_copy, p);
     }
@@ -229,7 +229,7 @@ void checkpoint_assembler::add(role r, const std::string& name, int shard, std::
 checkpoint_tensors checkpoint_assembler::finish() {
   checkpoint_tensors out;
   named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
-  const auto whole = stage_parameter_layout(model_, stage_range::whole(model_));
+  const auto whole = chunk_parameter_layout(model_, chunk_range::whole(model_));
   // The head's copy of wte, when any stage sent one.
   bool head_copy = false;
   for (const auto& [key, s] : slices_)
@@ -304,7 +304,7 @@ void write_checkpoint(const fs::path& root, const gpt_config& model,
   // Each tensor file streamed from the assembled tensors (hashed as written, nothing copied
   // whole): Hugging Face GPT-2's names and layout, as save_hf_weights writes them.
   const named_tensors* maps[] = {&tensors.params, &tensors.exp_avg, &tensors.exp_avg_sq};
-  const auto layout = stage_parameter_layout(model, stage_range::whole(model));
+  const auto layout = chunk_parameter_layout(model, chunk_range::whole(model));
   for (int i = 0; i < 3; ++i) {
     const auto& values = *maps[i];
     std::map<std::string, safetensors_tensor> out;
@@ -466,9 +466,9 @@ checkpoint_state read_checkpoint_state(const fs::path& dir) {
 }
 
 std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::string& which,
-                                           const gpt_config& model, const stage_range& range,
+                                           const gpt_config& model, const chunk_range& range,
                                            tensor_shard shard) {
-  gpt_stage st(model, range, shard);
+  gpt_chunk st(model, range, shard);
   load_hf_weights(st, dir / (which + ".safetensors"));
   std::error_code ec;
   if (range.head && !range.embedding && fs::exists(dir / "lm_head.safetensors", ec)) {

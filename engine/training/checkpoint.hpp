@@ -60,7 +60,7 @@ struct checkpoint_state {
   std::vector<std::string> overrides;
 };
 
-// Whole-model tensors by parameter name in Troupe's layout (gpt_stage with stage_range::whole:
+// Whole-model tensors by parameter name in Troupe's layout (gpt_chunk with chunk_range::whole:
 // [out, in] linear weights, padded vocabulary rows), as the stages' snapshots give them; and
 // optionally checkpoint_head_copy, shaped as wte.
 using named_tensors = std::map<std::string, std::vector<float>>;
@@ -139,6 +139,6 @@ checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
 // without the embedding takes the head's copy of wte where the checkpoint has one.
 std::vector<float> load_checkpoint_tensors(const std::filesystem::path& dir,
                                            const std::string& which, const gpt_config& model,
-                                           const stage_range& range, tensor_shard shard = {});
+                                           const chunk_range& range, tensor_shard shard = {});
 
 }  // namespace troupe::engine

@@ -1,6 +1,6 @@
-// The whole GPT-2 model on one CUDA device: one gpu_stage holding every layer, with one
+// The whole GPT-2 model on one CUDA device: one gpu_chunk holding every layer, with one
 // micro-batch in flight. See gpu_trainer.hpp. No CUDA here: built with or without it (without,
-// gpu_stage's constructor says why not).
+// gpu_chunk's constructor says why not).
 #include "engine/training/gpu_trainer.hpp"
 
 #include <cmath>
@@ -8,9 +8,9 @@
 
 namespace troupe::engine {
 namespace {
-gpt_stage initial_weights(const gpt_config& config, std::uint64_t seed) {
+gpt_chunk initial_weights(const gpt_config& config, std::uint64_t seed) {
   config.validate();
-  gpt_stage host(config, stage_range::whole(config));
+  gpt_chunk host(config, chunk_range::whole(config));
   host.init_gpt2(seed);
   return host;
 }
@@ -24,14 +24,14 @@ gpu_trainer::gpu_trainer(const gpt_config& config, int B, int T, const gpu_train
                          std::uint64_t seed)
     : gpu_trainer(initial_weights(config, seed), B, T, options) {}
 
-gpu_trainer::gpu_trainer(const gpt_stage& weights, int B, int T,
+gpu_trainer::gpu_trainer(const gpt_chunk& weights, int B, int T,
                          const gpu_trainer_options& options) {
   const gpt_config& config = weights.config();
-  const stage_range& range = weights.range();
+  const chunk_range& range = weights.range();
   if (range.first_layer != 0 || range.last_layer != config.layers || !range.embedding ||
       !range.head)
     throw std::invalid_argument("gpu_trainer: the host weights are not a whole model");
-  stage_ = std::make_unique<gpu_stage>(weights, B, T, options);
+  stage_ = std::make_unique<gpu_chunk>(weights, B, T, options);
 }
 
 gpu_trainer::~gpu_trainer() = default;
@@ -75,7 +75,7 @@ gpu_trainer::step_result gpu_trainer::train_step(const std::int32_t* inputs,
 }
 
 std::vector<float> gpu_trainer::parameters() const { return stage_->parameters(); }
-void gpu_trainer::copy_parameters_to(gpt_stage& host) const { stage_->copy_parameters_to(host); }
+void gpu_trainer::copy_parameters_to(gpt_chunk& host) const { stage_->copy_parameters_to(host); }
 std::vector<float> gpu_trainer::gradients() const { return stage_->gradients(); }
 const std::vector<parameter_info>& gpu_trainer::layout() const { return stage_->layout(); }
 std::int64_t gpu_trainer::device_bytes() const { return stage_->device_bytes(); }

@@ -2,9 +2,9 @@
 // optimizer and schedule, with every op from kernels/cuda.
 //
 // Invariants:
-//  - The weights start as the host model given (gpt_stage::init_gpt2(seed), or Hugging Face
-//    weights loaded into a gpt_stage), so a GPU run starts from the CPU model's exact weights;
-//    parameters and gradients keep gpt_stage's flat layout.
+//  - The weights start as the host model given (gpt_chunk::init_gpt2(seed), or Hugging Face
+//    weights loaded into a gpt_chunk), so a GPU run starts from the CPU model's exact weights;
+//    parameters and gradients keep gpt_chunk's flat layout.
 //  - Master weights, gradients and AdamW moments are fp32. With compute_dtype bf16 or fp16 the
 //    forward and backward run on a 16-bit copy of the weights (refreshed by every AdamW update)
 //    and 16-bit activations; layernorm parameters and statistics, GEMM accumulation, softmax and
@@ -16,7 +16,7 @@
 //  - Gradients accumulate (+=) across forward_backward calls until zero_grad, as on the CPU.
 //  - No atomics in any kernel: a step's numbers repeat bitwise on the same GPU.
 //  - plan_gpu_memory() gives, without a device, exactly the bytes the trainer allocates.
-// It is the whole model as one gpu_stage (gpu_stage.hpp) with one micro-batch in flight.
+// It is the whole model as one gpu_chunk (gpu_chunk.hpp) with one micro-batch in flight.
 // Without CUDA (the build or the machine), constructing one throws std::runtime_error saying
 // why; cuda_training_available() tells beforehand.
 #pragma once
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/gpt_model.hpp"
 #include "engine/training/optimizer.hpp"
 
@@ -35,12 +35,12 @@ namespace troupe::engine {
 class gpu_trainer {
  public:
   // A model for batches of B sequences of T tokens (T <= config.context) on device 0, with
-  // gpt_stage::init_gpt2(seed)'s weights.
+  // gpt_chunk::init_gpt2(seed)'s weights.
   gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype, std::uint64_t seed);
   gpu_trainer(const gpt_config& config, int B, int T, const gpu_trainer_options& options,
               std::uint64_t seed);
   // The same with the weights of a whole-model host stage (e.g. loaded from Hugging Face).
-  gpu_trainer(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options);
+  gpu_trainer(const gpt_chunk& weights, int B, int T, const gpu_trainer_options& options);
   ~gpu_trainer();
   gpu_trainer(const gpu_trainer&) = delete;
   gpu_trainer& operator=(const gpu_trainer&) = delete;
@@ -73,10 +73,10 @@ class gpu_trainer {
   step_result train_step(const std::int32_t* inputs, const std::int32_t* targets,
                          const optimizer_config& config, int step, int total_steps);
 
-  // fp32 master weights and gradients, in gpt_stage's layout (copied to the host).
+  // fp32 master weights and gradients, in gpt_chunk's layout (copied to the host).
   std::vector<float> parameters() const;
   // The master weights copied into a whole-model host stage of the same config (to save them).
-  void copy_parameters_to(gpt_stage& host) const;
+  void copy_parameters_to(gpt_chunk& host) const;
   std::vector<float> gradients() const;
   const std::vector<parameter_info>& layout() const;
   std::int64_t device_bytes() const;  // everything this trainer allocated on the device
@@ -84,10 +84,10 @@ class gpu_trainer {
   void synchronize() const;  // waits for everything enqueued
 
   // The whole model as one chunk with one slot.
-  gpu_stage& stage() { return *stage_; }
+  gpu_chunk& stage() { return *stage_; }
 
  private:
-  std::unique_ptr<gpu_stage> stage_;
+  std::unique_ptr<gpu_chunk> stage_;
 };
 
 }  // namespace troupe::engine

@@ -17,7 +17,7 @@ double learning_rate(const optimizer_config& c, int step, int total_steps) {
   return c.min_lr + coeff * (double(c.lr) - c.min_lr);
 }
 
-adamw_optimizer::adamw_optimizer(const gpt_stage& stage)
+adamw_optimizer::adamw_optimizer(const gpt_chunk& stage)
     : m_(kernels::tensor::zeros({stage.parameter_count()})),
       v_(kernels::tensor::zeros({stage.parameter_count()})) {}
 
@@ -26,7 +26,7 @@ void adamw_optimizer::load_moments(const float* m, const float* v) {
   std::memcpy(v_.data(), v, v_.nbytes());
 }
 
-double grad_square_sum(const gpt_stage& stage, bool count_tied_copy) {
+double grad_square_sum(const gpt_chunk& stage, bool count_tied_copy) {
   double sum = 0;
   const bool tied_copy = stage.range().head && !stage.range().embedding;
   for (const auto& p : stage.parameters()) {
@@ -65,7 +65,7 @@ void unscale_and_clip(float* g, std::int64_t n, double unscale, double clip_coef
   for (std::int64_t i = 0; i < n; ++i) g[i] = static_cast<float>(double(g[i]) * unscale) * f;
 }
 
-adamw_optimizer::step_result adamw_optimizer::step(gpt_stage& stage, const optimizer_config& c,
+adamw_optimizer::step_result adamw_optimizer::step(gpt_chunk& stage, const optimizer_config& c,
                                                    int step, int total_steps) {
   step_result r;
   const kernels::gradient_span all{stage.grads(), stage.parameter_count()};
@@ -74,7 +74,7 @@ adamw_optimizer::step_result adamw_optimizer::step(gpt_stage& stage, const optim
   return r;
 }
 
-adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_stage& stage,
+adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_chunk& stage,
                                                              const optimizer_config& c, int step,
                                                              int total_steps, double grad_norm,
                                                              double unscale) {
@@ -86,7 +86,7 @@ adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_stage& stage,
   return r;
 }
 
-void adamw_optimizer::update(gpt_stage& stage, const optimizer_config& c, int step, int total_steps,
+void adamw_optimizer::update(gpt_chunk& stage, const optimizer_config& c, int step, int total_steps,
                              step_result& r) {
   r.lr = learning_rate(c, step, total_steps);
   const kernels::adamw_hparams hp = adamw_hparams_at(c, r.lr);

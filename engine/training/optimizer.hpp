@@ -29,7 +29,7 @@ double learning_rate(const optimizer_config& config, int step, int total_steps);
 kernels::adamw_hparams adamw_hparams_at(const optimizer_config& config, double lr);
 // Sum of squared gradients of a stage, in double. A last stage without the embedding holds a
 // copy of the tied wte; pass count_tied_copy = false so the pipeline counts wte once.
-double grad_square_sum(const gpt_stage& stage, bool count_tied_copy = true);
+double grad_square_sum(const gpt_chunk& stage, bool count_tied_copy = true);
 
 // torch.nn.utils.clip_grad_norm_'s factor for a global norm: max_norm / (norm + 1e-6) when
 // that is < 1, else 1 (and 1 when max_norm <= 0).
@@ -43,7 +43,7 @@ void unscale_and_clip(float* g, std::int64_t n, double unscale, double clip_coef
 
 class adamw_optimizer {
  public:
-  explicit adamw_optimizer(const gpt_stage& stage);
+  explicit adamw_optimizer(const gpt_chunk& stage);
 
   struct step_result {
     double grad_norm = 0;  // before clipping
@@ -51,12 +51,12 @@ class adamw_optimizer {
   };
   // Clips the stage's gradients (global norm over the stage) and applies one AdamW update.
   // step is 0-based; the bias correction uses step + 1.
-  step_result step(gpt_stage& stage, const optimizer_config& config, int step, int total_steps);
+  step_result step(gpt_chunk& stage, const optimizer_config& config, int step, int total_steps);
 
   // The same, when the gradient norm is global over several stages (a pipeline): the caller
   // computed grad_norm (of the unscaled gradients) from every stage's grad_square_sum; this
   // unscales the gradients (1 / the loss scale they carry), clips them with it and updates.
-  step_result step_with_norm(gpt_stage& stage, const optimizer_config& config, int step,
+  step_result step_with_norm(gpt_chunk& stage, const optimizer_config& config, int step,
                              int total_steps, double grad_norm, double unscale = 1);
 
   const kernels::tensor& first_moment() const { return m_; }
@@ -65,7 +65,7 @@ class adamw_optimizer {
   void load_moments(const float* m, const float* v);
 
  private:
-  void update(gpt_stage& stage, const optimizer_config& config, int step, int total_steps,
+  void update(gpt_chunk& stage, const optimizer_config& config, int step, int total_steps,
               step_result& r);
   kernels::tensor m_, v_;
 };

@@ -10,7 +10,7 @@
 #include <sstream>
 #include <variant>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/gpt_weights.hpp"
 #include "engine/parallel/schedule.hpp"
 #include "engine/parallel/support.hpp"

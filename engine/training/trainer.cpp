@@ -91,7 +91,7 @@ class serial_model {
 
 class cpu_model final : public serial_model {
  public:
-  cpu_model(gpt_stage model, const recipe& r)
+  cpu_model(gpt_chunk model, const recipe& r)
       : model_(std::move(model)),
         optimizer_(model_),
         acts_(model_, r.batch.micro_batch, r.batch.seq_len,
@@ -101,14 +101,14 @@ class cpu_model final : public serial_model {
   void zero_grad() override { model_.zero_grad(); }
   double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
                           float seed) override {
-    stage_forward(model_, acts_, inputs, nullptr);
-    const double loss = stage_loss_backward_start(model_, acts_, targets, seed).mean();
-    stage_backward(model_, acts_, nullptr, nullptr);
+    chunk_forward(model_, acts_, inputs, nullptr);
+    const double loss = chunk_loss_backward_start(model_, acts_, targets, seed).mean();
+    chunk_backward(model_, acts_, nullptr, nullptr);
     return loss;
   }
   double evaluate(const std::int32_t* inputs, const std::int32_t* targets) override {
-    stage_forward(model_, acts_, inputs, nullptr);
-    return stage_loss(model_, acts_, targets).mean();
+    chunk_forward(model_, acts_, inputs, nullptr);
+    return chunk_loss(model_, acts_, targets).mean();
   }
   double grad_norm() override {
     const kernels::gradient_span all{model_.grads(), model_.parameter_count()};
@@ -121,14 +121,14 @@ class cpu_model final : public serial_model {
   void save(const std::filesystem::path& file) override { save_hf_weights(model_, file); }
 
  private:
-  gpt_stage model_;
+  gpt_chunk model_;
   adamw_optimizer optimizer_;
   gpt_activations acts_;
 };
 
 class gpu_model final : public serial_model {
  public:
-  gpu_model(gpt_stage host, const recipe& r)
+  gpu_model(gpt_chunk host, const recipe& r)
       : host_(std::move(host)), gpu_(host_, r.batch.micro_batch, r.batch.seq_len, gpu_options(r)) {}
   void zero_grad() override { gpu_.zero_grad(); }
   double forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
@@ -150,7 +150,7 @@ class gpu_model final : public serial_model {
   const gpu_trainer& trainer() const { return gpu_; }
 
  private:
-  gpt_stage host_;  // the initial weights, then the copy that is saved
+  gpt_chunk host_;  // the initial weights, then the copy that is saved
   gpu_trainer gpu_;
 };
 
@@ -170,7 +170,7 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
     val_sampler.emplace(
         make_batch_sampler(ds.val, r, data::sample_order::sequential, r.batch.seq_len, "data.val"));
   }
-  gpt_stage weights(r.model, stage_range::whole(r.model));
+  gpt_chunk weights(r.model, chunk_range::whole(r.model));
   if (r.init.empty()) {
     weights.init_gpt2(seed);
   } else {

@@ -171,9 +171,9 @@ TEST_CASE("a checkpoint resumes at another mesh and goes on with the same data",
       const auto theirs = engine::checkpoint_dir(r.checkpoint_path(), 6);
       for (const char* f : {"model", "exp_avg"}) {
         const auto a = engine::load_checkpoint_tensors(mine, f, at.model,
-                                                       engine::stage_range::whole(at.model));
+                                                       engine::chunk_range::whole(at.model));
         const auto b = engine::load_checkpoint_tensors(theirs, f, r.model,
-                                                       engine::stage_range::whole(r.model));
+                                                       engine::chunk_range::whole(r.model));
         REQUIRE(a.size() == b.size());
         double worst = 0, largest = 0;
         for (std::size_t i = 0; i < a.size(); ++i) {

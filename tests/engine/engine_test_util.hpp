@@ -88,7 +88,7 @@ inline double relative_difference(const std::vector<float>& a, const std::vector
   return diff / mag;
 }
 
-inline std::vector<float> snapshot_params(const gpt_stage& s) {
+inline std::vector<float> snapshot_params(const gpt_chunk& s) {
   return std::vector<float>(s.params(), s.params() + s.parameter_count());
 }
 inline std::vector<float> tensor_values(const kernels::tensor& t) {
@@ -99,7 +99,7 @@ inline std::vector<float> tensor_values(const kernels::tensor& t) {
 // weights U(-0.4, 0.4), biases U(-0.2, 0.2), layernorm weights 1 + U(-0.3, 0.3). Keyed by the
 // parameter name only, so every partition gets the same values. Padded wte rows get
 // `padded_value` (the loss must not depend on them).
-inline void randomize_params(gpt_stage& s, std::uint64_t seed, float padded_value = 0.25f) {
+inline void randomize_params(gpt_chunk& s, std::uint64_t seed, float padded_value = 0.25f) {
   for (const auto& p : s.parameters()) {
     std::mt19937 rng(static_cast<std::uint32_t>(splitmix64(seed ^ fnv1a64(p.name))));
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -138,20 +138,20 @@ inline micro_batch make_batch(const gpt_config& c, int B, int T, std::uint32_t s
 }
 
 // Forward + mean loss of a whole-model stage (no gradients).
-inline kernels::cross_entropy_result model_loss(const gpt_stage& s, gpt_activations& acts,
+inline kernels::cross_entropy_result model_loss(const gpt_chunk& s, gpt_activations& acts,
                                                 const micro_batch& mb) {
-  stage_forward(s, acts, mb.tokens.data(), nullptr);
-  return stage_loss(s, acts, mb.targets.data());
+  chunk_forward(s, acts, mb.tokens.data(), nullptr);
+  return chunk_loss(s, acts, mb.targets.data());
 }
 
 // Forward + backward of a whole-model stage, accumulating grad_scale * d(mean loss) into the
 // stage's gradients. Returns the loss.
-inline kernels::cross_entropy_result model_backward(const gpt_stage& s, gpt_activations& acts,
+inline kernels::cross_entropy_result model_backward(const gpt_chunk& s, gpt_activations& acts,
                                                     const micro_batch& mb,
                                                     float grad_scale = 1.0f) {
-  stage_forward(s, acts, mb.tokens.data(), nullptr);
-  auto r = stage_loss_backward_start(s, acts, mb.targets.data(), grad_scale);
-  stage_backward(s, acts, nullptr, nullptr);
+  chunk_forward(s, acts, mb.tokens.data(), nullptr);
+  auto r = chunk_loss_backward_start(s, acts, mb.targets.data(), grad_scale);
+  chunk_backward(s, acts, nullptr, nullptr);
   return r;
 }
 
@@ -164,7 +164,7 @@ using hf_tensors = std::map<std::string, hf_tensor>;
 
 // The stage's parameters in Hugging Face layout, built by hand: Conv1D weights transposed to
 // [in, out], wte without its padded rows. `prefix` false drops "transformer.".
-inline hf_tensors hf_from_stage(const gpt_stage& s, bool prefix = true) {
+inline hf_tensors hf_from_stage(const gpt_chunk& s, bool prefix = true) {
   hf_tensors out;
   const auto& c = s.config();
   for (const auto& p : s.parameters()) {

@@ -50,7 +50,7 @@ gpt_config tiny_model() {
 // rows zero, as training keeps them.
 checkpoint_tensors make_tensors(const gpt_config& c, int seed) {
   checkpoint_tensors t;
-  gpt_stage whole(c, stage_range::whole(c));
+  gpt_chunk whole(c, chunk_range::whole(c));
   named_tensors* maps[] = {&t.params, &t.exp_avg, &t.exp_avg_sq};
   for (int r = 0; r < 3; ++r) {
     for (const auto& p : whole.parameters()) {
@@ -139,9 +139,9 @@ TEST_CASE("a checkpoint reads back exactly what was written", "[checkpoint]") {
   const named_tensors* maps[] = {&t.params, &t.exp_avg, &t.exp_avg_sq};
   const char* files[] = {"model", "exp_avg", "exp_avg_sq"};
   for (int r = 0; r < 3; ++r) {
-    for (const auto& range : {stage_range::whole(c), partition_layers(c, 2)[1]}) {
+    for (const auto& range : {chunk_range::whole(c), partition_layers(c, 2)[1]}) {
       const auto flat = load_checkpoint_tensors(dir, files[r], c, range);
-      gpt_stage st(c, range);
+      gpt_chunk st(c, range);
       for (const auto& p : st.parameters()) {
         INFO(files[r] << " " << p.name);
         const auto& want = maps[r]->at(p.name);
@@ -337,7 +337,7 @@ TEST_CASE("the assembler puts pieces and tensor shards back together", "[checkpo
     const int tp = 2;
     checkpoint_assembler a(c, tp);
     for (int j = 0; j < tp; ++j) {
-      for (const auto& p : stage_parameter_layout(c, stage_range::whole(c), {j, tp})) {
+      for (const auto& p : chunk_parameter_layout(c, chunk_range::whole(c), {j, tp})) {
         const named_tensors* maps[] = {&want.params, &want.exp_avg, &want.exp_avg_sq};
         for (int r = 0; r < 3; ++r) {
           std::vector<float> slice(static_cast<std::size_t>(p.numel));

@@ -35,7 +35,7 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return rel_diff(a.data(), b.data(), static_cast<std::int64_t>(a.size()));
 }
 
-std::vector<float> grad_values(const gpt_stage& s, const std::string& name) {
+std::vector<float> grad_values(const gpt_chunk& s, const std::string& name) {
   return tensor_values(s.grad(name));
 }
 
@@ -43,7 +43,7 @@ std::vector<float> grad_values(const gpt_stage& s, const std::string& name) {
 
 TEST_CASE("whole-model gradients match central finite differences", "[model][gradcheck]") {
   const gpt_config cfg = tiny_config();
-  gpt_stage model(cfg, stage_range::whole(cfg));
+  gpt_chunk model(cfg, chunk_range::whole(cfg));
   model.init_gpt2(1);
   randomize_params(model, 42);  // padded wte rows non-zero: the loss must ignore them
   const int B = 2, T = 5;
@@ -129,7 +129,7 @@ TEST_CASE("whole-model gradients match central finite differences", "[model][gra
 
 TEST_CASE("all targets ignored: zero loss count and zero gradients", "[model]") {
   const gpt_config cfg = tiny_config();
-  gpt_stage model(cfg, stage_range::whole(cfg));
+  gpt_chunk model(cfg, chunk_range::whole(cfg));
   model.init_gpt2(5);
   micro_batch mb = make_batch(cfg, 1, 4, 9);
   std::fill(mb.targets.begin(), mb.targets.end(), ignore_index);
@@ -145,17 +145,17 @@ namespace {
 
 struct pipeline_result {
   double loss = 0;
-  std::vector<std::unique_ptr<gpt_stage>> stages;
+  std::vector<std::unique_ptr<gpt_chunk>> stages;
 };
 
 // Runs forward + backward through `parts` chained by hand: each stage's input is the previous
 // stage's output, each stage's doutput is the next stage's dinput.
-pipeline_result run_pipeline(const gpt_config& cfg, const std::vector<stage_range>& parts,
+pipeline_result run_pipeline(const gpt_config& cfg, const std::vector<chunk_range>& parts,
                              const micro_batch& mb, std::uint64_t seed) {
   pipeline_result out;
   std::vector<std::unique_ptr<gpt_activations>> acts;
   for (const auto& range : parts) {
-    out.stages.push_back(std::make_unique<gpt_stage>(cfg, range));
+    out.stages.push_back(std::make_unique<gpt_chunk>(cfg, range));
     out.stages.back()->init_gpt2(seed);
     out.stages.back()->zero_grad();
     acts.push_back(std::make_unique<gpt_activations>(*out.stages.back(), mb.B, mb.T));
@@ -163,22 +163,22 @@ pipeline_result run_pipeline(const gpt_config& cfg, const std::vector<stage_rang
   const std::size_t n = parts.size();
   for (std::size_t s = 0; s < n; ++s) {
     if (s == 0) {
-      stage_forward(*out.stages[s], *acts[s], mb.tokens.data(), nullptr);
+      chunk_forward(*out.stages[s], *acts[s], mb.tokens.data(), nullptr);
     } else {
-      stage_forward(*out.stages[s], *acts[s], nullptr, stage_output(*acts[s - 1]));
+      chunk_forward(*out.stages[s], *acts[s], nullptr, chunk_output(*acts[s - 1]));
     }
   }
   // The forward-only loss and the backward-start loss agree.
-  const double fwd_loss = stage_loss(*out.stages.back(), *acts.back(), mb.targets.data()).mean();
+  const double fwd_loss = chunk_loss(*out.stages.back(), *acts.back(), mb.targets.data()).mean();
   out.loss =
-      stage_loss_backward_start(*out.stages.back(), *acts.back(), mb.targets.data(), 1.0f).mean();
+      chunk_loss_backward_start(*out.stages.back(), *acts.back(), mb.targets.data(), 1.0f).mean();
   CHECK(fwd_loss == out.loss);
   const std::size_t NC = std::size_t(mb.B) * mb.T * std::size_t(cfg.width);
   std::vector<std::vector<float>> dinput(n, std::vector<float>(NC, std::nanf("")));
   for (std::size_t s = n; s-- > 0;) {
     const float* dout = s + 1 == n ? nullptr : dinput[s + 1].data();
     float* din = s == 0 ? nullptr : dinput[s].data();
-    stage_backward(*out.stages[s], *acts[s], dout, din);
+    chunk_backward(*out.stages[s], *acts[s], dout, din);
   }
   return out;
 }
@@ -196,7 +196,7 @@ TEST_CASE("pipeline partitions reproduce the whole model's loss and gradients",
   const std::uint64_t seed = 1234;
   const micro_batch mb = make_batch(cfg, 2, 5, 11);
 
-  gpt_stage whole(cfg, stage_range::whole(cfg));
+  gpt_chunk whole(cfg, chunk_range::whole(cfg));
   whole.init_gpt2(seed);
   whole.zero_grad();
   gpt_activations whole_acts(whole, 2, 5);
@@ -248,24 +248,24 @@ TEST_CASE("pipeline partitions reproduce the whole model's loss and gradients",
 TEST_CASE("a stage's dinput is overwritten, not accumulated", "[model][pipeline]") {
   const gpt_config cfg = tiny_config(2);
   const auto parts = partition_layers(cfg, 2);
-  gpt_stage first(cfg, parts[0]), last(cfg, parts[1]);
+  gpt_chunk first(cfg, parts[0]), last(cfg, parts[1]);
   first.init_gpt2(3);
   last.init_gpt2(3);
   const micro_batch mb = make_batch(cfg, 2, 5, 4);
   gpt_activations a0(first, 2, 5), a1(last, 2, 5);
-  stage_forward(first, a0, mb.tokens.data(), nullptr);
-  stage_forward(last, a1, nullptr, stage_output(a0));
-  stage_loss_backward_start(last, a1, mb.targets.data(), 1.0f);
+  chunk_forward(first, a0, mb.tokens.data(), nullptr);
+  chunk_forward(last, a1, nullptr, chunk_output(a0));
+  chunk_loss_backward_start(last, a1, mb.targets.data(), 1.0f);
   std::vector<float> d1(2 * 5 * 8, 0.0f), d2(2 * 5 * 8, 1e6f);
-  stage_backward(last, a1, nullptr, d1.data());
-  stage_forward(last, a1, nullptr, stage_output(a0));
-  stage_loss_backward_start(last, a1, mb.targets.data(), 1.0f);
-  stage_backward(last, a1, nullptr, d2.data());
+  chunk_backward(last, a1, nullptr, d1.data());
+  chunk_forward(last, a1, nullptr, chunk_output(a0));
+  chunk_loss_backward_start(last, a1, mb.targets.data(), 1.0f);
+  chunk_backward(last, a1, nullptr, d2.data());
   CHECK(rel_diff(d2, d1) == 0.0);
 }
 
 TEST_CASE("partition_layers splits evenly, remainder to earlier stages", "[model][partition]") {
-  auto sizes = [](const std::vector<stage_range>& parts) {
+  auto sizes = [](const std::vector<chunk_range>& parts) {
     std::vector<int> out;
     for (const auto& p : parts) out.push_back(p.last_layer - p.first_layer);
     return out;
@@ -322,12 +322,12 @@ TEST_CASE("gpt_config::validate names the offending key", "[model][config]") {
   // A stage of an invalid config is refused the same way.
   gpt_config bad = tiny_config();
   bad.heads = 3;
-  CHECK_THROWS_WITH(gpt_stage(bad, stage_range::whole(bad)), Catch::Contains("model.heads"));
+  CHECK_THROWS_WITH(gpt_chunk(bad, chunk_range::whole(bad)), Catch::Contains("model.heads"));
 }
 
 TEST_CASE("parameter layout: names, shapes, alignment, conv1d and decay flags", "[model]") {
   const gpt_config cfg = tiny_config(2);
-  const auto layout = stage_parameter_layout(cfg, stage_range::whole(cfg));
+  const auto layout = chunk_parameter_layout(cfg, chunk_range::whole(cfg));
   REQUIRE(layout.size() == 2 + 12 * 2 + 2);
   CHECK(layout.front().name == "transformer.wte.weight");
   CHECK(layout.front().shape == kernels::shape_t{16, 8});
@@ -348,7 +348,7 @@ TEST_CASE("parameter layout: names, shapes, alignment, conv1d and decay flags", 
     CHECK(p.conv1d == conv);
   }
   CHECK(total == cfg.parameter_count());
-  gpt_stage s(cfg, stage_range::whole(cfg));
+  gpt_chunk s(cfg, chunk_range::whole(cfg));
   CHECK(s.parameter_count() == end);
   CHECK(s.param("transformer.h.1.mlp.c_fc.weight").shape() == kernels::shape_t{32, 8});
   CHECK(s.param("transformer.h.0.attn.c_attn.weight").shape() == kernels::shape_t{24, 8});
@@ -356,20 +356,20 @@ TEST_CASE("parameter layout: names, shapes, alignment, conv1d and decay flags", 
                     Catch::Contains("transformer.h.2.ln_1.weight"));
 
   // A middle stage has neither embedding nor head.
-  const auto mid = stage_parameter_layout(cfg, stage_range{1, 2, false, false});
+  const auto mid = chunk_parameter_layout(cfg, chunk_range{1, 2, false, false});
   CHECK(mid.size() == 12);
   CHECK(mid.front().name == "transformer.h.1.ln_1.weight");
   // A last stage without the embedding still holds the tied wte (not wpe).
-  const auto last = stage_parameter_layout(cfg, stage_range{1, 2, false, true});
+  const auto last = chunk_parameter_layout(cfg, chunk_range{1, 2, false, true});
   CHECK(last.front().name == "transformer.wte.weight");
   for (const auto& p : last) CHECK(p.name != "transformer.wpe.weight");
-  CHECK_THROWS(stage_parameter_layout(cfg, stage_range{1, 3, false, true}));
+  CHECK_THROWS(chunk_parameter_layout(cfg, chunk_range{1, 3, false, true}));
 }
 
 TEST_CASE("GPT-2 init: deterministic, padded rows zero, biases 0, layernorm 1", "[model][init]") {
   const gpt_config cfg = tiny_config(2);
-  gpt_stage a(cfg, stage_range::whole(cfg)), b(cfg, stage_range::whole(cfg)),
-      c(cfg, stage_range::whole(cfg));
+  gpt_chunk a(cfg, chunk_range::whole(cfg)), b(cfg, chunk_range::whole(cfg)),
+      c(cfg, chunk_range::whole(cfg));
   a.init_gpt2(99);
   b.init_gpt2(99);
   c.init_gpt2(100);
@@ -390,7 +390,7 @@ TEST_CASE("GPT-2 init: deterministic, padded rows zero, biases 0, layernorm 1", 
   gpt_config big = cfg;
   big.width = 64;
   big.heads = 4;
-  gpt_stage g(big, stage_range::whole(big));
+  gpt_chunk g(big, chunk_range::whole(big));
   g.init_gpt2(7);
   CHECK(stddev(tensor_values(g.param("transformer.h.0.mlp.c_fc.weight"))) ==
         Approx(0.02).epsilon(0.05));
@@ -400,7 +400,7 @@ TEST_CASE("GPT-2 init: deterministic, padded rows zero, biases 0, layernorm 1", 
 
 TEST_CASE("gradients accumulate across backward passes", "[model][accumulation]") {
   const gpt_config cfg = tiny_config();
-  gpt_stage model(cfg, stage_range::whole(cfg));
+  gpt_chunk model(cfg, chunk_range::whole(cfg));
   model.init_gpt2(21);
   randomize_params(model, 8);
   const micro_batch mb1 = make_batch(cfg, 2, 5, 100), mb2 = make_batch(cfg, 2, 5, 200);
@@ -477,25 +477,25 @@ TEST_CASE("gradients accumulate across backward passes", "[model][accumulation]"
 
 TEST_CASE("activations and call order are checked", "[model]") {
   const gpt_config cfg = tiny_config();
-  gpt_stage model(cfg, stage_range::whole(cfg));
+  gpt_chunk model(cfg, chunk_range::whole(cfg));
   model.init_gpt2(1);
   CHECK_THROWS_AS(gpt_activations(model, 1, cfg.context + 1), std::invalid_argument);
   CHECK_THROWS_AS(gpt_activations(model, 0, 4), std::invalid_argument);
   CHECK_NOTHROW(gpt_activations(model, 1, cfg.context));
   gpt_activations acts(model, 1, 4);
   const micro_batch mb = make_batch(cfg, 1, 4, 1);
-  stage_forward(model, acts, mb.tokens.data(), nullptr);
+  chunk_forward(model, acts, mb.tokens.data(), nullptr);
   // Backward needs the loss gradient first.
-  CHECK_THROWS_AS(stage_backward(model, acts, nullptr, nullptr), std::logic_error);
-  stage_loss_backward_start(model, acts, mb.targets.data(), 1.0f);
+  CHECK_THROWS_AS(chunk_backward(model, acts, nullptr, nullptr), std::logic_error);
+  chunk_loss_backward_start(model, acts, mb.targets.data(), 1.0f);
   // The logits now hold gradients: no second loss until the next forward.
-  CHECK_THROWS_AS(stage_loss(model, acts, mb.targets.data()), std::logic_error);
-  CHECK_THROWS_AS(stage_loss_backward_start(model, acts, mb.targets.data(), 1.0f),
+  CHECK_THROWS_AS(chunk_loss(model, acts, mb.targets.data()), std::logic_error);
+  CHECK_THROWS_AS(chunk_loss_backward_start(model, acts, mb.targets.data(), 1.0f),
                   std::logic_error);
   // A stage without the head cannot produce a loss.
   const auto parts = partition_layers(cfg, 2);
-  gpt_stage first(cfg, parts[0]);
+  gpt_chunk first(cfg, parts[0]);
   gpt_activations a0(first, 1, 4);
-  stage_forward(first, a0, mb.tokens.data(), nullptr);
-  CHECK_THROWS_AS(stage_loss(first, a0, mb.targets.data()), std::logic_error);
+  chunk_forward(first, a0, mb.tokens.data(), nullptr);
+  CHECK_THROWS_AS(chunk_loss(first, a0, mb.targets.data()), std::logic_error);
 }

@@ -6,7 +6,7 @@
 
 #include <stdexcept>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/parallel/memory_plan.hpp"
 #include "engine/parallel/pipeline_layout.hpp"
 #include "engine/training/gpu_trainer.hpp"
@@ -82,9 +82,9 @@ TEST_CASE("the materialized attention's plan keeps every layer's probabilities",
   CHECK(m_ac.activations - f_ac.activations ==
         (rows * T * 2 - rows * 4) + (7 * NC + rows * T) * 2 - rows * 4);
   // On a tensor shard (tp 2) the shard's heads.
-  const auto ranges = stage_range::whole(c);
-  const auto m2 = plan_gpu_stage_memory(c, ranges, B, T, materialized, 1, 2);
-  const auto f2 = plan_gpu_stage_memory(c, ranges, B, T, fused, 1, 2);
+  const auto ranges = chunk_range::whole(c);
+  const auto m2 = plan_gpu_chunk_memory(c, ranges, B, T, materialized, 1, 2);
+  const auto f2 = plan_gpu_chunk_memory(c, ranges, B, T, fused, 1, 2);
   CHECK(m2.activations - f2.activations ==
         12 * (rows / 2 * T * 2 - rows / 2 * 4) + (7 * NC / 2 + rows / 2 * T) * 2 - rows / 2 * 4);
 }
@@ -98,26 +98,26 @@ TEST_CASE("a pipeline chunk's GPU plan: its own layers, a tied wte copy, slots i
   const auto ranges = partition_layers(c, 2);  // 6 + 6 layers
   const gpu_trainer_options bf16{compute_dtype::bf16, false};
   const auto whole = plan_gpu_memory(c, B, T, bf16);
-  CHECK(plan_gpu_stage_memory(c, stage_range::whole(c), B, T, bf16, 1).total() == whole.total());
-  const auto first = plan_gpu_stage_memory(c, ranges[0], B, T, bf16, 1);
-  const auto last = plan_gpu_stage_memory(c, ranges[1], B, T, bf16, 1);
+  CHECK(plan_gpu_chunk_memory(c, chunk_range::whole(c), B, T, bf16, 1).total() == whole.total());
+  const auto first = plan_gpu_chunk_memory(c, ranges[0], B, T, bf16, 1);
+  const auto last = plan_gpu_chunk_memory(c, ranges[1], B, T, bf16, 1);
   // The two chunks hold every parameter once, and the last one its own copy of the tied wte:
   // 18 bytes a parameter (fp32 weights, gradients, m, v and the bf16 copy).
   CHECK(first.model_state + last.model_state == whole.model_state + 18 * wte);
   // A second micro-batch in flight on the first chunk keeps another input and, per layer, the
   // block's output and internals (15 NC values, 4 N statistics, the lse).
   const std::int64_t per_slot = NC * 2 + 6 * (16 * NC * 2 + 4 * N * 4 + lse);
-  CHECK(plan_gpu_stage_memory(c, ranges[0], B, T, bf16, 2).activations - first.activations ==
+  CHECK(plan_gpu_chunk_memory(c, ranges[0], B, T, bf16, 2).activations - first.activations ==
         per_slot);
-  CHECK(plan_gpu_stage_memory(c, ranges[0], B, T, bf16, 5).activations - first.activations ==
+  CHECK(plan_gpu_chunk_memory(c, ranges[0], B, T, bf16, 5).activations - first.activations ==
         4 * per_slot);
   // With checkpointing a slot keeps only the input and the blocks' outputs.
   const gpu_trainer_options bf16_ac{compute_dtype::bf16, true};
-  CHECK(plan_gpu_stage_memory(c, ranges[0], B, T, bf16_ac, 2).activations -
-            plan_gpu_stage_memory(c, ranges[0], B, T, bf16_ac, 1).activations ==
+  CHECK(plan_gpu_chunk_memory(c, ranges[0], B, T, bf16_ac, 2).activations -
+            plan_gpu_chunk_memory(c, ranges[0], B, T, bf16_ac, 1).activations ==
         7 * NC * 2);
   // The head chunk's slot also keeps ln_f's statistics and its output's gradient.
-  CHECK(plan_gpu_stage_memory(c, ranges[1], B, T, bf16, 2).activations - last.activations ==
+  CHECK(plan_gpu_chunk_memory(c, ranges[1], B, T, bf16, 2).activations - last.activations ==
         per_slot + 2 * N * 4 + NC * 2);
 }
 
@@ -169,7 +169,7 @@ TEST_CASE("--dry-run of a GPU pipeline prints every device stage's chunks", "[gp
   CHECK_THAT(text, Catch::Contains(tied_line));
   std::int64_t total = tied;
   for (const auto& range : layout.rank_chunks(1))
-    total += plan_gpu_stage_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len,
+    total += plan_gpu_chunk_memory(r.model, range, r.batch.micro_batch, r.batch.seq_len,
                                    {compute_dtype::fp32, false}, slots)
                  .total();
   char figure[32];
@@ -181,11 +181,11 @@ TEST_CASE("a tensor shard's GPU plan holds its slices; --dry-run plans one shard
   const gpt_config c{256, 256, 128, 2, 4, 256};
   const int B = 2, T = 64;
   const gpu_trainer_options bf16{compute_dtype::bf16, false};
-  const auto range = stage_range::whole(c);
-  const auto whole = plan_gpu_stage_memory(c, range, B, T, bf16, 1);
-  const auto shard = plan_gpu_stage_memory(c, range, B, T, bf16, 1, 2);
+  const auto range = chunk_range::whole(c);
+  const auto whole = plan_gpu_chunk_memory(c, range, B, T, bf16, 1);
+  const auto shard = plan_gpu_chunk_memory(c, range, B, T, bf16, 1, 2);
   // Model state: the shard's parameters (its slices plus the replicated ones), 18 bytes each.
-  const auto layout = stage_parameter_layout(c, range, {1, 2});
+  const auto layout = chunk_parameter_layout(c, range, {1, 2});
   const std::int64_t P = layout.back().offset + layout.back().numel;
   CHECK(shard.model_state == 18 * P);
   CHECK(P < c.parameter_count());

@@ -1,5 +1,5 @@
 // Tensor parallelism on GPU chunks (`gpu` suite; exit 77, SKIP, without a device): t shards of
-// the whole model, each a gpu_stage driven from its own thread and joined by a device tensor
+// the whole model, each a gpu_chunk driven from its own thread and joined by a device tensor
 // group (one device: the summing kernel; distinct devices: NCCL), give the whole chunk's losses,
 // gradients (their slices put back together) and gradient norm, within the dtype's rounding;
 // recomputation changes no bit; a shard allocates exactly its memory plan; the group gives
@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/gpt_model.hpp"
 #include "kernels/cuda/device_info.hpp"
 #include "tests/engine/engine_test_util.hpp"
@@ -38,7 +38,7 @@ struct run_result {
 // The whole model as `t` shards on `devices` (one per shard; all one device is allowed), every
 // shard on its own thread, kMicroBatches forward/backward passes accumulating gradients.
 run_result run_shards(int t, const std::vector<int>& devices, const gpu_trainer_options& options) {
-  const auto whole_range = stage_range::whole(kConfig);
+  const auto whole_range = chunk_range::whole(kConfig);
   std::vector<std::shared_ptr<device_tensor_group>> members;
   if (t > 1) members = make_device_tensor_group("test tp group", devices);
   std::vector<std::vector<double>> losses(static_cast<std::size_t>(t));
@@ -50,9 +50,9 @@ run_result run_shards(int t, const std::vector<int>& devices, const gpu_trainer_
     threads.emplace_back([&, j] {
       const auto at = static_cast<std::size_t>(j);
       try {
-        gpt_stage host(kConfig, whole_range, {j, t});
+        gpt_chunk host(kConfig, whole_range, {j, t});
         host.init_gpt2(5);
-        gpu_stage chunk(host, kB, kT, options, 1, devices[at], t > 1 ? members[at] : nullptr);
+        gpu_chunk chunk(host, kB, kT, options, 1, devices[at], t > 1 ? members[at] : nullptr);
         chunk.zero_grad();
         for (int mb = 0; mb < kMicroBatches; ++mb) {
           const auto b =
@@ -75,11 +75,11 @@ run_result run_shards(int t, const std::vector<int>& devices, const gpu_trainer_
   run_result r;
   r.losses = losses[0];
   for (int j = 1; j < t; ++j) CHECK(losses[static_cast<std::size_t>(j)] == r.losses);
-  const auto whole_layout = stage_parameter_layout(kConfig, whole_range);
+  const auto whole_layout = chunk_parameter_layout(kConfig, whole_range);
   r.grads.assign(static_cast<std::size_t>(whole_layout.back().offset + whole_layout.back().numel),
                  0.0f);
   for (int j = 0; j < t; ++j) {
-    const auto layout = stage_parameter_layout(kConfig, whole_range, {j, t});
+    const auto layout = chunk_parameter_layout(kConfig, whole_range, {j, t});
     for (std::size_t i = 0; i < layout.size(); ++i)
       put_shard(layout[i], {j, t}, grads[static_cast<std::size_t>(j)].data() + layout[i].offset,
                 r.grads.data() + whole_layout[i].offset);
@@ -126,15 +126,15 @@ TEST_CASE("tensor shards with activation checkpointing change no bit", "[gpu][te
 TEST_CASE("a tensor shard's GPU chunk allocates exactly its memory plan",
           "[gpu][tensor_parallel]") {
   const auto ranges = partition_layers(kConfig, 2);
-  for (const auto& range : {ranges[0], ranges[1], stage_range::whole(kConfig)}) {
+  for (const auto& range : {ranges[0], ranges[1], chunk_range::whole(kConfig)}) {
     for (bool recompute : {false, true}) {
       const int t = 2;
       auto members = make_device_tensor_group("plan", {0, 0});
-      gpt_stage host(kConfig, range, {1, t});
+      gpt_chunk host(kConfig, range, {1, t});
       host.init_gpt2(1);
-      gpu_stage chunk(host, kB, kT, {compute_dtype::bf16, recompute}, 2, 0, members[1]);
+      gpu_chunk chunk(host, kB, kT, {compute_dtype::bf16, recompute}, 2, 0, members[1]);
       CHECK(chunk.device_bytes() ==
-            plan_gpu_stage_memory(kConfig, range, kB, kT, {compute_dtype::bf16, recompute}, 2, t)
+            plan_gpu_chunk_memory(kConfig, range, kB, kT, {compute_dtype::bf16, recompute}, 2, t)
                 .total());
     }
   }

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/gpt_model.hpp"
 #include "engine/model/random.hpp"
 #include "engine/model/sample.hpp"
@@ -48,16 +48,16 @@ struct cpu_run {
 
 cpu_run run_cpu(const optimizer_config& oc, int steps) {
   cpu_run r;
-  gpt_stage model(kConfig, stage_range::whole(kConfig));
+  gpt_chunk model(kConfig, chunk_range::whole(kConfig));
   model.init_gpt2(42);
   adamw_optimizer opt(model);
   gpt_activations acts(model, kB, kT);
   for (int s = 0; s < steps; ++s) {
     const auto b = make_batch(static_cast<std::uint64_t>(s) * 1000);
     model.zero_grad();
-    stage_forward(model, acts, b.inputs.data(), nullptr);
-    r.losses.push_back(stage_loss_backward_start(model, acts, b.targets.data(), 1.0f).mean());
-    stage_backward(model, acts, nullptr, nullptr);
+    chunk_forward(model, acts, b.inputs.data(), nullptr);
+    r.losses.push_back(chunk_loss_backward_start(model, acts, b.targets.data(), 1.0f).mean());
+    chunk_backward(model, acts, nullptr, nullptr);
     r.grads.emplace_back(model.grads(), model.grads() + model.parameter_count());
     r.norms.push_back(opt.step(model, oc, s, steps).grad_norm);
   }
@@ -284,7 +284,7 @@ TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the 
     for (auto attention : attention_kernels(dtype)) {
       INFO("dtype " << compute_dtype_name(dtype) << ", " << attention_kernel_name(attention)
                     << " attention");
-      gpt_stage host(kConfig, stage_range::whole(kConfig));
+      gpt_chunk host(kConfig, chunk_range::whole(kConfig));
       host.init_gpt2(3);
       gpu_trainer plain(host, kB, kT, {dtype, false, attention});
       gpu_trainer recomputed(host, kB, kT, {dtype, true, attention});
@@ -310,27 +310,27 @@ TEST_CASE("activation checkpointing on the GPU changes no bit and allocates the 
 
 // A split backward (zero-bubble schedules) on a GPU chunk: B for two micro-batches in flight,
 // then their W, gives bitwise the whole backward's gradients, makes the same blocks final in the
-// same order, and allocates what plan_gpu_stage_memory says. Chunks of the whole model and of a
+// same order, and allocates what plan_gpu_chunk_memory says. Chunks of the whole model and of a
 // pipeline's last rank (whose input's gradient B writes apart from its input); and with
 // activation checkpointing, where B and W each recompute the blocks' internals.
 TEST_CASE("a split backward on the GPU is the whole backward, bitwise", "[gpu][trainer]") {
   for (auto dtype : {compute_dtype::fp32, compute_dtype::bf16})
     for (auto attention : attention_kernels(dtype))
-      for (const auto& range : {stage_range::whole(kConfig), partition_layers(kConfig, 2)[1]})
+      for (const auto& range : {chunk_range::whole(kConfig), partition_layers(kConfig, 2)[1]})
         for (bool recompute : {false, true}) {
           INFO(compute_dtype_name(dtype)
                << ", " << attention_kernel_name(attention) << " attention, embedding "
                << range.embedding << ", recompute " << recompute);
-          gpt_stage host(kConfig, range);
+          gpt_chunk host(kConfig, range);
           host.init_gpt2(3);
           gpu_trainer_options whole_options{dtype, false, attention};
           gpu_trainer_options split_options = whole_options;
           split_options.split_backward = true;
           split_options.recompute = recompute;
-          gpu_stage whole(host, kB, kT, whole_options, 2);
-          gpu_stage split(host, kB, kT, split_options, 2);
+          gpu_chunk whole(host, kB, kT, whole_options, 2);
+          gpu_chunk split(host, kB, kT, split_options, 2);
           CHECK(split.device_bytes() ==
-                plan_gpu_stage_memory(kConfig, range, kB, kT, split_options, 2).total());
+                plan_gpu_chunk_memory(kConfig, range, kB, kT, split_options, 2).total());
           // An input activation in the chunk's dtype: small fp32 values, or bf16 bit patterns of
           // values in [2^-7, 2^-6).
           std::vector<unsigned char> input(whole.activation_bytes());
@@ -366,7 +366,7 @@ TEST_CASE("a split backward on the GPU is the whole backward, bitwise", "[gpu][t
 
 TEST_CASE("the GPU trainer starts from given host weights, evaluates and hands weights back",
           "[gpu][trainer]") {
-  gpt_stage host(kConfig, stage_range::whole(kConfig));
+  gpt_chunk host(kConfig, chunk_range::whole(kConfig));
   host.init_gpt2(42);
   gpu_trainer from_host(host, kB, kT, {compute_dtype::fp32, false});
   gpu_trainer from_seed(kConfig, kB, kT, compute_dtype::fp32, 42);
@@ -377,7 +377,7 @@ TEST_CASE("the GPU trainer starts from given host weights, evaluates and hands w
   CHECK(from_host.gradients() == std::vector<float>(from_host.gradients().size(), 0.0f));
   CHECK(eval == from_host.forward_backward(b.inputs.data(), b.targets.data()));
   from_host.update(optimizer_config{}, 0, 1, 1.0);
-  gpt_stage back(kConfig, stage_range::whole(kConfig));
+  gpt_chunk back(kConfig, chunk_range::whole(kConfig));
   from_host.copy_parameters_to(back);
   CHECK(std::vector<float>(back.params(), back.params() + back.parameter_count()) ==
         from_host.parameters());
@@ -470,7 +470,7 @@ TEST_CASE("the GPU trainer refuses a token outside the vocabulary", "[gpu][train
 // are the CPU's (engine::next_token_logits) within fp32 rounding, for windows of every length
 // up to the context, each a different sequence length for the same trainer.
 TEST_CASE("the GPU's next-token logits are the CPU's", "[gpu][trainer]") {
-  gpt_stage host(kConfig, stage_range::whole(kConfig));
+  gpt_chunk host(kConfig, chunk_range::whole(kConfig));
   host.init_gpt2(11);
   gpu_trainer gpu(host, 1, kConfig.context, gpu_trainer_options{});
   next_token_logits cpu(host);

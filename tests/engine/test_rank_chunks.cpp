@@ -141,7 +141,7 @@ std::string first_difference(const run_result& a, const run_result& b) {
 }
 
 chunk_init gpt2_init(std::uint64_t seed) {
-  return [seed](gpt_stage& st) { st.init_gpt2(seed); };
+  return [seed](gpt_chunk& st) { st.init_gpt2(seed); };
 }
 
 }  // namespace

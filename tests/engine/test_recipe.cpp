@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/gpt_weights.hpp"
 #include "engine/parallel/support.hpp"
 #include "engine/training/optimizer.hpp"
@@ -451,7 +451,7 @@ TEST_CASE("load_recipe checks files and names them", "[recipe][files]") {
     other.layers = 1;
     other.heads = 2;
     other.width = 16;
-    gpt_stage s(other, stage_range::whole(other));
+    gpt_chunk s(other, chunk_range::whole(other));
     s.init_gpt2(1);
     const std::string w = (dir / "w.safetensors").string();
     save_hf_weights(s, w);

@@ -38,10 +38,10 @@ std::vector<double> softmax(const std::vector<float>& l, double temperature) {
 }
 
 // The logits of every position of a forward pass over tokens.
-std::vector<float> all_logits(const gpt_stage& model, const std::vector<std::int32_t>& tokens) {
+std::vector<float> all_logits(const gpt_chunk& model, const std::vector<std::int32_t>& tokens) {
   gpt_activations acts(model, 1, static_cast<int>(tokens.size()));
-  stage_forward(model, acts, tokens.data(), nullptr);
-  const float* out = stage_output(acts);
+  chunk_forward(model, acts, tokens.data(), nullptr);
+  const float* out = chunk_output(acts);
   return std::vector<float>(out, out + tokens.size() * model.config().padded_vocab_size);
 }
 
@@ -145,7 +145,7 @@ TEST_CASE("sampling options out of range are refused", "[unit][sample]") {
 
 TEST_CASE("next-token logits: the last position of the window, no padded rows", "[unit][sample]") {
   const gpt_config c = tiny_config();  // vocab 11 (padded 16), context 8
-  gpt_stage model(c, stage_range::whole(c));
+  gpt_chunk model(c, chunk_range::whole(c));
   randomize_params(model, 9, 0.25f);  // padded wte rows nonzero: their logits would show
   const std::vector<std::int32_t> tokens = {3, 1, 4, 1, 5, 9, 2, 6};
   const auto every = all_logits(model, tokens);
@@ -159,14 +159,14 @@ TEST_CASE("next-token logits: the last position of the window, no padded rows", 
   }
   CHECK_THROWS_AS(logits_of(std::vector<std::int32_t>(9, 0)), std::invalid_argument);
   CHECK_THROWS_AS(logits_of(std::vector<std::int32_t>{11}), std::invalid_argument);
-  const gpt_stage first(c, {0, 1, true, false});
+  const gpt_chunk first(c, {0, 1, true, false});
   CHECK_THROWS_AS(next_token_logits(first), std::invalid_argument);
 }
 
 TEST_CASE("generate: greedy follows the argmax over the last context tokens; seeded draws repeat",
           "[unit][sample]") {
   const gpt_config c = tiny_config();
-  gpt_stage model(c, stage_range::whole(c));
+  gpt_chunk model(c, chunk_range::whole(c));
   randomize_params(model, 10, 0.25f);
   const std::vector<std::int32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // longer than context
   std::vector<std::int32_t> seen;

@@ -1,5 +1,5 @@
-// Split backward (B = stage_backward_input, W = stage_backward_weight) against the whole
-// stage_backward, for a first, a middle, a last and a whole-model stage of a tiny model:
+// Split backward (B = chunk_backward_input, W = chunk_backward_weight) against the whole
+// chunk_backward, for a first, a middle, a last and a whole-model stage of a tiny model:
 // B then W gives the same dinput and gradients bitwise; micro-batches may run B0 B1 W1 W0;
 // B alone touches no gradient; W without B throws; the gradient blocks cover every parameter
 // once, and on_block_done fires once per block, in order, when the block's gradient is final.
@@ -28,7 +28,7 @@ namespace {
 
 struct stage_case {
   const char* name;
-  stage_range range;
+  chunk_range range;
 };
 
 // 3 layers: first = embedding + h.0, middle = h.1, last = h.2 + head, whole = everything.
@@ -62,8 +62,8 @@ micro_data make_micro(std::uint32_t seed, int B = 2, int T = 5) {
 
 // A stage with parameters far from init and gradients already holding something, so that the
 // tests see accumulation (+=), not overwriting.
-std::unique_ptr<gpt_stage> make_stage(const stage_range& range) {
-  auto s = std::make_unique<gpt_stage>(kConfig, range);
+std::unique_ptr<gpt_chunk> make_stage(const chunk_range& range) {
+  auto s = std::make_unique<gpt_chunk>(kConfig, range);
   randomize_params(*s, 42);
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> u(-0.01f, 0.01f);
@@ -75,17 +75,17 @@ std::unique_ptr<gpt_stage> make_stage(const stage_range& range) {
 }
 
 // Forward, plus the loss gradient on a last stage: ready for backward.
-void forward(const gpt_stage& s, gpt_activations& acts, const micro_data& d) {
+void forward(const gpt_chunk& s, gpt_activations& acts, const micro_data& d) {
   const bool emb = s.range().embedding;
-  stage_forward(s, acts, emb ? d.mb.tokens.data() : nullptr, emb ? nullptr : d.input.data());
-  if (s.range().head) stage_loss_backward_start(s, acts, d.mb.targets.data(), 1.0f);
+  chunk_forward(s, acts, emb ? d.mb.tokens.data() : nullptr, emb ? nullptr : d.input.data());
+  if (s.range().head) chunk_loss_backward_start(s, acts, d.mb.targets.data(), 1.0f);
 }
 
-const float* doutput_of(const gpt_stage& s, const micro_data& d) {
+const float* doutput_of(const gpt_chunk& s, const micro_data& d) {
   return s.range().head ? nullptr : d.doutput.data();
 }
 
-std::vector<float> grads_of(const gpt_stage& s) {
+std::vector<float> grads_of(const gpt_chunk& s) {
   return std::vector<float>(s.grads(), s.grads() + s.parameter_count());
 }
 
@@ -110,7 +110,7 @@ std::vector<float> nan_buffer() {
 
 }  // namespace
 
-TEST_CASE("B then W gives stage_backward's dinput and gradients", "[split_backward]") {
+TEST_CASE("B then W gives chunk_backward's dinput and gradients", "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
   INFO("stage " << sc.name);
   const micro_data d = make_micro(3);
@@ -122,16 +122,16 @@ TEST_CASE("B then W gives stage_backward's dinput and gradients", "[split_backwa
   float* ds = sc.range.embedding ? nullptr : din_split.data();
 
   forward(*whole, wa, d);
-  stage_backward(*whole, wa, doutput_of(*whole, d), dw);
+  chunk_backward(*whole, wa, doutput_of(*whole, d), dw);
   forward(*split, sa, d);
   const auto before = grads_of(*split);
-  stage_backward_input(*split, sa, doutput_of(*split, d), ds);
+  chunk_backward_input(*split, sa, doutput_of(*split, d), ds);
   CHECK(same_bits(grads_of(*split), before));  // B touches no parameter gradient
   if (!sc.range.embedding) {
     INFO("dinput relative difference " << rel_diff(din_split, din_whole));
     CHECK(same_bits(din_split, din_whole));
   }
-  stage_backward_weight(*split, sa);
+  chunk_backward_weight(*split, sa);
   INFO("gradient relative difference " << rel_diff(grads_of(*split), grads_of(*whole)));
   CHECK(same_bits(grads_of(*split), grads_of(*whole)));
   CHECK(!same_bits(grads_of(*split), before));
@@ -149,18 +149,18 @@ TEST_CASE("micro-batches in the order B0 B1 W1 W0 accumulate what whole backward
   gpt_activations wa(*whole, 2, 5);
   std::vector<std::vector<float>> din_whole{nan_buffer(), nan_buffer()};
   forward(*whole, wa, d0);
-  stage_backward(*whole, wa, doutput_of(*whole, d0), emb ? nullptr : din_whole[0].data());
+  chunk_backward(*whole, wa, doutput_of(*whole, d0), emb ? nullptr : din_whole[0].data());
   forward(*whole, wa, d1);
-  stage_backward(*whole, wa, doutput_of(*whole, d1), emb ? nullptr : din_whole[1].data());
+  chunk_backward(*whole, wa, doutput_of(*whole, d1), emb ? nullptr : din_whole[1].data());
 
   gpt_activations a0(*split, 2, 5), a1(*split, 2, 5);
   std::vector<std::vector<float>> din_split{nan_buffer(), nan_buffer()};
   forward(*split, a0, d0);
   forward(*split, a1, d1);
-  stage_backward_input(*split, a0, doutput_of(*split, d0), emb ? nullptr : din_split[0].data());
-  stage_backward_input(*split, a1, doutput_of(*split, d1), emb ? nullptr : din_split[1].data());
-  stage_backward_weight(*split, a1);
-  stage_backward_weight(*split, a0);
+  chunk_backward_input(*split, a0, doutput_of(*split, d0), emb ? nullptr : din_split[0].data());
+  chunk_backward_input(*split, a1, doutput_of(*split, d1), emb ? nullptr : din_split[1].data());
+  chunk_backward_weight(*split, a1);
+  chunk_backward_weight(*split, a0);
 
   if (!emb) {
     CHECK(same_bits(din_split[0], din_whole[0]));
@@ -181,26 +181,26 @@ TEST_CASE("split backward misuse throws std::logic_error", "[split_backward]") {
   const auto start = grads_of(*s);
 
   // W before any B, and W after a forward without B.
-  CHECK_THROWS_AS(stage_backward_weight(*s, acts), std::logic_error);
+  CHECK_THROWS_AS(chunk_backward_weight(*s, acts), std::logic_error);
   forward(*s, acts, d);
   CHECK(error_message<std::logic_error>([&] {
-          stage_backward_weight(*s, acts);
-        }).find("stage_backward_input") != std::string::npos);
+          chunk_backward_weight(*s, acts);
+        }).find("chunk_backward_input") != std::string::npos);
   CHECK(same_bits(grads_of(*s), start));
 
-  stage_backward_input(*s, acts, doutput_of(*s, d), dinput);
+  chunk_backward_input(*s, acts, doutput_of(*s, d), dinput);
   // While W is pending: a second B and a new forward would lose what W needs.
-  CHECK_THROWS_AS(stage_backward_input(*s, acts, doutput_of(*s, d), dinput), std::logic_error);
+  CHECK_THROWS_AS(chunk_backward_input(*s, acts, doutput_of(*s, d), dinput), std::logic_error);
   const bool emb = sc.range.embedding;
   CHECK_THROWS_AS(
-      stage_forward(*s, acts, emb ? d.mb.tokens.data() : nullptr, emb ? nullptr : d.input.data()),
+      chunk_forward(*s, acts, emb ? d.mb.tokens.data() : nullptr, emb ? nullptr : d.input.data()),
       std::logic_error);
   CHECK(same_bits(grads_of(*s), start));  // nothing so far touched a gradient
-  stage_backward_weight(*s, acts);
+  chunk_backward_weight(*s, acts);
   const auto after = grads_of(*s);
   CHECK(!same_bits(after, start));
   // A second W does not add the gradients twice.
-  CHECK_THROWS_AS(stage_backward_weight(*s, acts), std::logic_error);
+  CHECK_THROWS_AS(chunk_backward_weight(*s, acts), std::logic_error);
   CHECK(same_bits(grads_of(*s), after));
   // After W the activations take a new forward.
   CHECK_NOTHROW(forward(*s, acts, d));
@@ -210,16 +210,16 @@ TEST_CASE("B on a last stage needs the loss first", "[split_backward]") {
   auto s = make_stage({2, 3, false, true});
   gpt_activations acts(*s, 2, 5);
   const micro_data d = make_micro(4);
-  stage_forward(*s, acts, nullptr, d.input.data());
+  chunk_forward(*s, acts, nullptr, d.input.data());
   auto din = nan_buffer();
-  CHECK_THROWS_AS(stage_backward_input(*s, acts, nullptr, din.data()), std::logic_error);
+  CHECK_THROWS_AS(chunk_backward_input(*s, acts, nullptr, din.data()), std::logic_error);
 }
 
 TEST_CASE("grad blocks cover every parameter once, in backward order", "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
   INFO("stage " << sc.name);
-  gpt_stage s(kConfig, sc.range);
-  const auto blocks = stage_grad_blocks(s);
+  gpt_chunk s(kConfig, sc.range);
+  const auto blocks = chunk_grad_blocks(s);
 
   std::vector<std::string> expected;
   if (sc.range.head) expected.push_back("head");
@@ -274,12 +274,12 @@ namespace {
 
 // Records on_block_done: the order of the calls and each block's gradient at its call.
 struct block_recorder {
-  const gpt_stage& stage;
+  const gpt_chunk& stage;
   std::vector<grad_block> blocks;
   std::vector<int> calls;
   std::vector<std::vector<float>> at_call;
 
-  explicit block_recorder(const gpt_stage& s) : stage(s), blocks(stage_grad_blocks(s)) {}
+  explicit block_recorder(const gpt_chunk& s) : stage(s), blocks(chunk_grad_blocks(s)) {}
   std::vector<float> values(int b) const {
     std::vector<float> v;
     for (const auto& [offset, numel] : blocks[static_cast<std::size_t>(b)].ranges) {
@@ -319,24 +319,24 @@ TEST_CASE("on_block_done fires once per block, in order, when the block is final
   auto din = nan_buffer();
   float* dinput = sc.range.embedding ? nullptr : din.data();
 
-  SECTION("stage_backward") {
+  SECTION("chunk_backward") {
     auto ref = make_stage(sc.range);
     gpt_activations ref_acts(*ref, 2, 5);
     forward(*ref, ref_acts, d);
-    stage_backward(*ref, ref_acts, doutput_of(*ref, d), dinput);  // no callback
+    chunk_backward(*ref, ref_acts, doutput_of(*ref, d), dinput);  // no callback
 
     block_recorder rec(*s);
     forward(*s, acts, d);
-    stage_backward(*s, acts, doutput_of(*s, d), dinput, rec.callback());
+    chunk_backward(*s, acts, doutput_of(*s, d), dinput, rec.callback());
     rec.check();
     CHECK(same_bits(grads_of(*s), grads_of(*ref)));  // the callback changes no number
   }
-  SECTION("stage_backward_weight") {
+  SECTION("chunk_backward_weight") {
     block_recorder rec(*s);
     forward(*s, acts, d);
-    stage_backward_input(*s, acts, doutput_of(*s, d), dinput);
+    chunk_backward_input(*s, acts, doutput_of(*s, d), dinput);
     CHECK(rec.calls.empty());
-    stage_backward_weight(*s, acts, rec.callback());
+    chunk_backward_weight(*s, acts, rec.callback());
     rec.check();
   }
 }
@@ -345,9 +345,9 @@ namespace {
 
 // Drives a pass the way a ZeRO-3 stage does: at each stop only the stop's blocks hold their
 // parameters; every other parameter (and the whole buffer before the first stop) reads NaN.
-void run_poisoned(gpt_stage& s, block_pass pass, pass_kind kind, bool recompute) {
+void run_poisoned(gpt_chunk& s, block_pass pass, pass_kind kind, bool recompute) {
   const std::vector<float> saved(s.params(), s.params() + s.parameter_count());
-  const auto blocks = stage_grad_blocks(s);
+  const auto blocks = chunk_grad_blocks(s);
   const auto want = pass_stops(s, kind, recompute);
   auto poison = [&] { std::fill(s.params(), s.params() + s.parameter_count(), std::nanf("")); };
   poison();
@@ -384,28 +384,28 @@ TEST_CASE("passes read only the parameter blocks of their latest stop", "[split_
 
   forward(*plain, pa, d);
   run_poisoned(*gated,
-               stage_forward_pass(*gated, ga, emb ? d.mb.tokens.data() : nullptr,
+               chunk_forward_pass(*gated, ga, emb ? d.mb.tokens.data() : nullptr,
                                   emb ? nullptr : d.input.data()),
                pass_kind::forward, recompute);
   if (gated->range().head) {
-    stage_loss_backward_start(*gated, ga, d.mb.targets.data(), 1.0f);
+    chunk_loss_backward_start(*gated, ga, d.mb.targets.data(), 1.0f);
   } else {
     const std::size_t n = std::size_t(2) * 5 * std::size_t(kConfig.width);
-    REQUIRE(std::memcmp(stage_output(pa), stage_output(ga), n * sizeof(float)) == 0);
+    REQUIRE(std::memcmp(chunk_output(pa), chunk_output(ga), n * sizeof(float)) == 0);
   }
   if (split) {
-    stage_backward_input(*plain, pa, doutput_of(*plain, d), pdin);
-    stage_backward_weight(*plain, pa);
-    run_poisoned(*gated, stage_backward_input_pass(*gated, ga, doutput_of(*gated, d), gdin),
+    chunk_backward_input(*plain, pa, doutput_of(*plain, d), pdin);
+    chunk_backward_weight(*plain, pa);
+    run_poisoned(*gated, chunk_backward_input_pass(*gated, ga, doutput_of(*gated, d), gdin),
                  pass_kind::backward, recompute);
     // Weight gradients read no parameter, unless W recomputes the blocks: then it stops before
     // each layer.
     CHECK(pass_stops(*gated, pass_kind::weight, recompute).size() ==
           (recompute ? std::size_t(sc.range.last_layer - sc.range.first_layer) : 0));
-    run_poisoned(*gated, stage_backward_weight_pass(*gated, ga, {}), pass_kind::weight, recompute);
+    run_poisoned(*gated, chunk_backward_weight_pass(*gated, ga, {}), pass_kind::weight, recompute);
   } else {
-    stage_backward(*plain, pa, doutput_of(*plain, d), pdin);
-    run_poisoned(*gated, stage_backward_pass(*gated, ga, doutput_of(*gated, d), gdin, {}),
+    chunk_backward(*plain, pa, doutput_of(*plain, d), pdin);
+    run_poisoned(*gated, chunk_backward_pass(*gated, ga, doutput_of(*gated, d), gdin, {}),
                  pass_kind::backward, recompute);
   }
   REQUIRE(same_bits(grads_of(*gated), grads_of(*plain)));
@@ -435,13 +435,13 @@ TEST_CASE("checkpointed blocks give bitwise the gradients of saved ones, whole a
   forward(*plain, pa, d0);
   forward(*ckpt, ca, d0);
   forward(*ckpt, other, d1);
-  stage_backward(*plain, pa, doutput_of(*plain, d0), dp);
+  chunk_backward(*plain, pa, doutput_of(*plain, d0), dp);
   if (split) {
-    stage_backward_input(*ckpt, ca, doutput_of(*ckpt, d0), dc);
+    chunk_backward_input(*ckpt, ca, doutput_of(*ckpt, d0), dc);
     forward(*ckpt, other, d1);  // B and W apart, another micro-batch's forward between them
-    stage_backward_weight(*ckpt, ca);
+    chunk_backward_weight(*ckpt, ca);
   } else {
-    stage_backward(*ckpt, ca, doutput_of(*ckpt, d0), dc);
+    chunk_backward(*ckpt, ca, doutput_of(*ckpt, d0), dc);
   }
   if (!sc.range.embedding) CHECK(same_bits(din_ckpt, din_plain));
   INFO("gradient relative difference " << rel_diff(grads_of(*ckpt), grads_of(*plain)));
@@ -465,10 +465,10 @@ TEST_CASE("activation bytes: what a micro-batch holds is what the plan says, and
     auto buf = nan_buffer();
     if (!sc.range.embedding) din = buf.data();
     if (split) {
-      stage_backward_input(*s, acts, doutput_of(*s, d), din);
-      stage_backward_weight(*s, acts);
+      chunk_backward_input(*s, acts, doutput_of(*s, d), din);
+      chunk_backward_weight(*s, acts);
     } else {
-      stage_backward(*s, acts, doutput_of(*s, d), din);
+      chunk_backward(*s, acts, doutput_of(*s, d), din);
     }
     CHECK(acts.bytes() == activation_bytes(kConfig, sc.range, 2, 5, recompute, split));
   }
@@ -480,7 +480,7 @@ TEST_CASE("activation bytes: what a micro-batch holds is what the plan says, and
 }
 
 TEST_CASE("a block_scratch serves only micro-batches of its shape", "[split_backward][recompute]") {
-  gpt_stage s(kConfig, {0, 3, true, true});
+  gpt_chunk s(kConfig, {0, 3, true, true});
   auto scratch = std::make_shared<block_scratch>(kConfig, 2, 5);
   CHECK_THAT(error_message<std::invalid_argument>([&] { gpt_activations a(s, 2, 4, scratch); }),
              Catch::Contains("a block_scratch for micro-batches of 2x5, not 2x4"));

@@ -49,24 +49,24 @@ struct shard_result {
 struct run_result {
   std::vector<shard_result> shards;
   std::vector<std::vector<parameter_info>> layouts;  // shard layouts by stage
-  std::vector<stage_range> ranges;
+  std::vector<chunk_range> ranges;
 };
 
 // The whole model's parameters, randomised (keyed by name, so every layout agrees).
-gpt_stage whole_model(const gpt_config& c) {
-  gpt_stage whole(c, stage_range::whole(c));
+gpt_chunk whole_model(const gpt_config& c) {
+  gpt_chunk whole(c, chunk_range::whole(c));
   randomize_params(whole, 11);
   return whole;
 }
 
-shard_result run_shard(const gpt_config& c, const run_options& o, const gpt_stage& whole,
+shard_result run_shard(const gpt_config& c, const run_options& o, const gpt_chunk& whole,
                        std::shared_ptr<tensor_group> group, const micro_batch& mb) {
   const tensor_shard shard{group ? group->rank() : 0, o.tp};
   const auto ranges = partition_layers(c, o.stages);
-  std::vector<std::unique_ptr<gpt_stage>> stages;
+  std::vector<std::unique_ptr<gpt_chunk>> stages;
   std::vector<std::unique_ptr<gpt_activations>> acts;
   for (const auto& r : ranges) {
-    stages.push_back(std::make_unique<gpt_stage>(c, r, shard));
+    stages.push_back(std::make_unique<gpt_chunk>(c, r, shard));
     auto& st = *stages.back();
     if (group) st.set_tensor_group(group);
     for (const auto& p : st.parameters())
@@ -76,22 +76,22 @@ shard_result run_shard(const gpt_config& c, const run_options& o, const gpt_stag
   }
   const std::size_t S = stages.size();
   for (std::size_t s = 0; s < S; ++s) {
-    const float* input = s == 0 ? nullptr : stage_output(*acts[s - 1]);
-    stage_forward(*stages[s], *acts[s], mb.tokens.data(), input);
+    const float* input = s == 0 ? nullptr : chunk_output(*acts[s - 1]);
+    chunk_forward(*stages[s], *acts[s], mb.tokens.data(), input);
   }
   shard_result out;
   out.loss =
-      stage_loss_backward_start(*stages[S - 1], *acts[S - 1], mb.targets.data(), 1.0f).mean();
+      chunk_loss_backward_start(*stages[S - 1], *acts[S - 1], mb.targets.data(), 1.0f).mean();
   const std::size_t NC = static_cast<std::size_t>(mb.B * mb.T * c.width);
   std::vector<std::vector<float>> dinput(S, std::vector<float>(NC));
   for (std::size_t s = S; s-- > 0;) {
     const float* dout = s + 1 < S ? dinput[s + 1].data() : nullptr;
     float* din = s > 0 ? dinput[s].data() : nullptr;
     if (o.split) {
-      stage_backward_input(*stages[s], *acts[s], dout, din);
-      stage_backward_weight(*stages[s], *acts[s]);
+      chunk_backward_input(*stages[s], *acts[s], dout, din);
+      chunk_backward_weight(*stages[s], *acts[s]);
     } else {
-      stage_backward(*stages[s], *acts[s], dout, din);
+      chunk_backward(*stages[s], *acts[s], dout, din);
     }
   }
   for (const auto& st : stages) {
@@ -103,10 +103,10 @@ shard_result run_shard(const gpt_config& c, const run_options& o, const gpt_stag
 }
 
 run_result run(const gpt_config& c, const run_options& o, const micro_batch& mb) {
-  const gpt_stage whole = whole_model(c);
+  const gpt_chunk whole = whole_model(c);
   run_result res;
   res.ranges = partition_layers(c, o.stages);
-  for (const auto& r : res.ranges) res.layouts.push_back(stage_parameter_layout(c, r, {0, o.tp}));
+  for (const auto& r : res.ranges) res.layouts.push_back(chunk_parameter_layout(c, r, {0, o.tp}));
   res.shards.resize(static_cast<std::size_t>(o.tp));
   if (o.tp == 1) {
     res.shards[0] = run_shard(c, o, whole, nullptr, mb);
@@ -134,14 +134,14 @@ run_result run(const gpt_config& c, const run_options& o, const micro_batch& mb)
 
 // The shards' slices of stage s's buffer (params or grads) put back into the whole layout.
 std::vector<float> gathered(const gpt_config& c, const run_result& res, std::size_t s, bool grads) {
-  const auto whole_layout = stage_parameter_layout(c, res.ranges[s]);
+  const auto whole_layout = chunk_parameter_layout(c, res.ranges[s]);
   std::vector<float> out(
       static_cast<std::size_t>(whole_layout.back().offset + whole_layout.back().numel), 0.0f);
   const int t = static_cast<int>(res.shards.size());
   for (int r = 0; r < t; ++r) {
     const auto& buf = grads ? res.shards[static_cast<std::size_t>(r)].grads[s]
                             : res.shards[static_cast<std::size_t>(r)].params[s];
-    const auto layout = stage_parameter_layout(c, res.ranges[s], {r, t});
+    const auto layout = chunk_parameter_layout(c, res.ranges[s], {r, t});
     for (std::size_t i = 0; i < layout.size(); ++i)
       put_shard(layout[i], {r, t}, buf.data() + layout[i].offset,
                 out.data() + whole_layout[i].offset);
@@ -152,12 +152,12 @@ std::vector<float> gathered(const gpt_config& c, const run_result& res, std::siz
 TEST_CASE("tensor shards' parameter slices tile the whole tensor", "[tensor_parallel]") {
   const gpt_config c = tp_config();
   const int t = GENERATE(2, 4);
-  const gpt_stage whole = whole_model(c);
+  const gpt_chunk whole = whole_model(c);
   const auto whole_layout = whole.parameters();
   std::vector<float> rebuilt(static_cast<std::size_t>(whole.parameter_count()), -7.0f);
   std::int64_t shard_floats = 0;
   for (int r = 0; r < t; ++r) {
-    gpt_stage shard(c, stage_range::whole(c), {r, t});
+    gpt_chunk shard(c, chunk_range::whole(c), {r, t});
     REQUIRE(shard.parameters().size() == whole_layout.size());
     for (std::size_t i = 0; i < whole_layout.size(); ++i) {
       const auto& p = shard.parameters()[i];
@@ -186,9 +186,9 @@ TEST_CASE("tensor shards' parameter slices tile the whole tensor", "[tensor_para
   CHECK(shard_floats == std::int64_t{c.padded_vocab_size} * C +
                             c.layers * (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C));
   // The q, k and v of a shard's heads: the rows of head h of q are rows h*hs.. of the whole.
-  gpt_stage s1(c, stage_range::whole(c), {1, t});
+  gpt_chunk s1(c, chunk_range::whole(c), {1, t});
   s1.init_gpt2(5);
-  gpt_stage w(c, stage_range::whole(c));
+  gpt_chunk w(c, chunk_range::whole(c));
   w.init_gpt2(5);
   const auto& pa = s1.parameter("transformer.h.0.attn.c_attn.weight");
   const std::int64_t rows = 3 * C / t;
@@ -202,10 +202,10 @@ TEST_CASE("tensor shards' parameter slices tile the whole tensor", "[tensor_para
 TEST_CASE("GPT-2 init of a tensor shard is the slice of the whole model's init",
           "[tensor_parallel]") {
   const gpt_config c = tp_config();
-  gpt_stage whole(c, stage_range::whole(c));
+  gpt_chunk whole(c, chunk_range::whole(c));
   whole.init_gpt2(42);
   for (int r = 0; r < 4; ++r) {
-    gpt_stage shard(c, stage_range::whole(c), {r, 4});
+    gpt_chunk shard(c, chunk_range::whole(c), {r, 4});
     shard.init_gpt2(42);
     for (const auto& p : shard.parameters()) {
       INFO(p.name << " shard " << r);
@@ -271,7 +271,7 @@ TEST_CASE("activation bytes of a tensor shard are what it holds", "[tensor_paral
   const gpt_config c = tp_config();
   const micro_batch mb = make_batch(c, 2, 6, 3);
   for (const bool split : {false, true}) {
-    gpt_stage st(c, stage_range::whole(c), {0, 2});
+    gpt_chunk st(c, chunk_range::whole(c), {0, 2});
     // A shard of 2 computed alone is wrong arithmetic, but holds exactly its shard's buffers.
     struct half final : tensor_group {
       int rank() const override { return 0; }
@@ -284,13 +284,13 @@ TEST_CASE("activation bytes of a tensor shard are what it holds", "[tensor_paral
     st.set_tensor_group(std::make_shared<half>());
     randomize_params(st, 1);
     gpt_activations acts(st, 2, 6);
-    stage_forward(st, acts, mb.tokens.data(), nullptr);
-    stage_loss_backward_start(st, acts, mb.targets.data(), 1.0f);
+    chunk_forward(st, acts, mb.tokens.data(), nullptr);
+    chunk_loss_backward_start(st, acts, mb.targets.data(), 1.0f);
     if (split) {
-      stage_backward_input(st, acts, nullptr, nullptr);
-      stage_backward_weight(st, acts);
+      chunk_backward_input(st, acts, nullptr, nullptr);
+      chunk_backward_weight(st, acts);
     } else {
-      stage_backward(st, acts, nullptr, nullptr);
+      chunk_backward(st, acts, nullptr, nullptr);
     }
     CHECK(acts.bytes() == activation_bytes(c, st.range(), 2, 6, false, split, 2));
     CHECK(activation_bytes(c, st.range(), 2, 6, false, split, 2) <
@@ -312,10 +312,10 @@ TEST_CASE("a model that cannot be split t ways is refused naming parallel.tp",
           check_tensor_parallel(odd, 8);
         }).find("model.padded_vocab_size") != std::string::npos);
   CHECK(error_message<std::logic_error>([&] {
-          gpt_stage st(c, stage_range::whole(c), {0, 2});
+          gpt_chunk st(c, chunk_range::whole(c), {0, 2});
           gpt_activations acts(st, 1, 4);
           const std::vector<std::int32_t> tokens(4, 1);
-          stage_forward(st, acts, tokens.data(), nullptr);
+          chunk_forward(st, acts, tokens.data(), nullptr);
         }).find("has no tensor-parallel group") != std::string::npos);
 }
 

@@ -33,8 +33,8 @@ std::string raw_safetensors(const std::string& header, const std::string& data) 
   return out + header + data;
 }
 
-gpt_stage make_model(const gpt_config& cfg, std::uint64_t seed) {
-  gpt_stage s(cfg, stage_range::whole(cfg));
+gpt_chunk make_model(const gpt_config& cfg, std::uint64_t seed) {
+  gpt_chunk s(cfg, chunk_range::whole(cfg));
   s.init_gpt2(seed);
   randomize_params(s, seed, 0.0f);  // padded rows stay 0 (they are not saved)
   return s;
@@ -190,7 +190,7 @@ TEST_CASE("a negative dimension in a safetensors header is refused naming the fi
 TEST_CASE("save_hf_weights then load_hf_weights reproduces the parameters", "[weights]") {
   temp_dir dir;
   const gpt_config cfg = tiny_config(2);  // vocab 11 padded to 16
-  gpt_stage src = make_model(cfg, 5);
+  gpt_chunk src = make_model(cfg, 5);
   const auto path = dir / "model.safetensors";
   save_hf_weights(src, path);
   CHECK_FALSE(fs::exists(dir / "model.safetensors.tmp"));
@@ -212,7 +212,7 @@ TEST_CASE("save_hf_weights then load_hf_weights reproduces the parameters", "[we
     }
   }
 
-  gpt_stage dst(cfg, stage_range::whole(cfg));
+  gpt_chunk dst(cfg, chunk_range::whole(cfg));
   dst.init_gpt2(77);
   // Garbage in the padded rows of the destination: loading zeroes them.
   auto wte = dst.param("transformer.wte.weight");
@@ -230,11 +230,11 @@ TEST_CASE("save_hf_weights then load_hf_weights reproduces the parameters", "[we
 TEST_CASE("Hugging Face names: prefix optional, attention buffers ignored", "[weights][hf]") {
   temp_dir dir;
   const gpt_config cfg = tiny_config(2);
-  gpt_stage src = make_model(cfg, 6);
+  gpt_chunk src = make_model(cfg, 6);
 
   SECTION("without the transformer. prefix") {
     write_hf(dir / "noprefix.safetensors", hf_from_stage(src, false));
-    gpt_stage dst(cfg, stage_range::whole(cfg));
+    gpt_chunk dst(cfg, chunk_range::whole(cfg));
     load_hf_weights(dst, dir / "noprefix.safetensors");
     CHECK(snapshot_params(dst) == snapshot_params(src));
   }
@@ -244,7 +244,7 @@ TEST_CASE("Hugging Face names: prefix optional, attention buffers ignored", "[we
     t["h.1.attn.bias"] = {{1, 1, 8, 8}, std::vector<float>(64, 1.0f)};
     t["h.1.attn.masked_bias"] = {{}, {-1e4f}};
     write_hf(dir / "buffers.safetensors", t);
-    gpt_stage dst(cfg, stage_range::whole(cfg));
+    gpt_chunk dst(cfg, chunk_range::whole(cfg));
     load_hf_weights(dst, dir / "buffers.safetensors");
     CHECK(snapshot_params(dst) == snapshot_params(src));
     CHECK_NOTHROW(check_hf_weights(cfg, dir / "buffers.safetensors"));
@@ -253,13 +253,13 @@ TEST_CASE("Hugging Face names: prefix optional, attention buffers ignored", "[we
     auto t = hf_from_stage(src);
     t["lm_head.weight"] = t.at("transformer.wte.weight");
     write_hf(dir / "tied.safetensors", t);
-    gpt_stage dst(cfg, stage_range::whole(cfg));
+    gpt_chunk dst(cfg, chunk_range::whole(cfg));
     load_hf_weights(dst, dir / "tied.safetensors");
     CHECK(snapshot_params(dst) == snapshot_params(src));
   }
   SECTION("bf16 input is converted") {
     write_hf(dir / "bf16.safetensors", hf_from_stage(src), true);
-    gpt_stage dst(cfg, stage_range::whole(cfg));
+    gpt_chunk dst(cfg, chunk_range::whole(cfg));
     load_hf_weights(dst, dir / "bf16.safetensors");
     for (const auto& p : src.parameters()) {
       const auto want = tensor_values(src.param(p.name));
@@ -277,8 +277,8 @@ TEST_CASE("bad Hugging Face files are refused naming the tensor; the stage is un
           "[weights][hf]") {
   temp_dir dir;
   const gpt_config cfg = tiny_config(2);
-  gpt_stage src = make_model(cfg, 7);
-  gpt_stage dst(cfg, stage_range::whole(cfg));
+  gpt_chunk src = make_model(cfg, 7);
+  gpt_chunk dst(cfg, chunk_range::whole(cfg));
   dst.init_gpt2(123);
   const auto before = snapshot_params(dst);
 
@@ -362,7 +362,7 @@ TEST_CASE("bad Hugging Face files are refused naming the tensor; the stage is un
   SECTION("a file for another model size is refused") {
     gpt_config other = cfg;
     other.context = 16;
-    gpt_stage o(other, stage_range::whole(other));
+    gpt_chunk o(other, chunk_range::whole(other));
     o.init_gpt2(1);
     const auto p = dir / "other.safetensors";
     save_hf_weights(o, p);
@@ -381,7 +381,7 @@ TEST_CASE("Conv1D weights are transposed on import", "[weights][hf]") {
   temp_dir dir;
   const gpt_config cfg = tiny_config(1);
   const std::int64_t C = cfg.width;
-  gpt_stage src = make_model(cfg, 8);
+  gpt_chunk src = make_model(cfg, 8);
   auto t = hf_from_stage(src);
   // c_attn.weight in the file: [C, 3C], value at [i][j] = 1000 * i + j.
   auto& w = t["transformer.h.0.attn.c_attn.weight"];
@@ -397,7 +397,7 @@ TEST_CASE("Conv1D weights are transposed on import", "[weights][hf]") {
     for (std::int64_t j = 0; j < C; ++j) m.values[std::size_t(i * C + j)] = -float(100 * i + j);
   }
   write_hf(dir / "conv.safetensors", t);
-  gpt_stage dst(cfg, stage_range::whole(cfg));
+  gpt_chunk dst(cfg, chunk_range::whole(cfg));
   load_hf_weights(dst, dir / "conv.safetensors");
 
   const auto p = dst.param("transformer.h.0.attn.c_attn.weight");
@@ -426,10 +426,10 @@ TEST_CASE("Conv1D weights are transposed on import", "[weights][hf]") {
 TEST_CASE("pipeline stages load their slice of a whole-model file", "[weights][pipeline]") {
   temp_dir dir;
   const gpt_config cfg = tiny_config(3);
-  gpt_stage whole = make_model(cfg, 9);
+  gpt_chunk whole = make_model(cfg, 9);
   save_hf_weights(whole, dir / "w.safetensors");
   for (const auto& range : partition_layers(cfg, 3)) {
-    gpt_stage s(cfg, range);
+    gpt_chunk s(cfg, range);
     load_hf_weights(s, dir / "w.safetensors");
     for (const auto& p : s.parameters()) {
       INFO(p.name);
@@ -440,7 +440,7 @@ TEST_CASE("pipeline stages load their slice of a whole-model file", "[weights][p
   auto t = hf_from_stage(whole);
   t.erase("transformer.h.0.ln_2.bias");
   write_hf(dir / "partial.safetensors", t);
-  gpt_stage last(cfg, partition_layers(cfg, 3).back());
+  gpt_chunk last(cfg, partition_layers(cfg, 3).back());
   CHECK_THROWS_WITH(load_hf_weights(last, dir / "partial.safetensors"),
                     Catch::Contains("transformer.h.0.ln_2.bias"));
 }

@@ -35,16 +35,16 @@ gpt_config tiny() {
 }
 
 // The whole stage as one bucket (every block's ranges, merged in offset order).
-std::vector<std::pair<std::int64_t, std::int64_t>> all_ranges(const gpt_stage& st) {
+std::vector<std::pair<std::int64_t, std::int64_t>> all_ranges(const gpt_chunk& st) {
   std::vector<std::pair<std::int64_t, std::int64_t>> r;
-  for (const auto& b : stage_grad_blocks(st))
+  for (const auto& b : chunk_grad_blocks(st))
     for (const auto& x : b.ranges) r.push_back(x);
   std::sort(r.begin(), r.end());
   return r;
 }
 
 TEST_CASE("ZeRO shards tile a bucket's parameters once, for any replica count", "[zero]") {
-  gpt_stage st(tiny(), stage_range{0, 3, true, true});
+  gpt_chunk st(tiny(), chunk_range{0, 3, true, true});
   const auto ranges = all_ranges(st);
   for (int d = 1; d <= 5; ++d) {
     std::vector<int> covered(static_cast<std::size_t>(st.parameter_count()), 0);
@@ -74,8 +74,8 @@ TEST_CASE("ZeRO shards tile a bucket's parameters once, for any replica count", 
 }
 
 TEST_CASE("a shard's AdamW step is bitwise the full optimizer's", "[zero]") {
-  gpt_stage full(tiny(), stage_range{0, 3, true, true});
-  gpt_stage sharded(tiny(), stage_range{0, 3, true, true});
+  gpt_chunk full(tiny(), chunk_range{0, 3, true, true});
+  gpt_chunk sharded(tiny(), chunk_range{0, 3, true, true});
   full.init_gpt2(5);
   sharded.init_gpt2(5);
   std::mt19937 rng(3);

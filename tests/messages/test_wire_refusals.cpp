@@ -271,7 +271,7 @@ TEST_CASE("limits_for the default recipe admits what the recipe sends, nothing l
              lim);
   const auto layout = engine::make_pipeline_layout(r.model, p.pp, p.virtual_stages);
   stage_snapshot snap;
-  for (const auto& param : engine::stage_parameter_layout(r.model, layout.rank_chunks(0).at(0)))
+  for (const auto& param : engine::chunk_parameter_layout(r.model, layout.rank_chunks(0).at(0)))
     snap.parameters.emplace_back(param.name,
                                  std::vector<float>(static_cast<std::size_t>(param.numel)));
   round_trip({0, 0, 0, false, snap}, lim);

@@ -68,23 +68,23 @@ int main(int argc, char** argv) {
     if (!hf_config) throw std::runtime_error(dir + "/hf/config.json: cannot read");
     config.heads = nlohmann::json::parse(hf_config).at("n_head").get<int>();
 
-    engine::gpt_stage model(config, engine::stage_range::whole(config));
+    engine::gpt_chunk model(config, engine::chunk_range::whole(config));
     engine::load_hf_weights(model, dir + "/model.safetensors");
     engine::gpt_activations acts(model, B, T);
-    engine::stage_forward(model, acts, inputs.data(), nullptr);
+    engine::chunk_forward(model, acts, inputs.data(), nullptr);
 
     std::vector<comparison> results;
     // Logits: compare the first V of each padded row.
-    const float* logits = engine::stage_output(acts);
+    const float* logits = engine::chunk_output(acts);
     std::vector<float> real(static_cast<std::size_t>(B) * T * V);
     for (std::int64_t r = 0; r < std::int64_t{B} * T; ++r) {
       for (int v = 0; v < V; ++v) real[r * V + v] = logits[r * config.padded_vocab_size + v];
     }
     results.push_back(compare("logits", real.data(), logits_ref.f32(), logits_ref.numel()));
-    const auto loss = engine::stage_loss_backward_start(model, acts, targets.data(), 1.0f);
+    const auto loss = engine::chunk_loss_backward_start(model, acts, targets.data(), 1.0f);
     const float loss_got = static_cast<float>(loss.mean());
     results.push_back(compare("loss", &loss_got, &loss_ref, 1));
-    engine::stage_backward(model, acts, nullptr, nullptr);
+    engine::chunk_backward(model, acts, nullptr, nullptr);
 
     for (const auto& p : model.parameters()) {
       std::string key = "grad." + p.name;

@@ -21,9 +21,9 @@ namespace {
 const engine::gpt_config kModel{97, 128, 32, 2, 4, 64};
 constexpr int kB = 2, kT = 8;
 
-const engine::chunk_init init = [](engine::gpt_stage& st) { st.init_gpt2(1); };
+const engine::chunk_init init = [](engine::gpt_chunk& st) { st.init_gpt2(1); };
 
-std::unique_ptr<engine::rank_chunks> device_chunks(const engine::stage_range& range) {
+std::unique_ptr<engine::rank_chunks> device_chunks(const engine::chunk_range& range) {
   static const auto factory = engine::host_chunks(false);
   return engine::make_device_rank_chunks(factory, kModel, {range}, {}, init, kB, kT, 1, 0, 0,
                                          nullptr);

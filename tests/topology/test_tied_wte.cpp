@@ -34,9 +34,9 @@ struct rank {
   }
 };
 
-rank make_rank(const std::vector<engine::stage_range>& ranges, bool device, float salt) {
+rank make_rank(const std::vector<engine::chunk_range>& ranges, bool device, float salt) {
   rank r;
-  auto init = [](engine::gpt_stage& st) { st.init_gpt2(1); };
+  auto init = [](engine::gpt_chunk& st) { st.init_gpt2(1); };
   static const auto factory = engine::host_chunks(false);
   r.chunks = device ? engine::make_device_rank_chunks(factory, kModel, ranges, {}, init, 2, 8, 1, 0,
                                                       0, nullptr)

@@ -1,5 +1,5 @@
-// One pipeline rank's arithmetic. See stage_compute.hpp.
-#include "engine/chunks/stage_compute.hpp"
+// One pipeline rank's arithmetic. See cpu_chunks.hpp.
+#include "engine/chunks/cpu_chunks.hpp"
 
 #include <cmath>
 #include <limits>
@@ -16,27 +16,26 @@ std::string describe(int c, micro_batch_id id) {
 
 }  // namespace
 
-stage_compute::stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
-                             bool optimizer_state, bool recompute, tensor_shard shard,
-                             std::shared_ptr<tensor_group> group)
+cpu_chunks::cpu_chunks(const gpt_config& model, const std::vector<chunk_range>& chunks,
+                       bool optimizer_state, bool recompute, tensor_shard shard,
+                       std::shared_ptr<tensor_group> group)
     : recompute_(recompute), tp_(shard.size) {
   for (const auto& r : chunks) {
     chunk_state s;
-    s.stage = std::make_unique<gpt_stage>(model, r, shard);
+    s.stage = std::make_unique<gpt_chunk>(model, r, shard);
     if (group) s.stage->set_tensor_group(group);
     if (optimizer_state) s.opt = std::make_unique<adamw_optimizer>(*s.stage);
     chunks_.push_back(std::move(s));
   }
 }
 
-adamw_optimizer& stage_compute::optimizer(int c) {
+adamw_optimizer& cpu_chunks::optimizer(int c) {
   auto& opt = chunks_.at(static_cast<std::size_t>(c)).opt;
-  if (!opt)
-    throw std::logic_error("stage_compute: no optimizer state here (a ZeRO shard holds it)");
+  if (!opt) throw std::logic_error("cpu_chunks: no optimizer state here (a ZeRO shard holds it)");
   return *opt;
 }
 
-std::int64_t stage_compute::optimizer_bytes() const {
+std::int64_t cpu_chunks::optimizer_bytes() const {
   std::int64_t bytes = 0;
   for (const auto& c : chunks_)
     if (c.opt)
@@ -45,7 +44,7 @@ std::int64_t stage_compute::optimizer_bytes() const {
   return bytes;
 }
 
-std::int64_t stage_compute::activation_bytes() const {
+std::int64_t cpu_chunks::activation_bytes() const {
   std::int64_t bytes = 0;
   for (const auto& c : chunks_) {
     for (const auto& [id, s] : c.live) bytes += s.acts->bytes();
@@ -55,25 +54,25 @@ std::int64_t stage_compute::activation_bytes() const {
   return bytes;
 }
 
-void stage_compute::zero_grad() {
+void cpu_chunks::zero_grad() {
   for (auto& c : chunks_) c.stage->zero_grad();
 }
 
-stage_compute::slot& stage_compute::live_slot(int c, micro_batch_id id) {
+cpu_chunks::slot& cpu_chunks::live_slot(int c, micro_batch_id id) {
   auto& live = chunks_.at(static_cast<std::size_t>(c)).live;
   auto it = live.find(id);
   if (it == live.end()) throw std::logic_error("no forward state for " + describe(c, id));
   return it->second;
 }
 
-const stage_compute::slot& stage_compute::live_slot(int c, micro_batch_id id) const {
+const cpu_chunks::slot& cpu_chunks::live_slot(int c, micro_batch_id id) const {
   const auto& live = chunks_.at(static_cast<std::size_t>(c)).live;
   auto it = live.find(id);
   if (it == live.end()) throw std::logic_error("no forward state for " + describe(c, id));
   return it->second;
 }
 
-block_pass stage_compute::forward(int c, micro_batch_id id, forward_args args) {
+block_pass cpu_chunks::forward(int c, micro_batch_id id, forward_args args) {
   auto& ch = chunks_.at(static_cast<std::size_t>(c));
   if (ch.live.count(id)) throw std::logic_error("forward twice for " + describe(c, id));
   slot fresh;
@@ -96,43 +95,43 @@ block_pass stage_compute::forward(int c, micro_batch_id id, forward_args args) {
   return forward_pass(*ch.stage, s, args);
 }
 
-block_pass stage_compute::forward_pass(const gpt_stage& st, slot& s, forward_args args) {
-  auto inner = stage_forward_pass(st, *s.acts, args.tokens, args.input);
+block_pass cpu_chunks::forward_pass(const gpt_chunk& st, slot& s, forward_args args) {
+  auto inner = chunk_forward_pass(st, *s.acts, args.tokens, args.input);
   while (const auto* stop = inner.next()) co_yield *stop;
   if (st.range().head) {
     s.loss = args.train
-                 ? stage_loss_backward_start(st, *s.acts, args.targets, args.loss_scale).mean()
-                 : stage_loss(st, *s.acts, args.targets).mean();
+                 ? chunk_loss_backward_start(st, *s.acts, args.targets, args.loss_scale).mean()
+                 : chunk_loss(st, *s.acts, args.targets).mean();
   }
 }
 
-double stage_compute::loss(int c, micro_batch_id id) const { return live_slot(c, id).loss; }
+double cpu_chunks::loss(int c, micro_batch_id id) const { return live_slot(c, id).loss; }
 
-const float* stage_compute::output(int c, micro_batch_id id) const {
-  return stage_output(*live_slot(c, id).acts);
+const float* cpu_chunks::output(int c, micro_batch_id id) const {
+  return chunk_output(*live_slot(c, id).acts);
 }
 
-std::pair<int, int> stage_compute::shape(int c, micro_batch_id id) const {
+std::pair<int, int> cpu_chunks::shape(int c, micro_batch_id id) const {
   const auto& acts = *live_slot(c, id).acts;
   return {acts.batch(), acts.seq_len()};
 }
 
-block_pass stage_compute::backward(int c, micro_batch_id id, const float* doutput, float* dinput,
-                                   grad_block_fn on_block_done) {
-  return stage_backward_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput,
+block_pass cpu_chunks::backward(int c, micro_batch_id id, const float* doutput, float* dinput,
+                                grad_block_fn on_block_done) {
+  return chunk_backward_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput,
                              std::move(on_block_done));
 }
 
-block_pass stage_compute::backward_input(int c, micro_batch_id id, const float* doutput,
-                                         float* dinput) {
-  return stage_backward_input_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput);
+block_pass cpu_chunks::backward_input(int c, micro_batch_id id, const float* doutput,
+                                      float* dinput) {
+  return chunk_backward_input_pass(chunk(c), *live_slot(c, id).acts, doutput, dinput);
 }
 
-block_pass stage_compute::backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done) {
-  return stage_backward_weight_pass(chunk(c), *live_slot(c, id).acts, std::move(on_block_done));
+block_pass cpu_chunks::backward_weight(int c, micro_batch_id id, grad_block_fn on_block_done) {
+  return chunk_backward_weight_pass(chunk(c), *live_slot(c, id).acts, std::move(on_block_done));
 }
 
-void stage_compute::release(int c, micro_batch_id id) {
+void cpu_chunks::release(int c, micro_batch_id id) {
   auto& ch = chunks_.at(static_cast<std::size_t>(c));
   auto it = ch.live.find(id);
   if (it == ch.live.end()) throw std::logic_error("release without forward: " + describe(c, id));

@@ -1,4 +1,4 @@
-// The arithmetic of one pipeline rank: its model chunks (one gpt_stage + AdamW state each)
+// The arithmetic of one pipeline rank: its model chunks (one gpt_chunk + AdamW state each)
 // and the saved activations of every micro-batch in flight. A pipeline stage actor owns one
 // and calls it; this file knows nothing of messages or actors.
 //
@@ -31,19 +31,19 @@ struct micro_batch_id {
   friend auto operator<=>(const micro_batch_id&, const micro_batch_id&) = default;
 };
 
-class stage_compute {
+class cpu_chunks {
  public:
   // optimizer_state false: no AdamW moments here (ZeRO: a shard actor holds them).
   // recompute: activation checkpointing of every transformer block (block_scratch).
   // shard, group: the rank's tensor shard and its group (engine/chunks/tensor_group.hpp); every
   // chunk uses the one group, one pass at a time.
-  stage_compute(const gpt_config& model, const std::vector<stage_range>& chunks,
-                bool optimizer_state = true, bool recompute = false, tensor_shard shard = {},
-                std::shared_ptr<tensor_group> group = nullptr);
+  cpu_chunks(const gpt_config& model, const std::vector<chunk_range>& chunks,
+             bool optimizer_state = true, bool recompute = false, tensor_shard shard = {},
+             std::shared_ptr<tensor_group> group = nullptr);
 
   int chunk_count() const { return static_cast<int>(chunks_.size()); }
-  gpt_stage& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
-  const gpt_stage& chunk(int c) const { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
+  gpt_chunk& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
+  const gpt_chunk& chunk(int c) const { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
   adamw_optimizer& optimizer(int c);  // throws std::logic_error without optimizer state
   std::int64_t optimizer_bytes() const;
   // What the rank's activations take: every gpt_activations it allocated (in flight or pooled
@@ -87,12 +87,12 @@ class stage_compute {
     double loss = std::numeric_limits<double>::quiet_NaN();
   };
   struct chunk_state {
-    std::unique_ptr<gpt_stage> stage;
+    std::unique_ptr<gpt_chunk> stage;
     std::unique_ptr<adamw_optimizer> opt;
     std::map<micro_batch_id, slot> live;
     std::multimap<std::pair<int, int>, std::unique_ptr<gpt_activations>> pool;  // (B, T)
   };
-  static block_pass forward_pass(const gpt_stage& st, slot& s, forward_args args);
+  static block_pass forward_pass(const gpt_chunk& st, slot& s, forward_args args);
   slot& live_slot(int c, micro_batch_id id);
   const slot& live_slot(int c, micro_batch_id id) const;
   std::vector<chunk_state> chunks_;

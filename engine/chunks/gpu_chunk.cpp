@@ -1,6 +1,6 @@
-// One pipeline chunk of GPT-2 on one CUDA device. See gpu_stage.hpp. Host code only: every
+// One pipeline chunk of GPT-2 on one CUDA device. See gpu_chunk.hpp. Host code only: every
 // kernel is enqueued through kernels/cuda/cuda_ops.hpp on the chunk's stream.
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 
 #include <cuda_runtime_api.h>
 
@@ -79,7 +79,7 @@ bool cudnn_attention_usable(std::string* why_not) { return cu::cudnn_attention_a
 
 // What does not depend on the compute dtype; model_impl<D> adds the rest. The device is made
 // current before the context is created (its stream and cuBLASLt handle belong to it).
-struct gpu_stage::impl {
+struct gpu_chunk::impl {
   explicit impl(int device_) : device(device_), guard(device_) {
     for (auto& e : events) {
       if (const cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
@@ -119,12 +119,12 @@ struct gpu_stage::impl {
 
   const parameter_info& param(const std::string& name) const {
     const auto it = by_name.find(name);
-    if (it == by_name.end()) throw std::logic_error("gpu_stage: no parameter " + name);
+    if (it == by_name.end()) throw std::logic_error("gpu_chunk: no parameter " + name);
     return *it->second;
   }
   void check_slot(int slot) const {
     if (slot < 0 || slot >= slots)
-      throw std::out_of_range("gpu_stage: slot " + std::to_string(slot) + " outside [0, " +
+      throw std::out_of_range("gpu_chunk: slot " + std::to_string(slot) + " outside [0, " +
                               std::to_string(slots) + ")");
   }
 
@@ -138,7 +138,7 @@ struct gpu_stage::impl {
   int device = 0;
   device_guard guard;
   gpt_config config;
-  stage_range range;
+  chunk_range range;
   tensor_shard shard;
   std::shared_ptr<device_tensor_group> group;  // a split shard's
   compute_dtype dtype = compute_dtype::fp32;
@@ -168,8 +168,8 @@ namespace {
 
 // Everything of one dtype: the weights the kernels read (W), activations and gradient scratch.
 template <class D>
-struct model_impl final : gpu_stage::impl {
-  using gpu_stage::impl::impl;
+struct model_impl final : gpu_chunk::impl {
+  using gpu_chunk::impl::impl;
   // A block's internals, kept for its backward (per slot and layer; one shared set with
   // recompute).
   struct block_buffers {
@@ -261,7 +261,7 @@ struct model_impl final : gpu_stage::impl {
     return b;
   }
 
-  // Keep in step with plan_gpu_stage_memory (gpu_plan.cpp): the GPU suite checks
+  // Keep in step with plan_gpu_chunk_memory (gpu_plan.cpp): the GPU suite checks
   // device_bytes() against it.
   void allocate() override {
     if (attention == attention_kernel::cudnn) {  // before any memory: one line naming cuDNN
@@ -388,7 +388,7 @@ struct model_impl final : gpu_stage::impl {
   void* input(int slot) override {
     check_slot(slot);
     if (range.embedding)
-      throw std::logic_error("gpu_stage: a chunk with the embedding takes tokens, not an input");
+      throw std::logic_error("gpu_chunk: a chunk with the embedding takes tokens, not an input");
     return slot_state[static_cast<std::size_t>(slot)].input;
   }
 
@@ -400,7 +400,7 @@ struct model_impl final : gpu_stage::impl {
 
   const void* output(int slot) const override {
     check_slot(slot);
-    if (range.head) throw std::logic_error("gpu_stage: a head chunk has no output activation");
+    if (range.head) throw std::logic_error("gpu_chunk: a head chunk has no output activation");
     const auto& s = slot_state[static_cast<std::size_t>(slot)];
     return layers() > 0 ? s.out.back() : s.input;
   }
@@ -414,7 +414,7 @@ struct model_impl final : gpu_stage::impl {
     auto next_stop = [&] { return stops.at(k++); };
     check_slot(slot);
     if (seq_len < 1 || seq_len > T_max)
-      throw std::invalid_argument("gpu_stage: a micro-batch of sequence length " +
+      throw std::invalid_argument("gpu_chunk: a micro-batch of sequence length " +
                                   std::to_string(seq_len) + " (the chunk holds 1 to " +
                                   std::to_string(T_max) + ")");
     slot_state[static_cast<std::size_t>(slot)].T = seq_len;
@@ -424,10 +424,10 @@ struct model_impl final : gpu_stage::impl {
     if (range.embedding) {
       co_yield next_stop();
       T = seq_len;  // the chunk's passes run one at a time, each setting T as it goes on
-      if (!tokens) throw std::invalid_argument("gpu_stage: the embedding chunk needs tokens");
+      if (!tokens) throw std::invalid_argument("gpu_chunk: the embedding chunk needs tokens");
       for (int i = 0; i < N; ++i) {
         if (tokens[i] < 0 || tokens[i] >= V)
-          throw std::invalid_argument("gpu_stage: token " + std::to_string(tokens[i]) +
+          throw std::invalid_argument("gpu_chunk: token " + std::to_string(tokens[i]) +
                                       " outside the vocabulary of " + std::to_string(V));
       }
       s.tokens.assign(tokens, tokens + N);
@@ -453,7 +453,7 @@ struct model_impl final : gpu_stage::impl {
 
   std::vector<float> last_logits(int slot, const std::int32_t* tokens, int seq_len) override {
     if (!range.embedding || !range.head || split() || B != 1)
-      throw std::logic_error("gpu_stage: logits for sampling need the whole model, B = 1");
+      throw std::logic_error("gpu_chunk: logits for sampling need the whole model, B = 1");
     blocks_pass(slot, tokens, seq_len).run();
     T = seq_len;
     const int C = config.width, V = config.vocab_size;
@@ -493,12 +493,12 @@ struct model_impl final : gpu_stage::impl {
     const int N = B * T;
     auto& s = slot_state[static_cast<std::size_t>(slot)];
 
-    if (!targets) throw std::invalid_argument("gpu_stage: the head chunk needs targets");
+    if (!targets) throw std::invalid_argument("gpu_chunk: the head chunk needs targets");
     std::int64_t count = 0;
     for (int i = 0; i < N; ++i) {
       if (targets[i] == ignore_index) continue;
       if (targets[i] < 0 || targets[i] >= V)  // the kernel would read outside the logits row
-        throw std::invalid_argument("gpu_stage: target " + std::to_string(targets[i]) +
+        throw std::invalid_argument("gpu_chunk: target " + std::to_string(targets[i]) +
                                     " outside the vocabulary of " + std::to_string(V));
       ++count;
     }
@@ -542,8 +542,8 @@ struct model_impl final : gpu_stage::impl {
     auto next_stop = [&] { return stops.at(k++); };
     if (result) *result = nullptr;
     if (input_only && !split_backward)
-      throw std::logic_error("gpu_stage: a split backward in a chunk made without split_backward");
-    // stage_grad_blocks' order: the head, the layers from last to first, the embedding. A split
+      throw std::logic_error("gpu_chunk: a split backward in a chunk made without split_backward");
+    // chunk_grad_blocks' order: the head, the layers from last to first, the embedding. A split
     // backward's B makes no block final (W does).
     int block = 0;
     auto done = [&] {
@@ -552,7 +552,7 @@ struct model_impl final : gpu_stage::impl {
     };
     check_slot(slot);
     T = slot_state[static_cast<std::size_t>(slot)].T;
-    if (T < 1) throw std::logic_error("gpu_stage: backward of a slot without forward");
+    if (T < 1) throw std::logic_error("gpu_chunk: backward of a slot without forward");
     const int C = config.width, Cl = this->Cl();
     const int N = B * T;
     const std::int64_t NC = std::int64_t{N} * C, NCl = std::int64_t{N} * Cl;
@@ -568,7 +568,7 @@ struct model_impl final : gpu_stage::impl {
                              s.dlnf, x, F("transformer.ln_f.weight"), s.lnf_mean, s.lnf_rstd, N, C);
       done();  // the head's wte copy was accumulated by forward
     } else {
-      if (!doutput) throw std::invalid_argument("gpu_stage: backward needs the output's gradient");
+      if (!doutput) throw std::invalid_argument("gpu_chunk: backward needs the output's gradient");
       copy(ctx, dres, static_cast<const D*>(doutput), NC);
     }
     for (int l = layers() - 1; l >= 0; --l) {
@@ -647,14 +647,14 @@ struct model_impl final : gpu_stage::impl {
   }
 
   // W of a split backward: the weight gradients B left, from what it kept; blocks final in
-  // stage_grad_blocks' order, as backward makes them. With recompute it stops before each block
+  // chunk_grad_blocks' order, as backward makes them. With recompute it stops before each block
   // (the recomputation reads the block's parameters).
   block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) override {
     const auto stops = pass_stops(range, pass_kind::weight, recompute);
     std::size_t k = 0;
     auto next_stop = [&] { return stops.at(k++); };
     if (!split_backward)
-      throw std::logic_error("gpu_stage: a split backward in a chunk made without split_backward");
+      throw std::logic_error("gpu_chunk: a split backward in a chunk made without split_backward");
     check_slot(slot);
     auto& s = slot_state[static_cast<std::size_t>(slot)];
     T = s.T;
@@ -696,7 +696,7 @@ struct model_impl final : gpu_stage::impl {
   }
 
   void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
-    if (!m) throw std::logic_error("gpu_stage: AdamW in a chunk made without optimizer state");
+    if (!m) throw std::logic_error("gpu_chunk: AdamW in a chunk made without optimizer state");
     if (ctx.fast_kernels()) {  // one launch over the flat buffers
       if (adamw_table.count() == 0) {
         // The layout's parameters, and the alignment gaps between them (zero in every buffer, so
@@ -733,7 +733,7 @@ struct model_impl final : gpu_stage::impl {
   }
 };
 
-std::unique_ptr<gpu_stage::impl> make_impl(compute_dtype dtype, int device) {
+std::unique_ptr<gpu_chunk::impl> make_impl(compute_dtype dtype, int device) {
   switch (dtype) {
     case compute_dtype::bf16:
       return std::make_unique<model_impl<cu::bf16>>(device);
@@ -747,25 +747,25 @@ std::unique_ptr<gpu_stage::impl> make_impl(compute_dtype dtype, int device) {
 
 }  // namespace
 
-gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options,
+gpu_chunk::gpu_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_options& options,
                      int slots, int device, std::shared_ptr<device_tensor_group> group) {
   const gpt_config& config = weights.config();
   config.validate();
   if (B < 1 || T < 1 || T > config.context)
-    throw std::invalid_argument("gpu_stage: batch " + std::to_string(B) + " x sequence " +
+    throw std::invalid_argument("gpu_chunk: batch " + std::to_string(B) + " x sequence " +
                                 std::to_string(T) + " (the context is " +
                                 std::to_string(config.context) + ")");
   if (slots < 1)
-    throw std::invalid_argument("gpu_stage: " + std::to_string(slots) + " slots (at least 1)");
+    throw std::invalid_argument("gpu_chunk: " + std::to_string(slots) + " slots (at least 1)");
   std::string why;
   if (!cuda_training_available(&why)) throw std::runtime_error("--device cuda: " + why);
   if (device < 0 || device >= kernels::cuda_device_count())
-    throw std::invalid_argument("gpu_stage: CUDA device " + std::to_string(device) +
+    throw std::invalid_argument("gpu_chunk: CUDA device " + std::to_string(device) +
                                 " does not exist (" + std::to_string(kernels::cuda_device_count()) +
                                 " here)");
   const tensor_shard shard = weights.shard();
   if (shard.split() && (!group || group->size() != shard.size || group->rank() != shard.rank))
-    throw std::invalid_argument("gpu_stage: tensor shard " + std::to_string(shard.rank) + " of " +
+    throw std::invalid_argument("gpu_chunk: tensor shard " + std::to_string(shard.rank) + " of " +
                                 std::to_string(shard.size) + " needs its member of a group of " +
                                 std::to_string(shard.size));
   impl_ = make_impl(options.dtype, device);
@@ -806,35 +806,35 @@ gpu_stage::gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_o
   s.ctx.synchronize();
 }
 
-gpu_stage::~gpu_stage() {
+gpu_chunk::~gpu_chunk() {
   if (impl_) cudaSetDevice(impl_->device);  // the stream and buffers belong to it
 }
 
-const gpt_config& gpu_stage::config() const { return impl_->config; }
-const stage_range& gpu_stage::range() const { return impl_->range; }
-int gpu_stage::slots() const { return impl_->slots; }
-bool gpu_stage::recomputes() const { return impl_->recompute; }
-int gpu_stage::add_slot() {
+const gpt_config& gpu_chunk::config() const { return impl_->config; }
+const chunk_range& gpu_chunk::range() const { return impl_->range; }
+int gpu_chunk::slots() const { return impl_->slots; }
+bool gpu_chunk::recomputes() const { return impl_->recompute; }
+int gpu_chunk::add_slot() {
   device_guard g(impl_->device);
   impl_->add_slot();
   return impl_->slots;
 }
-std::size_t gpu_stage::activation_bytes() const {
+std::size_t gpu_chunk::activation_bytes() const {
   return static_cast<std::size_t>(impl_->B) * static_cast<std::size_t>(impl_->T_max) *
          static_cast<std::size_t>(impl_->config.width) * impl_->element_bytes;
 }
 
-void* gpu_stage::input(int slot) {
+void* gpu_chunk::input(int slot) {
   device_guard g(impl_->device);
   return impl_->input(slot);
 }
-void* gpu_stage::input_gradient(int slot) {
+void* gpu_chunk::input_gradient(int slot) {
   device_guard g(impl_->device);
   return impl_->input_gradient(slot);
 }
 // Each piece of an impl pass runs with the chunk's device current (the caller's restored at
 // each stop: other chunks may run on other devices between the pieces).
-block_pass gpu_stage::on_device(block_pass inner) {
+block_pass gpu_chunk::on_device(block_pass inner) {
   for (;;) {
     const std::vector<int>* stop = nullptr;
     {
@@ -845,73 +845,73 @@ block_pass gpu_stage::on_device(block_pass inner) {
     co_yield *stop;
   }
 }
-block_pass gpu_stage::forward_pass(int slot, const std::int32_t* tokens,
+block_pass gpu_chunk::forward_pass(int slot, const std::int32_t* tokens,
                                    const std::int32_t* targets, float loss_scale, bool train,
                                    int seq_len, double* loss) {
   return on_device(impl_->forward_pass(slot, tokens, targets, loss_scale, train,
                                        seq_len > 0 ? seq_len : impl_->T_max, loss));
 }
-block_pass gpu_stage::backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
+block_pass gpu_chunk::backward_pass(int slot, const void* doutput, grad_block_fn on_block_done,
                                     const void** dinput) {
   return on_device(impl_->backward_pass(slot, doutput, std::move(on_block_done), false, dinput));
 }
-block_pass gpu_stage::backward_input_pass(int slot, const void* doutput, const void** dinput) {
+block_pass gpu_chunk::backward_input_pass(int slot, const void* doutput, const void** dinput) {
   return on_device(impl_->backward_pass(slot, doutput, {}, true, dinput));
 }
-double gpu_stage::forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
+double gpu_chunk::forward(int slot, const std::int32_t* tokens, const std::int32_t* targets,
                           float loss_scale, bool train, int seq_len) {
   double loss = std::numeric_limits<double>::quiet_NaN();
   forward_pass(slot, tokens, targets, loss_scale, train, seq_len, &loss).run();
   return loss;
 }
-std::vector<float> gpu_stage::last_logits(int slot, const std::int32_t* tokens, int seq_len) {
+std::vector<float> gpu_chunk::last_logits(int slot, const std::int32_t* tokens, int seq_len) {
   device_guard g(impl_->device);
   return impl_->last_logits(slot, tokens, seq_len);
 }
-const void* gpu_stage::output(int slot) const { return impl_->output(slot); }
-const void* gpu_stage::backward(int slot, const void* doutput, const grad_block_fn& on_block_done) {
+const void* gpu_chunk::output(int slot) const { return impl_->output(slot); }
+const void* gpu_chunk::backward(int slot, const void* doutput, const grad_block_fn& on_block_done) {
   const void* dinput = nullptr;
   backward_pass(slot, doutput, on_block_done, &dinput).run();
   return dinput;
 }
-const void* gpu_stage::backward_input(int slot, const void* doutput) {
+const void* gpu_chunk::backward_input(int slot, const void* doutput) {
   const void* dinput = nullptr;
   backward_input_pass(slot, doutput, &dinput).run();
   return dinput;
 }
-block_pass gpu_stage::backward_weight_pass(int slot, grad_block_fn on_block_done) {
+block_pass gpu_chunk::backward_weight_pass(int slot, grad_block_fn on_block_done) {
   return on_device(impl_->backward_weight_pass(slot, std::move(on_block_done)));
 }
-void gpu_stage::backward_weight(int slot, const grad_block_fn& on_block_done) {
+void gpu_chunk::backward_weight(int slot, const grad_block_fn& on_block_done) {
   backward_weight_pass(slot, on_block_done).run();
 }
 
-void* gpu_stage::output_gradient(int slot) { return const_cast<void*>(impl_->output(slot)); }
-void gpu_stage::copy(void* destination, const void* source, std::size_t bytes) {
+void* gpu_chunk::output_gradient(int slot) { return const_cast<void*>(impl_->output(slot)); }
+void gpu_chunk::copy(void* destination, const void* source, std::size_t bytes) {
   device_guard g(impl_->device);
   check(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice, impl_->ctx.stream()),
         "cudaMemcpyAsync(device to device)");
 }
 
-void gpu_stage::copy_to_host(void* host, const void* device, std::size_t bytes) {
+void gpu_chunk::copy_to_host(void* host, const void* device, std::size_t bytes) {
   device_guard g(impl_->device);
   check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->ctx.stream()),
         "cudaMemcpyAsync(device to host)");
   impl_->ctx.synchronize();
 }
-void gpu_stage::copy_from_host(void* device, const void* host, std::size_t bytes) {
+void gpu_chunk::copy_from_host(void* device, const void* host, std::size_t bytes) {
   device_guard g(impl_->device);
   check(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
         "cudaMemcpyAsync(host to device)");
   impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
 }
 
-void gpu_stage::zero_grad() {
+void gpu_chunk::zero_grad() {
   device_guard g(impl_->device);
   zero(impl_->ctx, impl_->grads, impl_->P);
 }
 
-double gpu_stage::grad_square_sum(bool count_tied_copy) {
+double gpu_chunk::grad_square_sum(bool count_tied_copy) {
   device_guard g(impl_->device);
   auto& s = *impl_;
   const bool tied_copy = s.range.head && !s.range.embedding;
@@ -941,18 +941,18 @@ double gpu_stage::grad_square_sum(bool count_tied_copy) {
   return sum;
 }
 
-void gpu_stage::adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) {
+void gpu_chunk::adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) {
   device_guard g(impl_->device);
   impl_->adamw(hp, step, grad_multiplier);
 }
 
-float* gpu_stage::device_parameters() { return impl_->master; }
-float* gpu_stage::device_gradients() { return impl_->grads; }
-std::int64_t gpu_stage::parameter_count() const { return impl_->P; }
-const std::vector<parameter_info>& gpu_stage::layout() const { return impl_->layout; }
+float* gpu_chunk::device_parameters() { return impl_->master; }
+float* gpu_chunk::device_gradients() { return impl_->grads; }
+std::int64_t gpu_chunk::parameter_count() const { return impl_->P; }
+const std::vector<parameter_info>& gpu_chunk::layout() const { return impl_->layout; }
 
 namespace {
-std::vector<float> to_host(const gpu_stage::impl& s, const float* p) {
+std::vector<float> to_host(const gpu_chunk::impl& s, const float* p) {
   device_guard g(s.device);
   std::vector<float> out(static_cast<std::size_t>(s.P));
   s.ctx.synchronize();
@@ -960,26 +960,26 @@ std::vector<float> to_host(const gpu_stage::impl& s, const float* p) {
         "cudaMemcpy(to host)");
   return out;
 }
-void check_span(const gpu_stage::impl& s, std::int64_t at, std::int64_t n) {
+void check_span(const gpu_chunk::impl& s, std::int64_t at, std::int64_t n) {
   if (at < 0 || n < 0 || at + n > s.P)
-    throw std::out_of_range("gpu_stage: gradients [" + std::to_string(at) + ", " +
+    throw std::out_of_range("gpu_chunk: gradients [" + std::to_string(at) + ", " +
                             std::to_string(at + n) + ") outside the " + std::to_string(s.P) +
                             " parameters");
 }
 }  // namespace
 
-std::vector<float> gpu_stage::parameters() const { return to_host(*impl_, impl_->master); }
-void gpu_stage::add_gradients(std::int64_t at, const float* values, std::int64_t n) {
+std::vector<float> gpu_chunk::parameters() const { return to_host(*impl_, impl_->master); }
+void gpu_chunk::add_gradients(std::int64_t at, const float* values, std::int64_t n) {
   check_span(*impl_, at, n);
   device_guard g(impl_->device);
   float* own = impl_->grads + at;
   cu::residual_forward(impl_->ctx, own, static_cast<const float*>(own), values, n);
 }
-void gpu_stage::copy_gradients(std::int64_t at, const float* values, std::int64_t n) {
+void gpu_chunk::copy_gradients(std::int64_t at, const float* values, std::int64_t n) {
   check_span(*impl_, at, n);
   copy(impl_->grads + at, values, static_cast<std::size_t>(n) * sizeof(float));
 }
-float* gpu_stage::gradient_scratch(std::int64_t n) {
+float* gpu_chunk::gradient_scratch(std::int64_t n) {
   auto& s = *impl_;
   if (!s.scratch) {
     device_guard g(s.device);
@@ -987,18 +987,18 @@ float* gpu_stage::gradient_scratch(std::int64_t n) {
     s.scratch_floats = n;
   }
   if (n != s.scratch_floats)
-    throw std::logic_error("gpu_stage: gradient scratch of " + std::to_string(n) + " floats, not " +
+    throw std::logic_error("gpu_chunk: gradient scratch of " + std::to_string(n) + " floats, not " +
                            std::to_string(s.scratch_floats));
   return s.scratch;
 }
-std::vector<float> gpu_stage::gradients() const { return to_host(*impl_, impl_->grads); }
+std::vector<float> gpu_chunk::gradients() const { return to_host(*impl_, impl_->grads); }
 
-void gpu_stage::copy_parameters_to(gpt_stage& host) const {
+void gpu_chunk::copy_parameters_to(gpt_chunk& host) const {
   const auto& r = host.range();
   const auto& mine = impl_->range;
   if (host.parameter_count() != impl_->P || r.first_layer != mine.first_layer ||
       r.last_layer != mine.last_layer || r.embedding != mine.embedding || r.head != mine.head)
-    throw std::invalid_argument("gpu_stage: the host stage holds a different range");
+    throw std::invalid_argument("gpu_chunk: the host stage holds a different range");
   device_guard g(impl_->device);
   impl_->ctx.synchronize();
   check(cudaMemcpy(host.params(), impl_->master, static_cast<std::size_t>(impl_->P) * sizeof(float),
@@ -1006,9 +1006,9 @@ void gpu_stage::copy_parameters_to(gpt_stage& host) const {
         "cudaMemcpy(to host)");
 }
 
-void gpu_stage::load_parameters(std::int64_t at, const float* host, std::int64_t n) {
+void gpu_chunk::load_parameters(std::int64_t at, const float* host, std::int64_t n) {
   if (at < 0 || n < 0 || at + n > impl_->P)
-    throw std::out_of_range("gpu_stage: parameters outside the layout");
+    throw std::out_of_range("gpu_chunk: parameters outside the layout");
   device_guard g(impl_->device);
   check(cudaMemcpyAsync(impl_->master + at, host, static_cast<std::size_t>(n) * sizeof(float),
                         cudaMemcpyHostToDevice, impl_->ctx.stream()),
@@ -1017,8 +1017,8 @@ void gpu_stage::load_parameters(std::int64_t at, const float* host, std::int64_t
   impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
 }
 
-std::pair<std::vector<float>, std::vector<float>> gpu_stage::moments() const {
-  if (!impl_->m) throw std::logic_error("gpu_stage: no optimizer state (ZeRO holds the moments)");
+std::pair<std::vector<float>, std::vector<float>> gpu_chunk::moments() const {
+  if (!impl_->m) throw std::logic_error("gpu_chunk: no optimizer state (ZeRO holds the moments)");
   device_guard g(impl_->device);
   impl_->ctx.synchronize();
   const auto n = static_cast<std::size_t>(impl_->P);
@@ -1031,8 +1031,8 @@ std::pair<std::vector<float>, std::vector<float>> gpu_stage::moments() const {
   return out;
 }
 
-void gpu_stage::load_moments(const float* m, const float* v) {
-  if (!impl_->m) throw std::logic_error("gpu_stage: no optimizer state (ZeRO holds the moments)");
+void gpu_chunk::load_moments(const float* m, const float* v) {
+  if (!impl_->m) throw std::logic_error("gpu_chunk: no optimizer state (ZeRO holds the moments)");
   device_guard g(impl_->device);
   const auto bytes = static_cast<std::size_t>(impl_->P) * sizeof(float);
   check(cudaMemcpyAsync(impl_->m, m, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
@@ -1042,35 +1042,35 @@ void gpu_stage::load_moments(const float* m, const float* v) {
   impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
 }
 
-std::int64_t gpu_stage::device_bytes() const { return impl_->arena.bytes(); }
-std::int64_t gpu_stage::optimizer_bytes() const {
+std::int64_t gpu_chunk::device_bytes() const { return impl_->arena.bytes(); }
+std::int64_t gpu_chunk::optimizer_bytes() const {
   return impl_->m ? 2 * impl_->P * static_cast<std::int64_t>(sizeof(float)) : 0;
 }
-std::string gpu_stage::device_name() const { return kernels::cuda_device_name(impl_->device); }
-void* gpu_stage::stream() const { return impl_->ctx.stream(); }
-void* gpu_stage::record_event() {
+std::string gpu_chunk::device_name() const { return kernels::cuda_device_name(impl_->device); }
+void* gpu_chunk::stream() const { return impl_->ctx.stream(); }
+void* gpu_chunk::record_event() {
   device_guard g(impl_->device);
   auto& s = *impl_;
   cudaEvent_t e = s.events[s.next_event++ % s.events.size()];
   check(cudaEventRecord(e, s.ctx.stream()), "cudaEventRecord");
   return e;
 }
-void gpu_stage::wait_event(void* event) {
+void gpu_chunk::wait_event(void* event) {
   device_guard g(impl_->device);
   check(cudaStreamWaitEvent(impl_->ctx.stream(), static_cast<cudaEvent_t>(event), 0),
         "cudaStreamWaitEvent");
 }
-void gpu_stage::synchronize() const {
+void gpu_chunk::synchronize() const {
   device_guard g(impl_->device);
   impl_->ctx.synchronize();
 }
 
-void gpu_stage::set_kernel_timing(bool on) {
+void gpu_chunk::set_kernel_timing(bool on) {
   device_guard g(impl_->device);
   impl_->ctx.set_timing(on);
 }
 
-std::vector<kernel_time> gpu_stage::take_kernel_times() {
+std::vector<kernel_time> gpu_chunk::take_kernel_times() {
   device_guard g(impl_->device);
   std::vector<kernel_time> out;
   for (const auto& t : impl_->ctx.take_timings())

@@ -1,12 +1,12 @@
-// One pipeline chunk of GPT-2 (a stage_range: the embedding, blocks [first, last), the head) on
+// One pipeline chunk of GPT-2 (a chunk_range: the embedding, blocks [first, last), the head) on
 // one CUDA device, with the saved activations of up to `slots` micro-batches in flight: what a
 // GPU pipeline stage holds (docs/gpu.md). gpu_trainer is the whole model as one chunk with one
 // slot. Host code: the kernels come from kernels/cuda through the .cpp.
 //
 // Invariants:
-//  - The weights start as the host stage given (the same stage_range, the same flat layout as
-//    gpt_stage), so a GPU chunk starts from the CPU chunk's exact weights, and parameters and
-//    gradients keep gpt_stage's layout. A head chunk without the embedding holds its own copy
+//  - The weights start as the host stage given (the same chunk_range, the same flat layout as
+//    gpt_chunk), so a GPU chunk starts from the CPU chunk's exact weights, and parameters and
+//    gradients keep gpt_chunk's layout. A head chunk without the embedding holds its own copy
 //    of the tied wte, as on the CPU: whoever drives the pipeline sums the two copies' gradients.
 //  - Master weights, gradients and AdamW moments are fp32. With compute_dtype bf16 or fp16 the
 //    passes run on a 16-bit copy of the weights (refreshed by every AdamW update) and 16-bit
@@ -25,7 +25,7 @@
 //    block of that slot), so the numbers are bitwise those of the run without it.
 //  - Everything is enqueued on the chunk's own stream (stream()), in call order; gradients
 //    accumulate (+=) across micro-batches until zero_grad. No atomics: a pass repeats bitwise.
-//  - plan_gpu_stage_memory() gives, without a device, exactly the bytes the chunk allocates.
+//  - plan_gpu_chunk_memory() gives, without a device, exactly the bytes the chunk allocates.
 // Without CUDA (the build or the machine), constructing one throws std::runtime_error saying
 // why; cuda_training_available() tells beforehand.
 #pragma once
@@ -80,7 +80,7 @@ struct recipe;
 // pipeline's to set (its schedule's).
 gpu_trainer_options gpu_options(const recipe& r);
 
-// Device time of one family of ops (gpu_stage::take_kernel_times).
+// Device time of one family of ops (gpu_chunk::take_kernel_times).
 struct kernel_time {
   std::string family;
   double ms = 0;
@@ -96,7 +96,7 @@ struct gpu_memory_plan {
   std::int64_t total() const { return model_state + activations; }
 };
 // tp: the tensor-parallel degree (one shard's chunk).
-gpu_memory_plan plan_gpu_stage_memory(const gpt_config& config, const stage_range& range, int B,
+gpu_memory_plan plan_gpu_chunk_memory(const gpt_config& config, const chunk_range& range, int B,
                                       int T, const gpu_trainer_options& options, int slots,
                                       int tp = 1);
 // The whole model as one chunk with one slot (gpu_trainer).
@@ -135,20 +135,20 @@ std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
     const std::string& name, const std::vector<int>& devices,
     std::chrono::milliseconds deadline = std::chrono::seconds(120));
 
-class gpu_stage {
+class gpu_chunk {
  public:
   // The chunk of `weights` (its range and parameters) for micro-batches of B sequences of T
   // tokens (T <= config.context), on CUDA device `device`, with `slots` micro-batches in flight
   // at most. Every call makes that device current for the calling thread. A tensor shard's
   // weights (weights.shard() split) need the shard's member of its group on this device.
-  gpu_stage(const gpt_stage& weights, int B, int T, const gpu_trainer_options& options,
+  gpu_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_options& options,
             int slots = 1, int device = 0, std::shared_ptr<device_tensor_group> group = nullptr);
-  ~gpu_stage();
-  gpu_stage(const gpu_stage&) = delete;
-  gpu_stage& operator=(const gpu_stage&) = delete;
+  ~gpu_chunk();
+  gpu_chunk(const gpu_chunk&) = delete;
+  gpu_chunk& operator=(const gpu_chunk&) = delete;
 
   const gpt_config& config() const;
-  const stage_range& range() const;
+  const chunk_range& range() const;
   int slots() const;
   bool recomputes() const;  // options.recompute
   // One more slot, its buffers allocated now (cudaMalloc); returns the new count.
@@ -192,7 +192,7 @@ class gpu_stage {
   // Backward of slot's micro-batch; its weight gradients accumulate. doutput: the gradient of
   // output(slot) (device; nullptr for a head chunk). Returns the gradient of input(slot)
   // (device, valid until the next backward) for a chunk without the embedding, else nullptr.
-  // on_block_done(i) runs once block i of stage_grad_blocks has its gradient enqueued.
+  // on_block_done(i) runs once block i of chunk_grad_blocks has its gradient enqueued.
   const void* backward(int slot, const void* doutput, const grad_block_fn& on_block_done = {});
   // A split backward (zero-bubble schedules; a chunk made with options.split_backward): B is
   // backward_input, the same input gradient as backward with the layernorms' weight gradients,
@@ -222,7 +222,7 @@ class gpu_stage {
   // grad_multiplier first (1 / loss scale, times the clipping coefficient).
   void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier);
 
-  // fp32 master weights and gradients on the device, in gpt_stage's layout (parameter_count()
+  // fp32 master weights and gradients on the device, in gpt_chunk's layout (parameter_count()
   // floats each), for collectives and the tied-weight exchange, on this stream's order.
   float* device_parameters();
   float* device_gradients();
@@ -239,7 +239,7 @@ class gpu_stage {
   // allocated at the first call (counted in device_bytes()), the same buffer after.
   float* gradient_scratch(std::int64_t n);
   // The master weights into a host stage of the same range (to save them).
-  void copy_parameters_to(gpt_stage& host) const;
+  void copy_parameters_to(gpt_chunk& host) const;
   // Master weights [at, at + n) of the layout from host floats, and the 16-bit copy of them,
   // on the stream after what it has enqueued; the host buffer may be reused on return.
   void load_parameters(std::int64_t at, const float* host, std::int64_t n);

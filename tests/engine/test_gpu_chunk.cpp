@@ -2,7 +2,7 @@
 // one device, driven in a two-stage 1F1B order with two micro-batches in flight, give bitwise
 // the whole model's losses, gradients and updated weights (the tied wte, whose two copies'
 // gradients are summed in another order, within rounding), with and without activation
-// checkpointing; every chunk allocates exactly what plan_gpu_stage_memory says; misuse is refused.
+// checkpointing; every chunk allocates exactly what plan_gpu_chunk_memory says; misuse is refused.
 #include <cuda_runtime_api.h>
 #include <catch2/catch.hpp>
 
@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "engine/chunks/gpu_stage.hpp"
+#include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/gpt_model.hpp"
 #include "engine/model/random.hpp"
 #include "engine/training/gpu_trainer.hpp"
@@ -37,7 +37,7 @@ batch make_batch(std::uint64_t salt) {
 void cuda_ok(cudaError_t e) { REQUIRE(e == cudaSuccess); }
 
 // Moves `bytes` from src (on `from`'s stream) to dst (on `to`'s stream), finished on return.
-void transfer(const gpu_stage& from, const void* src, const gpu_stage& to, void* dst,
+void transfer(const gpu_chunk& from, const void* src, const gpu_chunk& to, void* dst,
               std::size_t bytes) {
   from.synchronize();
   cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
@@ -88,10 +88,10 @@ enum class crossing { host_synchronized, links };
 pipeline_result run_pipeline(const gpu_trainer_options& options, int steps,
                              crossing how = crossing::host_synchronized) {
   const auto ranges = partition_layers(kConfig, 2);
-  gpt_stage host0(kConfig, ranges[0]), host1(kConfig, ranges[1]);
+  gpt_chunk host0(kConfig, ranges[0]), host1(kConfig, ranges[1]);
   host0.init_gpt2(11);
   host1.init_gpt2(11);
-  gpu_stage first(host0, kB, kT, options, 2), last(host1, kB, kT, options, 2);
+  gpu_chunk first(host0, kB, kT, options, 2), last(host1, kB, kT, options, 2);
   const std::size_t bytes = first.activation_bytes();
   REQUIRE(bytes == last.activation_bytes());
   const auto& wte0 = wte_of(first.layout());
@@ -176,7 +176,7 @@ pipeline_result run_pipeline(const gpu_trainer_options& options, int steps,
 // The whole model as one chunk over the same micro-batches, in micro-batch order.
 pipeline_result run_whole(const gpu_trainer_options& options, int steps,
                           std::vector<parameter_info>& layout) {
-  gpt_stage host(kConfig, stage_range::whole(kConfig));
+  gpt_chunk host(kConfig, chunk_range::whole(kConfig));
   host.init_gpt2(11);
   gpu_trainer whole(host, kB, kT, options);
   layout = whole.layout();
@@ -217,7 +217,7 @@ void compare_chunks(const pipeline_result& chunks, const pipeline_result& whole,
 
 std::vector<std::vector<parameter_info>> chunk_layouts() {
   const auto ranges = partition_layers(kConfig, 2);
-  return {stage_parameter_layout(kConfig, ranges[0]), stage_parameter_layout(kConfig, ranges[1])};
+  return {chunk_parameter_layout(kConfig, ranges[0]), chunk_parameter_layout(kConfig, ranges[1])};
 }
 
 }  // namespace
@@ -274,16 +274,16 @@ TEST_CASE("a GPU chunk allocates exactly its memory plan", "[gpu][stage]") {
     for (bool recompute : {false, true}) {
       for (int slots : {1, 3}) {
         for (const auto& range :
-             {ranges[0], ranges[1], stage_range::whole(kConfig), stage_range{1, 3, false, false}}) {
+             {ranges[0], ranges[1], chunk_range::whole(kConfig), chunk_range{1, 3, false, false}}) {
           INFO(compute_dtype_name(dtype)
                << " recompute " << recompute << " slots " << slots << " layers ["
                << range.first_layer << ", " << range.last_layer << ") embedding " << range.embedding
                << " head " << range.head);
-          gpt_stage host(kConfig, range);
+          gpt_chunk host(kConfig, range);
           host.init_gpt2(1);
-          gpu_stage chunk(host, kB, kT, {dtype, recompute}, slots);
+          gpu_chunk chunk(host, kB, kT, {dtype, recompute}, slots);
           CHECK(chunk.device_bytes() ==
-                plan_gpu_stage_memory(kConfig, range, kB, kT, {dtype, recompute}, slots).total());
+                plan_gpu_chunk_memory(kConfig, range, kB, kT, {dtype, recompute}, slots).total());
         }
       }
     }
@@ -292,10 +292,10 @@ TEST_CASE("a GPU chunk allocates exactly its memory plan", "[gpu][stage]") {
 
 TEST_CASE("a GPU chunk refuses misuse, naming it", "[gpu][stage]") {
   const auto ranges = partition_layers(kConfig, 2);
-  gpt_stage host0(kConfig, ranges[0]), host1(kConfig, ranges[1]);
+  gpt_chunk host0(kConfig, ranges[0]), host1(kConfig, ranges[1]);
   host0.init_gpt2(1);
   host1.init_gpt2(1);
-  gpu_stage first(host0, kB, kT, {}, 2), last(host1, kB, kT, {}, 2);
+  gpu_chunk first(host0, kB, kT, {}, 2), last(host1, kB, kT, {}, 2);
   const auto b = make_batch(1);
   CHECK_THROWS_WITH(first.forward(2, b.inputs.data(), nullptr), Catch::Contains("slot 2"));
   CHECK_THROWS_WITH(first.input(0), Catch::Contains("takes tokens"));
@@ -304,10 +304,10 @@ TEST_CASE("a GPU chunk refuses misuse, naming it", "[gpu][stage]") {
   CHECK_THROWS_WITH(last.output(0), Catch::Contains("no output"));
   first.forward(0, b.inputs.data(), nullptr);
   CHECK_THROWS_WITH(first.backward(0, nullptr), Catch::Contains("output's gradient"));
-  gpt_stage wrong(kConfig, ranges[1]);
+  gpt_chunk wrong(kConfig, ranges[1]);
   CHECK_THROWS_WITH(first.copy_parameters_to(wrong), Catch::Contains("different range"));
-  CHECK_THROWS_WITH(gpu_stage(host0, kB, kT, {}, 0), Catch::Contains("0 slots"));
-  CHECK_THROWS_WITH(gpu_stage(host0, kB, kT, {}, 1, 99), Catch::Contains("device 99"));
+  CHECK_THROWS_WITH(gpu_chunk(host0, kB, kT, {}, 0), Catch::Contains("0 slots"));
+  CHECK_THROWS_WITH(gpu_chunk(host0, kB, kT, {}, 1, 99), Catch::Contains("device 99"));
 }
 
 // ZeRO-3 drives a chunk's passes piece by piece (gathering between them): the passes stop where
@@ -319,11 +319,11 @@ TEST_CASE("a GPU chunk's passes stop before each piece reading parameters, chang
   for (const bool recompute : {false, true})
     for (int c = 0; c < 2; ++c) {
       INFO("chunk " << c << (recompute ? ", checkpointing" : ""));
-      gpt_stage host(kConfig, ranges[static_cast<std::size_t>(c)]);
+      gpt_chunk host(kConfig, ranges[static_cast<std::size_t>(c)]);
       host.init_gpt2(13);
       gpu_trainer_options options{compute_dtype::bf16, recompute};
       options.split_backward = true;
-      gpu_stage whole(host, kB, kT, options, 1), pieces(host, kB, kT, options, 1);
+      gpu_chunk whole(host, kB, kT, options, 1), pieces(host, kB, kT, options, 1);
       const auto b = make_batch(5);
       const bool head = host.range().head;
       const std::size_t bytes = whole.activation_bytes();
@@ -332,7 +332,7 @@ TEST_CASE("a GPU chunk's passes stop before each piece reading parameters, chang
       std::vector<std::uint16_t> fill(bytes / 2);
       for (std::size_t i = 0; i < fill.size(); ++i)
         fill[i] = static_cast<std::uint16_t>(0x3f80 + (i * 7919) % 128);
-      auto load = [&](gpu_stage& s, void* dst) { s.copy_from_host(dst, fill.data(), bytes); };
+      auto load = [&](gpu_chunk& s, void* dst) { s.copy_from_host(dst, fill.data(), bytes); };
       if (!host.range().embedding) {
         load(whole, whole.input(0));
         load(pieces, pieces.input(0));
