@@ -69,6 +69,23 @@ using namespace messages;
 using engine::trace::event_kind;
 using topology::link_key;
 
+// What a stage's action in progress keeps: its pass (engine/model/block_pass.hpp) and the buffers
+// the pass reads and writes until it is done.
+struct running_action {
+  engine::pipeline_action a;
+  int round = 0, chunk = 0;
+  engine::micro_batch_id id;
+  engine::block_pass pass;
+  bool stopped = false;  // at a stop whose parameters are not gathered yet (ZeRO-3)
+  int use = -1;          // the parameter use being computed (ZeRO-3)
+  float_buffer dout, din;
+  int B = 0, T = 0;
+  std::uint64_t flow = 0;  // the consumed link message's flow id (0 if none)
+  double t0 = 0;           // start of the compute span in progress
+  bool computed = false;   // a piece ran since t0
+  bool counted = true;     // its loss counts (not an evaluation filler, every target ignored)
+};
+
 class stage_impl : public stage_actor::base {
  public:
   stage_impl(caf::actor_config& cfg, stage_config config)
@@ -474,23 +491,6 @@ class stage_impl : public stage_actor::base {
   bool ready(const engine::pipeline_action& a, int round) const {
     return action_ready(plan_, last_stage(), a, round, stash_links_, stash_batches_);
   }
-
-  // What an action in progress keeps: its pass (engine/model/block_pass.hpp) and the buffers the
-  // pass reads and writes until it is done.
-  struct running_action {
-    engine::pipeline_action a;
-    int round = 0, chunk = 0;
-    engine::micro_batch_id id;
-    engine::block_pass pass;
-    bool stopped = false;  // at a stop whose parameters are not gathered yet (ZeRO-3)
-    int use = -1;          // the parameter use being computed (ZeRO-3)
-    float_buffer dout, din;
-    int B = 0, T = 0;
-    std::uint64_t flow = 0;  // the consumed link message's flow id (0 if none)
-    double t0 = 0;           // start of the compute span in progress
-    bool computed = false;   // a piece ran since t0
-    bool counted = true;     // its loss counts (not an evaluation filler, every target ignored)
-  };
 
   void begin_action(const engine::pipeline_action& a, int round, int index) {
     running_action& r = run_.emplace();

@@ -247,10 +247,6 @@ struct loaded_model {
 };
 
 loaded_model load_model(const options& o) {
-  if (o.device == "cuda") {
-    std::string why;
-    if (!engine::cuda_training_available(&why)) throw bad_input("--device cuda: " + why);
-  }
   if (o.prompt.empty()) throw bad_input("--prompt: empty (the model needs a token to start)");
   const model_files files = find_model_files(o.weights);
   model_shape shape;
@@ -286,6 +282,13 @@ loaded_model load_model(const options& o) {
 }
 
 int run_sample(const options& o) {
+  if (o.device == "cuda") {  // no usable GPU is a failure to run, as for `troupe train`
+    std::string why;
+    if (!engine::cuda_training_available(&why)) {
+      std::fprintf(stderr, "troupe sample: error: --device cuda: %s\n", why.c_str());
+      return exit_failure;
+    }
+  }
   loaded_model m;
   try {
     m = load_model(o);

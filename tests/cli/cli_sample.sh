@@ -190,10 +190,17 @@ expect_bad temperature "\-\-temperature" "$weights" --prompt x --temperature -1
 expect_bad top_k "\-\-top-k" "$weights" --prompt x --top-k -3
 expect_bad tokens "\-\-tokens" "$weights" --prompt x --tokens lots
 expect_bad prompt "\-\-prompt" "$weights" --prompt ""
-# --device cuda: where no GPU can run it, one line naming the option (cli_gpu_train samples on a
-# GPU against the CPU).
-if ! "$troupe" sample "$weights" --prompt x --tokens 1 --device cuda >/dev/null 2>&1; then
-  expect_bad cuda "^troupe sample: --device cuda: " "$weights" --prompt x --device cuda
+# --device cuda: where no GPU can run it, exit 1 (as `troupe train`) with one line naming the
+# option, nothing on stdout (cli_gpu_train samples on a GPU against the CPU).
+rc=0
+"$troupe" sample "$weights" --prompt x --tokens 1 --device cuda >"$tmp/cuda.out" 2>"$tmp/cuda.err" ||
+  rc=$?
+if [[ $rc -ne 0 ]]; then
+  [[ $rc == 1 ]] || fail "cuda: exit $rc, expected 1: $(cat "$tmp/cuda.err")"
+  [[ $(wc -l <"$tmp/cuda.err") == 1 ]] || fail "cuda: not one line: $(cat "$tmp/cuda.err")"
+  grep -q -- "^troupe sample: error: --device cuda: " "$tmp/cuda.err" ||
+    fail "cuda: does not say why: $(cat "$tmp/cuda.err")"
+  [[ ! -s $tmp/cuda.out ]] || fail "cuda: wrote to stdout"
 fi
 sed 's/width = 64/width = 32/' "$tmp/recipe.toml" >"$tmp/narrow.toml"
 expect_bad shapes "final.safetensors: tensor transformer.wte.weight has shape \[256, 64\], expected \[256, 32\]" \
