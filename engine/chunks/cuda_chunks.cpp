@@ -265,16 +265,19 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
   };
   chunk_factory f;
   f.name = "cuda";
+  f.host_tensor_groups = true;  // a group across processes: staged through host memory
   f.make_chunk = [options, device_of](const gpt_chunk& weights, int B, int T, int slots, int rank,
                                       int lane, std::shared_ptr<group_member> member,
                                       bool optimizer_state) -> std::unique_ptr<device_chunk> {
+    const int device = device_of(rank, lane);
     auto group = std::dynamic_pointer_cast<device_tensor_group>(member);
+    if (auto host = std::dynamic_pointer_cast<tensor_group>(member))  // across processes
+      group = make_staged_tensor_member(std::move(host), device);
     if (member && !group)
       throw std::logic_error("cuda_chunks: a tensor group member of another kind");
     auto o = options;
     o.optimizer_state = optimizer_state;
-    return std::make_unique<cuda_chunk>(weights, B, T, o, slots, device_of(rank, lane),
-                                        std::move(group));
+    return std::make_unique<cuda_chunk>(weights, B, T, o, slots, device, std::move(group));
   };
   f.make_link = [device_of](int from, int to, int lane) -> std::shared_ptr<chunk_link> {
     const int a = device_of(from, lane), b = device_of(to, lane);

@@ -195,7 +195,8 @@ struct chunk_factory {
 // between them: a staged copy when both ends share a device, otherwise an NCCL group of two for
 // each direction. A replica group is one NCCL communicator per replica (ncclAvg, one group call)
 // when the replicas of a rank sit on distinct devices, a mean kernel when they share one device;
-// a tensor group likewise (make_device_tensor_group). Throws
+// a tensor group likewise (make_device_tensor_group), and a host tensor group (one spanning
+// processes) is staged through pinned host memory (make_staged_tensor_member). Throws
 // std::runtime_error saying why in a build or on a machine without CUDA.
 // local_rank >= 0 (a process of a multi-process job): every chunk, link and group of this
 // process on device local_rank mod the devices.

@@ -12,11 +12,18 @@
 //  - abort() by any member (its actor stopped) wakes the waiting members with the reason, and
 //    for NCCL tears down every member's communicator (ncclCommAbort), which also ends kernels
 //    waiting for a peer that will not come.
+//  - Staged (a host group across processes): the buffer reaches the host after the chunk's work
+//    so far (a copy on its stream, then a wait for the stream), is reduced as fp32 values in
+//    member order (16-bit values widened, the sum rounded once, as the one-device kernel), and
+//    the copy back is on the chunk's stream before its later work.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -268,7 +275,105 @@ class local_member final : public device_tensor_group {
   member_event ready_;
 };
 
+// ---- across processes: through pinned host memory and a host tensor group -------------------
+class staged_member final : public device_tensor_group {
+ public:
+  staged_member(std::shared_ptr<tensor_group> host, int device)
+      : host_(std::move(host)), device_(device) {}
+  ~staged_member() override {
+    if (pinned_) cudaFreeHost(pinned_);
+  }
+  staged_member(const staged_member&) = delete;
+  staged_member& operator=(const staged_member&) = delete;
+
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  void all_reduce_sum(void* data, std::int64_t n, compute_dtype dtype, void* stream) override {
+    switch (dtype) {
+      case compute_dtype::bf16:  // the conversions of the one-device kernel (cuda_common.cuh)
+        return narrow<__nv_bfloat16>(
+            data, n, stream, [](__nv_bfloat16 x) { return __bfloat162float(x); },
+            [](float x) { return __float2bfloat16(x); });
+      case compute_dtype::fp16:
+        return narrow<__half>(
+            data, n, stream, [](__half x) { return __half2float(x); },
+            [](float x) { return __float2half(x); });
+      case compute_dtype::fp32:
+        break;
+    }
+    all_reduce_sum(static_cast<float*>(data), n, stream);
+  }
+  void all_reduce_sum(float* data, std::int64_t n, void* stream) override {
+    float* host = to_host<float>(data, n, stream);
+    host_->all_reduce_sum(std::span<float>(host, static_cast<std::size_t>(n)));
+    back(data, n * std::int64_t{sizeof(float)}, stream);
+  }
+  void all_reduce_max(float* data, std::int64_t n, void* stream) override {
+    float* host = to_host<float>(data, n, stream);
+    host_->all_reduce_max(std::span<float>(host, static_cast<std::size_t>(n)));
+    back(data, n * std::int64_t{sizeof(float)}, stream);
+  }
+  void abort(const std::string& why) override { host_->abort(why); }
+  std::string describe() const override {
+    return "host-staged group of " + std::to_string(size()) + " shards (member " +
+           std::to_string(rank()) + " on device " + std::to_string(device_) + ")";
+  }
+
+ private:
+  // 16-bit values: widened into fp32, reduced, rounded back once.
+  template <class T, class Widen, class Round>
+  void narrow(void* data, std::int64_t n, void* stream, Widen widen, Round round) {
+    T* host = to_host<T>(data, n, stream);
+    wide_.resize(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) wide_[static_cast<std::size_t>(i)] = widen(host[i]);
+    host_->all_reduce_sum(std::span<float>(wide_));
+    for (std::int64_t i = 0; i < n; ++i) host[i] = round(wide_[static_cast<std::size_t>(i)]);
+    back(data, n * std::int64_t{sizeof(T)}, stream);
+  }
+  // n values of `data` in the pinned buffer, once the chunk's work so far is done. The copy back
+  // of the previous collective was enqueued on the same stream before this one, so the buffer is
+  // free again when the wait returns.
+  template <class T>
+  T* to_host(const void* data, std::int64_t n, void* stream) {
+    const auto bytes = static_cast<std::size_t>(n) * sizeof(T);
+    check(cudaSetDevice(device_), "cudaSetDevice");
+    auto s = static_cast<cudaStream_t>(stream);
+    if (bytes > capacity_) {
+      check(cudaStreamSynchronize(s), "cudaStreamSynchronize");  // the old buffer is unread
+      if (pinned_) check(cudaFreeHost(pinned_), "cudaFreeHost");
+      pinned_ = nullptr;
+      capacity_ = 0;
+      check(cudaMallocHost(&pinned_, bytes), "cudaMallocHost");
+      capacity_ = bytes;
+    }
+    if (bytes > 0) {
+      check(cudaMemcpyAsync(pinned_, data, bytes, cudaMemcpyDeviceToHost, s),
+            "cudaMemcpyAsync(device to host)");
+    }
+    check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    return static_cast<T*>(pinned_);
+  }
+  void back(void* data, std::int64_t bytes, void* stream) {
+    if (bytes <= 0) return;
+    check(cudaMemcpyAsync(data, pinned_, static_cast<std::size_t>(bytes), cudaMemcpyHostToDevice,
+                          static_cast<cudaStream_t>(stream)),
+          "cudaMemcpyAsync(host to device)");
+  }
+
+  std::shared_ptr<tensor_group> host_;
+  int device_ = 0;
+  void* pinned_ = nullptr;
+  std::size_t capacity_ = 0;
+  std::vector<float> wide_;
+};
+
 }  // namespace
+
+std::shared_ptr<device_tensor_group> make_staged_tensor_member(std::shared_ptr<tensor_group> host,
+                                                               int device) {
+  if (!host) throw std::invalid_argument("make_staged_tensor_member: no host group member");
+  return std::make_shared<staged_member>(std::move(host), device);
+}
 
 std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
     const std::string& name, const std::vector<int>& devices, std::chrono::milliseconds deadline) {

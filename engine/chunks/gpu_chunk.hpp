@@ -134,6 +134,13 @@ class device_tensor_group : public group_member {
 std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
     const std::string& name, const std::vector<int>& devices,
     std::chrono::milliseconds deadline = std::chrono::seconds(120));
+// A device chunk's member of a host tensor group (one whose shards live in several processes:
+// topology/tensor_exchange.hpp), for a chunk on CUDA device `device`. Each collective copies the
+// buffer into pinned host memory after the chunk's work so far, reduces it there in fp32 in
+// member order (the arithmetic of the one-device kernel, so the same bits), and copies the result
+// back before the chunk's later work. abort() aborts the host group.
+std::shared_ptr<device_tensor_group> make_staged_tensor_member(std::shared_ptr<tensor_group> host,
+                                                               int device);
 
 class gpu_chunk {
  public:

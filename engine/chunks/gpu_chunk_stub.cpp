@@ -36,6 +36,12 @@ std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
   throw std::runtime_error("--device cuda: " + why);
 }
 
+std::shared_ptr<device_tensor_group> make_staged_tensor_member(std::shared_ptr<tensor_group>, int) {
+  std::string why;
+  cuda_training_available(&why);
+  throw std::runtime_error("--device cuda: " + why);
+}
+
 gpu_chunk::gpu_chunk(const gpt_chunk&, int, int, const gpu_trainer_options&, int, int,
                      std::shared_ptr<device_tensor_group>) {
   std::string why;

@@ -6,8 +6,6 @@ namespace {
 
 int head_size(const job_shape& j) { return j.r->model.width / j.r->model.heads; }
 
-const std::string not_yet = "not built yet";
-
 }  // namespace
 
 const std::vector<support_rule>& support_rules() {
@@ -50,16 +48,6 @@ const std::vector<support_rule>& support_rules() {
          return std::string(
              "kernels.attention = \"cudnn\" needs precision.dtype bf16 or fp16 (cuDNN's flash "
              "attention has no fp32; fp32 runs use \"fused\" or \"materialized\")");
-       }},
-      {"tensor shards in a job of several processes (`parallel.tp` > 1)", "parallel.tp", "yes",
-       not_yet,
-       [](const job_shape& j) {
-         return j.device_chunks && j.r->device == "cuda" && j.r->parallel.tp > 1 && j.processes > 1;
-       },
-       [](const job_shape& j) {
-         return "tensor shards of CUDA chunks in a job of " + std::to_string(j.processes) +
-                " processes (not built yet: on GPUs, a job with tensor shards runs in one "
-                "process)";
        }},
   };
   return rules;

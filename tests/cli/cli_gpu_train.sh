@@ -27,7 +27,8 @@
 #  - GPU jobs of several processes (torchrun-style variables), every process on the one GPU
 #    (LOCAL_RANK mod 1), their stages' payloads and gradient buckets staged through host memory:
 #    fp32 PP=2 as 2 processes, PP=2 x DP=2 as 4, and PP=2 x DP=2 ZeRO-2 as 4 within the fp32
-#    tolerances of the CPU.
+#    tolerances of the CPU; TP=2 as 2 processes (the tensor group reduced through pinned host
+#    memory) bitwise TP=2 in one process, in fp32 and in bf16.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -121,6 +122,12 @@ run gpuckv --device cuda --set parallel.pp=2 --set parallel.micro_batches=4 --re
 run_job gpupp2x2 2 --device cuda --set parallel.pp=2
 run_job gpuz2x4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2
 run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2
+# Tensor shards in two processes: their group reduces through pinned host memory, the arithmetic
+# of the one-device kernel that one process uses, so the losses are bitwise one process's.
+run gputp1 --device cuda --set parallel.tp=2
+run_job gputpx2 2 --device cuda --set parallel.tp=2
+run gputp16 --device cuda --set parallel.tp=2 --set precision.dtype=bf16
+run_job gputp16x2 2 --device cuda --set parallel.tp=2 --set precision.dtype=bf16
 # fp16's case asks that the loss fall, not that it follow the CPU: a corpus of its own, made
 # here with a fixed seed, whose loss falls steadily (the docs hold passages a few steps of
 # training meet as loss spikes, and whose skipped steps then leave the loss high).
@@ -176,6 +183,11 @@ close(rows("cpudp"), rows("gpuz2x4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-2 a
 close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
 close(cpu, rows("gpupp2x2"), 1e-4, 1e-3, "fp32 GPU PP=2 as 2 processes vs CPU")
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")
+for one, two in (("gputp1", "gputpx2"), ("gputp16", "gputp16x2")):
+    a, b = rows(one), rows(two)
+    assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b], \
+        f"TP=2 as two processes ({two}) is not bitwise one process ({one})"
+close(cpu, rows("gputpx2"), 1e-4, 1e-3, "fp32 GPU TP=2 as 2 processes vs CPU")
 assert os.path.getsize(f"{tmp}/gpu32/final.safetensors") == os.path.getsize(f"{tmp}/cpu/final.safetensors")
 assert [r["loss"] for r in g16] == [r["loss"] for r in g16ac], "checkpointing changed bf16 losses"
 close(cpu, g16, 5e-2, 2e-1, "bf16 GPU vs CPU")

@@ -3,13 +3,17 @@
 // group (one device: the summing kernel; distinct devices: NCCL), give the whole chunk's losses,
 // gradients (their slices put back together) and gradient norm, within the dtype's rounding;
 // recomputation changes no bit; a shard allocates exactly its memory plan; the group gives
-// every member the same bits and names the member a collective waited for in vain.
+// every member the same bits and names the member a collective waited for in vain; a member
+// staged through host memory (a group across processes) gives the summing kernel's bits.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <thread>
@@ -198,5 +202,86 @@ TEST_CASE("a device tensor group gives every member the same bits and names who 
   for (int i = 0; i < 2; ++i) {
     cudaFree(buffers[i]);
     cudaStreamDestroy(streams[i]);
+  }
+}
+
+// A tensor group across processes (a host group) serves CUDA chunks through pinned host memory:
+// its sums and maxima are bitwise the one-device summing kernel's, in fp32, bf16 and fp16.
+TEST_CASE("a host-staged tensor group member gives the one-device kernel's bits",
+          "[gpu][tensor_parallel]") {
+  constexpr int kMembers = 3;
+  constexpr std::int64_t kN = 4099;  // not a multiple of any vector width
+  for (const compute_dtype dtype :
+       {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
+    INFO("dtype " << static_cast<int>(dtype));
+    const std::size_t bytes = static_cast<std::size_t>(kN) * (dtype == compute_dtype::fp32 ? 4 : 2);
+    // Member m's values: bit patterns of finite numbers of mixed signs and magnitudes.
+    std::vector<std::vector<unsigned char>> host(kMembers, std::vector<unsigned char>(bytes));
+    for (int m = 0; m < kMembers; ++m) {
+      for (std::int64_t i = 0; i < kN; ++i) {
+        const float x = std::ldexp(static_cast<float>((i * 7919 + m * 104729) % 2001) - 1000.0f,
+                                   static_cast<int>((i + m) % 13) - 16);
+        if (dtype == compute_dtype::fp32) {
+          std::memcpy(host[m].data() + 4 * i, &x, 4);
+        } else {
+          const std::uint16_t h = dtype == compute_dtype::bf16
+                                      ? __bfloat16_as_ushort(__float2bfloat16(x))
+                                      : __half_as_ushort(__float2half(x));
+          std::memcpy(host[m].data() + 2 * i, &h, 2);
+        }
+      }
+    }
+    // Both kinds of group over the same starting values, each member on its own stream and thread.
+    auto reduce = [&](const std::vector<std::shared_ptr<device_tensor_group>>& members, bool max) {
+      std::vector<cudaStream_t> streams(kMembers);
+      std::vector<void*> buffers(kMembers);
+      for (int m = 0; m < kMembers; ++m) {
+        REQUIRE(cudaStreamCreate(&streams[m]) == cudaSuccess);
+        REQUIRE(cudaMalloc(&buffers[m], bytes) == cudaSuccess);
+        REQUIRE(cudaMemcpy(buffers[m], host[m].data(), bytes, cudaMemcpyHostToDevice) ==
+                cudaSuccess);
+      }
+      std::vector<std::thread> threads;
+      std::vector<std::exception_ptr> failed(kMembers);
+      for (int m = 0; m < kMembers; ++m) {
+        threads.emplace_back([&, m] {
+          try {
+            if (max)
+              members[m]->all_reduce_max(static_cast<float*>(buffers[m]), kN, streams[m]);
+            else
+              members[m]->all_reduce_sum(buffers[m], kN, dtype, streams[m]);
+          } catch (...) {
+            failed[m] = std::current_exception();
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      for (auto& f : failed)
+        if (f) std::rethrow_exception(f);
+      std::vector<std::vector<unsigned char>> out(kMembers, std::vector<unsigned char>(bytes));
+      for (int m = 0; m < kMembers; ++m) {
+        REQUIRE(cudaStreamSynchronize(streams[m]) == cudaSuccess);
+        REQUIRE(cudaMemcpy(out[m].data(), buffers[m], bytes, cudaMemcpyDeviceToHost) ==
+                cudaSuccess);
+        cudaFree(buffers[m]);
+        cudaStreamDestroy(streams[m]);
+      }
+      return out;
+    };
+    auto staged = [] {
+      std::vector<std::shared_ptr<device_tensor_group>> members;
+      for (auto& h : make_local_tensor_group(kMembers, "staged"))
+        members.push_back(make_staged_tensor_member(h, 0));
+      return members;
+    };
+    const auto kernel = reduce(make_device_tensor_group("kernel", {0, 0, 0}), false);
+    const auto host_staged = reduce(staged(), false);
+    for (int m = 0; m < kMembers; ++m) {
+      CHECK(host_staged[m] == kernel[0]);
+      CHECK(kernel[m] == kernel[0]);
+    }
+    if (dtype == compute_dtype::fp32) {
+      CHECK(reduce(staged(), true) == reduce(make_device_tensor_group("max", {0, 0, 0}), true));
+    }
   }
 }
