@@ -530,7 +530,9 @@ class stage_impl : public stage_actor::base {
         r.stopped = false;
       }
       const std::vector<int>* stop = r.pass.next();
-      if (r.use >= 0 || !gathering() || !stop) r.computed = true;  // not only a pass's prologue
+      // Not only a pass's prologue (W's prologue is the head's weight gradients: work).
+      if (r.use >= 0 || !gathering() || !stop || r.a.kind == engine::action_kind::weight)
+        r.computed = true;
       if (r.use >= 0) {
         gathers_->finish(r.use);
         r.use = -1;

@@ -15,7 +15,7 @@
 // device copy) while the link message carries the typed header only, or, to a rank in another
 // process, are staged through host memory and travel inside the message.
 //
-// What is not built yet on device chunks is refused before a job starts
+// What a device's kernels cannot run is refused before a job starts
 // (engine/parallel/support.hpp).
 #pragma once
 

@@ -90,8 +90,8 @@ std::function<int()> add_train_command(CLI::App& app) {
         std::fputs(engine::format_support_table().c_str(), stdout);
         throw CLI::Success();
       },
-      "Print what a job can combine on the CPU and on CUDA, and what is not built yet (a "
-      "Markdown table; docs/support.md)");
+      "Print what a job cannot combine on the CPU and on CUDA (a Markdown table; "
+      "docs/support.md)");
   cmd->add_flag_callback(
       "--help-keys",
       [] {

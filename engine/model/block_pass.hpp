@@ -1,4 +1,4 @@
-// A pass over one micro-batch (forward, backward, or the input half of a split backward) that
+// A pass over one micro-batch (forward, backward, or either half of a split backward) that
 // stops before each piece that reads parameters, naming the parameter blocks the piece reads
 // (indices into chunk_grad_blocks). Whoever drives the pass decides when to go on: the serial
 // engine at once; a ZeRO-3 stage once those blocks are gathered (actors/stage.cpp).
@@ -20,7 +20,7 @@
 
 namespace troupe::engine {
 
-class block_pass {
+class [[nodiscard]] block_pass {
  public:
   struct promise_type {
     std::vector<int> wanted;

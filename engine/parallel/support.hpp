@@ -1,7 +1,7 @@
-// What a training job can combine, as one list. Every refusal of a combination that is not
-// built (yet) comes from here, and so do `troupe train --help-support` and the table in
-// docs/support.md (a CLI test checks they are the same), so the documentation cannot drift
-// from the code that refuses.
+// What a training job cannot combine, as one list. Every refusal of a combination a device
+// cannot run (its kernels' limits) comes from here, and so do `troupe train --help-support` and
+// the table in docs/support.md (a CLI test checks they are the same), so the documentation
+// cannot drift from the code that refuses.
 #pragma once
 
 #include <functional>

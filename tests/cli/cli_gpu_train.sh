@@ -19,8 +19,8 @@
 #    device) within the fp32 tolerances of the CPU; fp32 PP=2 ZB-H1 (split backward on the
 #    device) within the fp32 ones, and in bf16 with materialized attention within the bf16 ones;
 #    ZB-H1 with activation checkpointing bitwise the losses without it; fp32 ZeRO-1 (PP=2 x
-#    DP=2), ZeRO-2 (DP=2) and ZeRO-3 (PP=2 x DP=2) within the fp32 tolerances of the CPU serial
-#    DP=2 loop;
+#    DP=2), ZeRO-2 (DP=2) and ZeRO-3 (PP=2 x DP=2; also under ZB-H1 with checkpointing, W
+#    gathering the blocks it recomputes) within the fp32 tolerances of the CPU serial DP=2 loop;
 #    checkpoints of a PP=2 x DP=2 ZeRO-1 run: resumed from its step-4 checkpoint bitwise the run
 #    that went through (losses, norms, final weights), and resumed at PP=2 (resharded) within
 #    the fp32 tolerances.
@@ -114,6 +114,8 @@ run gpuzbac --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1 \
 run gpuz1 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1
 run gpuz2 --device cuda --engine actors --set parallel.dp=2 --set parallel.zero=2
 run gpuz3 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3
+run gpuz3zbac --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3 \
+  --set parallel.schedule=zb_h1 --set activation_checkpoint.mode=full
 run gpuck --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
   --set checkpoint.every=4 --set checkpoint.keep=3
 run gpuckr --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
@@ -179,6 +181,8 @@ assert open(f"{tmp}/gpuck/final.safetensors", "rb").read() == open(f"{tmp}/gpuck
 close(ck[4:], rows("gpuckv"), 1e-4, 1e-3, "GPU PP=2 resumed from a PP=2 x DP=2 ZeRO-1 checkpoint")
 close(rows("cpudp"), rows("gpuz2"), 1e-4, 1e-3, "fp32 GPU DP=2 ZeRO-2 vs CPU")
 close(rows("cpudp"), rows("gpuz3"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-3 vs CPU")
+close(rows("cpudp"), rows("gpuz3zbac"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 ZeRO-3 ZB-H1 with checkpointing (W gathers what it recomputes) vs CPU")
 close(rows("cpudp"), rows("gpuz2x4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes vs CPU")
 close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
 close(cpu, rows("gpupp2x2"), 1e-4, 1e-3, "fp32 GPU PP=2 as 2 processes vs CPU")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A table in the docs that the code generates is the one the code prints now: docs/support.md's
-# (`troupe train --help-support`, from the rules that refuse what is not built,
+# (`troupe train --help-support`, from the rules that refuse what a device cannot run,
 # engine/parallel/support.hpp) and docs/recipe.md's (`troupe train --help-keys`, from the recipe schema,
 # engine/training/recipe.cpp). Fails, showing the difference, when they differ.
 # Usage: cli_support_table.sh TROUPE DOC OPTION NAME

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -206,50 +207,60 @@ TEST_CASE("a device tensor group gives every member the same bits and names who 
 }
 
 // A tensor group across processes (a host group) serves CUDA chunks through pinned host memory:
-// its sums and maxima are bitwise the one-device summing kernel's, in fp32, bf16 and fp16.
+// its sums and maxima are bitwise the one-device summing kernel's, in fp32, bf16 and fp16, when
+// the buffers are written by work still queued on the members' streams, over collectives of
+// growing size (the pinned buffer grows and is reused).
 TEST_CASE("a host-staged tensor group member gives the one-device kernel's bits",
           "[gpu][tensor_parallel]") {
   constexpr int kMembers = 3;
-  constexpr std::int64_t kN = 4099;  // not a multiple of any vector width
-  for (const compute_dtype dtype :
-       {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
-    INFO("dtype " << static_cast<int>(dtype));
-    const std::size_t bytes = static_cast<std::size_t>(kN) * (dtype == compute_dtype::fp32 ? 4 : 2);
-    // Member m's values: bit patterns of finite numbers of mixed signs and magnitudes.
-    std::vector<std::vector<unsigned char>> host(kMembers, std::vector<unsigned char>(bytes));
-    for (int m = 0; m < kMembers; ++m) {
-      for (std::int64_t i = 0; i < kN; ++i) {
-        const float x = std::ldexp(static_cast<float>((i * 7919 + m * 104729) % 2001) - 1000.0f,
-                                   static_cast<int>((i + m) % 13) - 16);
-        if (dtype == compute_dtype::fp32) {
-          std::memcpy(host[m].data() + 4 * i, &x, 4);
-        } else {
-          const std::uint16_t h = dtype == compute_dtype::bf16
-                                      ? __bfloat16_as_ushort(__float2bfloat16(x))
-                                      : __half_as_ushort(__float2half(x));
-          std::memcpy(host[m].data() + 2 * i, &h, 2);
-        }
+  const std::int64_t sizes[] = {5, 4099, 70001};  // not multiples of any vector width
+  // Member m's value i: finite numbers of mixed signs and magnitudes, as the dtype's bits.
+  auto values = [](compute_dtype dtype, int m, std::int64_t n) {
+    const std::size_t width = dtype == compute_dtype::fp32 ? 4 : 2;
+    std::vector<unsigned char> bytes(static_cast<std::size_t>(n) * width);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float x = std::ldexp(static_cast<float>((i * 7919 + m * 104729) % 2001) - 1000.0f,
+                                 static_cast<int>((i + m) % 13) - 16);
+      if (dtype == compute_dtype::fp32) {
+        std::memcpy(bytes.data() + 4 * i, &x, 4);
+      } else {
+        const std::uint16_t h = dtype == compute_dtype::bf16
+                                    ? __bfloat16_as_ushort(__float2bfloat16(x))
+                                    : __half_as_ushort(__float2half(x));
+        std::memcpy(bytes.data() + 2 * i, &h, 2);
       }
     }
-    // Both kinds of group over the same starting values, each member on its own stream and thread.
-    auto reduce = [&](const std::vector<std::shared_ptr<device_tensor_group>>& members, bool max) {
-      std::vector<cudaStream_t> streams(kMembers);
+    return bytes;
+  };
+  // Every size in turn on the same members, each member on its own stream and thread; each
+  // buffer is uploaded asynchronously on the member's stream right before its collective.
+  // Returns, by size, each member's result.
+  using results = std::vector<std::vector<std::vector<unsigned char>>>;
+  auto run = [&](const std::vector<std::shared_ptr<device_tensor_group>>& members,
+                 compute_dtype dtype, bool max) {
+    std::vector<cudaStream_t> streams(kMembers);
+    for (auto& s : streams) REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+    results out;
+    for (const std::int64_t n : sizes) {
+      std::vector<std::vector<unsigned char>> host(kMembers);
       std::vector<void*> buffers(kMembers);
       for (int m = 0; m < kMembers; ++m) {
-        REQUIRE(cudaStreamCreate(&streams[m]) == cudaSuccess);
-        REQUIRE(cudaMalloc(&buffers[m], bytes) == cudaSuccess);
-        REQUIRE(cudaMemcpy(buffers[m], host[m].data(), bytes, cudaMemcpyHostToDevice) ==
-                cudaSuccess);
+        host[m] = values(dtype, m, n);
+        REQUIRE(cudaMalloc(&buffers[m], host[m].size()) == cudaSuccess);
       }
       std::vector<std::thread> threads;
       std::vector<std::exception_ptr> failed(kMembers);
       for (int m = 0; m < kMembers; ++m) {
         threads.emplace_back([&, m] {
           try {
+            if (cudaMemsetAsync(buffers[m], 0xff, host[m].size(), streams[m]) != cudaSuccess ||
+                cudaMemcpyAsync(buffers[m], host[m].data(), host[m].size(), cudaMemcpyHostToDevice,
+                                streams[m]) != cudaSuccess)
+              throw std::runtime_error("upload failed");
             if (max)
-              members[m]->all_reduce_max(static_cast<float*>(buffers[m]), kN, streams[m]);
+              members[m]->all_reduce_max(static_cast<float*>(buffers[m]), n, streams[m]);
             else
-              members[m]->all_reduce_sum(buffers[m], kN, dtype, streams[m]);
+              members[m]->all_reduce_sum(buffers[m], n, dtype, streams[m]);
           } catch (...) {
             failed[m] = std::current_exception();
           }
@@ -258,30 +269,38 @@ TEST_CASE("a host-staged tensor group member gives the one-device kernel's bits"
       for (auto& t : threads) t.join();
       for (auto& f : failed)
         if (f) std::rethrow_exception(f);
-      std::vector<std::vector<unsigned char>> out(kMembers, std::vector<unsigned char>(bytes));
+      auto& got = out.emplace_back(kMembers);
       for (int m = 0; m < kMembers; ++m) {
+        got[m].resize(host[m].size());
         REQUIRE(cudaStreamSynchronize(streams[m]) == cudaSuccess);
-        REQUIRE(cudaMemcpy(out[m].data(), buffers[m], bytes, cudaMemcpyDeviceToHost) ==
+        REQUIRE(cudaMemcpy(got[m].data(), buffers[m], got[m].size(), cudaMemcpyDeviceToHost) ==
                 cudaSuccess);
         cudaFree(buffers[m]);
-        cudaStreamDestroy(streams[m]);
       }
-      return out;
-    };
-    auto staged = [] {
-      std::vector<std::shared_ptr<device_tensor_group>> members;
-      for (auto& h : make_local_tensor_group(kMembers, "staged"))
-        members.push_back(make_staged_tensor_member(h, 0));
-      return members;
-    };
-    const auto kernel = reduce(make_device_tensor_group("kernel", {0, 0, 0}), false);
-    const auto host_staged = reduce(staged(), false);
-    for (int m = 0; m < kMembers; ++m) {
-      CHECK(host_staged[m] == kernel[0]);
-      CHECK(kernel[m] == kernel[0]);
     }
-    if (dtype == compute_dtype::fp32) {
-      CHECK(reduce(staged(), true) == reduce(make_device_tensor_group("max", {0, 0, 0}), true));
+    for (auto& s : streams) cudaStreamDestroy(s);
+    return out;
+  };
+  auto staged = [] {
+    std::vector<std::shared_ptr<device_tensor_group>> members;
+    for (auto& h : make_local_tensor_group(kMembers, "staged"))
+      members.push_back(make_staged_tensor_member(h, 0));
+    return members;
+  };
+  for (const compute_dtype dtype :
+       {compute_dtype::fp32, compute_dtype::bf16, compute_dtype::fp16}) {
+    INFO("dtype " << static_cast<int>(dtype));
+    const auto kernel = run(make_device_tensor_group("kernel", {0, 0, 0}), dtype, false);
+    const auto host_staged = run(staged(), dtype, false);
+    REQUIRE(kernel.size() == host_staged.size());
+    for (std::size_t k = 0; k < kernel.size(); ++k) {
+      INFO("collective " << k);
+      for (int m = 0; m < kMembers; ++m) {
+        CHECK(kernel[k][m] == kernel[k][0]);
+        CHECK(host_staged[k][m] == kernel[k][0]);
+      }
     }
   }
+  CHECK(run(staged(), compute_dtype::fp32, true) ==
+        run(make_device_tensor_group("max", {0, 0, 0}), compute_dtype::fp32, true));
 }
