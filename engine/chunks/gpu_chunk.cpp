@@ -365,9 +365,8 @@ struct model_impl final : gpu_chunk::impl {
       cu::attention_forward(ctx, L.atty, L.lse, L.qkv, B, T, Cl, NHl());
     }
     row_parallel(L.res2, L.atty, p + "attn.c_proj.", N, Cl, C);
-    cu::residual_forward(ctx, L.res2, L.res2, x, NC);
-    cu::layernorm_forward(ctx, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, F(p + "ln_2.weight"),
-                          F(p + "ln_2.bias"), N, C);
+    cu::residual_layernorm_forward(ctx, L.res2, L.ln2, L.ln2_mean, L.ln2_rstd, L.res2, x,
+                                   F(p + "ln_2.weight"), F(p + "ln_2.bias"), N, C);
     cu::linear_gelu_forward(ctx, L.fch_gelu, L.fch, L.ln2, W(p + "mlp.c_fc.weight"),
                             W(p + "mlp.c_fc.bias"), N, C, 4 * Cl);
     row_parallel(out, L.fch_gelu, p + "mlp.c_proj.", N, 4 * Cl, C);

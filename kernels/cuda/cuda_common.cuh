@@ -126,13 +126,14 @@ class timed_op {
 
 // The 128-bit layernorm kernels (layernorm_vectorized.cu): each returns false, launching
 // nothing, when the row does not fit them (C a multiple of 32 lanes x 16 bytes, at most 8
-// vectors a lane, 16-byte aligned rows); the caller then runs the warp-per-row kernel.
+// vectors a lane, 16-byte aligned rows); the caller then runs the warp-per-row kernel. Forward
+// with res: the row is the residual sum inp + inp2, stored to res (residual_layernorm_forward).
 template <class T>
 int layernorm_vectors_per_lane(int C);  // 0: does not fit
 template <class T>
 bool layernorm_forward_vectorized(const context& ctx, T* out, float* mean, float* rstd,
                                   const T* inp, const float* weight, const float* bias, int N,
-                                  int C);
+                                  int C, const T* inp2 = nullptr, T* res = nullptr);
 template <class T>
 bool layernorm_dinp_vectorized(const context& ctx, T* dinp, const T* dout, const T* inp,
                                const float* weight, const float* mean, const float* rstd, int N,

@@ -355,6 +355,7 @@ enum class epilogue : std::int64_t {
   bias,           // + bias[m] per row of D
   gelu_aux_bias,  // D = gelu(AB + bias), aux = AB + bias (the GELU's input, for backward)
   dgelu,          // D = (AB) * gelu'(aux)
+  bgradb,         // bias[n] = the sum over k of op(B)[k, n] (fp32; written, not accumulated)
 };
 
 // The key: everything the plan depends on, including each pointer's alignment (the heuristic
@@ -386,8 +387,9 @@ std::int64_t batch_alignment(const T* p, int batch, std::int64_t stride) {
 // cuBLASLt column-major GEMM: D[m,n] = alpha op(A) op(B) + beta C, C = D, with an epilogue;
 // with batch > 1, `batch` such products, matrix i at a + i * stride_a (b, d alike).
 struct gemm_access {
-  // False (running nothing) where cuBLASLt has no algorithm for a GELU epilogue: the caller
-  // then runs the unfused ops. Throws for the plain GEMM and the bias epilogue.
+  // False (running nothing) where cuBLASLt has no algorithm for a GELU or bias-gradient
+  // epilogue: the caller then runs the unfused ops. Throws for the plain GEMM and the bias
+  // epilogue.
   template <class TA, class TD>
   static bool run(const context& ctx, const gemm_shape& g, const TA* a, const TA* b, TD* d,
                   const TD* bias, epilogue epi = epilogue::none, TD* aux = nullptr,
@@ -465,9 +467,16 @@ struct gemm_access {
         const cublasLtEpilogue_t e = epi == epilogue::bias ? CUBLASLT_EPILOGUE_BIAS
                                      : epi == epilogue::gelu_aux_bias
                                          ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
-                                         : CUBLASLT_EPILOGUE_DGELU;
+                                     : epi == epilogue::dgelu ? CUBLASLT_EPILOGUE_DGELU
+                                                              : CUBLASLT_EPILOGUE_BGRADB;
         check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e),
               "cublasLtMatmulDescSetAttribute(EPILOGUE)");
+      }
+      if (epi == epilogue::bgradb) {  // the bias gradient in fp32, whatever D's type
+        const cudaDataType_t fp32 = CUDA_R_32F;
+        check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &fp32,
+                                             sizeof fp32),
+              "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)");
       }
       if (epi == epilogue::gelu_aux_bias || epi == epilogue::dgelu) {
         const std::int64_t aux_ld = key[18];
@@ -508,7 +517,8 @@ struct gemm_access {
       const cublasStatus_t asked =
           cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(ctx.lt_), plan->op, plan->la,
                                          plan->lb, plan->ld, plan->ld, pref, 1, &heuristic, &found);
-      const bool fused = epi == epilogue::gelu_aux_bias || epi == epilogue::dgelu;
+      const bool fused =
+          epi == epilogue::gelu_aux_bias || epi == epilogue::dgelu || epi == epilogue::bgradb;
       if (fused && (asked != CUBLAS_STATUS_SUCCESS || found == 0)) {
         plan->usable = false;  // the caller runs the unfused ops
       } else {
@@ -567,6 +577,12 @@ void context::release() noexcept {
   if (stream_) cudaStreamDestroy(std::exchange(stream_, nullptr));
 }
 
+int context::unfused_epilogue_shapes() const {
+  int n = 0;
+  for (const auto& [key, plan] : gemms_->plans) n += plan->usable ? 0 : 1;
+  return n;
+}
+
 void context::synchronize() const {
   check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
 }
@@ -582,6 +598,21 @@ void layernorm_forward(const context& ctx, T* out, float* mean, float* rstd, con
   layernorm_forward_kernel<T><<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(
       out, mean, rstd, inp, weight, bias, N, C);
   check_launch("layernorm_forward_kernel");
+}
+
+template <class T>
+void residual_layernorm_forward(const context& ctx, T* res, T* out, float* mean, float* rstd,
+                                const T* a, const T* b, const float* weight, const float* bias,
+                                int N, int C) {
+  if (N <= 0) return;
+  // One op (one layernorm_forward in the timings) where the fused kernel runs, else two.
+  if (ctx.fast_kernels() && layernorm_vectors_per_lane<T>(C) > 0 && aligned16(res) &&
+      aligned16(out) && aligned16(a) && aligned16(b)) {
+    const timed_op timing(ctx, op_family::layernorm_forward);
+    if (layernorm_forward_vectorized(ctx, out, mean, rstd, a, weight, bias, N, C, b, res)) return;
+  }
+  residual_forward(ctx, res, a, b, std::int64_t{N} * C);
+  layernorm_forward(ctx, out, mean, rstd, static_cast<const T*>(res), weight, bias, N, C);
 }
 
 template <class T>
@@ -608,6 +639,17 @@ void linear_forward(const context& ctx, T* out, const T* inp, const T* weight, c
   gemm_access::run<T, T>(ctx, {true, false, OC, N, C, C, C, OC}, weight, inp, out, bias);
 }
 
+// The GEMM epilogues (GELU, bias gradient) and the one-read classifier: the fast kernels in bf16
+// and fp16. fp32 keeps the reference arithmetic (the GELU of cuda_ops' kernels, the column sums,
+// the classifier's division), so an fp32 run with the fast kernels stays within the CPU's
+// rounding.
+namespace {
+template <class T>
+bool fused_16bit_kernels(const context& ctx) {
+  return !std::is_same_v<T, float> && ctx.fast_kernels();
+}
+}  // namespace
+
 template <class T>
 void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, const T* dout,
                      const T* inp, const T* weight, int N, int C, int OC) {
@@ -616,29 +658,40 @@ void linear_backward(const context& ctx, T* dinp, float* dweight, float* dbias, 
   if (dinp)
     gemm_access::run<T, T>(ctx, {false, false, C, N, OC, C, OC, C, 1.0f, 1.0f}, weight, dout, dinp,
                            nullptr);
-  // dW[OC,C] += dout^T inp: column-major dW^T[C,OC] = inp^T[C,N] dout[N,OC], into fp32.
-  if (dweight)
-    gemm_access::run<T, float>(ctx, {false, true, C, OC, N, C, OC, C, 1.0f, 1.0f}, inp, dout,
-                               dweight, nullptr);
-  if (dbias) column_sums<T, false>(ctx, nullptr, dbias, dout, dout, nullptr, nullptr, N, OC);
+  // dW[OC,C] += dout^T inp: column-major dW^T[C,OC] = inp^T[C,N] dout[N,OC], into fp32. With the
+  // fast kernels in bf16 and fp16, db in the same GEMM: cuBLASLt's BGRADB epilogue sums dout's
+  // columns (op(B)'s, over k = N) as it reads them, into a scratch (the epilogue writes; the
+  // gradients accumulate) then added to db. Else, or where cuBLASLt has no algorithm for the
+  // epilogue, the column sums read dout again.
+  bool bias_done = false;
+  if (dweight) {
+    const gemm_shape shape{false, true, C, OC, N, C, OC, C, 1.0f, 1.0f};
+    if (dbias && fused_16bit_kernels<T>(ctx)) {
+      float* sums = nullptr;
+      check(cudaMallocAsync(reinterpret_cast<void**>(&sums), std::size_t(OC) * sizeof(float),
+                            ctx.stream()),
+            "cudaMallocAsync(linear_backward bias gradient)");
+      bias_done =
+          gemm_access::run<T, float>(ctx, shape, inp, dout, dweight, sums, epilogue::bgradb);
+      if (bias_done) {
+        column_finish_kernel<<<blocks_for(OC), kThreads, 0, ctx.stream()>>>(nullptr, dbias, nullptr,
+                                                                            sums, 1, OC);
+        check_launch("column_finish_kernel");
+      }
+      check(cudaFreeAsync(sums, ctx.stream()), "cudaFreeAsync(linear_backward bias gradient)");
+    }
+    if (!bias_done) gemm_access::run<T, float>(ctx, shape, inp, dout, dweight, nullptr);
+  }
+  if (dbias && !bias_done)
+    column_sums<T, false>(ctx, nullptr, dbias, dout, dout, nullptr, nullptr, N, OC);
 }
-
-// The GELU epilogues and the one-read classifier: the fast kernels in bf16 and fp16. fp32 keeps
-// the reference arithmetic (the GELU of cuda_ops' kernels, the classifier's division), so an
-// fp32 run with the fast kernels stays within the CPU's rounding.
-namespace {
-template <class T>
-bool fused_classifier_and_gelu(const context& ctx) {
-  return !std::is_same_v<T, float> && ctx.fast_kernels();
-}
-}  // namespace
 
 template <class T>
 void linear_gelu_forward(const context& ctx, T* out, T* pre, const T* inp, const T* weight,
                          const T* bias, int N, int C, int OC) {
   {
     const timed_op timing(ctx, op_family::linear_forward);
-    if (fused_classifier_and_gelu<T>(ctx) &&
+    if (fused_16bit_kernels<T>(ctx) &&
         gemm_access::run<T, T>(ctx, {true, false, OC, N, C, C, C, OC}, weight, inp, out, bias,
                                epilogue::gelu_aux_bias, pre, OC))
       return;
@@ -657,7 +710,7 @@ void linear_backward_dgelu(const context& ctx, T* dpre, T* dact, float* dweight,
     // dpre^T[C,N] = W^T[C,OC] dout^T[OC,N], times gelu'(pre) in the epilogue (pre as D is laid);
     // else the product alone into dact.
     const gemm_shape shape{false, false, C, N, OC, C, OC, C, 1.0f, 0.0f};
-    fused = fused_classifier_and_gelu<T>(ctx) &&
+    fused = fused_16bit_kernels<T>(ctx) &&
             gemm_access::run<T, T>(ctx, shape, weight, dout, dpre, nullptr, epilogue::dgelu,
                                    const_cast<T*>(pre), C);
     if (!fused) gemm_access::run<T, T>(ctx, shape, weight, dout, dact, nullptr);
@@ -700,7 +753,7 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
   r.count = count;
   if (N <= 0) return r;
   const float scale = count > 0 ? grad_scale / static_cast<float>(count) : 0.0f;
-  if (fused_classifier_and_gelu<T>(ctx) && Vp % pack<T>::n == 0 && aligned16(dlogits) &&
+  if (fused_16bit_kernels<T>(ctx) && Vp % pack<T>::n == 0 && aligned16(dlogits) &&
       aligned16(logits)) {
     softmax_ce_vec_kernel<T><<<static_cast<unsigned>(N), 1024, 0, ctx.stream()>>>(
         dlogits, logits, targets, losses, V, Vp, ignore_index, scale);
@@ -730,6 +783,8 @@ cross_entropy_result softmax_cross_entropy_backward(const context& ctx, T* dlogi
   template void gelu_forward<T>(const context&, T*, const T*, std::int64_t);                       \
   template void gelu_backward<T>(const context&, T*, const T*, const T*, std::int64_t);            \
   template void residual_forward<T>(const context&, T*, const T*, const T*, std::int64_t);         \
+  template void residual_layernorm_forward<T>(const context&, T*, T*, float*, float*, const T*,    \
+                                              const T*, const float*, const float*, int, int);     \
   template cross_entropy_result softmax_cross_entropy_backward<T>(                                 \
       const context&, T*, const T*, const std::int32_t*, float*, int, int, int, int, std::int64_t, \
       float);

@@ -89,6 +89,9 @@ class context {
   // waiting for the stream; starts the next period (its event pairs are reused: take them
   // every step or so, or they grow with every op).
   std::vector<op_family_time> take_timings();
+  // How many GEMM shapes asked for a fused epilogue (GELU, bias gradient) that cuBLASLt has no
+  // algorithm for, and so run the unfused ops instead.
+  int unfused_epilogue_shapes() const;
 
  private:
   friend struct gemm_access;
@@ -149,6 +152,14 @@ template <class T>
 void gelu_backward(const context& ctx, T* dinp, const T* inp, const T* dout, std::int64_t n);
 template <class T>
 void residual_forward(const context& ctx, T* out, const T* a, const T* b, std::int64_t n);
+// A residual add and the layernorm of its sum: res[N,C] = a + b (may alias a or b), then out =
+// layernorm(res) with mean and rstd as layernorm_forward's. With the fast kernels one pass where
+// the row fits the 128-bit kernel (the sum read back from registers, not memory); else the two
+// ops. Bitwise residual_forward then layernorm_forward either way.
+template <class T>
+void residual_layernorm_forward(const context& ctx, T* res, T* out, float* mean, float* rstd,
+                                const T* a, const T* b, const float* weight, const float* bias,
+                                int N, int C);
 
 // ---- fused softmax + cross-entropy over the first V of Vp columns ------------------------------
 // losses[N] (fp32) receives each row's loss (0 for ignored rows); dlogits (may alias logits) is

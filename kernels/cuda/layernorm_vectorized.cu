@@ -18,9 +18,13 @@ namespace {
 
 constexpr int kMaxVectorsPerLane = 8;
 
-template <class T, int VPL>
+// With RESIDUAL, the row is first the residual sum inp + inp2, rounded to T as residual_forward
+// rounds it and stored to res (each lane reads its vectors before writing them: res may alias
+// inp or inp2).
+template <class T, int VPL, bool RESIDUAL>
 __global__ void layernorm_forward_vec_kernel(T* out, float* mean, float* rstd, const T* inp,
-                                             const float* w, const float* b, int N, int C) {
+                                             const T* inp2, T* res, const float* w, const float* b,
+                                             int N, int C) {
   constexpr int V = pack<T>::n;
   const int row = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -30,7 +34,14 @@ __global__ void layernorm_forward_vec_kernel(T* out, float* mean, float* rstd, c
   float s = 0;
 #pragma unroll
   for (int k = 0; k < VPL; ++k) {
-    const pack<T> p = load_pack(inp + at + (k * 32 + lane) * V);
+    const std::int64_t c0 = at + (k * 32 + lane) * V;
+    pack<T> p = load_pack(inp + c0);
+    if constexpr (RESIDUAL) {
+      const pack<T> q = load_pack(inp2 + c0);
+#pragma unroll
+      for (int j = 0; j < V; ++j) p.v[j] = from_f<T>(to_f(p.v[j]) + to_f(q.v[j]));
+      store_pack(res + c0, p);
+    }
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       x[k][j] = to_f(p.v[j]);
@@ -140,13 +151,18 @@ int layernorm_vectors_per_lane(int C) {
 template <class T>
 bool layernorm_forward_vectorized(const context& ctx, T* out, float* mean, float* rstd,
                                   const T* inp, const float* weight, const float* bias, int N,
-                                  int C) {
+                                  int C, const T* inp2, T* res) {
   if (!aligned16(out) || !aligned16(inp)) return false;
+  if (res && (!aligned16(inp2) || !aligned16(res))) return false;
   return with_vectors_per_lane(layernorm_vectors_per_lane<T>(C), [&](auto v) {
     constexpr int VPL = decltype(v)::value;
-    layernorm_forward_vec_kernel<T, VPL>
-        <<<blocks_for(std::int64_t{N} * 32), kThreads, 0, ctx.stream()>>>(out, mean, rstd, inp,
-                                                                          weight, bias, N, C);
+    const unsigned blocks = blocks_for(std::int64_t{N} * 32);
+    if (res)
+      layernorm_forward_vec_kernel<T, VPL, true><<<blocks, kThreads, 0, ctx.stream()>>>(
+          out, mean, rstd, inp, inp2, res, weight, bias, N, C);
+    else
+      layernorm_forward_vec_kernel<T, VPL, false><<<blocks, kThreads, 0, ctx.stream()>>>(
+          out, mean, rstd, inp, nullptr, nullptr, weight, bias, N, C);
     check_launch("layernorm_forward_vec_kernel");
   });
 }
@@ -168,7 +184,8 @@ bool layernorm_dinp_vectorized(const context& ctx, T* dinp, const T* dout, const
 #define TROUPE_INSTANTIATE(T)                                                                      \
   template int layernorm_vectors_per_lane<T>(int);                                                 \
   template bool layernorm_forward_vectorized<T>(const context&, T*, float*, float*, const T*,      \
-                                                const float*, const float*, int, int);             \
+                                                const float*, const float*, int, int, const T*,    \
+                                                T*);                                               \
   template bool layernorm_dinp_vectorized<T>(const context&, T*, const T*, const T*, const float*, \
                                              const float*, const float*, int, int);
 TROUPE_INSTANTIATE(float)

@@ -65,35 +65,106 @@ TEMPLATE_TEST_CASE("layernorm on the GPU matches the CPU reference", "[gpu]", fl
     }
 }
 
+// The residual add fused into the layernorm after it: bitwise residual_forward then
+// layernorm_forward, with the fast kernels (one pass where the row fits: C 768 and 512) and
+// without; the sum written over its first input (as the block writes res2 in place) and into a
+// fresh buffer; outputs poisoned.
+TEMPLATE_TEST_CASE("residual + layernorm on the GPU is the two ops bitwise", "[gpu]", float, bf16,
+                   fp16) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const bool fast : {false, true})
+    for (const int C : {768, 512, 100})
+      for (const bool in_place : {true, false}) {
+        INFO("C = " << C << (fast ? ", fast kernels" : "") << (in_place ? ", in place" : ""));
+        const int N = 37;
+        const auto n = static_cast<std::size_t>(N) * C;
+        const auto a = rounded<TestType>(random_values(n, 31, -2, 2));
+        const auto b = rounded<TestType>(random_values(n, 32, -2, 2));
+        const auto w = random_values(C, 33, 0.5f, 1.5f), bias = random_values(C, 34);
+        cu::context ctx;
+        ctx.set_fast_kernels(fast);
+        device_array<TestType> ga(a), gb(b), gsum(std::vector<float>(n, nan)),
+            gy(std::vector<float>(n, nan)), ref_sum(std::vector<float>(n, nan)),
+            ref_y(std::vector<float>(n, nan));
+        device_array<float> gw(w), gbias(bias), gmean(std::vector<float>(N, nan)),
+            grstd(std::vector<float>(N, nan)), ref_mean(std::vector<float>(N, nan)),
+            ref_rstd(std::vector<float>(N, nan));
+        cu::residual_forward<TestType>(ctx, ref_sum.get(), ga.get(), gb.get(),
+                                       static_cast<std::int64_t>(n));
+        cu::layernorm_forward<TestType>(ctx, ref_y.get(), ref_mean.get(), ref_rstd.get(),
+                                        ref_sum.get(), gw.get(), gbias.get(), N, C);
+        TestType* sum = in_place ? ga.get() : gsum.get();
+        cu::residual_layernorm_forward<TestType>(ctx, sum, gy.get(), gmean.get(), grstd.get(),
+                                                 ga.get(), gb.get(), gw.get(), gbias.get(), N, C);
+        ctx.synchronize();
+        CHECK((in_place ? ga.host() : gsum.host()) == ref_sum.host());
+        CHECK(gy.host() == ref_y.host());
+        CHECK(gmean.host() == ref_mean.host());
+        CHECK(grstd.host() == ref_rstd.host());
+        // And the CPU's residual then layernorm.
+        std::vector<float> r(n), y(n), mean(static_cast<std::size_t>(N)),
+            rstd(static_cast<std::size_t>(N));
+        cpu::residual_forward(r.data(), a.data(), b.data(), static_cast<std::int64_t>(n));
+        const auto r_rounded = rounded<TestType>(r);
+        cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), r_rounded.data(), w.data(),
+                               bias.data(), N, C);
+        check_close<TestType>(gy.host(), y, "out");
+        check_close<float>(gmean.host(), mean, "mean");
+      }
+}
+
+// The GEMMs and bias: with the fast kernels in bf16 and fp16 the bias gradient comes from the
+// weight-gradient GEMM's BGRADB epilogue (or the column sums, where cuBLASLt has no algorithm
+// for it: OC 100). Gradients accumulated onto 0.5; the backward repeated bitwise.
 TEMPLATE_TEST_CASE("linear (cuBLASLt) on the GPU matches the CPU reference", "[gpu]", float, bf16,
                    fp16) {
-  const int N = 64, C = 96, OC = 160;
-  const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 5));
-  const auto w = rounded<TestType>(random_values(std::size_t(OC) * C, 6, -0.2f, 0.2f));
-  const auto b = rounded<TestType>(random_values(OC, 7));
-  const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(N) * OC, 8));
-  std::vector<float> y(static_cast<std::size_t>(N) * OC), dx(x.size(), 0.0f), dw(w.size(), 0.0f),
-      db(OC, 0.0f);
-  cpu::linear_forward(y.data(), x.data(), w.data(), b.data(), N, C, OC);
-  cpu::linear_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, C, OC);
-  cu::context ctx;
-  device_array<TestType> gx(x), gw(w), gb(b), gy(y.size()), gdy(dy),
-      gdx(std::vector<float>(x.size(), 0.0f));
-  device_array<float> gdw(std::vector<float>(w.size(), 0.0f)), gdb(std::vector<float>(OC, 0.0f));
-  cu::linear_forward(ctx, gy.get(), gx.get(), gw.get(), gb.get(), N, C, OC);
-  cu::linear_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(), N, C,
-                      OC);
-  ctx.synchronize();
-  check_close<TestType>(gy.host(), y, "out", 1e-5);
-  check_close<TestType>(gdx.host(), dx, "dinp", 1e-5);
-  check_close<TestType>(gdw.host(), dw, "dweight", 1e-5);
-  check_close<TestType>(gdb.host(), db, "dbias", 1e-5);
-  // Backward accumulates: a second call doubles the weight gradient.
-  cu::linear_backward<TestType>(ctx, nullptr, gdw.get(), nullptr, gdy.get(), gx.get(), gw.get(), N,
-                                C, OC);
-  ctx.synchronize();
-  for (auto& v : dw) v *= 2;
-  check_close<TestType>(gdw.host(), dw, "dweight accumulated", 1e-5);
+  for (const bool fast : {false, true})
+    for (const int OC : {160, 100}) {
+      INFO((fast ? "fast kernels" : "reference kernels") << ", OC " << OC);
+      const int N = 64, C = 96;
+      const auto x = rounded<TestType>(random_values(static_cast<std::size_t>(N) * C, 5));
+      const auto w = rounded<TestType>(random_values(std::size_t(OC) * C, 6, -0.2f, 0.2f));
+      const auto b = rounded<TestType>(random_values(OC, 7));
+      const auto dy = rounded<TestType>(random_values(static_cast<std::size_t>(N) * OC, 8));
+      std::vector<float> y(static_cast<std::size_t>(N) * OC), dx(x.size(), 0.5f),
+          dw(w.size(), 0.5f), db(OC, 0.5f);
+      cpu::linear_forward(y.data(), x.data(), w.data(), b.data(), N, C, OC);
+      cpu::linear_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), N, C,
+                           OC);
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      cu::context ctx;
+      ctx.set_fast_kernels(fast);
+      device_array<TestType> gx(x), gw(w), gb(b), gy(std::vector<float>(y.size(), nan)), gdy(dy),
+          gdx(std::vector<float>(x.size(), 0.5f));
+      device_array<float> gdw(std::vector<float>(w.size(), 0.5f)),
+          gdb(std::vector<float>(OC, 0.5f));
+      cu::linear_forward(ctx, gy.get(), gx.get(), gw.get(), gb.get(), N, C, OC);
+      cu::linear_backward(ctx, gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(), N, C,
+                          OC);
+      ctx.synchronize();
+      check_close<TestType>(gy.host(), y, "out", 1e-5);
+      check_close<TestType>(gdx.host(), dx, "dinp (accumulated onto 0.5)", 1e-5);
+      check_close<TestType>(gdw.host(), dw, "dweight (accumulated onto 0.5)", 1e-5);
+      check_close<TestType>(gdb.host(), db, "dbias (accumulated onto 0.5)", 1e-5);
+      if (ctx.unfused_epilogue_shapes() > 0)
+        WARN("cuBLASLt has no BGRADB algorithm for OC " << OC << ": the column sums ran");
+      // Accumulates, deterministically: a second backward onto the first's gradients adds the
+      // same bits again (the first's increments, recomputed from fresh accumulators, equal).
+      device_array<float> dw2(std::vector<float>(w.size(), 0.5f)),
+          db2(std::vector<float>(OC, 0.5f));
+      cu::linear_backward<TestType>(ctx, nullptr, dw2.get(), db2.get(), gdy.get(), gx.get(),
+                                    gw.get(), N, C, OC);
+      ctx.synchronize();
+      CHECK(dw2.host() == gdw.host());
+      CHECK(db2.host() == gdb.host());
+      cu::linear_backward<TestType>(ctx, nullptr, gdw.get(), gdb.get(), gdy.get(), gx.get(),
+                                    gw.get(), N, C, OC);
+      ctx.synchronize();
+      for (auto& v : dw) v = 2 * v - 0.5f;
+      for (auto& v : db) v = 2 * v - 0.5f;
+      check_close<TestType>(gdw.host(), dw, "dweight accumulated twice", 1e-5);
+      check_close<TestType>(gdb.host(), db, "dbias accumulated twice", 1e-5);
+    }
 }
 
 // The MLP's linear + GELU and its backward against the CPU's ops one after another: the
