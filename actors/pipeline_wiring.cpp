@@ -56,13 +56,13 @@ device_links make_links(const build_inputs& in) {
   device_links links;
   if (!in.chunks) return links;
   const auto& L = in.layout;
-  const int embedding = L.rank_of(0), head = L.rank_of(L.stage_count() - 1);
+  const int embedding = L.rank_of(0), head = L.rank_of(L.virtual_stage_count() - 1);
   for (int d = 0; d < in.r.parallel.dp * in.r.parallel.tp; ++d) {
     const int replica = d / in.r.parallel.tp;
     auto here = [&](int rank) {
       return in.placement.process_of_stage(replica, rank, d % in.r.parallel.tp) == in.rank;
     };
-    for (int s = 0; s + 1 < L.stage_count(); ++s) {
+    for (int s = 0; s + 1 < L.virtual_stage_count(); ++s) {
       const int a = L.rank_of(s), b = L.rank_of(s + 1);
       if (!here(a) || !here(b)) continue;
       for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}}) {

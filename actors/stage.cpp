@@ -140,7 +140,7 @@ class stage_impl : public stage_actor::base {
   bool staged_buckets() const { return device() && cfg_.device->stage_buckets; }
   // This shard's place among all stage actors of a rank, as the coordinator counts them.
   int lane() const { return cfg_.replica * cfg_.tp + cfg_.tp_rank; }
-  int last_stage() const { return cfg_.layout.stage_count() - 1; }
+  int last_virtual_stage() const { return cfg_.layout.virtual_stage_count() - 1; }
   bool zero() const { return cfg_.zero != engine::zero_stage::none; }
   bool release_grads() const { return cfg_.zero >= engine::zero_stage::gradients; }
   bool sharded_params() const { return cfg_.zero >= engine::zero_stage::parameters; }
@@ -296,7 +296,7 @@ class stage_impl : public stage_actor::base {
     std::vector<std::vector<int>> uses;
     for (int round = 0; round < plan_.rounds; ++round) {
       for (const auto& a : *actions_) {
-        const int c = cfg_.layout.chunk_of(a.stage);
+        const int c = cfg_.layout.chunk_of(a.virtual_stage);
         for (const auto& stop : chunks_->stops(c, pass_of(a.kind)))
           uses.push_back(gathers_->buckets_of(c, stop));
       }
@@ -454,8 +454,8 @@ class stage_impl : public stage_actor::base {
       static const char* names[] = {"F", "B", "W"};
       watch_->begin(std::string(names[static_cast<int>(run_->a.kind)]) + " of micro-batch " +
                     std::to_string(run_->a.micro_batch) + " (virtual stage " +
-                    std::to_string(run_->a.stage) + ", step " + std::to_string(plan_.step + 1) +
-                    (plan_.eval ? ", evaluation" : "") + ")");
+                    std::to_string(run_->a.virtual_stage) + ", step " +
+                    std::to_string(plan_.step + 1) + (plan_.eval ? ", evaluation" : "") + ")");
     }
     if (plan_.step == cfg_.test_stall_step && !plan_.eval)
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -481,22 +481,22 @@ class stage_impl : public stage_actor::base {
   void waited(const engine::pipeline_action& a) {
     if (waiting_since_ < 0) return;
     cfg_.trace.span("wait", waiting_for_, waiting_since_, cfg_.trace.now_us(),
-                    {plan_.step, a.micro_batch, a.stage});
+                    {plan_.step, a.micro_batch, a.virtual_stage});
     waiting_since_ = -1;
   }
 
-  link_key make_key(link_kind kind, int stage, int round, int mb) const {
-    return plan_link_key(plan_, kind, stage, round, mb);
+  link_key make_key(link_kind kind, int virtual_stage, int round, int mb) const {
+    return plan_link_key(plan_, kind, virtual_stage, round, mb);
   }
   bool ready(const engine::pipeline_action& a, int round) const {
-    return action_ready(plan_, last_stage(), a, round, stash_links_, stash_batches_);
+    return action_ready(plan_, last_virtual_stage(), a, round, stash_links_, stash_batches_);
   }
 
   void begin_action(const engine::pipeline_action& a, int round, int index) {
     running_action& r = run_.emplace();
     r.a = a;
     r.round = round;
-    r.chunk = cfg_.layout.chunk_of(a.stage);
+    r.chunk = cfg_.layout.chunk_of(a.virtual_stage);
     r.id = {round, a.micro_batch};
     r.t0 = cfg_.trace.now_us();
     const int c = r.chunk;
@@ -549,7 +549,7 @@ class stage_impl : public stage_actor::base {
     const double t1 = cfg_.trace.now_us();
     if (r.computed) {
       static const char* names[] = {"F", "B", "W"};
-      const engine::trace::recorder::ids ids{plan_.step, r.a.micro_batch, r.a.stage};
+      const engine::trace::recorder::ids ids{plan_.step, r.a.micro_batch, r.a.virtual_stage};
       // Evaluation passes are traced apart, so they do not count as pipeline compute.
       cfg_.trace.span(plan_.eval ? "eval" : "compute", names[static_cast<int>(r.a.kind)], r.t0, t1,
                       ids);
@@ -567,9 +567,9 @@ class stage_impl : public stage_actor::base {
     } else if (r.a.kind == engine::action_kind::backward) {
       // The input's gradient leaves before the micro-batch is released: a device chunk's is in
       // its slot (D2).
-      if (r.a.stage > 0)
-        route(link_kind::gradient, r.a.stage - 1, r.round, r.a.micro_batch, r.B, r.T, r.chunk,
-              std::move(r.din));
+      if (r.a.virtual_stage > 0)
+        route(link_kind::gradient, r.a.virtual_stage - 1, r.round, r.a.micro_batch, r.B, r.T,
+              r.chunk, std::move(r.din));
       if (!plan_.plan->split_backward) chunks_->release(r.chunk, r.id);
     } else {
       chunks_->release(r.chunk, r.id);
@@ -580,7 +580,7 @@ class stage_impl : public stage_actor::base {
     const auto& a = r.a;
     engine::rank_chunks::forward_args args;
     args.train = !plan_.eval;
-    if (a.stage == 0) {
+    if (a.virtual_stage == 0) {
       auto b = take_batch(batch_part::inputs, r.round, a.micro_batch);
       args.B = b.B;
       args.T = b.T;
@@ -588,7 +588,7 @@ class stage_impl : public stage_actor::base {
       args.hold.push_back(b.tokens);
       r.flow = b.flow_id;
     } else {
-      auto m = take_link(link_kind::activation, a.stage, r.round, a.micro_batch);
+      auto m = take_link(link_kind::activation, a.virtual_stage, r.round, a.micro_batch);
       args.B = static_cast<int>(m.header.shape.at(0));
       args.T = static_cast<int>(m.header.shape.at(1));
       if (m.data) {  // CPU chunks read the payload in place
@@ -597,7 +597,7 @@ class stage_impl : public stage_actor::base {
       }
       r.flow = m.flow_id;
     }
-    if (a.stage == last_stage()) {
+    if (a.virtual_stage == last_virtual_stage()) {
       auto t = take_batch(batch_part::targets, r.round, a.micro_batch);
       args.targets = t.tokens->data();
       r.counted = !plan_.eval || std::any_of(t.tokens->begin(), t.tokens->end(),
@@ -629,7 +629,7 @@ class stage_impl : public stage_actor::base {
 
   void end_forward(running_action& r) {
     const auto& a = r.a;
-    if (a.stage == last_stage()) {
+    if (a.virtual_stage == last_virtual_stage()) {
       if (r.counted) {
         loss_sum_ += chunks_->loss(r.chunk, r.id);
         ++losses_;
@@ -641,7 +641,7 @@ class stage_impl : public stage_actor::base {
         const float* output = chunks_->output(r.chunk, r.id);
         out = std::make_shared<payload<float>>(output, output + n);
       }
-      route(link_kind::activation, a.stage + 1, r.round, a.micro_batch, r.B, r.T, r.chunk,
+      route(link_kind::activation, a.virtual_stage + 1, r.round, a.micro_batch, r.B, r.T, r.chunk,
             std::move(out));
     }
     if (plan_.eval) chunks_->release(r.chunk, r.id);
@@ -650,12 +650,12 @@ class stage_impl : public stage_actor::base {
   void begin_backward(running_action& r, engine::grad_block_fn on_block) {
     const auto& a = r.a;
     std::tie(r.B, r.T) = chunks_->shape(r.chunk, r.id);
-    if (a.stage != last_stage()) {
-      auto m = take_link(link_kind::gradient, a.stage, r.round, a.micro_batch);
+    if (a.virtual_stage != last_virtual_stage()) {
+      auto m = take_link(link_kind::gradient, a.virtual_stage, r.round, a.micro_batch);
       r.dout = m.data;  // null for device chunks: the gradient is in their slot
       r.flow = m.flow_id;
     }
-    if (a.stage > 0 && chunks_->host_payloads())
+    if (a.virtual_stage > 0 && chunks_->host_payloads())
       r.din = std::make_shared<payload<float>>(std::size_t(r.B) * std::size_t(r.T) *
                                                std::size_t(cfg_.model.width));
     const float* dptr = r.dout ? r.dout->data() : nullptr;
@@ -673,8 +673,8 @@ class stage_impl : public stage_actor::base {
     return b;
   }
 
-  link_message take_link(link_kind kind, int stage, int round, int mb) {
-    const auto key = make_key(kind, stage, round, mb);
+  link_message take_link(link_kind kind, int virtual_stage, int round, int mb) {
+    const auto key = make_key(kind, virtual_stage, round, mb);
     auto it = stash_links_.find(key);
     link_message m = std::move(it->second);
     stash_links_.erase(it);
@@ -696,16 +696,17 @@ class stage_impl : public stage_actor::base {
                                          : engine::payload_kind::gradient;
   }
 
-  void route(link_kind kind, int stage, int round, int mb, int B, int T, int c, float_buffer data) {
+  void route(link_kind kind, int virtual_stage, int round, int mb, int B, int T, int c,
+             float_buffer data) {
     outgoing o;
-    o.m.header = {kind,  plan_.step,   round,      mb,
-                  stage, cfg_.replica, plan_.eval, {B, T, cfg_.model.width}};
+    o.m.header = {kind,          plan_.step,   round,      mb,
+                  virtual_stage, cfg_.replica, plan_.eval, {B, T, cfg_.model.width}};
     o.m.data = std::move(data);
     o.chunk = c;
     o.id = {round, mb};
     const auto key = key_of(o.m.header);
-    if (cfg_.layout.rank_of(stage) == my_rank()) {  // next chunk on this rank
-      if (device()) {                               // through the rank's own link
+    if (cfg_.layout.rank_of(virtual_stage) == my_rank()) {  // next chunk on this rank
+      if (device()) {                                       // through the rank's own link
         links_.send(o.chunk, o.id, payload_of(kind), my_rank(), nullptr);
         arrive(o.m.header, 0, my_rank(), nullptr);
       } else {  // no link: the payload is the next chunk's input
@@ -713,8 +714,8 @@ class stage_impl : public stage_actor::base {
       }
       return;
     }
-    o.m.flow_id = engine::trace::flow_id(static_cast<int>(kind), plan_.step, round, mb, stage,
-                                         cfg_.replica, plan_.eval);
+    o.m.flow_id = engine::trace::flow_id(static_cast<int>(kind), plan_.step, round, mb,
+                                         virtual_stage, cfg_.replica, plan_.eval);
     if (outgoing_.produced(key)) {
       transmit(std::move(o));
     } else {
@@ -725,13 +726,13 @@ class stage_impl : public stage_actor::base {
 
   void transmit(outgoing o) {
     const double t0 = cfg_.trace.now_us();
-    const int to = cfg_.layout.rank_of(o.m.header.stage);
+    const int to = cfg_.layout.rank_of(o.m.header.virtual_stage);
     const auto bytes = static_cast<std::int64_t>(device() ? chunks_->payload_bytes(o.chunk, o.id)
                                                           : o.m.data->size() * sizeof(float));
     // D1: the payload (into its link, or into the message), then its header.
     o.m.data = links_.send(o.chunk, o.id, payload_of(o.m.header.kind), to, std::move(o.m.data));
     const engine::trace::recorder::ids ids{o.m.header.step, o.m.header.micro_batch,
-                                           o.m.header.stage, bytes};
+                                           o.m.header.virtual_stage, bytes};
     const std::uint64_t flow = o.m.flow_id;
     const char* what = o.m.header.kind == link_kind::activation ? "activation" : "gradient";
     caf::anon_send(wiring_.ranks.at(static_cast<std::size_t>(to)), std::move(o.m));
@@ -748,7 +749,8 @@ class stage_impl : public stage_actor::base {
     }
     const double t0 = cfg_.trace.now_us();
     const auto key = key_of(m.header);
-    const engine::trace::recorder::ids ids{m.header.step, m.header.micro_batch, m.header.stage,
+    const engine::trace::recorder::ids ids{m.header.step, m.header.micro_batch,
+                                           m.header.virtual_stage,
                                            static_cast<std::int64_t>(m.data->size() * 4)};
     const char* what = m.header.kind == link_kind::activation ? "activation" : "gradient";
     if (!stash_links_.emplace(key, std::move(m)).second)
@@ -762,7 +764,7 @@ class stage_impl : public stage_actor::base {
   // waits in the stash for its action.
   void arrive(const link_header& h, std::uint64_t flow, int from, const float_buffer& data) {
     const double t0 = cfg_.trace.now_us();
-    const int c = cfg_.layout.chunk_of(h.stage);
+    const int c = cfg_.layout.chunk_of(h.virtual_stage);
     const engine::micro_batch_id id{h.round, h.micro_batch};
     const bool activation = h.kind == link_kind::activation;
     traced_growth(c, [&] {
@@ -778,7 +780,7 @@ class stage_impl : public stage_actor::base {
                                (activation ? "activation" : "gradient") + " message");
     if (from != cfg_.rank)
       cfg_.trace.span("recv", activation ? "activation" : "gradient", t0, cfg_.trace.now_us(),
-                      {h.step, h.micro_batch, h.stage,
+                      {h.step, h.micro_batch, h.virtual_stage,
                        static_cast<std::int64_t>(chunks_->payload_bytes(c, id))});
   }
 

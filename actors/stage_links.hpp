@@ -14,7 +14,7 @@
 namespace troupe::actors {
 
 inline topology::link_key key_of(const messages::link_header& h) {
-  return {static_cast<int>(h.kind), h.eval, h.step, h.stage, h.round, h.micro_batch};
+  return {static_cast<int>(h.kind), h.eval, h.step, h.virtual_stage, h.round, h.micro_batch};
 }
 
 struct batch_key {
@@ -30,8 +30,8 @@ inline batch_key key_of(const messages::batch_message& b) {
 
 // The keys of the current plan's link and batch messages.
 inline topology::link_key plan_link_key(const messages::step_plan& plan, messages::link_kind kind,
-                                        int stage, int round, int mb) {
-  return {static_cast<int>(kind), plan.eval, plan.step, stage, round, mb};
+                                        int virtual_stage, int round, int mb) {
+  return {static_cast<int>(kind), plan.eval, plan.step, virtual_stage, round, mb};
 }
 inline batch_key plan_batch_key(const messages::step_plan& plan, messages::batch_part part,
                                 int round, int mb) {
@@ -42,23 +42,25 @@ inline batch_key plan_batch_key(const messages::step_plan& plan, messages::batch
 // (the last virtual stage) for a forward; the gradient for a backward of any stage but the last.
 // Stashes: maps keyed by link_key and batch_key of what arrived and was not consumed yet.
 template <class LinkStash, class BatchStash>
-bool action_ready(const messages::step_plan& plan, int last_stage, const engine::pipeline_action& a,
-                  int round, const LinkStash& links, const BatchStash& batches) {
+bool action_ready(const messages::step_plan& plan, int last_virtual_stage,
+                  const engine::pipeline_action& a, int round, const LinkStash& links,
+                  const BatchStash& batches) {
   using messages::batch_part;
   using messages::link_kind;
   if (a.kind == engine::action_kind::forward) {
     const bool input =
-        a.stage == 0
+        a.virtual_stage == 0
             ? batches.count(plan_batch_key(plan, batch_part::inputs, round, a.micro_batch)) > 0
-            : links.count(
-                  plan_link_key(plan, link_kind::activation, a.stage, round, a.micro_batch)) > 0;
+            : links.count(plan_link_key(plan, link_kind::activation, a.virtual_stage, round,
+                                        a.micro_batch)) > 0;
     const bool targets =
-        a.stage != last_stage ||
+        a.virtual_stage != last_virtual_stage ||
         batches.count(plan_batch_key(plan, batch_part::targets, round, a.micro_batch)) > 0;
     return input && targets;
   }
-  if (a.kind == engine::action_kind::backward && a.stage != last_stage)
-    return links.count(plan_link_key(plan, link_kind::gradient, a.stage, round, a.micro_batch)) > 0;
+  if (a.kind == engine::action_kind::backward && a.virtual_stage != last_virtual_stage)
+    return links.count(
+               plan_link_key(plan, link_kind::gradient, a.virtual_stage, round, a.micro_batch)) > 0;
   return true;
 }
 
@@ -68,25 +70,31 @@ inline std::optional<topology::link_key> incoming_key(const engine::pipeline_lay
                                                       int rank, const messages::step_plan& plan,
                                                       const engine::pipeline_action& a, int round) {
   using messages::link_kind;
-  const int last = layout.stage_count() - 1;
-  if (a.kind == engine::action_kind::forward && a.stage > 0 && layout.rank_of(a.stage - 1) != rank)
+  const int last = layout.virtual_stage_count() - 1;
+  if (a.kind == engine::action_kind::forward && a.virtual_stage > 0 &&
+      layout.rank_of(a.virtual_stage - 1) != rank)
     return topology::link_key{static_cast<int>(link_kind::activation),
                               plan.eval,
                               plan.step,
-                              a.stage,
+                              a.virtual_stage,
                               round,
                               a.micro_batch};
-  if (a.kind == engine::action_kind::backward && a.stage < last &&
-      layout.rank_of(a.stage + 1) != rank)
-    return topology::link_key{
-        static_cast<int>(link_kind::gradient), plan.eval, plan.step, a.stage, round, a.micro_batch};
+  if (a.kind == engine::action_kind::backward && a.virtual_stage < last &&
+      layout.rank_of(a.virtual_stage + 1) != rank)
+    return topology::link_key{static_cast<int>(link_kind::gradient),
+                              plan.eval,
+                              plan.step,
+                              a.virtual_stage,
+                              round,
+                              a.micro_batch};
   return std::nullopt;
 }
 
 // The rank that sends the link message `k` names.
 inline int sender_of(const engine::pipeline_layout& layout, const topology::link_key& k) {
-  return k.kind == static_cast<int>(messages::link_kind::activation) ? layout.rank_of(k.stage - 1)
-                                                                     : layout.rank_of(k.stage + 1);
+  return k.kind == static_cast<int>(messages::link_kind::activation)
+             ? layout.rank_of(k.virtual_stage - 1)
+             : layout.rank_of(k.virtual_stage + 1);
 }
 
 // The credit for link message `k`, from the receiving stage of `replica`.
@@ -95,7 +103,7 @@ inline messages::link_credit credit_for(const topology::link_key& k, int replica
   c.header.kind = static_cast<messages::link_kind>(k.kind);
   c.header.eval = k.eval;
   c.header.step = k.step;
-  c.header.stage = k.stage;
+  c.header.virtual_stage = k.virtual_stage;
   c.header.round = k.round;
   c.header.micro_batch = k.micro_batch;
   c.header.replica = replica;
@@ -112,7 +120,7 @@ inline std::vector<int> last_weight_actions(const engine::pipeline_layout& layou
   const auto kind = split_backward ? engine::action_kind::weight : engine::action_kind::backward;
   for (int i = 0; i < static_cast<int>(actions.size()); ++i) {
     const auto& a = actions[static_cast<std::size_t>(i)];
-    if (a.kind == kind) last.at(static_cast<std::size_t>(layout.chunk_of(a.stage))) = i;
+    if (a.kind == kind) last.at(static_cast<std::size_t>(layout.chunk_of(a.virtual_stage))) = i;
   }
   return last;
 }

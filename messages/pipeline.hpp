@@ -35,8 +35,8 @@ struct link_header {
   int step = 0;
   int round = 0;
   int micro_batch = 0;
-  int stage = 0;    // receiving virtual stage
-  int replica = 0;  // data-parallel replica of sender and receiver
+  int virtual_stage = 0;  // the receiving one
+  int replica = 0;        // data-parallel replica of sender and receiver
   bool eval = false;
   std::vector<std::int64_t> shape;  // [B, T, C]
 };

@@ -20,7 +20,7 @@ inline constexpr std::uint32_t protocol_version = 3;
 struct mesh_coords {
   int rank = 0, world = 1;  // process rank and count
   int replica = 0;          // data-parallel replica of its first stage
-  int stage = 0;            // pipeline rank of its first stage
+  int pipeline_rank = 0;    // pipeline rank of its first stage actor
 };
 
 // A process asks to join the job (sent to rank 0 during rendezvous).

@@ -19,7 +19,7 @@ struct Hello {
   rank @3 :Int32;
   world @4 :Int32;
   replica @5 :Int32;
-  stage @6 :Int32;
+  pipelineRank @6 :Int32;
   host @7 :Text;
   workerAddress @8 :Data;       # UCX worker address blob
 }

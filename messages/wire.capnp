@@ -36,7 +36,7 @@ struct LinkHeader {
   step @1 :Int32;
   round @2 :Int32;
   microBatch @3 :Int32;
-  stage @4 :Int32;
+  virtualStage @4 :Int32;
   replica @5 :Int32;
   eval @6 :Bool;
   shape @7 :List(Int64);
@@ -72,7 +72,7 @@ struct BatchCredit {
 
 struct PipelineAction {
   kind @0 :ActionKind;
-  stage @1 :Int32;
+  virtualStage @1 :Int32;
   microBatch @2 :Int32;
 }
 
@@ -188,7 +188,7 @@ struct TraceEvent {
   flowId @6 :UInt64;
   step @7 :Int32;
   microBatch @8 :Int32;
-  stage @9 :Int32;
+  virtualStage @9 :Int32;
   bytes @10 :Int64;
 }
 

@@ -199,7 +199,7 @@ class writer {
     b.setStep(h.step);
     b.setRound(h.round);
     b.setMicroBatch(h.micro_batch);
-    b.setStage(h.stage);
+    b.setVirtualStage(h.virtual_stage);
     b.setReplica(h.replica);
     b.setEval(h.eval);
     auto shape = b.initShape(static_cast<unsigned>(h.shape.size()));
@@ -218,7 +218,7 @@ class writer {
       auto list = ranks.init(r, static_cast<unsigned>(src.size()));
       for (unsigned i = 0; i < list.size(); ++i) {
         list[i].setKind(static_cast<s::ActionKind>(src[i].kind));
-        list[i].setStage(src[i].stage);
+        list[i].setVirtualStage(src[i].virtual_stage);
         list[i].setMicroBatch(src[i].micro_batch);
       }
     }
@@ -234,7 +234,7 @@ class writer {
     b.setFlowId(e.flow_id);
     b.setStep(e.step);
     b.setMicroBatch(e.micro_batch);
-    b.setStage(e.stage);
+    b.setVirtualStage(e.virtual_stage);
     b.setBytes(e.bytes);
   }
 

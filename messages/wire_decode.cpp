@@ -98,7 +98,7 @@ class reader {
     h.step = r.getStep();
     h.round = r.getRound();
     h.micro_batch = r.getMicroBatch();
-    h.stage = r.getStage();
+    h.virtual_stage = r.getVirtualStage();
     h.replica = r.getReplica();
     h.eval = r.getEval();
     field = "header.shape";
@@ -145,8 +145,8 @@ class reader {
       list(actions.size());
       auto& out = p->ranks.emplace_back();
       for (const auto a : actions)
-        out.push_back({static_cast<engine::action_kind>(checked(a.getKind(), 3)), a.getStage(),
-                       a.getMicroBatch()});
+        out.push_back({static_cast<engine::action_kind>(checked(a.getKind(), 3)),
+                       a.getVirtualStage(), a.getMicroBatch()});
     }
     field = "plan";
     try {
@@ -184,7 +184,7 @@ class reader {
     e.flow_id = r.getFlowId();
     e.step = r.getStep();
     e.micro_batch = r.getMicroBatch();
-    e.stage = r.getStage();
+    e.virtual_stage = r.getVirtualStage();
     e.bytes = r.getBytes();
     return e;
   }

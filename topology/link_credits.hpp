@@ -21,7 +21,7 @@ struct link_key {
   int kind = 0;  // messages::link_kind
   bool eval = false;
   int step = 0;
-  int stage = 0;  // receiving virtual stage
+  int virtual_stage = 0;  // the receiving one
   int round = 0;
   int micro_batch = 0;
   friend auto operator<=>(const link_key&, const link_key&) = default;
@@ -40,7 +40,7 @@ class incoming_credits {
     std::vector<link_key> order;
     std::size_t next_grant = 0;
   };
-  static std::pair<int, int> link_of(const link_key& k) { return {k.kind, k.stage}; }
+  static std::pair<int, int> link_of(const link_key& k) { return {k.kind, k.virtual_stage}; }
   std::map<std::pair<int, int>, link_state> links_;
 };
 

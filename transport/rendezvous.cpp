@@ -122,7 +122,7 @@ kj::Array<capnp::word> encode_hello(const messages::hello& h) {
   w.setRank(h.coords.rank);
   w.setWorld(h.coords.world);
   w.setReplica(h.coords.replica);
-  w.setStage(h.coords.stage);
+  w.setPipelineRank(h.coords.pipeline_rank);
   w.setHost(h.host);
   w.setWorkerAddress(kj::arrayPtr(h.worker_address.data(), h.worker_address.size()));
   return capnp::messageToFlatArray(m);

@@ -22,9 +22,9 @@ cpu_chunks::cpu_chunks(const gpt_config& model, const std::vector<chunk_range>& 
     : recompute_(recompute), tp_(shard.size) {
   for (const auto& r : chunks) {
     chunk_state s;
-    s.stage = std::make_unique<gpt_chunk>(model, r, shard);
-    if (group) s.stage->set_tensor_group(group);
-    if (optimizer_state) s.opt = std::make_unique<adamw_optimizer>(*s.stage);
+    s.model = std::make_unique<gpt_chunk>(model, r, shard);
+    if (group) s.model->set_tensor_group(group);
+    if (optimizer_state) s.opt = std::make_unique<adamw_optimizer>(*s.model);
     chunks_.push_back(std::move(s));
   }
 }
@@ -55,7 +55,7 @@ std::int64_t cpu_chunks::activation_bytes() const {
 }
 
 void cpu_chunks::zero_grad() {
-  for (auto& c : chunks_) c.stage->zero_grad();
+  for (auto& c : chunks_) c.model->zero_grad();
 }
 
 cpu_chunks::slot& cpu_chunks::live_slot(int c, micro_batch_id id) {
@@ -85,14 +85,14 @@ block_pass cpu_chunks::forward(int c, micro_batch_id id, forward_args args) {
     if (recompute_) {
       auto& shared = scratch_[{args.B, args.T}];
       if (!shared)
-        shared = std::make_shared<block_scratch>(ch.stage->config(), args.B, args.T, tp_);
+        shared = std::make_shared<block_scratch>(ch.model->config(), args.B, args.T, tp_);
       scratch = shared;
     }
-    fresh.acts = std::make_unique<gpt_activations>(*ch.stage, args.B, args.T, std::move(scratch));
+    fresh.acts = std::make_unique<gpt_activations>(*ch.model, args.B, args.T, std::move(scratch));
   }
   fresh.hold = std::move(args.hold);
   slot& s = ch.live.emplace(id, std::move(fresh)).first->second;  // map nodes do not move
-  return forward_pass(*ch.stage, s, args);
+  return forward_pass(*ch.model, s, args);
 }
 
 block_pass cpu_chunks::forward_pass(const gpt_chunk& st, slot& s, forward_args args) {

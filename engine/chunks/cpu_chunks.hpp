@@ -42,8 +42,8 @@ class cpu_chunks {
              std::shared_ptr<tensor_group> group = nullptr);
 
   int chunk_count() const { return static_cast<int>(chunks_.size()); }
-  gpt_chunk& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
-  const gpt_chunk& chunk(int c) const { return *chunks_.at(static_cast<std::size_t>(c)).stage; }
+  gpt_chunk& chunk(int c) { return *chunks_.at(static_cast<std::size_t>(c)).model; }
+  const gpt_chunk& chunk(int c) const { return *chunks_.at(static_cast<std::size_t>(c)).model; }
   adamw_optimizer& optimizer(int c);  // throws std::logic_error without optimizer state
   std::int64_t optimizer_bytes() const;
   // What the rank's activations take: every gpt_activations it allocated (in flight or pooled
@@ -87,7 +87,7 @@ class cpu_chunks {
     double loss = std::numeric_limits<double>::quiet_NaN();
   };
   struct chunk_state {
-    std::unique_ptr<gpt_chunk> stage;
+    std::unique_ptr<gpt_chunk> model;
     std::unique_ptr<adamw_optimizer> opt;
     std::map<micro_batch_id, slot> live;
     std::multimap<std::pair<int, int>, std::unique_ptr<gpt_activations>> pool;  // (B, T)

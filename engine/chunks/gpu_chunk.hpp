@@ -4,7 +4,7 @@
 // slot. Host code: the kernels come from kernels/cuda through the .cpp.
 //
 // Invariants:
-//  - The weights start as the host stage given (the same chunk_range, the same flat layout as
+//  - The weights start as the host chunk given (the same chunk_range, the same flat layout as
 //    gpt_chunk), so a GPU chunk starts from the CPU chunk's exact weights, and parameters and
 //    gradients keep gpt_chunk's layout. A head chunk without the embedding holds its own copy
 //    of the tied wte, as on the CPU: whoever drives the pipeline sums the two copies' gradients.
@@ -245,7 +245,7 @@ class gpu_chunk {
   // n floats on the device kept to receive a peer's gradients into (the tied wte's other copy):
   // allocated at the first call (counted in device_bytes()), the same buffer after.
   float* gradient_scratch(std::int64_t n);
-  // The master weights into a host stage of the same range (to save them).
+  // The master weights into a host chunk of the same range (to save them).
   void copy_parameters_to(gpt_chunk& host) const;
   // Master weights [at, at + n) of the layout from host floats, and the 16-bit copy of them,
   // on the stream after what it has enqueued; the host buffer may be reused on return.

@@ -36,16 +36,18 @@ class cpu_rank_chunks final : public rank_chunks {
 
   std::string kind() const override { return "cpu"; }
   int chunk_count() const override { return compute_.chunk_count(); }
-  const chunk_range& range(int c) const override { return stage(c).range(); }
-  const std::vector<parameter_info>& layout(int c) const override { return stage(c).parameters(); }
-  std::int64_t parameter_count(int c) const override { return stage(c).parameter_count(); }
+  const chunk_range& range(int c) const override { return weights_of(c).range(); }
+  const std::vector<parameter_info>& layout(int c) const override {
+    return weights_of(c).parameters();
+  }
+  std::int64_t parameter_count(int c) const override { return weights_of(c).parameter_count(); }
   const std::vector<grad_block>& grad_blocks(int c) const override {
     return blocks_.at(static_cast<std::size_t>(c));
   }
   float* gradients(int c) override { return compute_.chunk(c).grads(); }
-  gpt_chunk* host_stage(int c) override { return &compute_.chunk(c); }
+  gpt_chunk* cpu_chunk(int c) override { return &compute_.chunk(c); }
   std::vector<float> parameters(int c) const override {
-    const auto& st = stage(c);
+    const auto& st = weights_of(c);
     return {st.params(), st.params() + st.parameter_count()};
   }
 
@@ -54,7 +56,8 @@ class cpu_rank_chunks final : public rank_chunks {
   const void* send_buffer(int, micro_batch_id, payload_kind) override { return nullptr; }
   std::size_t payload_bytes(int c, micro_batch_id id) const override {
     const auto [B, T] = compute_.shape(c, id);
-    return std::size_t(B) * std::size_t(T) * std::size_t(stage(c).config().width) * sizeof(float);
+    return std::size_t(B) * std::size_t(T) * std::size_t(weights_of(c).config().width) *
+           sizeof(float);
   }
   int slot_count(int) const override { return 0; }
   void hold(int, micro_batch_id) override {}
@@ -86,7 +89,7 @@ class cpu_rank_chunks final : public rank_chunks {
 
   void zero_grad() override { compute_.zero_grad(); }
   double grad_square_sum(int c, bool count_tied_copy) override {
-    return engine::grad_square_sum(stage(c), count_tied_copy);
+    return engine::grad_square_sum(weights_of(c), count_tied_copy);
   }
   double update(int c, const optimizer_config& config, int step, int total_steps, double grad_norm,
                 double unscale) override {
@@ -130,7 +133,7 @@ class cpu_rank_chunks final : public rank_chunks {
   }
   host_state state_on_host(int c, bool with_moments) override {
     host_state h;
-    h.params = stage(c).params();
+    h.params = weights_of(c).params();
     if (with_moments) {
       const auto& o = compute_.optimizer(c);
       h.m = o.first_moment().f32();
@@ -146,7 +149,7 @@ class cpu_rank_chunks final : public rank_chunks {
   std::int64_t activation_bytes() const override { return compute_.activation_bytes(); }
 
  private:
-  const gpt_chunk& stage(int c) const { return compute_.chunk(c); }
+  const gpt_chunk& weights_of(int c) const { return compute_.chunk(c); }
   float* span(int c, std::int64_t at, std::int64_t n) {
     if (at < 0 || n < 0 || at + n > parameter_count(c))
       throw std::out_of_range("chunk " + std::to_string(c) + ": gradients outside the layout");
@@ -227,7 +230,7 @@ class device_rank_chunks final : public rank_chunks {
     return blocks_.at(static_cast<std::size_t>(c));
   }
   float* gradients(int c) override { return chunk(c).device_gradients(); }
-  gpt_chunk* host_stage(int) override { return nullptr; }
+  gpt_chunk* cpu_chunk(int) override { return nullptr; }
   std::vector<float> parameters(int c) const override { return chunk(c).parameters(); }
 
   bool host_payloads() const override { return false; }

@@ -51,7 +51,7 @@ class rank_chunks {
   // fp32 gradients in the layout, in the chunk's memory (host memory for CPU chunks).
   virtual float* gradients(int c) = 0;
   // CPU chunks: the chunk's gpt_chunk (ZeRO works on its host buffers); nullptr otherwise.
-  virtual gpt_chunk* host_stage(int c) = 0;
+  virtual gpt_chunk* cpu_chunk(int c) = 0;
   // The master weights, copied to the host.
   virtual std::vector<float> parameters(int c) const = 0;
 

@@ -1,4 +1,4 @@
-// GPT-2 stage backward, whole (chunk_backward) or split into B (chunk_backward_input) and W
+// GPT-2 chunk backward, whole (chunk_backward) or split into B (chunk_backward_input) and W
 // (chunk_backward_weight) for zero-bubble pipeline schedules. See gpt_model.hpp.
 //
 // Invariants:
@@ -36,15 +36,15 @@ struct block_counter {
 
 }  // namespace
 
-std::vector<grad_block> chunk_grad_blocks(const gpt_chunk& stage) {
+std::vector<grad_block> chunk_grad_blocks(const gpt_chunk& chunk) {
   // (offset, numel) from the first parameter named to the end of the last, which follow each
   // other in the layout.
-  auto span = [&stage](const std::string& first, const std::string& last) {
-    const auto& a = stage.parameter(first);
-    const auto& b = stage.parameter(last);
+  auto span = [&chunk](const std::string& first, const std::string& last) {
+    const auto& a = chunk.parameter(first);
+    const auto& b = chunk.parameter(last);
     return std::pair<std::int64_t, std::int64_t>{a.offset, b.offset + b.numel - a.offset};
   };
-  const auto& r = stage.range();
+  const auto& r = chunk.range();
   std::vector<grad_block> blocks;
   if (r.head) {
     grad_block head{"head", {}};
@@ -72,14 +72,14 @@ struct backward_pass {
 
   // On a tensor shard, Cl, NH and Vl are the shard's channels, heads and vocabulary rows
   // (the whole model's without tensor parallelism); NCl = N * Cl.
-  const gpt_chunk& stage;
+  const gpt_chunk& chunk;
   gpt_activations& a;
   const int B, T, C, Cl, NH, Vl, N;
   const std::int64_t NC, NCl;
   const std::size_t layers;
 
   backward_pass(const gpt_chunk& s, gpt_activations& acts)
-      : stage(s),
+      : chunk(s),
         a(acts),
         B(acts.B_),
         T(acts.T_),
@@ -94,34 +94,34 @@ struct backward_pass {
 
   // The gradient of a replicated input of a column-parallel piece is the sum of the shards'.
   void all_reduce(float* d, std::int64_t n) const {
-    if (stage.shard().split()) stage.group().all_reduce_sum({d, static_cast<std::size_t>(n)});
+    if (chunk.shard().split()) chunk.group().all_reduce_sum({d, static_cast<std::size_t>(n)});
   }
 
   const float* param(const std::string& name) const {
-    return stage.params() + stage.parameter(name).offset;
+    return chunk.params() + chunk.parameter(name).offset;
   }
   float* grad(const std::string& name) const {
-    return stage.grads() + stage.parameter(name).offset;
+    return chunk.grads() + chunk.parameter(name).offset;
   }
   std::string prefix(std::size_t i) const {
-    return layer_prefix(stage.range().first_layer + static_cast<int>(i));
+    return layer_prefix(chunk.range().first_layer + static_cast<int>(i));
   }
   // The input of layer i (or of the head when i == layers).
   const float* layer_input(std::size_t i) const {
     if (i > 0) return a.layers_[i - 1].res3.f32();
-    return stage.range().embedding ? a.encoded_.f32() : a.input_;
+    return chunk.range().embedding ? a.encoded_.f32() : a.input_;
   }
 
   // Checkpointing: block i's inner activations, recomputed into the shared scratch from its
   // saved input. Must run right before the block's backward, with no pass stop between.
   void recompute(std::size_t i) const {
     if (a.recomputes())
-      block_forward(stage, static_cast<int>(i), a.layers_[i], layer_input(i), B, T, false);
+      block_forward(chunk, static_cast<int>(i), a.layers_[i], layer_input(i), B, T, false);
   }
 
   void require_loss(const char* who) const {
-    if (stage.range().head && !a.logits_are_grads_)
-      throw std::logic_error(std::string(who) + " on the last stage needs the loss first");
+    if (chunk.range().head && !a.logits_are_grads_)
+      throw std::logic_error(std::string(who) + " on the last chunk needs the loss first");
   }
 
   // Whole backward: the output gradients in scratch, mlp_proj (the layer's output gradient)
@@ -146,8 +146,8 @@ struct backward_pass {
       g.qkv = kernels::tensor::empty({N, 3 * Cl});
       g.ln1 = kernels::tensor::empty({N, C});
     }
-    if (stage.range().head) s.lnf = kernels::tensor::empty({N, C});
-    if (stage.range().embedding) s.encoded = kernels::tensor::empty({N, C});
+    if (chunk.range().head) s.lnf = kernels::tensor::empty({N, C});
+    if (chunk.range().embedding) s.encoded = kernels::tensor::empty({N, C});
     a.saved_allocated_ = true;
   }
 
@@ -229,9 +229,9 @@ struct backward_pass {
 
   // ---- embedding: out = wte[tokens] + wpe ---------------------------------------------------
   void embedding_weight(const float* dencoded) const {
-    if (stage.shard().split()) {  // vocabulary-parallel: the shard's rows only
+    if (chunk.shard().split()) {  // vocabulary-parallel: the shard's rows only
       kernels::embedding_rows_backward(grad("transformer.wte.weight"), dencoded, a.tokens_,
-                                       stage.shard().rank * Vl, Vl, N, C);
+                                       chunk.shard().rank * Vl, Vl, N, C);
       kernels::embedding_backward(nullptr, grad("transformer.wpe.weight"), dencoded, a.tokens_, B,
                                   T, C);
       return;
@@ -242,7 +242,7 @@ struct backward_pass {
 
   // The top of the chain: the head's input gradient, or a copy of doutput, into dx.
   void chunk_output_grad(const float* doutput, float* dlnf, float* dx) const {
-    if (stage.range().head) {
+    if (chunk.range().head) {
       head_input(dlnf, dx);
     } else if (dx != doutput) {
       std::memcpy(dx, doutput, static_cast<std::size_t>(NC) * sizeof(float));
@@ -252,17 +252,17 @@ struct backward_pass {
   // A coroutine (block_pass): stops before each piece that reads parameters, at pass_stops.
   block_pass run_whole(const float* doutput, float* dinput, grad_block_fn on_block_done) {
     require_loss("chunk_backward");
-    const auto stops = pass_stops(stage, pass_kind::backward);
+    const auto stops = pass_stops(chunk, pass_kind::backward);
     std::size_t stop = 0;
     auto next_stop = [&] { return stops.at(stop++); };
     block_counter blocks{on_block_done};
-    float* const dinput_direct = stage.range().embedding ? nullptr : dinput;
+    float* const dinput_direct = chunk.range().embedding ? nullptr : dinput;
     // top: the gradient of the current block's output; spare: free for its input's.
     float* top = layers == 0 && dinput_direct ? dinput_direct : a.dres_.f32();
     float* spare = a.dres_next_.f32();
-    if (stage.range().head) co_yield next_stop();
+    if (chunk.range().head) co_yield next_stop();
     chunk_output_grad(doutput, a.dln_.f32(), top);
-    if (stage.range().head) {
+    if (chunk.range().head) {
       head_weight(a.dln_.f32());
       blocks.done();
     }
@@ -277,7 +277,7 @@ struct backward_pass {
       spare = top;
       top = dx;
     }
-    if (stage.range().embedding) {
+    if (chunk.range().embedding) {
       embedding_weight(top);
       blocks.done();
     }
@@ -285,7 +285,7 @@ struct backward_pass {
 
   block_pass run_input(const float* doutput, float* dinput, grad_block_fn /*unused*/) {
     require_loss("chunk_backward_input");
-    const auto stops = pass_stops(stage, pass_kind::backward);
+    const auto stops = pass_stops(chunk, pass_kind::backward);
     std::size_t stop = 0;
     auto next_stop = [&] { return stops.at(stop++); };
     if (a.weight_grads_pending_) {
@@ -295,16 +295,16 @@ struct backward_pass {
     }
     allocate_saved();
     auto& s = a.saved_;
-    float* const stage_dx = stage.range().embedding ? s.encoded.f32()
+    float* const stage_dx = chunk.range().embedding ? s.encoded.f32()
                             : dinput                ? dinput
                                                     : a.dres_.f32();
     // Where the gradient of layer i's input goes: layer i-1's saved output gradient (i == 0:
-    // the stage's input gradient; i == layers: the head's input, or doutput's copy).
+    // the chunk's input gradient; i == layers: the head's input, or doutput's copy).
     auto input_grad_of = [&](std::size_t i) {
       return i == 0 ? stage_dx : s.layers[i - 1].mlp_proj.f32();
     };
-    if (stage.range().head) co_yield next_stop();
-    chunk_output_grad(doutput, stage.range().head ? s.lnf.f32() : nullptr, input_grad_of(layers));
+    if (chunk.range().head) co_yield next_stop();
+    chunk_output_grad(doutput, chunk.range().head ? s.lnf.f32() : nullptr, input_grad_of(layers));
     for (std::size_t i = layers; i-- > 0;) {
       co_yield next_stop();
       recompute(i);
@@ -314,7 +314,7 @@ struct backward_pass {
   }
 
   block_pass run_weight(const float* /*unused*/, float* /*unused*/, grad_block_fn on_block_done) {
-    const auto stops = pass_stops(stage, pass_kind::weight, a.recomputes());
+    const auto stops = pass_stops(chunk, pass_kind::weight, a.recomputes());
     std::size_t stop = 0;
     auto next_stop = [&] { return stops.at(stop++); };
     if (!a.weight_grads_pending_) {
@@ -325,7 +325,7 @@ struct backward_pass {
     a.weight_grads_pending_ = false;  // a second W must throw, not add the gradients twice
     block_counter blocks{on_block_done};
     const auto& s = a.saved_;
-    if (stage.range().head) {
+    if (chunk.range().head) {
       head_weight(s.lnf.f32());
       blocks.done();
     }
@@ -335,7 +335,7 @@ struct backward_pass {
       layer_weight(i, saved_grads(i));
       blocks.done();
     }
-    if (stage.range().embedding) {
+    if (chunk.range().embedding) {
       embedding_weight(s.encoded.f32());
       blocks.done();
     }
@@ -354,36 +354,36 @@ block_pass drive(backward_pass p,
 
 }  // namespace
 
-block_pass chunk_backward_pass(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
+block_pass chunk_backward_pass(const gpt_chunk& chunk, gpt_activations& acts, const float* doutput,
                                float* dinput, grad_block_fn on_block_done) {
-  return drive(backward_pass(stage, acts), &backward_pass::run_whole, doutput, dinput,
+  return drive(backward_pass(chunk, acts), &backward_pass::run_whole, doutput, dinput,
                std::move(on_block_done));
 }
 
-block_pass chunk_backward_input_pass(const gpt_chunk& stage, gpt_activations& acts,
+block_pass chunk_backward_input_pass(const gpt_chunk& chunk, gpt_activations& acts,
                                      const float* doutput, float* dinput) {
-  return drive(backward_pass(stage, acts), &backward_pass::run_input, doutput, dinput, {});
+  return drive(backward_pass(chunk, acts), &backward_pass::run_input, doutput, dinput, {});
 }
 
-void chunk_backward(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward(const gpt_chunk& chunk, gpt_activations& acts, const float* doutput,
                     float* dinput, const grad_block_fn& on_block_done) {
-  chunk_backward_pass(stage, acts, doutput, dinput, on_block_done).run();
+  chunk_backward_pass(chunk, acts, doutput, dinput, on_block_done).run();
 }
 
-void chunk_backward_input(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward_input(const gpt_chunk& chunk, gpt_activations& acts, const float* doutput,
                           float* dinput) {
-  chunk_backward_input_pass(stage, acts, doutput, dinput).run();
+  chunk_backward_input_pass(chunk, acts, doutput, dinput).run();
 }
 
-block_pass chunk_backward_weight_pass(const gpt_chunk& stage, gpt_activations& acts,
+block_pass chunk_backward_weight_pass(const gpt_chunk& chunk, gpt_activations& acts,
                                       grad_block_fn on_block_done) {
-  return drive(backward_pass(stage, acts), &backward_pass::run_weight, nullptr, nullptr,
+  return drive(backward_pass(chunk, acts), &backward_pass::run_weight, nullptr, nullptr,
                std::move(on_block_done));
 }
 
-void chunk_backward_weight(const gpt_chunk& stage, gpt_activations& acts,
+void chunk_backward_weight(const gpt_chunk& chunk, gpt_activations& acts,
                            const grad_block_fn& on_block_done) {
-  chunk_backward_weight_pass(stage, acts, on_block_done).run();
+  chunk_backward_weight_pass(chunk, acts, on_block_done).run();
 }
 
 }  // namespace troupe::engine

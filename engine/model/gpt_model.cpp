@@ -1,4 +1,4 @@
-// GPT-2 stage: parameter layout, initialisation and forward (backward: gpt_backward.cpp).
+// GPT-2 chunk: parameter layout, initialisation and forward (backward: gpt_backward.cpp).
 // See gpt_model.hpp.
 #include "engine/model/gpt_model.hpp"
 
@@ -112,16 +112,16 @@ void put_shard(const parameter_info& p, tensor_shard sh, const float* slice, flo
   });
 }
 
-std::vector<chunk_range> partition_layers(const gpt_config& c, int stages) {
-  if (stages < 1 || stages > c.layers) {
+std::vector<chunk_range> partition_layers(const gpt_config& c, int chunks) {
+  if (chunks < 1 || chunks > c.layers) {
     throw std::invalid_argument("cannot split " + std::to_string(c.layers) + " layers into " +
-                                std::to_string(stages) + " stages");
+                                std::to_string(chunks) + " chunks");
   }
   std::vector<chunk_range> out;
   int first = 0;
-  for (int s = 0; s < stages; ++s) {
-    const int n = c.layers / stages + (s < c.layers % stages ? 1 : 0);
-    out.push_back({first, first + n, s == 0, s == stages - 1});
+  for (int s = 0; s < chunks; ++s) {
+    const int n = c.layers / chunks + (s < c.layers % chunks ? 1 : 0);
+    out.push_back({first, first + n, s == 0, s == chunks - 1});
     first += n;
   }
   return out;
@@ -133,7 +133,7 @@ std::vector<parameter_info> chunk_parameter_layout(const gpt_config& config,
   check_tensor_parallel(config, shard.size);
   if (range.first_layer < 0 || range.last_layer > config.layers ||
       range.first_layer > range.last_layer) {
-    throw std::invalid_argument("stage layer range [" + std::to_string(range.first_layer) + ", " +
+    throw std::invalid_argument("chunk layer range [" + std::to_string(range.first_layer) + ", " +
                                 std::to_string(range.last_layer) + ") is outside the model");
   }
   std::vector<parameter_info> params;
@@ -212,7 +212,7 @@ const parameter_info& gpt_chunk::parameter(const std::string& name) const {
   for (const auto& p : params_) {
     if (p.name == name) return p;
   }
-  throw std::out_of_range("no parameter " + name + " in this stage");
+  throw std::out_of_range("no parameter " + name + " in this chunk");
 }
 
 tensor gpt_chunk::param(const std::string& name) const {
@@ -326,22 +326,22 @@ std::int64_t activation_bytes(const gpt_config& c, const chunk_range& s, int B, 
   return 4 * f;
 }
 
-gpt_activations::gpt_activations(const gpt_chunk& stage, int B, int T,
+gpt_activations::gpt_activations(const gpt_chunk& chunk, int B, int T,
                                  std::shared_ptr<block_scratch> recompute)
     : B_(B), T_(T), scratch_(std::move(recompute)) {
-  const auto& c = stage.config();
+  const auto& c = chunk.config();
   check_micro_batch(c, B, T);
   if (scratch_ && (scratch_->batch() != B || scratch_->seq_len() != T))
     throw std::invalid_argument("gpt_activations: a block_scratch for micro-batches of " +
                                 std::to_string(scratch_->batch()) + "x" +
                                 std::to_string(scratch_->seq_len()) + ", not " + std::to_string(B) +
                                 "x" + std::to_string(T));
-  const int tp = stage.shard().size;
+  const int tp = chunk.shard().size;
   if (scratch_ && scratch_->acts_.qkv.shape()[1] != 3 * c.width / tp)
     throw std::invalid_argument("gpt_activations: a block_scratch for another tensor shard size");
   const std::int64_t N = std::int64_t{B} * T, C = c.width, Cl = C / tp;
-  if (stage.range().embedding) encoded_ = tensor::empty({N, C});
-  for (int l = stage.range().first_layer; l < stage.range().last_layer; ++l) {
+  if (chunk.range().embedding) encoded_ = tensor::empty({N, C});
+  for (int l = chunk.range().first_layer; l < chunk.range().last_layer; ++l) {
     if (scratch_) {
       layer_acts a = scratch_->acts_;  // the inner activations: views of the shared scratch
       a.res3 = tensor::empty({N, C});
@@ -350,7 +350,7 @@ gpt_activations::gpt_activations(const gpt_chunk& stage, int B, int T,
       layers_.push_back(allocate_block(c, B, T, true, tp));
     }
   }
-  if (stage.range().head) {
+  if (chunk.range().head) {
     lnf_ = tensor::empty({N, C});
     lnf_mean_ = tensor::empty({N});
     lnf_rstd_ = tensor::empty({N});
@@ -452,7 +452,7 @@ const float* chunk_output(const gpt_activations& acts) {
 std::vector<std::vector<int>> pass_stops(const chunk_range& r, pass_kind kind, bool recompute) {
   const int layers = r.last_layer - r.first_layer;
   const int head = r.head ? 1 : 0;
-  const int embedding = head + layers;  // its index, when the stage has it
+  const int embedding = head + layers;  // its index, when the chunk has it
   auto layer = [&](int i) { return head + layers - 1 - i; };
   std::vector<int> head_stop;  // the head reads ln_f and wte (the embedding block's, if here)
   if (r.head) head_stop = r.embedding ? std::vector<int>{0, embedding} : std::vector<int>{0};
@@ -470,24 +470,24 @@ std::vector<std::vector<int>> pass_stops(const chunk_range& r, pass_kind kind, b
   return stops;
 }
 
-void chunk_forward(const gpt_chunk& stage, gpt_activations& acts, const std::int32_t* tokens,
+void chunk_forward(const gpt_chunk& chunk, gpt_activations& acts, const std::int32_t* tokens,
                    const float* input) {
-  chunk_forward_pass(stage, acts, tokens, input).run();
+  chunk_forward_pass(chunk, acts, tokens, input).run();
 }
 
-void block_forward(const gpt_chunk& stage, int i, const block_activations& L, const float* x, int B,
+void block_forward(const gpt_chunk& chunk, int i, const block_activations& L, const float* x, int B,
                    int T, bool output) {
   // Cl, NH: the tensor shard's channels and heads (the whole block's without tensor parallelism).
-  const int t = stage.shard().size;
-  const int C = stage.config().width, Cl = C / t, NH = stage.config().heads / t, N = B * T;
-  const std::string p = "transformer.h." + std::to_string(stage.range().first_layer + i) + ".";
-  auto P = [&](const char* n) { return stage.params() + stage.parameter(p + n).offset; };
+  const int t = chunk.shard().size;
+  const int C = chunk.config().width, Cl = C / t, NH = chunk.config().heads / t, N = B * T;
+  const std::string p = "transformer.h." + std::to_string(chunk.range().first_layer + i) + ".";
+  auto P = [&](const char* n) { return chunk.params() + chunk.parameter(p + n).offset; };
   kernels::layernorm_forward(L.ln1.f32(), L.ln1_mean.f32(), L.ln1_rstd.f32(), x, P("ln_1.weight"),
                              P("ln_1.bias"), N, C);
   kernels::linear_forward(L.qkv.f32(), L.ln1.f32(), P("attn.c_attn.weight"), P("attn.c_attn.bias"),
                           N, C, 3 * Cl);
   kernels::attention_forward(L.atty.f32(), L.att.f32(), L.qkv.f32(), B, T, Cl, NH);
-  row_parallel_forward(stage, L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"),
+  row_parallel_forward(chunk, L.res2.f32(), L.atty.f32(), P("attn.c_proj.weight"),
                        P("attn.c_proj.bias"), x, N, Cl, C);
   kernels::layernorm_forward(L.ln2.f32(), L.ln2_mean.f32(), L.ln2_rstd.f32(), L.res2.f32(),
                              P("ln_2.weight"), P("ln_2.bias"), N, C);
@@ -495,32 +495,32 @@ void block_forward(const gpt_chunk& stage, int i, const block_activations& L, co
                           4 * Cl);
   kernels::gelu_forward(L.fch_gelu.f32(), L.fch.f32(), std::int64_t{N} * 4 * Cl);
   if (!output) return;
-  row_parallel_forward(stage, L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
+  row_parallel_forward(chunk, L.res3.f32(), L.fch_gelu.f32(), P("mlp.c_proj.weight"),
                        P("mlp.c_proj.bias"), L.res2.f32(), N, 4 * Cl, C);
 }
 
-block_pass chunk_forward_pass(const gpt_chunk& stage, gpt_activations& a,
+block_pass chunk_forward_pass(const gpt_chunk& chunk, gpt_activations& a,
                               const std::int32_t* tokens, const float* input) {
-  const auto stops = pass_stops(stage, pass_kind::forward);
+  const auto stops = pass_stops(chunk, pass_kind::forward);
   std::size_t stop = 0;
   auto next_stop = [&] { return stops.at(stop++); };
-  const auto& c = stage.config();
-  const int B = a.B_, T = a.T_, C = c.width, Vl = c.padded_vocab_size / stage.shard().size;
+  const auto& c = chunk.config();
+  const int B = a.B_, T = a.T_, C = c.width, Vl = c.padded_vocab_size / chunk.shard().size;
   const int N = B * T;
   if (a.weight_grads_pending_) {
     throw std::logic_error(
         "chunk_forward: these activations still wait for chunk_backward_weight, which needs them");
   }
   const float* x;
-  if (stage.range().embedding) {
+  if (chunk.range().embedding) {
     co_yield next_stop();
     a.tokens_ = tokens;
-    const float* wte = stage.param("transformer.wte.weight").f32();
-    const float* wpe = stage.param("transformer.wpe.weight").f32();
-    if (stage.shard().split()) {  // vocabulary-parallel: each token's row lives on one shard
-      kernels::embedding_rows_forward(a.encoded_.f32(), tokens, wte, stage.shard().rank * Vl, Vl, N,
+    const float* wte = chunk.param("transformer.wte.weight").f32();
+    const float* wpe = chunk.param("transformer.wpe.weight").f32();
+    if (chunk.shard().split()) {  // vocabulary-parallel: each token's row lives on one shard
+      kernels::embedding_rows_forward(a.encoded_.f32(), tokens, wte, chunk.shard().rank * Vl, Vl, N,
                                       C);
-      stage.group().all_reduce_sum({a.encoded_.f32(), static_cast<std::size_t>(N) * C});
+      chunk.group().all_reduce_sum({a.encoded_.f32(), static_cast<std::size_t>(N) * C});
       kernels::add_positions(a.encoded_.f32(), wpe, B, T, C);
     } else {
       kernels::embedding_forward(a.encoded_.f32(), tokens, wte, wpe, B, T, C);
@@ -533,40 +533,40 @@ block_pass chunk_forward_pass(const gpt_chunk& stage, gpt_activations& a,
   for (int i = 0; i < static_cast<int>(a.layers_.size()); ++i) {
     co_yield next_stop();
     const auto& L = a.layers_[static_cast<std::size_t>(i)];
-    block_forward(stage, i, L, x, B, T, true);
+    block_forward(chunk, i, L, x, B, T, true);
     x = L.res3.f32();
   }
-  if (stage.range().head) {
+  if (chunk.range().head) {
     co_yield next_stop();
     kernels::layernorm_forward(a.lnf_.f32(), a.lnf_mean_.f32(), a.lnf_rstd_.f32(), x,
-                               stage.param("transformer.ln_f.weight").f32(),
-                               stage.param("transformer.ln_f.bias").f32(), N, C);
+                               chunk.param("transformer.ln_f.weight").f32(),
+                               chunk.param("transformer.ln_f.bias").f32(), N, C);
     kernels::linear_forward(a.logits_.f32(), a.lnf_.f32(),
-                            stage.param("transformer.wte.weight").f32(), nullptr, N, C, Vl);
+                            chunk.param("transformer.wte.weight").f32(), nullptr, N, C, Vl);
     a.logits_are_grads_ = false;
   }
 }
 
-kernels::cross_entropy_result chunk_loss(const gpt_chunk& stage, gpt_activations& a,
+kernels::cross_entropy_result chunk_loss(const gpt_chunk& chunk, gpt_activations& a,
                                          const std::int32_t* targets) {
-  if (!stage.range().head || a.logits_are_grads_)
+  if (!chunk.range().head || a.logits_are_grads_)
     throw std::logic_error("chunk_loss needs fresh logits");
-  const auto& c = stage.config();
-  if (stage.shard().split())
-    return vocab_parallel_cross_entropy(stage, a.logits_.f32(), nullptr, targets, a.B_ * a.T_, 1);
+  const auto& c = chunk.config();
+  if (chunk.shard().split())
+    return vocab_parallel_cross_entropy(chunk, a.logits_.f32(), nullptr, targets, a.B_ * a.T_, 1);
   return kernels::cross_entropy_forward(nullptr, a.logits_.f32(), targets, a.B_ * a.T_,
                                         c.vocab_size, c.padded_vocab_size, ignore_index);
 }
 
-kernels::cross_entropy_result chunk_loss_backward_start(const gpt_chunk& stage, gpt_activations& a,
+kernels::cross_entropy_result chunk_loss_backward_start(const gpt_chunk& chunk, gpt_activations& a,
                                                         const std::int32_t* targets,
                                                         float grad_scale) {
-  if (!stage.range().head || a.logits_are_grads_) {
+  if (!chunk.range().head || a.logits_are_grads_) {
     throw std::logic_error("chunk_loss_backward_start needs fresh logits");
   }
-  const auto& c = stage.config();
-  auto r = stage.shard().split()
-               ? vocab_parallel_cross_entropy(stage, a.logits_.f32(), a.logits_.f32(), targets,
+  const auto& c = chunk.config();
+  auto r = chunk.shard().split()
+               ? vocab_parallel_cross_entropy(chunk, a.logits_.f32(), a.logits_.f32(), targets,
                                               a.B_ * a.T_, grad_scale)
                : kernels::softmax_cross_entropy_backward(
                      a.logits_.f32(), a.logits_.f32(), targets, a.B_ * a.T_, c.vocab_size,

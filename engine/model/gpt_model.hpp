@@ -1,15 +1,15 @@
-// The GPT-2 family as a stage: a contiguous range of transformer blocks, with the token and
-// position embedding if it is the first stage and the final layernorm + tied LM head if it is
-// the last. A whole model is the one stage that has both ends.
+// The GPT-2 family as a chunk: a contiguous range of transformer blocks, with the token and
+// position embedding if it is the first chunk and the final layernorm + tied LM head if it is
+// the last. A whole model is the one chunk that has both ends.
 //
 // Invariants:
 //  - Parameters live in one flat f32 buffer, gradients in another with the same layout; each
 //    parameter is a named view (Hugging Face GPT-2 names). Linear weights are [out, in].
 //  - GPT-2 initialisation depends only on (seed, parameter name), so every partition of the
-//    model into stages starts from the same weights as the serial model.
+//    model into chunks starts from the same weights as the serial model.
 //  - Activations belong to a micro-batch (gpt_activations), not to the model, so a pipeline
-//    stage can hold several micro-batches in flight.
-//  - A last stage without the embedding holds its own copy of the tied wte; keeping the two
+//    chunk can hold several micro-batches in flight.
+//  - A last chunk without the embedding holds its own copy of the tied wte; keeping the two
 //    copies equal (summing their gradients) is the pipeline's job.
 //  - Backward can run whole (chunk_backward) or split (Qi et al. 2024, zero-bubble pipelines):
 //    B = chunk_backward_input (input gradient only, no weight-gradient GEMM) and later
@@ -57,9 +57,9 @@ struct chunk_range {
   static chunk_range whole(const gpt_config& c) { return {0, c.layers, true, true}; }
 };
 
-// Contiguous layer ranges for `stages` pipeline stages, as even as possible (earlier stages
-// take the remainder). Throws if stages < 1 or stages > layers.
-std::vector<chunk_range> partition_layers(const gpt_config& c, int stages);
+// Contiguous layer ranges for `chunks` pipeline chunks, as even as possible (earlier chunks
+// take the remainder). Throws if chunks < 1 or chunks > layers.
+std::vector<chunk_range> partition_layers(const gpt_config& c, int chunks);
 
 // How a tensor shard holds a slice of a whole parameter (engine/chunks/tensor_group.hpp).
 enum class tensor_split {
@@ -89,7 +89,7 @@ void put_shard(const parameter_info& p, tensor_shard shard, const float* slice, 
 // (heads and the padded vocabulary must be divisible by t).
 void check_tensor_parallel(const gpt_config& config, int t);
 
-// The parameters of a stage, in order, with their offsets into the flat buffers.
+// The parameters of a chunk, in order, with their offsets into the flat buffers.
 std::vector<parameter_info> chunk_parameter_layout(const gpt_config& config,
                                                    const chunk_range& range,
                                                    tensor_shard shard = {});
@@ -167,11 +167,11 @@ std::int64_t activation_bytes(const gpt_config& config, const chunk_range& range
                               bool recompute, bool split_backward, int tp = 1);
 std::int64_t block_scratch_bytes(const gpt_config& config, int B, int T, int tp = 1);
 
-// The saved state of one micro-batch's forward pass through a stage, and its gradient scratch.
+// The saved state of one micro-batch's forward pass through a chunk, and its gradient scratch.
 // With a block_scratch, blocks are checkpointed (recomputed in backward).
 class gpt_activations {
  public:
-  gpt_activations(const gpt_chunk& stage, int B, int T,
+  gpt_activations(const gpt_chunk& chunk, int B, int T,
                   std::shared_ptr<block_scratch> recompute = nullptr);
   int batch() const { return B_; }
   int seq_len() const { return T_; }
@@ -204,16 +204,16 @@ class gpt_activations {
   // chunk_backward_input only. The head's dlogits stay in logits_.
   struct saved_output_grads {
     std::vector<layer_output_grads> layers;
-    kernels::tensor lnf;      // of ln_f output (last stage)
-    kernels::tensor encoded;  // of the embedding output (first stage)
+    kernels::tensor lnf;      // of ln_f output (last chunk)
+    kernels::tensor encoded;  // of the embedding output (first chunk)
   };
   int B_, T_;
   std::shared_ptr<block_scratch> scratch_;  // checkpointing: the blocks' inner activations
-  const std::int32_t* tokens_ = nullptr;    // first stage: the micro-batch's tokens (caller keeps)
-  const float* input_ = nullptr;            // later stages: the previous stage's output
-  kernels::tensor encoded_;                 // first stage: embedding output
+  const std::int32_t* tokens_ = nullptr;    // first chunk: the micro-batch's tokens (caller keeps)
+  const float* input_ = nullptr;            // later chunks: the previous chunk's output
+  kernels::tensor encoded_;                 // first chunk: embedding output
   std::vector<layer_acts> layers_;
-  kernels::tensor lnf_, lnf_mean_, lnf_rstd_, logits_;  // last stage
+  kernels::tensor lnf_, lnf_mean_, lnf_rstd_, logits_;  // last chunk
   // Gradient scratch, reused layer by layer. dres_ and dres_next_ take turns holding the
   // gradient of a block's output and of its input.
   kernels::tensor dres_, dres_next_, dln_, dln1_, dqkv_, datty_, dfch_, dfch_gelu_, dres_mid_;
@@ -226,86 +226,86 @@ class gpt_activations {
 // The passes over a micro-batch, as block_pass stops: for each piece that reads parameters,
 // the blocks (indices into chunk_grad_blocks) it reads, in order. Forward: embedding, layers
 // first to last, head; backward (whole or its input half): head, layers last to first. The head
-// reads ln_f and the wte it holds (on a stage with both ends, the embedding block's). Weight
+// reads ln_f and the wte it holds (on a chunk with both ends, the embedding block's). Weight
 // gradients (W of a split backward) read no parameters, so chunk_backward_weight_pass has no
 // stops, unless the blocks are checkpointed (recompute): then it recomputes each layer, last to
 // first, and stops before each. recompute changes only the weight stops.
 enum class pass_kind { forward, backward, weight };
 std::vector<std::vector<int>> pass_stops(const chunk_range& range, pass_kind kind,
                                          bool recompute = false);
-inline std::vector<std::vector<int>> pass_stops(const gpt_chunk& stage, pass_kind kind,
+inline std::vector<std::vector<int>> pass_stops(const gpt_chunk& chunk, pass_kind kind,
                                                 bool recompute = false) {
-  return pass_stops(stage.range(), kind, recompute);
+  return pass_stops(chunk.range(), kind, recompute);
 }
 
-// Forward through the stage. First stage: tokens[B*T] (input ignored). Later stages:
+// Forward through the chunk. First chunk: tokens[B*T] (input ignored). Later chunks:
 // input[B*T*C] (tokens ignored). Pointers must stay valid until backward (until
 // chunk_backward_weight when the backward is split). Throws std::logic_error while the
 // activations still wait for a chunk_backward_weight (the forward would overwrite what it needs).
-void chunk_forward(const gpt_chunk& stage, gpt_activations& acts, const std::int32_t* tokens,
+void chunk_forward(const gpt_chunk& chunk, gpt_activations& acts, const std::int32_t* tokens,
                    const float* input);
 // chunk_forward as a pass that stops before each piece reading parameters (pass_stops).
-block_pass chunk_forward_pass(const gpt_chunk& stage, gpt_activations& acts,
+block_pass chunk_forward_pass(const gpt_chunk& chunk, gpt_activations& acts,
                               const std::int32_t* tokens, const float* input);
-// Last stage only, after chunk_forward: the loss against targets (ignore index -100), no grads.
-kernels::cross_entropy_result chunk_loss(const gpt_chunk& stage, gpt_activations& acts,
+// Last chunk only, after chunk_forward: the loss against targets (ignore index -100), no grads.
+kernels::cross_entropy_result chunk_loss(const gpt_chunk& chunk, gpt_activations& acts,
                                          const std::int32_t* targets);
-// Last stage only, after chunk_forward: the loss, and the logits overwritten by
+// Last chunk only, after chunk_forward: the loss, and the logits overwritten by
 // d(grad_scale * loss)/dlogits, ready for chunk_backward.
-kernels::cross_entropy_result chunk_loss_backward_start(const gpt_chunk& stage,
+kernels::cross_entropy_result chunk_loss_backward_start(const gpt_chunk& chunk,
                                                         gpt_activations& acts,
                                                         const std::int32_t* targets,
                                                         float grad_scale);
-// Contiguous parameter ranges of a stage whose gradients become final together in backward.
+// Contiguous parameter ranges of a chunk whose gradients become final together in backward.
 struct grad_block {
   std::string name;                                           // "head", "h.<layer>", "embedding"
   std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  // (offset, numel) into flat buffers
 };
-// In the order backward completes them: "head" (ln_f, plus the tied wte copy on a last stage
+// In the order backward completes them: "head" (ln_f, plus the tied wte copy on a last chunk
 // WITHOUT the embedding), then "h.N" from the last layer to the first, then "embedding" (wte +
-// wpe; on a stage with both embedding and head the wte belongs here because the embedding
+// wpe; on a chunk with both embedding and head the wte belongs here because the embedding
 // backward is the last to touch it). Every parameter is in exactly one block. A range spans
 // consecutive parameters of the layout and so includes the alignment padding between them
 // (never written, zero in the gradient buffer); ranges are in increasing offset order.
-std::vector<grad_block> chunk_grad_blocks(const gpt_chunk& stage);
-// Called with an index into chunk_grad_blocks(stage).
+std::vector<grad_block> chunk_grad_blocks(const gpt_chunk& chunk);
+// Called with an index into chunk_grad_blocks(chunk).
 using grad_block_fn = std::function<void(int block_index)>;
 
-// Backward through the stage, ACCUMULATING parameter gradients into stage.grads().
-// Last stage: doutput is ignored (the loss gradient is used). Other stages: doutput[B*T*C].
-// dinput[B*T*C] (not for the first stage; may be nullptr) is OVERWRITTEN with the gradient of
-// the stage's input. on_block_done(i) (if set) runs right after block i's gradient for this
+// Backward through the chunk, ACCUMULATING parameter gradients into chunk.grads().
+// Last chunk: doutput is ignored (the loss gradient is used). Other chunks: doutput[B*T*C].
+// dinput[B*T*C] (not for the first chunk; may be nullptr) is OVERWRITTEN with the gradient of
+// the chunk's input. on_block_done(i) (if set) runs right after block i's gradient for this
 // micro-batch is fully accumulated, so a data-parallel reduction can start on it while
 // backward continues on earlier layers.
-void chunk_backward(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward(const gpt_chunk& chunk, gpt_activations& acts, const float* doutput,
                     float* dinput, const grad_block_fn& on_block_done = {});
-// chunk_backward as a pass (pass_stops(stage, pass_kind::backward)). on_block_done is kept by
+// chunk_backward as a pass (pass_stops(chunk, pass_kind::backward)). on_block_done is kept by
 // the pass.
-block_pass chunk_backward_pass(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
+block_pass chunk_backward_pass(const gpt_chunk& chunk, gpt_activations& acts, const float* doutput,
                                float* dinput, grad_block_fn on_block_done);
 // B of a split backward: dinput exactly as chunk_backward (same doutput and loss rules), and
 // the output gradients that the weight gradients need saved in acts (allocated on first use).
 // No parameter gradient is touched and no weight-gradient GEMM runs. Throws std::logic_error
 // while an earlier B on these activations waits for its W.
-void chunk_backward_input(const gpt_chunk& stage, gpt_activations& acts, const float* doutput,
+void chunk_backward_input(const gpt_chunk& chunk, gpt_activations& acts, const float* doutput,
                           float* dinput);
 // chunk_backward_input as a pass (the same stops as chunk_backward_pass).
-block_pass chunk_backward_input_pass(const gpt_chunk& stage, gpt_activations& acts,
+block_pass chunk_backward_input_pass(const gpt_chunk& chunk, gpt_activations& acts,
                                      const float* doutput, float* dinput);
 // W of a split backward: the weight gradients of the micro-batch whose chunk_backward_input
-// ran, ACCUMULATED into stage.grads() (bitwise what chunk_backward adds), calling
+// ran, ACCUMULATED into chunk.grads() (bitwise what chunk_backward adds), calling
 // on_block_done as chunk_backward does. Throws std::logic_error if no B waits for its W.
-void chunk_backward_weight(const gpt_chunk& stage, gpt_activations& acts,
+void chunk_backward_weight(const gpt_chunk& chunk, gpt_activations& acts,
                            const grad_block_fn& on_block_done = {});
-// chunk_backward_weight as a pass (pass_stops(stage, pass_kind::weight, acts.recomputes())).
+// chunk_backward_weight as a pass (pass_stops(chunk, pass_kind::weight, acts.recomputes())).
 // on_block_done is kept by the pass.
-block_pass chunk_backward_weight_pass(const gpt_chunk& stage, gpt_activations& acts,
+block_pass chunk_backward_weight_pass(const gpt_chunk& chunk, gpt_activations& acts,
                                       grad_block_fn on_block_done);
-// Transformer block i of the stage (0 = its first) forward from x[N,C] into L. With output =
+// Transformer block i of the chunk (0 = its first) forward from x[N,C] into L. With output =
 // false it stops after the MLP's GELU: what a recomputation for the block's backward needs.
-void block_forward(const gpt_chunk& stage, int i, const block_activations& L, const float* x, int B,
+void block_forward(const gpt_chunk& chunk, int i, const block_activations& L, const float* x, int B,
                    int T, bool output);
-// The stage's output hidden state [B,T,C] (not for the last stage) or logits [B,T,Vp].
+// The chunk's output hidden state [B,T,C] (not for the last chunk) or logits [B,T,Vp].
 const float* chunk_output(const gpt_activations& acts);
 
 constexpr int ignore_index = -100;

@@ -75,9 +75,9 @@ void check_hf_weights(const gpt_config& config, const std::filesystem::path& pat
   check_file(config, file);
 }
 
-void load_hf_weights(gpt_chunk& stage, const std::filesystem::path& path) {
+void load_hf_weights(gpt_chunk& chunk, const std::filesystem::path& path) {
   const safetensors_file file(path);
-  const gpt_config& c = stage.config();
+  const gpt_config& c = chunk.config();
   const auto names = check_file(c, file);
   if (auto head = names.find("lm_head.weight"); head != names.end()) {
     const kernels::tensor lm = file.read_f32(head->second);
@@ -88,14 +88,14 @@ void load_hf_weights(gpt_chunk& stage, const std::filesystem::path& path) {
                           "untied heads are not supported");
     }
   }
-  // Read everything first, then copy: a failure leaves the stage untouched.
+  // Read everything first, then copy: a failure leaves the chunk untouched.
   std::vector<std::pair<const parameter_info*, kernels::tensor>> loaded;
-  for (const auto& p : stage.parameters()) loaded.emplace_back(&p, file.read_f32(names.at(p.name)));
+  for (const auto& p : chunk.parameters()) loaded.emplace_back(&p, file.read_f32(names.at(p.name)));
   std::vector<float> whole;  // a tensor shard's whole tensor, before its slice is taken
   for (auto& [p, t] : loaded) {
     const bool sliced = p->split != tensor_split::replicated;
     if (sliced) whole.assign(static_cast<std::size_t>(kernels::shape_numel(p->full_shape)), 0.0f);
-    float* dst = sliced ? whole.data() : stage.params() + p->offset;
+    float* dst = sliced ? whole.data() : chunk.params() + p->offset;
     const float* src = t.f32();
     const std::int64_t numel = kernels::shape_numel(p->full_shape);
     if (p->conv1d) {  // [in, out] -> [out, in]
@@ -104,7 +104,7 @@ void load_hf_weights(gpt_chunk& stage, const std::filesystem::path& path) {
       std::memcpy(dst, src, t.nbytes());
       std::fill(dst + t.numel(), dst + numel, 0.0f);  // padded vocabulary rows
     }
-    if (sliced) take_shard(*p, stage.shard(), whole.data(), stage.params() + p->offset);
+    if (sliced) take_shard(*p, chunk.shard(), whole.data(), chunk.params() + p->offset);
   }
 }
 
@@ -116,10 +116,10 @@ safetensors_tensor hf_tensor(const gpt_config& config, const parameter_info& p,
                             p.conv1d ? p.shape[0] : 0};
 }
 
-void save_hf_weights(const gpt_chunk& stage, const std::filesystem::path& path) {
+void save_hf_weights(const gpt_chunk& chunk, const std::filesystem::path& path) {
   std::map<std::string, safetensors_tensor> out;
-  for (const auto& p : stage.parameters())
-    out[p.name] = hf_tensor(stage.config(), p, stage.params() + p.offset);
+  for (const auto& p : chunk.parameters())
+    out[p.name] = hf_tensor(chunk.config(), p, chunk.params() + p.offset);
   write_safetensors(path, out, {{"format", "pt"}});
 }
 

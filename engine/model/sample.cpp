@@ -76,7 +76,7 @@ next_token_logits::next_token_logits(const gpt_chunk& model) : model_(model) {
   const auto& r = model.range();
   if (!r.embedding || !r.head || r.first_layer != 0 || r.last_layer != model.config().layers ||
       model.shard().split())
-    throw std::invalid_argument("next_token_logits: needs the whole model in one stage");
+    throw std::invalid_argument("next_token_logits: needs the whole model in one chunk");
 }
 
 std::span<const float> next_token_logits::operator()(std::span<const std::int32_t> window) {

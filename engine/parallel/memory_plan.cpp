@@ -119,7 +119,7 @@ int device_stage_slots(const recipe& r, int rank) {
   std::map<int, int> live;  // by chunk
   int peak = 1;
   for (const auto& a : plan.ranks.at(static_cast<std::size_t>(rank))) {
-    int& n = live[layout.chunk_of(a.stage)];
+    int& n = live[layout.chunk_of(a.virtual_stage)];
     if (a.kind == action_kind::forward) ++n;
     if (a.kind == release) --n;
     peak = std::max(peak, n);
@@ -153,7 +153,7 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
   s += line;
   std::int64_t with = 0, without = 0;
   // A rank with one copy of the tied wte keeps a buffer to receive the other copy's gradient.
-  const int embedding = layout.rank_of(0), head = layout.rank_of(layout.stage_count() - 1);
+  const int embedding = layout.rank_of(0), head = layout.rank_of(layout.virtual_stage_count() - 1);
   const std::int64_t tied_receive =
       embedding == head ? 0
                         : std::int64_t{r.model.padded_vocab_size / tp} * r.model.width *

@@ -8,7 +8,7 @@ namespace troupe::engine {
 
 std::vector<chunk_range> pipeline_layout::rank_chunks(int rank) const {
   std::vector<chunk_range> out;
-  for (int c = 0; c < virtual_stages; ++c) out.push_back(stages[stage_of(rank, c)]);
+  for (int c = 0; c < virtual_stages; ++c) out.push_back(stages[virtual_stage_of(rank, c)]);
   return out;
 }
 
@@ -30,7 +30,7 @@ pipeline_layout make_pipeline_layout(const gpt_config& model, int ranks, int vir
   int first = 0;
   for (int k = 0; k < n; ++k) {
     if (split[static_cast<std::size_t>(k)] < 1)
-      throw std::invalid_argument("layer split: every stage needs at least one layer");
+      throw std::invalid_argument("layer split: every virtual stage needs at least one layer");
     const int last = first + split[static_cast<std::size_t>(k)];
     out.stages.push_back({first, last, k == 0, k == n - 1});
     first = last;

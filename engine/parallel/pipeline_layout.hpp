@@ -16,14 +16,14 @@ struct pipeline_layout {
   int virtual_stages = 1;
   std::vector<chunk_range> stages;  // by virtual stage
 
-  int stage_count() const { return static_cast<int>(stages.size()); }
-  int rank_of(int stage) const { return stage % ranks; }
-  int chunk_of(int stage) const { return stage / ranks; }
-  int stage_of(int rank, int chunk) const { return chunk * ranks + rank; }
+  int virtual_stage_count() const { return static_cast<int>(stages.size()); }
+  int rank_of(int virtual_stage) const { return virtual_stage % ranks; }
+  int chunk_of(int virtual_stage) const { return virtual_stage / ranks; }
+  int virtual_stage_of(int rank, int chunk) const { return chunk * ranks + rank; }
   // The ranges of the chunks of one rank, by chunk.
   std::vector<chunk_range> rank_chunks(int rank) const;
   int embedding_rank() const { return 0; }
-  int head_rank() const { return rank_of(stage_count() - 1); }
+  int head_rank() const { return rank_of(virtual_stage_count() - 1); }
 };
 
 // split: layers per virtual stage (empty: as even as possible, earlier stages take the

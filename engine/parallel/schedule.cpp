@@ -30,7 +30,7 @@ char kind_letter(action_kind kind) {
 
 [[noreturn]] void bad_token(std::string_view token, const std::string& why) {
   throw std::invalid_argument("bad pipeline action token '" + std::string(token) + "': " + why +
-                              " (expected <stage><F|B|W><micro-batch>, e.g. 0F1)");
+                              " (expected <virtual stage><F|B|W><micro-batch>, e.g. 0F1)");
 }
 
 // Parses a non-empty run of at most 9 decimal digits (no sign), so the value fits an int.
@@ -102,9 +102,9 @@ pipeline_plan empty_plan(const char* name, const schedule_shape& shape, bool spl
   return plan;
 }
 
-pipeline_action forward(int stage, int mb) { return {action_kind::forward, stage, mb}; }
-pipeline_action backward(int stage, int mb) { return {action_kind::backward, stage, mb}; }
-pipeline_action weight(int stage, int mb) { return {action_kind::weight, stage, mb}; }
+pipeline_action forward(int k, int mb) { return {action_kind::forward, k, mb}; }
+pipeline_action backward(int k, int mb) { return {action_kind::backward, k, mb}; }
+pipeline_action weight(int k, int mb) { return {action_kind::weight, k, mb}; }
 
 // Warmup forwards of the non-interleaved 1F1B family on rank r: the number of micro-batches
 // that must enter the pipeline before rank r's first backward can possibly be ready.
@@ -115,7 +115,7 @@ int warmup_1f1b(const schedule_shape& shape, int rank) {
 }  // namespace
 
 std::string to_token(const pipeline_action& a) {
-  return std::to_string(a.stage) + kind_letter(a.kind) + std::to_string(a.micro_batch);
+  return std::to_string(a.virtual_stage) + kind_letter(a.kind) + std::to_string(a.micro_batch);
 }
 
 pipeline_action parse_token(std::string_view token) {
@@ -125,7 +125,7 @@ pipeline_action parse_token(std::string_view token) {
   a.kind = token[at] == 'F'   ? action_kind::forward
            : token[at] == 'B' ? action_kind::backward
                               : action_kind::weight;
-  a.stage = parse_index(token, token.substr(0, at), "stage");
+  a.virtual_stage = parse_index(token, token.substr(0, at), "virtual stage");
   a.micro_batch = parse_index(token, token.substr(at + 1), "micro-batch");
   return a;
 }

@@ -24,7 +24,7 @@ enum class action_kind : unsigned char { forward, backward, weight };
 
 struct pipeline_action {
   action_kind kind = action_kind::forward;
-  int stage = 0;        // virtual stage
+  int virtual_stage = 0;
   int micro_batch = 0;  // 0-based within the pipeline pass
   friend bool operator==(const pipeline_action&, const pipeline_action&) = default;
 };
@@ -33,9 +33,9 @@ struct schedule_shape {
   int ranks = 1;           // p: pipeline ranks (stage actors)
   int micro_batches = 1;   // m
   int virtual_stages = 1;  // v: model chunks per rank
-  int stage_count() const { return ranks * virtual_stages; }
-  int rank_of(int stage) const { return stage % ranks; }
-  int chunk_of(int stage) const { return stage / ranks; }
+  int virtual_stage_count() const { return ranks * virtual_stages; }
+  int rank_of(int virtual_stage) const { return virtual_stage % ranks; }
+  int chunk_of(int virtual_stage) const { return virtual_stage / ranks; }
 };
 
 struct pipeline_plan {

@@ -30,8 +30,8 @@ struct action_ids {
   int stages = 0, micro_batches = 0;
   size_t size() const { return static_cast<size_t>(3 * stages * micro_batches); }
   size_t operator()(const pipeline_action& a) const {
-    return static_cast<size_t>((static_cast<int>(a.kind) * stages + a.stage) * micro_batches +
-                               a.micro_batch);
+    return static_cast<size_t>(
+        (static_cast<int>(a.kind) * stages + a.virtual_stage) * micro_batches + a.micro_batch);
   }
 };
 
@@ -55,9 +55,9 @@ placement check_each_action(const pipeline_plan& plan, const action_ids& ids,
     for (size_t i = 0; i < actions.size(); ++i) {
       const pipeline_action& a = actions[i];
       const std::string token = to_token(a);
-      if (a.stage < 0 || a.stage >= ids.stages || a.micro_batch < 0 ||
+      if (a.virtual_stage < 0 || a.virtual_stage >= ids.stages || a.micro_batch < 0 ||
           a.micro_batch >= ids.micro_batches) {
-        add_error(errors, where(r, i) + ": " + token + " is out of range (stages 0.." +
+        add_error(errors, where(r, i) + ": " + token + " is out of range (virtual stages 0.." +
                               std::to_string(ids.stages - 1) + ", micro-batches 0.." +
                               std::to_string(ids.micro_batches - 1) + ")");
         continue;
@@ -65,10 +65,10 @@ placement check_each_action(const pipeline_plan& plan, const action_ids& ids,
       if (a.kind == action_kind::weight && !plan.split_backward) {
         add_error(errors, where(r, i) + ": " + token + " is a W in a non-split plan");
       }
-      if (shape.rank_of(a.stage) != r) {
-        add_error(errors, where(r, i) + ": " + token + " is on the wrong rank (stage " +
-                              std::to_string(a.stage) + " runs on rank " +
-                              std::to_string(shape.rank_of(a.stage)) + ")");
+      if (shape.rank_of(a.virtual_stage) != r) {
+        add_error(errors, where(r, i) + ": " + token + " is on the wrong rank (virtual stage " +
+                              std::to_string(a.virtual_stage) + " runs on rank " +
+                              std::to_string(shape.rank_of(a.virtual_stage)) + ")");
       }
       const size_t id = ids(a);
       if (placed.rank[id] >= 0) {
@@ -130,7 +130,7 @@ std::vector<std::string> check_structure(const pipeline_plan& plan) {
                      " rank lists, the shape has " + std::to_string(shape.ranks) + " ranks");
     return errors;
   }
-  const action_ids ids{shape.stage_count(), shape.micro_batches};
+  const action_ids ids{shape.virtual_stage_count(), shape.micro_batches};
   const placement placed = check_each_action(plan, ids, errors);
   check_completeness(plan, ids, placed, errors);
   return errors;
@@ -143,18 +143,19 @@ struct dependency_list {
   void add(const pipeline_action& a) { items[static_cast<size_t>(count++)] = a; }
 };
 
-dependency_list dependencies(const pipeline_action& a, int stage_count) {
+dependency_list dependencies(const pipeline_action& a, int virtual_stages) {
   dependency_list deps;
   switch (a.kind) {
     case action_kind::forward:
-      if (a.stage > 0) deps.add({action_kind::forward, a.stage - 1, a.micro_batch});
+      if (a.virtual_stage > 0) deps.add({action_kind::forward, a.virtual_stage - 1, a.micro_batch});
       break;
     case action_kind::backward:
-      deps.add({action_kind::forward, a.stage, a.micro_batch});
-      if (a.stage + 1 < stage_count) deps.add({action_kind::backward, a.stage + 1, a.micro_batch});
+      deps.add({action_kind::forward, a.virtual_stage, a.micro_batch});
+      if (a.virtual_stage + 1 < virtual_stages)
+        deps.add({action_kind::backward, a.virtual_stage + 1, a.micro_batch});
       break;
     case action_kind::weight:
-      deps.add({action_kind::backward, a.stage, a.micro_batch});
+      deps.add({action_kind::backward, a.virtual_stage, a.micro_batch});
       break;
   }
   return deps;
@@ -174,7 +175,7 @@ class timing_run {
       : plan_(plan),
         costs_(costs),
         out_(out),
-        ids_{plan.shape.stage_count(), plan.shape.micro_batches} {}
+        ids_{plan.shape.virtual_stage_count(), plan.shape.micro_batches} {}
 
   std::vector<message> run() {
     const size_t p = plan_.ranks.size();
@@ -218,13 +219,13 @@ class timing_run {
       const pipeline_action& dep = deps.items[static_cast<size_t>(d)];
       const double done = end_[ids_(dep)];
       if (done < 0) return false;
-      const bool remote = plan_.shape.rank_of(dep.stage) != static_cast<int>(r);
+      const bool remote = plan_.shape.rank_of(dep.virtual_stage) != static_cast<int>(r);
       start = std::max(start, done + (remote ? costs_.comm_latency : 0.0));
     }
     const double finish = start + cost(a);
     for (int d = 0; d < deps.count; ++d) {
       const pipeline_action& dep = deps.items[static_cast<size_t>(d)];
-      if (plan_.shape.rank_of(dep.stage) != static_cast<int>(r)) {
+      if (plan_.shape.rank_of(dep.virtual_stage) != static_cast<int>(r)) {
         messages_.push_back({static_cast<int>(r), end_[ids_(dep)], start});
       }
     }
@@ -248,7 +249,7 @@ class timing_run {
       if (end_[ids_(dep)] >= 0) continue;
       line += ' ';
       line += to_token(dep);
-      line += " (rank " + std::to_string(plan_.shape.rank_of(dep.stage)) + ")";
+      line += " (rank " + std::to_string(plan_.shape.rank_of(dep.virtual_stage)) + ")";
     }
     if (!out_.deadlock_report.empty()) out_.deadlock_report += "; ";
     out_.deadlock_report += line;
@@ -265,7 +266,7 @@ class timing_run {
 };
 
 // Micro-batch activations held per rank: from an F until the last backward action of that
-// (stage, micro-batch), W when split, B otherwise. Depends only on each rank's order.
+// (virtual stage, micro-batch), W when split, B otherwise. Depends only on each rank's order.
 std::vector<int> peak_in_flight(const pipeline_plan& plan) {
   const action_kind release = plan.split_backward ? action_kind::weight : action_kind::backward;
   std::vector<int> peaks;
@@ -339,9 +340,10 @@ void check_forward_plan(const pipeline_plan& plan) {
   for (int k = 0; k < sh.ranks; ++k) {
     std::set<std::pair<int, int>> seen;
     for (const auto& a : plan.ranks.at(static_cast<std::size_t>(k))) {
-      if (a.kind != action_kind::forward || a.stage < 0 ||
-          a.stage >= sh.ranks * sh.virtual_stages || a.stage % sh.ranks != k || a.micro_batch < 0 ||
-          a.micro_batch >= sh.micro_batches || !seen.insert({a.stage, a.micro_batch}).second)
+      if (a.kind != action_kind::forward || a.virtual_stage < 0 ||
+          a.virtual_stage >= sh.ranks * sh.virtual_stages || a.virtual_stage % sh.ranks != k ||
+          a.micro_batch < 0 || a.micro_batch >= sh.micro_batches ||
+          !seen.insert({a.virtual_stage, a.micro_batch}).second)
         throw std::invalid_argument("evaluation plan: rank " + std::to_string(k) + " has action " +
                                     to_token(a) +
                                     " (only each chunk's forward of each micro-batch, once)");

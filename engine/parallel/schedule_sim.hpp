@@ -29,15 +29,15 @@ struct timed_action {
 
 struct simulation {
   // Structural problems (missing/duplicate actions, B before its F on a rank, W without B,
-  // W in a non-split plan, ranks vector of the wrong size, stage on the wrong rank...).
+  // W in a non-split plan, ranks vector of the wrong size, virtual stage on the wrong rank...).
   std::vector<std::string> errors;
   bool deadlock = false;
   std::string deadlock_report;  // which rank waits for which action, when deadlock
   double makespan = 0;
-  double bubble_fraction = 0;           // 1 - sum(busy) / (p * makespan)
-  std::vector<double> busy;             // per rank
-  std::vector<int> peak_in_flight;      // per rank: max micro-batch activations held (F done,
-                                        // last backward action of that (stage, mb) not done)
+  double bubble_fraction = 0;       // 1 - sum(busy) / (p * makespan)
+  std::vector<double> busy;         // per rank
+  std::vector<int> peak_in_flight;  // per rank: max micro-batch activations held (F done,
+                                    // last backward action of that (virtual stage, mb) not done)
   std::vector<int> peak_link_messages;  // per rank r: max messages sent to rank r but not yet
                                         // consumed by it (activations + gradients)
   std::vector<std::vector<timed_action>> timeline;  // per rank, in execution order

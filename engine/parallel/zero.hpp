@@ -52,11 +52,11 @@ struct bucket_shard {
 bucket_shard make_bucket_shard(const chunk_range& range, const std::vector<parameter_info>& layout,
                                int chunk, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                int replica, int replicas, std::int64_t at, tensor_shard tp = {});
-inline bucket_shard make_bucket_shard(const gpt_chunk& stage, int chunk,
+inline bucket_shard make_bucket_shard(const gpt_chunk& weights, int chunk,
                                       std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
                                       int replica, int replicas, std::int64_t at) {
-  return make_bucket_shard(stage.range(), stage.parameters(), chunk, std::move(ranges), replica,
-                           replicas, at, stage.shard());
+  return make_bucket_shard(weights.range(), weights.parameters(), chunk, std::move(ranges), replica,
+                           replicas, at, weights.shard());
 }
 
 // Where a shard's numbers live: parameters and (ZeRO-1) gradients in the rank's chunk

@@ -90,7 +90,7 @@ json event_json(const event& e) {
   json args = json::object();
   if (e.step >= 0) args["step"] = e.step;
   if (e.micro_batch >= 0) args["micro_batch"] = e.micro_batch;
-  if (e.stage >= 0) args["stage"] = e.stage;
+  if (e.virtual_stage >= 0) args["stage"] = e.virtual_stage;
   if (e.bytes >= 0) args["bytes"] = e.bytes;
   if (!args.empty()) j["args"] = std::move(args);
   return j;
@@ -248,7 +248,7 @@ trace_file parse_trace(const json& root) {
         ev.flow_id = flow_id_of(e, where);
       ev.step = arg_int(e, "step");
       ev.micro_batch = arg_int(e, "micro_batch");
-      ev.stage = arg_int(e, "stage");
+      ev.virtual_stage = arg_int(e, "stage");
       if (const auto args = e.find("args"); args != e.end() && args->is_object())
         ev.bytes = args->value("bytes", std::int64_t{-1});
       trace.events.push_back(std::move(ev));

@@ -40,7 +40,7 @@ struct event {
   std::uint64_t flow_id = 0;  // flows only
   int step = -1;              // -1: not applicable
   int micro_batch = -1;
-  int stage = -1;  // virtual stage
+  int virtual_stage = -1;
   std::int64_t bytes = -1;
 };
 

@@ -18,7 +18,7 @@ using trace_clock = std::chrono::steady_clock;
 
 // The identity of a traced event (-1: not applicable).
 struct trace_ids {
-  int step = -1, micro_batch = -1, stage = -1;
+  int step = -1, micro_batch = -1, virtual_stage = -1;
   std::int64_t bytes = -1;
 };
 
@@ -56,7 +56,7 @@ class recorder {
     e.ts_us = ts;
     e.step = id.step;
     e.micro_batch = id.micro_batch;
-    e.stage = id.stage;
+    e.virtual_stage = id.virtual_stage;
     e.bytes = id.bytes;
     return e;
   }
@@ -67,12 +67,12 @@ class recorder {
 };
 
 // A flow id that both ends of a link compute from the message identity.
-inline std::uint64_t flow_id(int kind, int step, int round, int micro_batch, int stage, int replica,
-                             bool eval) {
+inline std::uint64_t flow_id(int kind, int step, int round, int micro_batch, int virtual_stage,
+                             int replica, bool eval) {
   std::uint64_t h = 0;
   for (std::int64_t v :
        {std::int64_t{kind}, std::int64_t{step}, std::int64_t{round}, std::int64_t{micro_batch},
-        std::int64_t{stage}, std::int64_t{replica}, std::int64_t{eval}})
+        std::int64_t{virtual_stage}, std::int64_t{replica}, std::int64_t{eval}})
     h = splitmix64(h ^ static_cast<std::uint64_t>(v));
   return h >> 11;  // fits a JSON double exactly
 }

@@ -150,7 +150,7 @@ step_view view_of(const trace_file& trace, int requested) {
   for (const auto& e : trace.events) {
     if (is_span(e, "compute") && e.step == v.step && stage_ids.count(e.track)) {
       v.compute.push_back(&e);
-      v.chunks |= e.stage >= ranks;
+      v.chunks |= e.virtual_stage >= ranks;
       v.weights |= e.name == "W";
     } else if (is_span(e, "collective") &&
                (e.step == v.step ||
@@ -277,12 +277,12 @@ bool serves(const track* collective, const track& row) {
 
 void draw_box(canvas& c, const trace_file& trace, const event& e, double y) {
   const int ranks = std::max(1, trace.meta.ranks);
-  const bool dark = e.stage >= 0 && (e.stage / ranks) % 2 == 1;
+  const bool dark = e.virtual_stage >= 0 && (e.virtual_stage / ranks) % 2 == 1;
   const shade colour = colour_of(e.name);
   const double x0 = c.x(e.ts_us), w = std::max(c.x(e.ts_us + e.dur_us) - x0, 0.5);
   std::string title = e.name;
   if (e.micro_batch >= 0) title += " micro-batch " + std::to_string(e.micro_batch);
-  if (e.stage >= 0) title += " · virtual stage " + std::to_string(e.stage);
+  if (e.virtual_stage >= 0) title += " · virtual stage " + std::to_string(e.virtual_stage);
   title += " · " + num(e.dur_us / 1000, 3) + " ms";
   c.rect(x0, y, w, box_height, dark ? colour.dark : colour.light, "compute", title);
   if (e.micro_batch < 0) return;

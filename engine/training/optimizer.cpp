@@ -17,22 +17,22 @@ double learning_rate(const optimizer_config& c, int step, int total_steps) {
   return c.min_lr + coeff * (double(c.lr) - c.min_lr);
 }
 
-adamw_optimizer::adamw_optimizer(const gpt_chunk& stage)
-    : m_(kernels::tensor::zeros({stage.parameter_count()})),
-      v_(kernels::tensor::zeros({stage.parameter_count()})) {}
+adamw_optimizer::adamw_optimizer(const gpt_chunk& chunk)
+    : m_(kernels::tensor::zeros({chunk.parameter_count()})),
+      v_(kernels::tensor::zeros({chunk.parameter_count()})) {}
 
 void adamw_optimizer::load_moments(const float* m, const float* v) {
   std::memcpy(m_.data(), m, m_.nbytes());
   std::memcpy(v_.data(), v, v_.nbytes());
 }
 
-double grad_square_sum(const gpt_chunk& stage, bool count_tied_copy) {
+double grad_square_sum(const gpt_chunk& chunk, bool count_tied_copy) {
   double sum = 0;
-  const bool tied_copy = stage.range().head && !stage.range().embedding;
-  for (const auto& p : stage.parameters()) {
+  const bool tied_copy = chunk.range().head && !chunk.range().embedding;
+  for (const auto& p : chunk.parameters()) {
     if (tied_copy && !count_tied_copy && p.name == "transformer.wte.weight") continue;
-    if (stage.shard().rank > 0 && p.split == tensor_split::replicated) continue;  // shard 0's
-    const kernels::gradient_span g{stage.grads() + p.offset, p.numel};
+    if (chunk.shard().rank > 0 && p.split == tensor_split::replicated) continue;  // shard 0's
+    const kernels::gradient_span g{chunk.grads() + p.offset, p.numel};
     const double n = kernels::global_grad_norm({&g, 1});
     sum += n * n;
   }
@@ -65,33 +65,33 @@ void unscale_and_clip(float* g, std::int64_t n, double unscale, double clip_coef
   for (std::int64_t i = 0; i < n; ++i) g[i] = static_cast<float>(double(g[i]) * unscale) * f;
 }
 
-adamw_optimizer::step_result adamw_optimizer::step(gpt_chunk& stage, const optimizer_config& c,
+adamw_optimizer::step_result adamw_optimizer::step(gpt_chunk& chunk, const optimizer_config& c,
                                                    int step, int total_steps) {
   step_result r;
-  const kernels::gradient_span all{stage.grads(), stage.parameter_count()};
+  const kernels::gradient_span all{chunk.grads(), chunk.parameter_count()};
   r.grad_norm = kernels::clip_grad_norm({&all, 1}, c.grad_clip);
-  update(stage, c, step, total_steps, r);
+  update(chunk, c, step, total_steps, r);
   return r;
 }
 
-adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_chunk& stage,
+adamw_optimizer::step_result adamw_optimizer::step_with_norm(gpt_chunk& chunk,
                                                              const optimizer_config& c, int step,
                                                              int total_steps, double grad_norm,
                                                              double unscale) {
   step_result r;
   r.grad_norm = grad_norm;
-  unscale_and_clip(stage.grads(), stage.parameter_count(), unscale,
+  unscale_and_clip(chunk.grads(), chunk.parameter_count(), unscale,
                    clip_coefficient(grad_norm, c.grad_clip));
-  update(stage, c, step, total_steps, r);
+  update(chunk, c, step, total_steps, r);
   return r;
 }
 
-void adamw_optimizer::update(gpt_chunk& stage, const optimizer_config& c, int step, int total_steps,
+void adamw_optimizer::update(gpt_chunk& chunk, const optimizer_config& c, int step, int total_steps,
                              step_result& r) {
   r.lr = learning_rate(c, step, total_steps);
   const kernels::adamw_hparams hp = adamw_hparams_at(c, r.lr);
-  for (const auto& p : stage.parameters()) {
-    kernels::adamw_update(stage.params() + p.offset, stage.grads() + p.offset, m_.f32() + p.offset,
+  for (const auto& p : chunk.parameters()) {
+    kernels::adamw_update(chunk.params() + p.offset, chunk.grads() + p.offset, m_.f32() + p.offset,
                           v_.f32() + p.offset, p.numel, hp, step + 1, p.decay);
   }
 }

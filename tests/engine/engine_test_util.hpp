@@ -164,7 +164,7 @@ using hf_tensors = std::map<std::string, hf_tensor>;
 
 // The stage's parameters in Hugging Face layout, built by hand: Conv1D weights transposed to
 // [in, out], wte without its padded rows. `prefix` false drops "transformer.".
-inline hf_tensors hf_from_stage(const gpt_chunk& s, bool prefix = true) {
+inline hf_tensors hf_from_chunk(const gpt_chunk& s, bool prefix = true) {
   hf_tensors out;
   const auto& c = s.config();
   for (const auto& p : s.parameters()) {

@@ -1,6 +1,6 @@
-// GPT-2 stage tests: whole-model finite-difference gradient check (every parameter tensor,
+// GPT-2 chunk tests: whole-model finite-difference gradient check (every parameter tensor,
 // ignored targets, padded vocabulary), pipeline partitions chained by hand against the whole
-// model (loss, every gradient, the tied wte split across first and last stage, init
+// model (loss, every gradient, the tied wte split across first and last chunk, init
 // determinism), partition_layers, gpt_config::validate messages, the parameter layout, and
 // gradient accumulation across backward passes.
 #include <catch2/catch.hpp>
@@ -145,40 +145,40 @@ namespace {
 
 struct pipeline_result {
   double loss = 0;
-  std::vector<std::unique_ptr<gpt_chunk>> stages;
+  std::vector<std::unique_ptr<gpt_chunk>> chunks;
 };
 
-// Runs forward + backward through `parts` chained by hand: each stage's input is the previous
-// stage's output, each stage's doutput is the next stage's dinput.
+// Runs forward + backward through `parts` chained by hand: each chunk's input is the previous
+// chunk's output, each chunk's doutput is the next chunk's dinput.
 pipeline_result run_pipeline(const gpt_config& cfg, const std::vector<chunk_range>& parts,
                              const micro_batch& mb, std::uint64_t seed) {
   pipeline_result out;
   std::vector<std::unique_ptr<gpt_activations>> acts;
   for (const auto& range : parts) {
-    out.stages.push_back(std::make_unique<gpt_chunk>(cfg, range));
-    out.stages.back()->init_gpt2(seed);
-    out.stages.back()->zero_grad();
-    acts.push_back(std::make_unique<gpt_activations>(*out.stages.back(), mb.B, mb.T));
+    out.chunks.push_back(std::make_unique<gpt_chunk>(cfg, range));
+    out.chunks.back()->init_gpt2(seed);
+    out.chunks.back()->zero_grad();
+    acts.push_back(std::make_unique<gpt_activations>(*out.chunks.back(), mb.B, mb.T));
   }
   const std::size_t n = parts.size();
   for (std::size_t s = 0; s < n; ++s) {
     if (s == 0) {
-      chunk_forward(*out.stages[s], *acts[s], mb.tokens.data(), nullptr);
+      chunk_forward(*out.chunks[s], *acts[s], mb.tokens.data(), nullptr);
     } else {
-      chunk_forward(*out.stages[s], *acts[s], nullptr, chunk_output(*acts[s - 1]));
+      chunk_forward(*out.chunks[s], *acts[s], nullptr, chunk_output(*acts[s - 1]));
     }
   }
   // The forward-only loss and the backward-start loss agree.
-  const double fwd_loss = chunk_loss(*out.stages.back(), *acts.back(), mb.targets.data()).mean();
+  const double fwd_loss = chunk_loss(*out.chunks.back(), *acts.back(), mb.targets.data()).mean();
   out.loss =
-      chunk_loss_backward_start(*out.stages.back(), *acts.back(), mb.targets.data(), 1.0f).mean();
+      chunk_loss_backward_start(*out.chunks.back(), *acts.back(), mb.targets.data(), 1.0f).mean();
   CHECK(fwd_loss == out.loss);
   const std::size_t NC = std::size_t(mb.B) * mb.T * std::size_t(cfg.width);
   std::vector<std::vector<float>> dinput(n, std::vector<float>(NC, std::nanf("")));
   for (std::size_t s = n; s-- > 0;) {
     const float* dout = s + 1 == n ? nullptr : dinput[s + 1].data();
     float* din = s == 0 ? nullptr : dinput[s].data();
-    chunk_backward(*out.stages[s], *acts[s], dout, din);
+    chunk_backward(*out.chunks[s], *acts[s], dout, din);
   }
   return out;
 }
@@ -188,10 +188,10 @@ pipeline_result run_pipeline(const gpt_config& cfg, const std::vector<chunk_rang
 TEST_CASE("pipeline partitions reproduce the whole model's loss and gradients",
           "[model][pipeline]") {
   struct split {
-    int layers, stages;
+    int layers, chunks;
   };
   const split sp = GENERATE(split{2, 2}, split{3, 3}, split{3, 2}, split{2, 1});
-  INFO(sp.layers << " layers in " << sp.stages << " stages");
+  INFO(sp.layers << " layers in " << sp.chunks << " chunks");
   const gpt_config cfg = tiny_config(sp.layers);
   const std::uint64_t seed = 1234;
   const micro_batch mb = make_batch(cfg, 2, 5, 11);
@@ -202,50 +202,50 @@ TEST_CASE("pipeline partitions reproduce the whole model's loss and gradients",
   gpt_activations whole_acts(whole, 2, 5);
   const double whole_loss = model_backward(whole, whole_acts, mb).mean();
 
-  const auto parts = partition_layers(cfg, sp.stages);
-  REQUIRE(int(parts.size()) == sp.stages);
+  const auto parts = partition_layers(cfg, sp.chunks);
+  REQUIRE(int(parts.size()) == sp.chunks);
   pipeline_result pipe = run_pipeline(cfg, parts, mb, seed);
 
   CHECK(std::abs(pipe.loss - whole_loss) <= 1e-6 * std::abs(whole_loss));
 
-  // Init determinism: each stage's parameters equal the whole model's same-named ones exactly.
+  // Init determinism: each chunk's parameters equal the whole model's same-named ones exactly.
   std::set<std::string> seen;
-  for (const auto& stage : pipe.stages) {
-    for (const auto& p : stage->parameters()) {
+  for (const auto& chunk : pipe.chunks) {
+    for (const auto& p : chunk->parameters()) {
       INFO("parameter " << p.name);
-      const auto mine = tensor_values(stage->param(p.name));
+      const auto mine = tensor_values(chunk->param(p.name));
       const auto ref = tensor_values(whole.param(p.name));
       REQUIRE(mine.size() == ref.size());
       CHECK(std::memcmp(mine.data(), ref.data(), mine.size() * sizeof(float)) == 0);
       if (p.name != "transformer.wte.weight") CHECK(seen.insert(p.name).second);
     }
   }
-  // Together the stages hold every parameter of the whole model.
+  // Together the chunks hold every parameter of the whole model.
   for (const auto& p : whole.parameters()) {
     if (p.name != "transformer.wte.weight") CHECK(seen.count(p.name) == 1);
   }
 
-  // Gradients: every non-wte parameter matches; wte = first-stage (embedding) gradient plus
-  // last-stage (head) gradient.
+  // Gradients: every non-wte parameter matches; wte = first-chunk (embedding) gradient plus
+  // last-chunk (head) gradient.
   for (const auto& p : whole.parameters()) {
     INFO("gradient of " << p.name);
     const auto ref = grad_values(whole, p.name);
     std::vector<float> sum(ref.size(), 0.0f);
     int holders = 0;
-    for (const auto& stage : pipe.stages) {
+    for (const auto& chunk : pipe.chunks) {
       bool has = false;
-      for (const auto& q : stage->parameters()) has = has || q.name == p.name;
+      for (const auto& q : chunk->parameters()) has = has || q.name == p.name;
       if (!has) continue;
       ++holders;
-      const auto g = grad_values(*stage, p.name);
+      const auto g = grad_values(*chunk, p.name);
       for (std::size_t i = 0; i < g.size(); ++i) sum[i] += g[i];
     }
-    CHECK(holders == (p.name == "transformer.wte.weight" && sp.stages > 1 ? 2 : 1));
+    CHECK(holders == (p.name == "transformer.wte.weight" && sp.chunks > 1 ? 2 : 1));
     CHECK(rel_diff(sum, ref) <= 1e-6);
   }
 }
 
-TEST_CASE("a stage's dinput is overwritten, not accumulated", "[model][pipeline]") {
+TEST_CASE("a chunk's dinput is overwritten, not accumulated", "[model][pipeline]") {
   const gpt_config cfg = tiny_config(2);
   const auto parts = partition_layers(cfg, 2);
   gpt_chunk first(cfg, parts[0]), last(cfg, parts[1]);
@@ -264,7 +264,7 @@ TEST_CASE("a stage's dinput is overwritten, not accumulated", "[model][pipeline]
   CHECK(rel_diff(d2, d1) == 0.0);
 }
 
-TEST_CASE("partition_layers splits evenly, remainder to earlier stages", "[model][partition]") {
+TEST_CASE("partition_layers splits evenly, remainder to earlier chunks", "[model][partition]") {
   auto sizes = [](const std::vector<chunk_range>& parts) {
     std::vector<int> out;
     for (const auto& p : parts) out.push_back(p.last_layer - p.first_layer);
@@ -281,16 +281,16 @@ TEST_CASE("partition_layers splits evenly, remainder to earlier stages", "[model
   c.layers = 8;
   CHECK(sizes(partition_layers(c, 3)) == std::vector<int>{3, 3, 2});
 
-  for (int stages = 1; stages <= 8; ++stages) {
-    const auto parts = partition_layers(c, stages);
-    REQUIRE(int(parts.size()) == stages);
+  for (int chunks = 1; chunks <= 8; ++chunks) {
+    const auto parts = partition_layers(c, chunks);
+    REQUIRE(int(parts.size()) == chunks);
     int next = 0;
-    for (int s = 0; s < stages; ++s) {
+    for (int s = 0; s < chunks; ++s) {
       const auto& p = parts[std::size_t(s)];
       CHECK(p.first_layer == next);
       CHECK(p.last_layer > p.first_layer);
       CHECK(p.embedding == (s == 0));
-      CHECK(p.head == (s == stages - 1));
+      CHECK(p.head == (s == chunks - 1));
       next = p.last_layer;
     }
     CHECK(next == c.layers);
@@ -319,7 +319,7 @@ TEST_CASE("gpt_config::validate names the offending key", "[model][config]") {
   CHECK_THAT(msg_for([](gpt_config& c) { c.layers = 0; }), Catch::StartsWith("model.layers"));
   CHECK_THAT(msg_for([](gpt_config& c) { c.heads = 0; }), Catch::StartsWith("model.heads"));
   CHECK_THAT(msg_for([](gpt_config& c) { c.width = 0; }), Catch::StartsWith("model.width"));
-  // A stage of an invalid config is refused the same way.
+  // A chunk of an invalid config is refused the same way.
   gpt_config bad = tiny_config();
   bad.heads = 3;
   CHECK_THROWS_WITH(gpt_chunk(bad, chunk_range::whole(bad)), Catch::Contains("model.heads"));
@@ -355,11 +355,11 @@ TEST_CASE("parameter layout: names, shapes, alignment, conv1d and decay flags", 
   CHECK_THROWS_WITH(s.param("transformer.h.2.ln_1.weight"),
                     Catch::Contains("transformer.h.2.ln_1.weight"));
 
-  // A middle stage has neither embedding nor head.
+  // A middle chunk has neither embedding nor head.
   const auto mid = chunk_parameter_layout(cfg, chunk_range{1, 2, false, false});
   CHECK(mid.size() == 12);
   CHECK(mid.front().name == "transformer.h.1.ln_1.weight");
-  // A last stage without the embedding still holds the tied wte (not wpe).
+  // A last chunk without the embedding still holds the tied wte (not wpe).
   const auto last = chunk_parameter_layout(cfg, chunk_range{1, 2, false, true});
   CHECK(last.front().name == "transformer.wte.weight");
   for (const auto& p : last) CHECK(p.name != "transformer.wpe.weight");
@@ -492,7 +492,7 @@ TEST_CASE("activations and call order are checked", "[model]") {
   CHECK_THROWS_AS(chunk_loss(model, acts, mb.targets.data()), std::logic_error);
   CHECK_THROWS_AS(chunk_loss_backward_start(model, acts, mb.targets.data(), 1.0f),
                   std::logic_error);
-  // A stage without the head cannot produce a loss.
+  // A chunk without the head cannot produce a loss.
   const auto parts = partition_layers(cfg, 2);
   gpt_chunk first(cfg, parts[0]);
   gpt_activations a0(first, 1, 4);

@@ -155,8 +155,8 @@ TEST_CASE("CPU and device chunks behind the one contract compute the same, bitwi
       make_device_rank_chunks(factory, kModel, ranges, {}, gpt2_init(5), kB, kT, 1, 0, 0, nullptr);
   CHECK(cpu->kind() == "cpu");
   CHECK(device->kind() == "host");
-  CHECK(cpu->host_stage(0) != nullptr);
-  CHECK(device->host_stage(0) == nullptr);
+  CHECK(cpu->cpu_chunk(0) != nullptr);
+  CHECK(device->cpu_chunk(0) == nullptr);
   for (int c = 0; c < 2; ++c) {
     CHECK(cpu->parameters(c) == device->parameters(c));
     CHECK(cpu->grad_blocks(c).size() == device->grad_blocks(c).size());

@@ -25,9 +25,9 @@ namespace {
 const std::vector<int> kRanks = {1, 2, 3, 4, 8};
 const std::vector<int> kMicroBatches = {1, 2, 3, 4, 8, 16};
 
-pipeline_action F(int stage, int mb) { return {action_kind::forward, stage, mb}; }
-pipeline_action B(int stage, int mb) { return {action_kind::backward, stage, mb}; }
-pipeline_action W(int stage, int mb) { return {action_kind::weight, stage, mb}; }
+pipeline_action F(int k, int mb) { return {action_kind::forward, k, mb}; }
+pipeline_action B(int k, int mb) { return {action_kind::backward, k, mb}; }
+pipeline_action W(int k, int mb) { return {action_kind::weight, k, mb}; }
 
 // A plan written by hand as text, one line per rank.
 pipeline_plan plan_of(const std::string& text, int p, int m, int v = 1) {
@@ -59,14 +59,14 @@ void check_timing_invariants(const pipeline_plan& plan, const action_costs& cost
   std::map<std::tuple<int, int, int>, double> end;
   for (const auto& rank : sim.timeline) {
     for (const timed_action& t : rank) {
-      end[{static_cast<int>(t.action.kind), t.action.stage, t.action.micro_batch}] = t.end;
+      end[{static_cast<int>(t.action.kind), t.action.virtual_stage, t.action.micro_batch}] = t.end;
     }
   }
   const auto ready = [&](const pipeline_action& dep, int rank) {
-    const double lat = plan.shape.rank_of(dep.stage) != rank ? costs.comm_latency : 0.0;
-    return end.at({static_cast<int>(dep.kind), dep.stage, dep.micro_batch}) + lat;
+    const double lat = plan.shape.rank_of(dep.virtual_stage) != rank ? costs.comm_latency : 0.0;
+    return end.at({static_cast<int>(dep.kind), dep.virtual_stage, dep.micro_batch}) + lat;
   };
-  const int last = plan.shape.stage_count() - 1;
+  const int last = plan.shape.virtual_stage_count() - 1;
   for (int r = 0; r < plan.shape.ranks; ++r) {
     const auto& line = sim.timeline[static_cast<size_t>(r)];
     REQUIRE(line.size() == plan.ranks[static_cast<size_t>(r)].size());
@@ -74,7 +74,7 @@ void check_timing_invariants(const pipeline_plan& plan, const action_costs& cost
       const timed_action& t = line[i];
       REQUIRE(t.action == plan.ranks[static_cast<size_t>(r)][i]);
       if (i > 0) REQUIRE(t.start >= line[i - 1].end - 1e-12);
-      const int k = t.action.stage, j = t.action.micro_batch;
+      const int k = t.action.virtual_stage, j = t.action.micro_batch;
       if (t.action.kind == action_kind::forward && k > 0) REQUIRE(t.start >= ready(F(k - 1, j), r));
       if (t.action.kind == action_kind::backward) {
         REQUIRE(t.start >= ready(F(k, j), r));
@@ -103,8 +103,9 @@ TEST_CASE("action tokens round-trip and bad tokens are named", "[schedule]") {
        {"", "F1", "0F", "0X1", "-1F0", "0F-1", "0F1x", "a0F1", "0 F1", "0FB1", "9999999999F0"}) {
     INFO("token '" << bad << "'");
     REQUIRE_THROWS_AS(parse_token(bad), std::invalid_argument);
-    REQUIRE_THROWS_WITH(parse_token(bad), Catch::Contains("'" + std::string(bad) + "'") &&
-                                              Catch::Contains("<stage><F|B|W><micro-batch>"));
+    REQUIRE_THROWS_WITH(parse_token(bad),
+                        Catch::Contains("'" + std::string(bad) + "'") &&
+                            Catch::Contains("<virtual stage><F|B|W><micro-batch>"));
   }
 }
 
@@ -284,13 +285,15 @@ TEST_CASE("bad plans are named", "[schedule]") {
   // A split plan needs every W.
   REQUIRE_THROWS_WITH(check_plan(plan_of("0F0 0B0 0W0 0F1 0B1\n", 1, 2)),
                       Catch::Contains("missing 0W1"));
-  // A stage on the wrong rank.
-  REQUIRE_THROWS_WITH(check_plan(plan_of("0F0 1F0 0B0\n1B0\n", 2, 1)),
-                      Catch::Contains("rank 0 position 1: 1F0 is on the wrong rank (stage 1 runs "
-                                      "on rank 1)"));
+  // A virtual stage on the wrong rank.
+  REQUIRE_THROWS_WITH(
+      check_plan(plan_of("0F0 1F0 0B0\n1B0\n", 2, 1)),
+      Catch::Contains("rank 0 position 1: 1F0 is on the wrong rank (virtual stage 1 runs "
+                      "on rank 1)"));
   // Out of range, wrong number of rank lists.
-  REQUIRE_THROWS_WITH(check_plan(plan_of("0F0 0F1 0B0\n", 1, 1)),
-                      Catch::Contains("0F1 is out of range (stages 0..0, micro-batches 0..0)"));
+  REQUIRE_THROWS_WITH(
+      check_plan(plan_of("0F0 0F1 0B0\n", 1, 1)),
+      Catch::Contains("0F1 is out of range (virtual stages 0..0, micro-batches 0..0)"));
   REQUIRE_THROWS_WITH(check_plan(plan_of("0F0 2F0\n1F0\n", 2, 1)),
                       Catch::Contains("2F0 is out of range"));
   REQUIRE_THROWS_WITH(check_plan(plan_of("0F0 0B0\n", 2, 1)),
@@ -351,7 +354,7 @@ TEST_CASE("the registry builds and checks plans by name", "[schedule]") {
       std::vector<pipeline_action> out;
       for (const pipeline_action& a : rank) {
         out.push_back(a);
-        if (a.kind == action_kind::backward) out.push_back(W(a.stage, a.micro_batch));
+        if (a.kind == action_kind::backward) out.push_back(W(a.virtual_stage, a.micro_batch));
       }
       rank = out;
     }

@@ -1,5 +1,5 @@
 // Split backward (B = chunk_backward_input, W = chunk_backward_weight) against the whole
-// chunk_backward, for a first, a middle, a last and a whole-model stage of a tiny model:
+// chunk_backward, for a first, a middle, a last and a whole-model chunk of a tiny model:
 // B then W gives the same dinput and gradients bitwise; micro-batches may run B0 B1 W1 W0;
 // B alone touches no gradient; W without B throws; the gradient blocks cover every parameter
 // once, and on_block_done fires once per block, in order, when the block's gradient is final.
@@ -41,8 +41,8 @@ std::vector<stage_case> all_cases() {
           {"whole", {0, 3, true, true}}};
 }
 
-// One micro-batch's inputs for a stage in isolation: tokens/targets, a hidden-state input (for
-// stages without the embedding) and an output gradient (for stages without the head).
+// One micro-batch's inputs for a chunk in isolation: tokens/targets, a hidden-state input (for
+// chunks without the embedding) and an output gradient (for chunks without the head).
 struct micro_data {
   micro_batch mb;
   std::vector<float> input, doutput;
@@ -60,7 +60,7 @@ micro_data make_micro(std::uint32_t seed, int B = 2, int T = 5) {
   return d;
 }
 
-// A stage with parameters far from init and gradients already holding something, so that the
+// A chunk with parameters far from init and gradients already holding something, so that the
 // tests see accumulation (+=), not overwriting.
 std::unique_ptr<gpt_chunk> make_stage(const chunk_range& range) {
   auto s = std::make_unique<gpt_chunk>(kConfig, range);
@@ -74,7 +74,7 @@ std::unique_ptr<gpt_chunk> make_stage(const chunk_range& range) {
   return s;
 }
 
-// Forward, plus the loss gradient on a last stage: ready for backward.
+// Forward, plus the loss gradient on a last chunk: ready for backward.
 void forward(const gpt_chunk& s, gpt_activations& acts, const micro_data& d) {
   const bool emb = s.range().embedding;
   chunk_forward(s, acts, emb ? d.mb.tokens.data() : nullptr, emb ? nullptr : d.input.data());
@@ -112,7 +112,7 @@ std::vector<float> nan_buffer() {
 
 TEST_CASE("B then W gives chunk_backward's dinput and gradients", "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
-  INFO("stage " << sc.name);
+  INFO("chunk " << sc.name);
   const micro_data d = make_micro(3);
   auto whole = make_stage(sc.range);
   auto split = make_stage(sc.range);
@@ -140,7 +140,7 @@ TEST_CASE("B then W gives chunk_backward's dinput and gradients", "[split_backwa
 TEST_CASE("micro-batches in the order B0 B1 W1 W0 accumulate what whole backward does",
           "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
-  INFO("stage " << sc.name);
+  INFO("chunk " << sc.name);
   const micro_data d0 = make_micro(11), d1 = make_micro(12);
   auto whole = make_stage(sc.range);
   auto split = make_stage(sc.range);
@@ -172,7 +172,7 @@ TEST_CASE("micro-batches in the order B0 B1 W1 W0 accumulate what whole backward
 
 TEST_CASE("split backward misuse throws std::logic_error", "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
-  INFO("stage " << sc.name);
+  INFO("chunk " << sc.name);
   const micro_data d = make_micro(21);
   auto s = make_stage(sc.range);
   gpt_activations acts(*s, 2, 5);
@@ -206,7 +206,7 @@ TEST_CASE("split backward misuse throws std::logic_error", "[split_backward]") {
   CHECK_NOTHROW(forward(*s, acts, d));
 }
 
-TEST_CASE("B on a last stage needs the loss first", "[split_backward]") {
+TEST_CASE("B on a last chunk needs the loss first", "[split_backward]") {
   auto s = make_stage({2, 3, false, true});
   gpt_activations acts(*s, 2, 5);
   const micro_data d = make_micro(4);
@@ -217,7 +217,7 @@ TEST_CASE("B on a last stage needs the loss first", "[split_backward]") {
 
 TEST_CASE("grad blocks cover every parameter once, in backward order", "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
-  INFO("stage " << sc.name);
+  INFO("chunk " << sc.name);
   gpt_chunk s(kConfig, sc.range);
   const auto blocks = chunk_grad_blocks(s);
 
@@ -274,16 +274,16 @@ namespace {
 
 // Records on_block_done: the order of the calls and each block's gradient at its call.
 struct block_recorder {
-  const gpt_chunk& stage;
+  const gpt_chunk& chunk;
   std::vector<grad_block> blocks;
   std::vector<int> calls;
   std::vector<std::vector<float>> at_call;
 
-  explicit block_recorder(const gpt_chunk& s) : stage(s), blocks(chunk_grad_blocks(s)) {}
+  explicit block_recorder(const gpt_chunk& s) : chunk(s), blocks(chunk_grad_blocks(s)) {}
   std::vector<float> values(int b) const {
     std::vector<float> v;
     for (const auto& [offset, numel] : blocks[static_cast<std::size_t>(b)].ranges) {
-      v.insert(v.end(), stage.grads() + offset, stage.grads() + offset + numel);
+      v.insert(v.end(), chunk.grads() + offset, chunk.grads() + offset + numel);
     }
     return v;
   }
@@ -312,7 +312,7 @@ struct block_recorder {
 TEST_CASE("on_block_done fires once per block, in order, when the block is final",
           "[split_backward]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
-  INFO("stage " << sc.name);
+  INFO("chunk " << sc.name);
   const micro_data d = make_micro(8);
   auto s = make_stage(sc.range);
   gpt_activations acts(*s, 2, 5);
@@ -343,7 +343,7 @@ TEST_CASE("on_block_done fires once per block, in order, when the block is final
 
 namespace {
 
-// Drives a pass the way a ZeRO-3 stage does: at each stop only the stop's blocks hold their
+// Drives a pass the way a ZeRO-3 chunk does: at each stop only the stop's blocks hold their
 // parameters; every other parameter (and the whole buffer before the first stop) reads NaN.
 void run_poisoned(gpt_chunk& s, block_pass pass, pass_kind kind, bool recompute) {
   const std::vector<float> saved(s.params(), s.params() + s.parameter_count());
@@ -418,7 +418,7 @@ TEST_CASE("checkpointed blocks give bitwise the gradients of saved ones, whole a
           "[split_backward][recompute]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
   const bool split = GENERATE(false, true);
-  INFO("stage " << sc.name << (split ? ", split backward" : ", whole backward"));
+  INFO("chunk " << sc.name << (split ? ", split backward" : ", whole backward"));
   auto plain = make_stage(sc.range);
   auto ckpt = make_stage(sc.range);
   auto scratch = std::make_shared<block_scratch>(kConfig, 2, 5);
@@ -452,7 +452,7 @@ TEST_CASE("activation bytes: what a micro-batch holds is what the plan says, and
           "[split_backward][recompute]") {
   const stage_case sc = GENERATE(from_range(all_cases()));
   const bool split = GENERATE(false, true);
-  INFO("stage " << sc.name << (split ? ", split backward" : ", whole backward"));
+  INFO("chunk " << sc.name << (split ? ", split backward" : ", whole backward"));
   const micro_data d = make_micro(3);
   auto s = make_stage(sc.range);
   auto scratch = std::make_shared<block_scratch>(kConfig, 2, 5);

@@ -38,7 +38,7 @@ void require_same(const trace_file& a, const trace_file& b) {
     CHECK(x.flow_id == y.flow_id);
     CHECK(x.step == y.step);
     CHECK(x.micro_batch == y.micro_batch);
-    CHECK(x.stage == y.stage);
+    CHECK(x.virtual_stage == y.virtual_stage);
     CHECK(x.bytes == y.bytes);
   }
 }
@@ -77,7 +77,7 @@ TEST_CASE("write_json then read_json gives back every field exactly", "[trace]")
   zero_span.track = 3;
   zero_span.category = "recv";
   zero_span.name = "gradient";
-  zero_span.stage = 0;
+  zero_span.virtual_stage = 0;
   zero_span.bytes = 0;
   zero_span.micro_batch = 0;
   zero_span.step = 0;

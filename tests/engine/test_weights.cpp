@@ -205,7 +205,7 @@ TEST_CASE("save_hf_weights then load_hf_weights reproduces the parameters", "[we
     CHECK(f.at("transformer.h.1.mlp.c_fc.weight").shape == kernels::shape_t{8, 32});
     CHECK(f.at("transformer.h.1.mlp.c_proj.weight").shape == kernels::shape_t{32, 8});
     CHECK(f.at("transformer.ln_f.bias").shape == kernels::shape_t{8});
-    const auto expect = hf_from_stage(src);
+    const auto expect = hf_from_chunk(src);
     for (const auto& [name, t] : expect) {
       INFO(name);
       CHECK(tensor_values(f.read_f32(name)) == t.values);
@@ -233,13 +233,13 @@ TEST_CASE("Hugging Face names: prefix optional, attention buffers ignored", "[we
   gpt_chunk src = make_model(cfg, 6);
 
   SECTION("without the transformer. prefix") {
-    write_hf(dir / "noprefix.safetensors", hf_from_stage(src, false));
+    write_hf(dir / "noprefix.safetensors", hf_from_chunk(src, false));
     gpt_chunk dst(cfg, chunk_range::whole(cfg));
     load_hf_weights(dst, dir / "noprefix.safetensors");
     CHECK(snapshot_params(dst) == snapshot_params(src));
   }
   SECTION("with h.N.attn.bias and attn.masked_bias buffers") {
-    auto t = hf_from_stage(src, false);
+    auto t = hf_from_chunk(src, false);
     t["h.0.attn.bias"] = {{1, 1, 8, 8}, std::vector<float>(64, 1.0f)};
     t["h.1.attn.bias"] = {{1, 1, 8, 8}, std::vector<float>(64, 1.0f)};
     t["h.1.attn.masked_bias"] = {{}, {-1e4f}};
@@ -250,7 +250,7 @@ TEST_CASE("Hugging Face names: prefix optional, attention buffers ignored", "[we
     CHECK_NOTHROW(check_hf_weights(cfg, dir / "buffers.safetensors"));
   }
   SECTION("tied lm_head.weight equal to wte is accepted") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     t["lm_head.weight"] = t.at("transformer.wte.weight");
     write_hf(dir / "tied.safetensors", t);
     gpt_chunk dst(cfg, chunk_range::whole(cfg));
@@ -258,7 +258,7 @@ TEST_CASE("Hugging Face names: prefix optional, attention buffers ignored", "[we
     CHECK(snapshot_params(dst) == snapshot_params(src));
   }
   SECTION("bf16 input is converted") {
-    write_hf(dir / "bf16.safetensors", hf_from_stage(src), true);
+    write_hf(dir / "bf16.safetensors", hf_from_chunk(src), true);
     gpt_chunk dst(cfg, chunk_range::whole(cfg));
     load_hf_weights(dst, dir / "bf16.safetensors");
     for (const auto& p : src.parameters()) {
@@ -295,25 +295,25 @@ TEST_CASE("bad Hugging Face files are refused naming the tensor; the stage is un
   };
 
   SECTION("a missing tensor is named") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     t.erase("transformer.h.1.mlp.c_proj.bias");
     CHECK_THAT(refused("missing.safetensors", t),
                Catch::Contains("transformer.h.1.mlp.c_proj.bias"));
   }
   SECTION("an extra unknown tensor is named") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     t["transformer.h.0.attn.rotary.weight"] = {{2}, {1, 2}};
     CHECK_THAT(refused("extra.safetensors", t),
                Catch::Contains("transformer.h.0.attn.rotary.weight"));
   }
   SECTION("a layer the model does not have is named") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     t["transformer.h.2.ln_1.weight"] = {{8}, std::vector<float>(8, 1.0f)};
     CHECK_THAT(refused("extra-layer.safetensors", t),
                Catch::Contains("transformer.h.2.ln_1.weight"));
   }
   SECTION("a wrongly shaped tensor is named with both shapes") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     // c_attn stored [out, in] instead of Conv1D's [in, out].
     t["transformer.h.0.attn.c_attn.weight"].shape = {24, 8};
     CHECK_THAT(refused("shape.safetensors", t),
@@ -321,7 +321,7 @@ TEST_CASE("bad Hugging Face files are refused naming the tensor; the stage is un
                    Catch::Contains("[24, 8]") && Catch::Contains("[8, 24]"));
   }
   SECTION("a padded wte is refused (files hold the real vocabulary only)") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     auto& wte = t["transformer.wte.weight"];
     wte.shape = {16, 8};
     wte.values.resize(16 * 8, 0.0f);
@@ -330,7 +330,7 @@ TEST_CASE("bad Hugging Face files are refused naming the tensor; the stage is un
                                                      Catch::Contains("[11, 8]"));
   }
   SECTION("an lm_head.weight that differs from wte is refused") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     t["lm_head.weight"] = t.at("transformer.wte.weight");
     t["lm_head.weight"].values[3] += 1.0f;
     const auto p = dir / "untied.safetensors";
@@ -340,12 +340,12 @@ TEST_CASE("bad Hugging Face files are refused naming the tensor; the stage is un
     CHECK(snapshot_params(dst) == before);
   }
   SECTION("a tensor present with and without prefix is refused") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     t["ln_f.bias"] = t.at("transformer.ln_f.bias");
     CHECK_THAT(refused("twice.safetensors", t), Catch::Contains("ln_f.bias"));
   }
   SECTION("an integer tensor is refused naming it") {
-    auto t = hf_from_stage(src);
+    auto t = hf_from_chunk(src);
     t.erase("transformer.ln_f.bias");
     const auto p = dir / "int.safetensors";
     std::map<std::string, safetensors_tensor> out;
@@ -382,7 +382,7 @@ TEST_CASE("Conv1D weights are transposed on import", "[weights][hf]") {
   const gpt_config cfg = tiny_config(1);
   const std::int64_t C = cfg.width;
   gpt_chunk src = make_model(cfg, 8);
-  auto t = hf_from_stage(src);
+  auto t = hf_from_chunk(src);
   // c_attn.weight in the file: [C, 3C], value at [i][j] = 1000 * i + j.
   auto& w = t["transformer.h.0.attn.c_attn.weight"];
   REQUIRE(w.shape == kernels::shape_t{C, 3 * C});
@@ -437,7 +437,7 @@ TEST_CASE("pipeline stages load their slice of a whole-model file", "[weights][p
     }
   }
   // A file is checked against the whole model even for a partial stage.
-  auto t = hf_from_stage(whole);
+  auto t = hf_from_chunk(whole);
   t.erase("transformer.h.0.ln_2.bias");
   write_hf(dir / "partial.safetensors", t);
   gpt_chunk last(cfg, partition_layers(cfg, 3).back());

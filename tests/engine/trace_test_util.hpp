@@ -47,7 +47,7 @@ struct builder {
     e.dur_us = (end - start) * unit;
     e.step = step;
     e.micro_batch = micro_batch;
-    e.stage = stage;
+    e.virtual_stage = stage;
     trace.events.push_back(e);
     return trace.events.back();
   }

@@ -25,7 +25,7 @@ void check_header(const link_header& a, const link_header& b) {
   CHECK(a.step == b.step);
   CHECK(a.round == b.round);
   CHECK(a.micro_batch == b.micro_batch);
-  CHECK(a.stage == b.stage);
+  CHECK(a.virtual_stage == b.virtual_stage);
   CHECK(a.replica == b.replica);
   CHECK(a.eval == b.eval);
   CHECK(a.shape == b.shape);
@@ -138,9 +138,10 @@ struct checker {
     for (std::size_t i = 0; i < w.events.size(); ++i) {
       const auto& a = w.events[i];
       const auto& b = g.events[i];
-      CHECK(std::tie(a.kind, a.track, a.category, a.name, a.flow_id, a.step, a.micro_batch, a.stage,
-                     a.bytes) == std::tie(b.kind, b.track, b.category, b.name, b.flow_id, b.step,
-                                          b.micro_batch, b.stage, b.bytes));
+      CHECK(std::tie(a.kind, a.track, a.category, a.name, a.flow_id, a.step, a.micro_batch,
+                     a.virtual_stage, a.bytes) == std::tie(b.kind, b.track, b.category, b.name,
+                                                           b.flow_id, b.step, b.micro_batch,
+                                                           b.virtual_stage, b.bytes));
       CHECK(same_double(a.ts_us, b.ts_us));
       CHECK(same_double(a.dur_us, b.dur_us));
     }
@@ -505,7 +506,7 @@ TEST_CASE("evaluation plans (forward only) cross; other forward-only plans are r
                   step_plan{4, 1, true, std::make_shared<const engine::pipeline_plan>(missing)}})),
       Catch::Contains("expected 6"));
   auto wrong = p;
-  wrong.ranks[0][0].stage = 1;
+  wrong.ranks[0][0].virtual_stage = 1;
   REQUIRE_THAT(refused_with(encode(
                    {5, 0, 0, false,
                     step_plan{4, 1, true, std::make_shared<const engine::pipeline_plan>(wrong)}})),

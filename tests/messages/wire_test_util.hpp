@@ -135,7 +135,7 @@ inline body sample(std::size_t kind) {
     }
     case 14: {
       engine::trace::event a{engine::trace::event_kind::span, 3, "compute", "F", 12.5, 3.25};
-      a.step = 1, a.micro_batch = 2, a.stage = 3, a.bytes = 1 << 20;
+      a.step = 1, a.micro_batch = 2, a.virtual_stage = 3, a.bytes = 1 << 20;
       engine::trace::event b{engine::trace::event_kind::flow_out, 1, "flow", "micro-batch", 1e9};
       b.flow_id = (1ull << 53) - 1;
       engine::trace::event c{engine::trace::event_kind::instant, 0, "", "stage 1 · dp 0", -0.0};
