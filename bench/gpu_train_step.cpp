@@ -79,15 +79,15 @@ json measure_troupe(const gpu_train_step_options& o, int B, const std::string& a
   // these steps are not among the timed ones above.
   std::map<std::string, std::pair<double, int>> sums;
   double timed_seconds = 0;
-  trainer.stage().set_kernel_timing(true);
+  trainer.chunk().set_kernel_timing(true);
   for (int s = 0; s < kBreakdownSteps; ++s) {
     timed_seconds += step(o.warmup + o.steps + s);
-    for (const auto& t : trainer.stage().take_kernel_times()) {
+    for (const auto& t : trainer.chunk().take_kernel_times()) {
       sums[t.family].first += t.ms;
       sums[t.family].second += t.calls;
     }
   }
-  trainer.stage().set_kernel_timing(false);
+  trainer.chunk().set_kernel_timing(false);
   json families = json::array();
   double sum = 0;
   for (const auto& [family, v] : sums) {

@@ -31,34 +31,34 @@ gpu_trainer::gpu_trainer(const gpt_chunk& weights, int B, int T,
   if (range.first_layer != 0 || range.last_layer != config.layers || !range.embedding ||
       !range.head)
     throw std::invalid_argument("gpu_trainer: the host weights are not a whole model");
-  stage_ = std::make_unique<gpu_chunk>(weights, B, T, options);
+  chunk_ = std::make_unique<gpu_chunk>(weights, B, T, options);
 }
 
 gpu_trainer::~gpu_trainer() = default;
 
 double gpu_trainer::forward_backward(const std::int32_t* inputs, const std::int32_t* targets,
                                      float loss_scale) {
-  const double loss = stage_->forward(0, inputs, targets, loss_scale, true);
-  stage_->backward(0, nullptr);
+  const double loss = chunk_->forward(0, inputs, targets, loss_scale, true);
+  chunk_->backward(0, nullptr);
   return loss;
 }
 
 double gpu_trainer::evaluate(const std::int32_t* inputs, const std::int32_t* targets) {
-  return stage_->forward(0, inputs, targets, 1.0f, false);
+  return chunk_->forward(0, inputs, targets, 1.0f, false);
 }
 
 std::vector<float> gpu_trainer::last_logits(const std::int32_t* tokens, int T) {
-  return stage_->last_logits(0, tokens, T);
+  return chunk_->last_logits(0, tokens, T);
 }
 
-void gpu_trainer::zero_grad() { stage_->zero_grad(); }
+void gpu_trainer::zero_grad() { chunk_->zero_grad(); }
 
-double gpu_trainer::grad_square_sum() { return stage_->grad_square_sum(); }
+double gpu_trainer::grad_square_sum() { return chunk_->grad_square_sum(); }
 
 double gpu_trainer::update(const optimizer_config& config, int step, int total_steps,
                            double grad_multiplier) {
   const double lr = learning_rate(config, step, total_steps);
-  stage_->adamw(adamw_hparams_at(config, lr), step + 1, static_cast<float>(grad_multiplier));
+  chunk_->adamw(adamw_hparams_at(config, lr), step + 1, static_cast<float>(grad_multiplier));
   return lr;
 }
 
@@ -74,12 +74,12 @@ gpu_trainer::step_result gpu_trainer::train_step(const std::int32_t* inputs,
   return r;
 }
 
-std::vector<float> gpu_trainer::parameters() const { return stage_->parameters(); }
-void gpu_trainer::copy_parameters_to(gpt_chunk& host) const { stage_->copy_parameters_to(host); }
-std::vector<float> gpu_trainer::gradients() const { return stage_->gradients(); }
-const std::vector<parameter_info>& gpu_trainer::layout() const { return stage_->layout(); }
-std::int64_t gpu_trainer::device_bytes() const { return stage_->device_bytes(); }
-std::string gpu_trainer::device_name() const { return stage_->device_name(); }
-void gpu_trainer::synchronize() const { stage_->synchronize(); }
+std::vector<float> gpu_trainer::parameters() const { return chunk_->parameters(); }
+void gpu_trainer::copy_parameters_to(gpt_chunk& host) const { chunk_->copy_parameters_to(host); }
+std::vector<float> gpu_trainer::gradients() const { return chunk_->gradients(); }
+const std::vector<parameter_info>& gpu_trainer::layout() const { return chunk_->layout(); }
+std::int64_t gpu_trainer::device_bytes() const { return chunk_->device_bytes(); }
+std::string gpu_trainer::device_name() const { return chunk_->device_name(); }
+void gpu_trainer::synchronize() const { chunk_->synchronize(); }
 
 }  // namespace troupe::engine

@@ -39,7 +39,7 @@ class gpu_trainer {
   gpu_trainer(const gpt_config& config, int B, int T, compute_dtype dtype, std::uint64_t seed);
   gpu_trainer(const gpt_config& config, int B, int T, const gpu_trainer_options& options,
               std::uint64_t seed);
-  // The same with the weights of a whole-model host stage (e.g. loaded from Hugging Face).
+  // The same with the weights of a whole-model host chunk (e.g. loaded from Hugging Face).
   gpu_trainer(const gpt_chunk& weights, int B, int T, const gpu_trainer_options& options);
   ~gpu_trainer();
   gpu_trainer(const gpu_trainer&) = delete;
@@ -75,7 +75,7 @@ class gpu_trainer {
 
   // fp32 master weights and gradients, in gpt_chunk's layout (copied to the host).
   std::vector<float> parameters() const;
-  // The master weights copied into a whole-model host stage of the same config (to save them).
+  // The master weights copied into a whole-model host chunk of the same config (to save them).
   void copy_parameters_to(gpt_chunk& host) const;
   std::vector<float> gradients() const;
   const std::vector<parameter_info>& layout() const;
@@ -84,10 +84,10 @@ class gpu_trainer {
   void synchronize() const;  // waits for everything enqueued
 
   // The whole model as one chunk with one slot.
-  gpu_chunk& stage() { return *stage_; }
+  gpu_chunk& chunk() { return *chunk_; }
 
  private:
-  std::unique_ptr<gpu_chunk> stage_;
+  std::unique_ptr<gpu_chunk> chunk_;
 };
 
 }  // namespace troupe::engine

@@ -426,13 +426,13 @@ TEST_CASE("a GPU chunk times its ops by family while asked to, changing no bit",
                       7);
     const auto b = make_batch(5);
     timed.forward_backward(b.inputs.data(), b.targets.data());
-    CHECK(timed.stage().take_kernel_times().empty());  // timing is off by default
-    timed.stage().set_kernel_timing(true);
+    CHECK(timed.chunk().take_kernel_times().empty());  // timing is off by default
+    timed.chunk().set_kernel_timing(true);
     timed.zero_grad();
     plain.zero_grad();
     timed.forward_backward(b.inputs.data(), b.targets.data());
     plain.forward_backward(b.inputs.data(), b.targets.data());
-    const auto times = timed.stage().take_kernel_times();
+    const auto times = timed.chunk().take_kernel_times();
     auto calls = [&](const std::string& family) {
       for (const auto& t : times) {
         CHECK(t.ms >= 0);
@@ -447,9 +447,9 @@ TEST_CASE("a GPU chunk times its ops by family while asked to, changing no bit",
     double total = 0;
     for (const auto& t : times) total += t.ms;
     CHECK(total > 0);
-    CHECK(timed.stage().take_kernel_times().empty());  // nothing ran since
+    CHECK(timed.chunk().take_kernel_times().empty());  // nothing ran since
     CHECK(timed.gradients() == plain.gradients());
-    timed.stage().set_kernel_timing(false);
+    timed.chunk().set_kernel_timing(false);
   }
 }
 
