@@ -64,10 +64,13 @@ void write_final_weights(const engine::recipe& r, const run_result& res) {
 
 namespace {
 
-// Joins the job: rendezvous at rank 0 and a UCX endpoint to every peer. Throws
-// std::runtime_error naming the rendezvous address or the peer.
+// Joins the job: rendezvous at rank 0 and a UCX endpoint to every peer. device: this process's
+// CUDA device ("" for none); nccl_ids: rank 0's offer of NCCL ids, one per link between
+// processes. The welcome comes back in *w. Throws std::runtime_error naming the rendezvous
+// address or the peer.
 std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options& o,
-                                      const topology::job_placement& pl) {
+                                      const topology::job_placement& pl, std::string device,
+                                      std::vector<std::vector<std::uint8_t>> nccl_ids, welcome* w) {
   const auto& env = o.launch;
   auto transport = std::make_unique<transport::ucx_transport>(env.rank);
   hello h;
@@ -81,16 +84,17 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
   ::gethostname(host, sizeof host - 1);
   h.host = host;
   h.worker_address = transport->address();
+  h.device = std::move(device);
+  if (env.rank == 0) h.nccl_ids = std::move(nccl_ids);
   transport::rendezvous_options ro{env.master_addr, env.master_port, o.rendezvous_timeout};
-  const welcome w =
-      env.rank == 0 ? transport::rendezvous_serve(ro, h) : transport::rendezvous_join(ro, h);
+  *w = env.rank == 0 ? transport::rendezvous_serve(ro, h) : transport::rendezvous_join(ro, h);
   gateway_config gc;
   gc.rank = env.rank;
   gc.world = env.world;
   gc.limits = wire::limits_for(r);
   gc.peer_timeout = o.peer_timeout;
   gc.hosts.resize(static_cast<std::size_t>(env.world));
-  for (const auto& peer : w.peers) {
+  for (const auto& peer : w->peers) {
     gc.hosts.at(static_cast<std::size_t>(peer.rank)) = peer.host;
     // Peers on other hosts get UCX's peer error handling (a lost peer is reported, and UCX 1.13
     // cannot abort this process while wiring up tcp); peers on this host keep shared memory,
@@ -241,10 +245,34 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
 
   // 3. The job's processes.
   if (multi) {
-    mesh = join_job(r, o, in.placement);
+    // Device payloads between processes by NCCL (parallel.nccl_links): each process offers its
+    // device, rank 0 an id per link between processes; the welcome keeps the ids only where
+    // every process has a device of its own.
+    const bool nccl = in.chunks && r.parallel.nccl_links && in.chunks->make_process_link;
+    std::size_t links = 0;
+    std::vector<std::vector<std::uint8_t>> offered;
+    if (nccl) {
+      links = topology::process_links(in.layout, in.placement, r.parallel.dp, r.parallel.tp).size();
+      if (my_rank == 0 && links <= transport::max_nccl_ids)
+        offered = in.chunks->new_link_ids(links);
+    }
+    welcome w;
+    mesh = join_job(r, o, in.placement, nccl ? in.chunks->device_identity() : "",
+                    std::move(offered), &w);
     in.mesh = mesh.get();
     in.origin = trace::trace_clock::now();  // all processes leave the rendezvous together
+    in.nccl_ids = std::move(w.nccl_ids);
     say("rendezvous: " + std::to_string(o.launch.world) + " processes joined");
+    if (nccl && links > 0) {
+      const std::string obstacle = transport::nccl_obstacle(w.peers);
+      say(!in.nccl_ids.empty()
+              ? "links between processes: NCCL (" + std::to_string(links) + " links)"
+              : "links between processes: staged through host memory (" +
+                    (obstacle.empty() ? std::to_string(links) + " links, more than " +
+                                            std::to_string(transport::max_nccl_ids)
+                                      : obstacle) +
+                    ")");
+    }
   }
 
   // 4. The actors, watched (engine/training/watchdog.hpp): a stage stuck in one action ends this

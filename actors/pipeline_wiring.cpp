@@ -2,7 +2,10 @@
 #include "actors/pipeline_wiring.hpp"
 
 #include <algorithm>
+#include <set>
+#include <stdexcept>
 #include <thread>
+#include <utility>
 
 #include "actors/data_loader.hpp"
 #include "actors/dp_reducer.hpp"
@@ -45,9 +48,11 @@ namespace {
 
 // The links of a device pipeline, by (lane, sending rank, receiving rank): both directions
 // between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
-// share it), and, apart, between the embedding's rank and the head's for the tied wte. Only
-// between ranks of this process: a pair across processes has no link, and its payloads are
-// staged through host memory inside the messages.
+// share it), and, apart, between the embedding's rank and the head's for the tied wte. Between
+// ranks of this process; a pair across processes has this process's end of an NCCL link where
+// the rendezvous gave ids (every process joins its ends in process_links' order, so each
+// two-rank join meets its peer), else no link, and its payloads are staged through host memory
+// inside the messages.
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
 struct device_links {
   link_map pipeline, tied;
@@ -73,6 +78,20 @@ device_links make_links(const build_inputs& in) {
     if (embedding == head || !here(embedding) || !here(head)) continue;
     for (auto [from, to] : {std::pair{embedding, head}, std::pair{head, embedding}})
       links.tied[{d, from, to}] = in.chunks->make_link(from, to, d);
+  }
+  if (in.nccl_ids.empty()) return links;
+  const auto across = topology::process_links(L, in.placement, in.r.parallel.dp, in.r.parallel.tp);
+  if (across.size() != in.nccl_ids.size() || !in.chunks->make_process_link)
+    throw std::logic_error("make_links: " + std::to_string(in.nccl_ids.size()) + " NCCL ids for " +
+                           std::to_string(across.size()) + " links between processes");
+  for (std::size_t i = 0; i < across.size(); ++i) {
+    const auto& pl = across[i];
+    const int replica = pl.lane / in.r.parallel.tp, shard = pl.lane % in.r.parallel.tp;
+    const bool sends = in.placement.process_of_stage(replica, pl.from, shard) == in.rank;
+    const bool receives = in.placement.process_of_stage(replica, pl.to, shard) == in.rank;
+    if (!sends && !receives) continue;
+    (pl.tied ? links.tied : links.pipeline)[{pl.lane, pl.from, pl.to}] =
+        in.chunks->make_process_link(pl.name(), in.nccl_ids[i], pl.from, pl.to, pl.lane, sends);
   }
   return links;
 }

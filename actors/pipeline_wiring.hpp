@@ -19,6 +19,7 @@
 #include "engine/training/checkpoint.hpp"
 #include "engine/training/watchdog.hpp"
 #include "topology/placement.hpp"
+#include "topology/process_links.hpp"
 #include "topology/tensor_exchange.hpp"
 
 namespace troupe::actors {
@@ -56,6 +57,9 @@ struct build_inputs {
   int rank = 0;
   remote_mesh* mesh = nullptr;                            // set when the job spans processes
   std::shared_ptr<const engine::chunk_factory> chunks{};  // device stages
+  // From the rendezvous: an NCCL id per link of topology::process_links(); empty: payloads between
+  // processes are staged through host memory.
+  std::vector<std::vector<std::uint8_t>> nccl_ids{};
   // Resuming: the checkpoint and its trainer state.
   std::filesystem::path resume_dir{};
   engine::checkpoint_state resumed{};

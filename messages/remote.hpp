@@ -30,15 +30,23 @@ struct hello {
   mesh_coords coords;
   std::string host;
   std::vector<std::uint8_t> worker_address;  // UCX worker address blob
+  std::string device;  // the CUDA device of its chunks (PCI bus id); empty: none
+  // Rank 0 only (never sent): NCCL unique ids (128 bytes each) it offers, one per pipeline
+  // link between processes (topology::process_links), for the welcome.
+  std::vector<std::vector<std::uint8_t>> nccl_ids;
 };
 // Everyone's address, once all `world` processes have joined.
 struct peer_address {
   int rank = 0;
   std::string host;
   std::vector<std::uint8_t> worker_address;
+  std::string device;
 };
 struct welcome {
   std::vector<peer_address> peers;  // by rank
+  // Rank 0's offered NCCL ids, when every process has a device and no two share one (NCCL
+  // refuses two ranks of a communicator on one device); else empty.
+  std::vector<std::vector<std::uint8_t>> nccl_ids;
 };
 // Rendezvous refused this process (wrong token, version, rank or world size).
 struct refusal {

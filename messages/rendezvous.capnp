@@ -22,16 +22,21 @@ struct Hello {
   pipelineRank @6 :Int32;
   host @7 :Text;
   workerAddress @8 :Data;       # UCX worker address blob
+  device @9 :Text;              # the CUDA device of its chunks (PCI bus id); empty: none
+  ncclIds @10 :List(Data);      # rank 0's own hello only: ids offered for NCCL links (128 bytes)
 }
 
 struct Peer {
   rank @0 :Int32;
   host @1 :Text;
   workerAddress @2 :Data;
+  device @3 :Text;
 }
 
 struct Welcome {
   peers @0 :List(Peer);         # every process, by rank
+  ncclIds @1 :List(Data);       # one per link across processes, in the job's order; empty:
+                                # payloads between processes are staged through host memory
 }
 
 struct Refusal {

@@ -284,7 +284,8 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
     void operator()(const link_message& m) {
       auto o = b.initLinkMessage();
       w.header(o.initHeader(), m.header);
-      w.tensor(o.initData(), m.data, "data");
+      // No data: a header-only message, its payload on a device link (topology/payload_links).
+      if (m.data) w.tensor(o.initData(), m.data, "data");
       o.setFlowId(m.flow_id);
     }
     void operator()(const link_credit& m) { w.header(b.initLinkCredit().initHeader(), m.header); }

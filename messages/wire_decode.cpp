@@ -204,8 +204,10 @@ body reader::message(s::Envelope::Body::Reader b) {
       body out(std::in_place_type<link_message>);
       auto& m = std::get<link_message>(out);
       at("header").header(m.header, r.hasHeader(), r.getHeader());
-      m.data = at("data").tensor<float>(r.hasData(), r.getData());
-      at("header.shape").shape_matches(m.header.shape, m.data->size());
+      if (r.hasData()) {  // else header-only: the payload came by a device link
+        m.data = at("data").tensor<float>(true, r.getData());
+        at("header.shape").shape_matches(m.header.shape, m.data->size());
+      }
       m.flow_id = r.getFlowId();
       return out;
     }

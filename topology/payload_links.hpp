@@ -1,10 +1,10 @@
 // How the payloads of a stage's link messages (activations and their gradients) cross to the
 // peer rank, by the chunks' kind and the peer (docs/pipeline.md):
 //  - CPU chunks: inside the message (the stage hands the payload in; nothing to receive);
-//  - device chunks, a peer with a link (this process): through the pair's chunk_link beside a
-//    header-only message. The payload enters the link right before its header leaves (D1 in
-//    actors/stage.cpp), each link call ordered on the chunk's stream both ways (D3), and the
-//    receiver posts its receive when the header arrives, in header order;
+//  - device chunks, a peer with a link (this process, or another by NCCL): through the pair's
+//    chunk_link beside a header-only message. The payload enters the link right before its
+//    header leaves (D1 in actors/stage.cpp), each link call ordered on the chunk's stream both
+//    ways (D3), and the receiver posts its receive when the header arrives, in header order;
 //  - device chunks, a peer without a link (another process): staged through host memory inside
 //    the message, copied out of the sender's slot and into the receiver's.
 // CAF-free: the stage actor sends and receives the messages.

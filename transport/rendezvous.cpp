@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -63,11 +65,14 @@ constexpr std::size_t max_pending_connections = 1024;
 // peer a list element (3 words), its host (rounded up to words), its worker address and room
 // for far pointers where a large message crosses segments.
 constexpr std::size_t frame_overhead_bytes = 512;
-constexpr std::size_t max_hello_bytes =
-    frame_overhead_bytes + max_job_token_bytes + max_host_bytes + 8 + max_worker_address_bytes;
-constexpr std::size_t max_peer_bytes = 24 + max_host_bytes + 8 + max_worker_address_bytes + 32;
+constexpr std::size_t max_hello_bytes = frame_overhead_bytes + max_job_token_bytes +
+                                        max_host_bytes + 8 + max_worker_address_bytes + 8 +
+                                        max_device_bytes;
+constexpr std::size_t max_peer_bytes =
+    32 + max_host_bytes + 8 + max_worker_address_bytes + 8 + max_device_bytes + 32;
 std::size_t max_welcome_bytes(int world) {
-  return frame_overhead_bytes + static_cast<std::size_t>(world) * max_peer_bytes;
+  return frame_overhead_bytes + static_cast<std::size_t>(world) * max_peer_bytes +
+         max_nccl_ids * (8 + nccl_id_bytes);
 }
 
 capnp::ReaderOptions reader_options(std::size_t limit_bytes) {
@@ -125,6 +130,7 @@ kj::Array<capnp::word> encode_hello(const messages::hello& h) {
   w.setPipelineRank(h.coords.pipeline_rank);
   w.setHost(h.host);
   w.setWorkerAddress(kj::arrayPtr(h.worker_address.data(), h.worker_address.size()));
+  w.setDevice(h.device);
   return capnp::messageToFlatArray(m);
 }
 
@@ -140,13 +146,18 @@ kj::Array<capnp::word> encode_welcome(const messages::welcome& w) {
   capnp::MallocMessageBuilder m;
   auto f = m.initRoot<wire::Frame>();
   f.setMagic(wire::RENDEZVOUS_MAGIC);
-  auto peers = f.initWelcome().initPeers(static_cast<unsigned>(w.peers.size()));
+  auto welcome = f.initWelcome();
+  auto peers = welcome.initPeers(static_cast<unsigned>(w.peers.size()));
   for (unsigned i = 0; i < peers.size(); ++i) {
     const auto& p = w.peers[i];
     peers[i].setRank(p.rank);
     peers[i].setHost(p.host);
     peers[i].setWorkerAddress(kj::arrayPtr(p.worker_address.data(), p.worker_address.size()));
+    peers[i].setDevice(p.device);
   }
+  auto ids = welcome.initNcclIds(static_cast<unsigned>(w.nccl_ids.size()));
+  for (unsigned i = 0; i < ids.size(); ++i)
+    ids.set(i, kj::arrayPtr(w.nccl_ids[i].data(), w.nccl_ids[i].size()));
   return capnp::messageToFlatArray(m);
 }
 
@@ -227,6 +238,8 @@ std::string check_hello(wire::Hello::Reader h, const messages::hello& own) {
     return "host name longer than " + std::to_string(max_host_bytes) + " bytes";
   if (h.getWorkerAddress().size() > max_worker_address_bytes)
     return "worker address longer than " + std::to_string(max_worker_address_bytes) + " bytes";
+  if (h.getDevice().size() > max_device_bytes)
+    return "device name longer than " + std::to_string(max_device_bytes) + " bytes";
   return "";
 }
 
@@ -235,8 +248,16 @@ void check_own(const messages::hello& own, const char* who) {
     throw rendezvous_error(std::string(who) + ": world size " + std::to_string(own.coords.world) +
                            " is outside 1-" + std::to_string(max_world));
   if (own.job_token.size() > max_job_token_bytes || own.host.size() > max_host_bytes ||
-      own.worker_address.size() > max_worker_address_bytes)
-    throw rendezvous_error(std::string(who) + ": job token, host name or worker address too long");
+      own.worker_address.size() > max_worker_address_bytes || own.device.size() > max_device_bytes)
+    throw rendezvous_error(std::string(who) +
+                           ": job token, host name, worker address or device name too long");
+  if (own.nccl_ids.size() > max_nccl_ids)
+    throw rendezvous_error(std::string(who) + ": " + std::to_string(own.nccl_ids.size()) +
+                           " NCCL ids, at most " + std::to_string(max_nccl_ids));
+  for (const auto& id : own.nccl_ids)
+    if (id.size() != nccl_id_bytes)
+      throw rendezvous_error(std::string(who) + ": an NCCL id of " + std::to_string(id.size()) +
+                             " bytes, not " + std::to_string(nccl_id_bytes));
   if (own.coords.rank < 0 || own.coords.rank >= own.coords.world)
     throw rendezvous_error(std::string(who) + ": rank " + std::to_string(own.coords.rank) +
                            " is outside 0-" + std::to_string(own.coords.world - 1));
@@ -346,6 +367,7 @@ class server {
   std::vector<std::unique_ptr<connection>> conns_;
   std::vector<connection*> holder_;  // by rank; index 0 is rank 0 itself
   std::vector<messages::peer_address> peers_ = std::vector<messages::peer_address>(holder_.size());
+  messages::welcome welcome_;
   std::vector<std::string> refusals_;
 };
 
@@ -398,6 +420,7 @@ void server::on_hello(connection& c) {
   p.host = text(h.getHost());
   const auto address = h.getWorkerAddress();
   p.worker_address.assign(address.begin(), address.end());
+  p.device = text(h.getDevice());
 }
 
 void server::on_readable(connection& c) {
@@ -442,7 +465,7 @@ std::string server::missing() const {
 }
 
 messages::welcome server::run() {
-  peers_[0] = {0, own_.host, own_.worker_address};
+  peers_[0] = {0, own_.host, own_.worker_address, own_.device};
   if (holder_.size() > 1) listener_.reset(listen_on(o_));
   kj::Array<capnp::word> welcome_frame;
   bool welcoming = false;
@@ -468,7 +491,9 @@ messages::welcome server::run() {
         std::all_of(holder_.begin() + 1, holder_.end(), [](connection* c) { return c != nullptr; });
     if (all_joined && !welcoming) {
       welcoming = true;
-      welcome_frame = encode_welcome(messages::welcome{peers_});
+      welcome_ = messages::welcome{peers_, {}};
+      if (nccl_obstacle(peers_).empty()) welcome_.nccl_ids = own_.nccl_ids;
+      welcome_frame = encode_welcome(welcome_);
       listener_.reset();  // none joins any more
       for (auto& c : conns_) {
         if (c->at == connection::phase::hello) c->at = connection::phase::done;
@@ -477,7 +502,7 @@ messages::welcome server::run() {
       std::erase_if(conns_, [](const auto& c) { return c->at == connection::phase::done; });
       for (auto& h : holder_) h = nullptr;
     }
-    if (welcoming && conns_.empty()) return messages::welcome{peers_};
+    if (welcoming && conns_.empty()) return welcome_;
     if (!welcoming && now >= deadline_)
       throw rendezvous_error("rendezvous at " + where(o_) + " timed out after " +
                              std::to_string(o_.timeout.count()) + " ms: " + missing());
@@ -592,18 +617,43 @@ messages::welcome decode_welcome(const rendezvous_options& o, wire::Welcome::Rea
     if (p.getRank() != static_cast<int>(i))
       throw bad("peer " + std::to_string(i) + " has rank " + std::to_string(p.getRank()));
     if (p.getHost().size() > max_host_bytes ||
-        p.getWorkerAddress().size() > max_worker_address_bytes)
-      throw bad("peer " + std::to_string(i) + " has an oversized host or address");
+        p.getWorkerAddress().size() > max_worker_address_bytes ||
+        p.getDevice().size() > max_device_bytes)
+      throw bad("peer " + std::to_string(i) + " has an oversized host, address or device");
     const auto address = p.getWorkerAddress();
-    out.peers.push_back({p.getRank(), text(p.getHost()), {address.begin(), address.end()}});
+    out.peers.push_back(
+        {p.getRank(), text(p.getHost()), {address.begin(), address.end()}, text(p.getDevice())});
   }
+  const auto ids = w.getNcclIds();
+  if (ids.size() > max_nccl_ids)
+    throw bad(std::to_string(ids.size()) + " NCCL ids, at most " + std::to_string(max_nccl_ids));
+  for (unsigned i = 0; i < ids.size(); ++i) {
+    if (ids[i].size() != nccl_id_bytes)
+      throw bad("NCCL id " + std::to_string(i) + " has " + std::to_string(ids[i].size()) +
+                " bytes");
+    out.nccl_ids.emplace_back(ids[i].begin(), ids[i].end());
+  }
+  if (!out.nccl_ids.empty() && !nccl_obstacle(out.peers).empty())
+    throw bad("NCCL ids for processes that cannot use them (" + nccl_obstacle(out.peers) + ")");
   const auto& me = out.peers[static_cast<std::size_t>(own.coords.rank)];
-  if (me.host != own.host || me.worker_address != own.worker_address)
+  if (me.host != own.host || me.worker_address != own.worker_address || me.device != own.device)
     throw bad("its entry for this process (rank " + std::to_string(own.coords.rank) + ") differs");
   return out;
 }
 
 }  // namespace
+
+std::string nccl_obstacle(const std::vector<messages::peer_address>& peers) {
+  std::map<std::pair<std::string, std::string>, int> seen;  // (host, device) -> rank
+  for (const auto& p : peers) {
+    if (p.device.empty()) return "rank " + std::to_string(p.rank) + " has no CUDA device";
+    const auto [at, fresh] = seen.emplace(std::pair{p.host, p.device}, p.rank);
+    if (!fresh)
+      return "ranks " + std::to_string(at->second) + " and " + std::to_string(p.rank) +
+             " share device " + p.device + " on host " + p.host;
+  }
+  return "";
+}
 
 messages::welcome rendezvous_serve(const rendezvous_options& o, const messages::hello& own) {
   check_own(own, "rendezvous_serve");

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "messages/remote.hpp"
 
@@ -33,13 +34,22 @@ struct rendezvous_options {
 // Limits a hello must keep (rank 0 refuses one that does not; joiners check their own first).
 inline constexpr std::size_t max_host_bytes = 255;
 inline constexpr std::size_t max_worker_address_bytes = 4096;
+inline constexpr std::size_t max_device_bytes = 64;
+// NCCL ids a welcome carries at most (one per pipeline link between processes), of these bytes.
+inline constexpr std::size_t max_nccl_ids = 4096;
+inline constexpr std::size_t nccl_id_bytes = 128;
+
+// Whether NCCL can link the processes of a welcome: every one has a device and no two share one
+// (host and device); "" if so, else why not ("ranks 0 and 1 share device ... on host ...").
+std::string nccl_obstacle(const std::vector<messages::peer_address>& peers);
 
 // Rank 0: listen on addr:port, accept hellos until all `own.coords.world` processes joined with
 // the right token, protocol version, world size and a rank not yet taken. A wrong hello gets a
 // refusal with the reason ("job token does not match", "protocol version 2, this job speaks 1",
 // "rank 3 already joined", "world size 8, this job has 4") and its connection is closed; the
 // job is not disturbed and keeps waiting for the right process. When all joined: send each the
-// welcome (all peers by rank), close, and return it. Throws rendezvous_error naming the ranks
+// welcome (all peers by rank, and own.nccl_ids where nccl_obstacle finds none), close, and
+// return it. Throws rendezvous_error naming the ranks
 // still missing at the deadline, or the address if it cannot listen.
 messages::welcome rendezvous_serve(const rendezvous_options& o, const messages::hello& own);
 

@@ -157,6 +157,39 @@ class nccl_pair_link final : public chunk_link {
   std::shared_ptr<cu::activation_link> sender_, receiver_;
 };
 
+// This process's end of a link to another process: a two-rank NCCL group of its own (sender
+// rank 0, receiver rank 1), joined with the id the rendezvous carried.
+class nccl_process_link final : public chunk_link {
+ public:
+  nccl_process_link(const std::string& name, const std::vector<std::uint8_t>& id, bool sender,
+                    int device)
+      : sender_(sender) {
+    cu::nccl_id raw{};
+    if (id.size() != raw.size())
+      throw std::invalid_argument("nccl_process_link " + name + ": an id of " +
+                                  std::to_string(id.size()) + " bytes");
+    std::copy(id.begin(), id.end(), reinterpret_cast<std::uint8_t*>(raw.data()));
+    group_ = std::make_unique<cu::nccl_group>(name, raw, 2, sender ? 0 : 1, device,
+                                              std::chrono::seconds(120));
+    link_ = cu::make_nccl_link(*group_, sender ? 1 : 0);
+  }
+  ~nccl_process_link() override { link_.reset(); }
+  void* send(const void* data, std::size_t bytes, void* ready) override {
+    if (!sender_) throw std::logic_error(describe() + ": send at the receiving end");
+    return link_->send(data, bytes, static_cast<cudaEvent_t>(ready));
+  }
+  void* receive(void* data, std::size_t bytes, void* ready) override {
+    if (sender_) throw std::logic_error(describe() + ": receive at the sending end");
+    return link_->receive(data, bytes, static_cast<cudaEvent_t>(ready));
+  }
+  std::string describe() const override { return link_->describe(); }
+
+ private:
+  bool sender_;
+  std::unique_ptr<cu::nccl_group> group_;
+  std::shared_ptr<cu::activation_link> link_;
+};
+
 void set_device(int device) {
   if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
     throw cu::cuda_error("cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(e));
@@ -284,6 +317,22 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
     if (a == b) return std::make_shared<local_link>(a, b);
     return std::make_shared<nccl_pair_link>(
         "pp-" + std::to_string(lane) + "-" + std::to_string(from) + "-" + std::to_string(to), a, b);
+  };
+  f.device_identity = [device_of] { return kernels::cuda_device_bus_id(device_of(0, 0)); };
+  f.new_link_ids = [](std::size_t n) {
+    std::vector<std::vector<std::uint8_t>> ids;
+    for (std::size_t i = 0; i < n; ++i) {
+      const cu::nccl_id id = cu::nccl_new_id();
+      const auto* bytes = reinterpret_cast<const std::uint8_t*>(id.data());
+      ids.emplace_back(bytes, bytes + id.size());
+    }
+    return ids;
+  };
+  f.make_process_link = [device_of](const std::string& name, const std::vector<std::uint8_t>& id,
+                                    int from, int to, int lane,
+                                    bool sender) -> std::shared_ptr<chunk_link> {
+    return std::make_shared<nccl_process_link>(name, id, sender,
+                                               device_of(sender ? from : to, lane));
   };
   f.make_tensor_group = [device_of, tp](int rank, int replica,
                                         int shards) -> std::vector<std::shared_ptr<group_member>> {

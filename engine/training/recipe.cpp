@@ -236,6 +236,12 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
       {"parallel.zero_prefetch",
        described(nested(&recipe::parallel, &parallel_config::zero_prefetch),
                  "ZeRO-3: parameter buckets gathered ahead of use")},
+      {"parallel.nccl_links",
+       described(nested(&recipe::parallel, &parallel_config::nccl_links),
+                 "`device = \"cuda\"` across processes: carry the pipeline's activations and "
+                 "gradients between processes by NCCL where every process has a GPU of its own "
+                 "(else, and by default, staged through host memory and the transport; "
+                 "[processes.md](processes.md#gpus-across-processes))")},
       {"precision.dtype",
        described(nested(&recipe::precision, &precision_config::dtype),
                  "`fp32`; `bf16` and `fp16` (16-bit compute, fp32 master weights and AdamW state) "
@@ -280,8 +286,9 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
        described(nested(&recipe::kernels, &kernels_config::fast_paths),
                  "GPU (`device = \"cuda\"`): the newer kernels of the rest of the step: 128-bit "
                  "layernorm forward and backward (where a row is a multiple of 32 lanes × 16 "
-                 "bytes) and elementwise kernels, one AdamW launch over the flat buffers, and in "
-                 "bf16/fp16 the GELU in cuBLASLt's GEMM epilogues and a classifier that reads the "
+                 "bytes) and elementwise kernels, the block's residual add fused into its "
+                 "layernorm, one AdamW launch over the flat buffers, and in bf16/fp16 the GELU and "
+                 "bias gradient in cuBLASLt's GEMM epilogues and a classifier that reads the "
                  "logits once for max and sum; within rounding of the others; `false` for the "
                  "older ones ([gpu.md](gpu.md#ops-kernelscudacuda_opshpp))")},
   };

@@ -25,4 +25,14 @@ std::string cuda_device_name(int index) {
   return prop.name;
 }
 
+std::string cuda_device_bus_id(int index) {
+  char id[32] = {};
+  if (index < 0 || index >= cuda_device_count() ||
+      cudaDeviceGetPCIBusId(id, sizeof id, index) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  return id;
+}
+
 }  // namespace troupe::kernels

@@ -27,8 +27,10 @@
 #  - GPU jobs of several processes (torchrun-style variables), every process on the one GPU
 #    (LOCAL_RANK mod 1), their stages' payloads and gradient buckets staged through host memory:
 #    fp32 PP=2 as 2 processes, PP=2 x DP=2 as 4, and PP=2 x DP=2 ZeRO-2 as 4 within the fp32
-#    tolerances of the CPU; TP=2 as 2 processes (the tensor group reduced through pinned host
-#    memory) bitwise TP=2 in one process, in fp32 and in bf16.
+#    tolerances of the CPU; PP=2 as 2 processes with parallel.nccl_links bitwise the staged run
+#    (by NCCL where the machine has two GPUs or more, else staged, saying so); TP=2 as 2
+#    processes (the tensor group reduced through pinned host memory) bitwise TP=2 in one
+#    process, in fp32 and in bf16.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -122,6 +124,20 @@ run gpuckr --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.
   --resume "$tmp/gpuck/checkpoints/step-00000004"
 run gpuckv --device cuda --set parallel.pp=2 --set parallel.micro_batches=4 --resume "$tmp/gpuck/checkpoints/step-00000004"
 run_job gpupp2x2 2 --device cuda --set parallel.pp=2
+# parallel.nccl_links: the two processes' links by NCCL where each has a GPU of its own (a
+# machine with two or more: 4 links, the pipeline's and the tied wte's, both ways), else staged
+# as above, the rendezvous saying why; the payloads' bytes are the same either way, and so are
+# the losses, bitwise.
+run_job gpupp2x2nccl 2 --device cuda --set parallel.pp=2 --set parallel.nccl_links=true
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+links=$(grep "links between processes" "$tmp/gpupp2x2nccl.0.out")
+echo "gpupp2x2nccl: ${links:-no links line} (${gpus:-unknown} GPUs)"
+if [[ ${gpus:-0} -ge 2 ]]; then
+  [[ $links == *"NCCL (4 links)"* ]] || { echo "FAIL: gpupp2x2nccl: not NCCL on $gpus GPUs"; exit 1; }
+else
+  [[ $links == *"staged through host memory (ranks 0 and 1 share device"* ]] ||
+    { echo "FAIL: gpupp2x2nccl: one GPU, yet not staged for the shared device"; exit 1; }
+fi
 run_job gpuz2x4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2
 run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2
 # Tensor shards in two processes: their group reduces through pinned host memory, the arithmetic
@@ -186,6 +202,9 @@ close(rows("cpudp"), rows("gpuz3zbac"), 1e-4, 1e-3,
 close(rows("cpudp"), rows("gpuz2x4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes vs CPU")
 close(cpu, g32, 1e-4, 1e-3, "fp32 GPU vs CPU")
 close(cpu, rows("gpupp2x2"), 1e-4, 1e-3, "fp32 GPU PP=2 as 2 processes vs CPU")
+assert [(r["loss"], r["grad_norm"]) for r in rows("gpupp2x2")] == \
+    [(r["loss"], r["grad_norm"]) for r in rows("gpupp2x2nccl")], \
+    "PP=2 as 2 processes with parallel.nccl_links is not bitwise the staged run"
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")
 for one, two in (("gputp1", "gputpx2"), ("gputp16", "gputp16x2")):
     a, b = rows(one), rows(two)

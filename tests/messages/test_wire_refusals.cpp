@@ -193,15 +193,22 @@ TEST_CASE("a tensor exchange of an unknown collective or a torn double is refuse
         "wire: tensor_exchange.data: a double sum of 5 floats (an odd count)");
 }
 
-TEST_CASE("a missing or scattered payload is refused", "[unit]") {
+TEST_CASE("a missing or scattered payload is refused, but for a header-only link message",
+          "[unit]") {
   const envelope e{0, 0, 0, false, link_message{header(link_kind::activation, {5}), floats(5, 1)}};
   const frame f = detail::encode(e, 16);  // pieces of 16 and 4 bytes
   auto buf = gather(f);
   const auto message = follow(root_of(*buf).pointer(0));  // LinkMessage: header, data
-  SECTION("no payload") {
+  SECTION("no payload: a link message is then its header alone (its payload on a device link)") {
     poke<std::uint64_t>(message.pointer(1), 0);
-    CHECK(refused_with([&] { decode(buf, f.bytes, wide()); }) ==
-          "wire: link_message.data: missing payload");
+    CHECK(std::get<link_message>(decode(buf, f.bytes, wide()).message).data == nullptr);
+  }
+  SECTION("no payload where one is required") {
+    const frame t = detail::encode({0, 0, 0, false, tied_grad{3, 0, floats(5, 1)}}, 16);
+    auto tbuf = gather(t);
+    poke<std::uint64_t>(follow(root_of(*tbuf).pointer(0)).pointer(0), 0);  // TiedGrad.data
+    CHECK(refused_with([&] { decode(tbuf, t.bytes, wide()); }) ==
+          "wire: tied_grad.data: missing payload");
   }
   SECTION("pieces out of order") {
     std::byte* list = target_of(follow(message.pointer(1)).pointer(0));  // Tensor.pieces

@@ -77,7 +77,9 @@ std::future<outcome> start(bool serve, rendezvous_options o, messages::hello h) 
 
 // Hand-built frames (the generated header stays private to rendezvous.cpp); the layout is what
 // `capnp compile -ocapnp messages/rendezvous.capnp` prints: Frame = 2 data words (magic, union
-// tag in bits 64-80) + 1 pointer; Welcome = 1 pointer; Peer = 1 data word + 2 pointers.
+// tag in bits 64-80) + 1 pointer; Welcome = 2 pointers and Peer = 1 data word + 3 pointers, of
+// which the frames below build the first 1 and 2 (a shorter struct reads its missing fields as
+// defaults).
 constexpr std::uint64_t magic = 0x74726f7570655256;  // rendezvousMagic
 std::uint64_t struct_pointer(std::uint64_t data_words, std::uint64_t pointers) {
   return (data_words << 32) | (pointers << 48);  // offset 0: the struct follows the pointer
@@ -176,6 +178,67 @@ TEST_CASE("four ranks get identical welcomes with everyone's address", "[unit][r
     check_welcome(r, 4);
     CHECK(same(*r.welcome, *s.welcome));
   }
+}
+
+// NCCL ids travel from rank 0 to every process, but only where NCCL can link them all: each
+// process on a device of its own (hosts differ, or devices on one host differ).
+TEST_CASE("the welcome carries rank 0's NCCL ids only where every process has its own device",
+          "[unit][rendezvous]") {
+  struct layout {
+    const char* what;
+    std::vector<std::pair<std::string, std::string>> where;  // (host, device) by rank
+    std::string obstacle;                                    // "" : the ids go out
+  };
+  const std::vector<layout> layouts = {
+      {"two hosts, one device each",
+       {{"a", "0000:18:00.0"}, {"b", "0000:18:00.0"}, {"b", "x"}},
+       ""},
+      {"one host, distinct devices",
+       {{"a", "0000:18:00.0"}, {"a", "0000:2a:00.0"}, {"a", "x"}},
+       ""},
+      {"two processes on one device",
+       {{"a", "0000:18:00.0"}, {"b", "d"}, {"a", "0000:18:00.0"}},
+       "ranks 0 and 2 share device 0000:18:00.0 on host a"},
+      {"a process without a device",
+       {{"a", "0"}, {"b", ""}, {"c", "0"}},
+       "rank 1 has no CUDA device"},
+  };
+  for (const auto& l : layouts) {
+    INFO(l.what);
+    const auto o = options(fresh_port());
+    std::vector<messages::hello> hellos;
+    for (int rank = 0; rank < 3; ++rank) {
+      auto h = hello_of(rank, 3);
+      h.host = l.where[static_cast<std::size_t>(rank)].first;
+      h.device = l.where[static_cast<std::size_t>(rank)].second;
+      hellos.push_back(h);
+    }
+    for (int i = 0; i < 2; ++i)
+      hellos[0].nccl_ids.emplace_back(nccl_id_bytes, static_cast<std::uint8_t>(i + 1));
+    auto server = start(true, o, hellos[0]);
+    std::vector<std::future<outcome>> joiners;
+    for (int rank = 1; rank < 3; ++rank) joiners.push_back(start(false, o, hellos[rank]));
+    std::vector<outcome> all = {get(server)};
+    for (auto& j : joiners) all.push_back(get(j));
+    for (const auto& r : all) {
+      INFO(r.error);
+      REQUIRE(r.welcome);
+      CHECK(nccl_obstacle(r.welcome->peers) == l.obstacle);
+      for (int rank = 0; rank < 3; ++rank)
+        CHECK(r.welcome->peers[static_cast<std::size_t>(rank)].device ==
+              hellos[static_cast<std::size_t>(rank)].device);
+      if (l.obstacle.empty())
+        CHECK(r.welcome->nccl_ids == hellos[0].nccl_ids);
+      else
+        CHECK(r.welcome->nccl_ids.empty());
+    }
+  }
+  // An id of the wrong size is rank 0's own mistake, refused before it listens.
+  auto h = hello_of(0, 1);
+  h.device = "0";
+  h.nccl_ids.emplace_back(16, 0);
+  REQUIRE_THROWS_WITH(rendezvous_serve(options(fresh_port(), 100ms), h),
+                      Catch::Contains("an NCCL id of 16 bytes, not 128"));
 }
 
 TEST_CASE("joiners started before rank 0 still join", "[unit][rendezvous]") {
