@@ -49,10 +49,10 @@ namespace {
 // The links of a device pipeline, by (lane, sending rank, receiving rank): both directions
 // between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
 // share it), and, apart, between the embedding's rank and the head's for the tied wte. Between
-// ranks of this process; a pair across processes has this process's end of an NCCL link where
-// the rendezvous gave ids (every process joins its ends in process_links' order, so each
-// two-rank join meets its peer), else no link, and its payloads are staged through host memory
-// inside the messages.
+// ranks of this process; a neighbouring pair across processes has this process's end of an NCCL
+// link where the rendezvous gave ids (every process joins its ends in process_links' order, so
+// each two-rank join meets its peer), else no link, and its payloads are staged through host
+// memory inside the messages (the tied wte's across processes always are).
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
 struct device_links {
   link_map pipeline, tied;
@@ -90,7 +90,7 @@ device_links make_links(const build_inputs& in) {
     const bool sends = in.placement.process_of_stage(replica, pl.from, shard) == in.rank;
     const bool receives = in.placement.process_of_stage(replica, pl.to, shard) == in.rank;
     if (!sends && !receives) continue;
-    (pl.tied ? links.tied : links.pipeline)[{pl.lane, pl.from, pl.to}] =
+    links.pipeline[{pl.lane, pl.from, pl.to}] =
         in.chunks->make_process_link(pl.name(), in.nccl_ids[i], pl.from, pl.to, pl.lane, sends);
   }
   return links;

@@ -747,6 +747,10 @@ class stage_impl : public stage_actor::base {
       advance_if_waiting();
       return;
     }
+    if (!m.data)  // header-only: only device stages take payloads beside their messages
+      throw std::runtime_error("a link message without its payload from rank " +
+                               std::to_string(sender_of(cfg_.layout, key_of(m.header))) +
+                               " at a stage of CPU chunks");
     const double t0 = cfg_.trace.now_us();
     const auto key = key_of(m.header);
     const engine::trace::recorder::ids ids{m.header.step, m.header.micro_batch,

@@ -109,13 +109,18 @@ class reader {
   }
 
   // The product of `dims` must be the payload's element count (each dim >= 0, no overflow).
-  void shape_matches(const std::vector<std::int64_t>& dims, std::size_t elements) {
+  // The elements a shape holds, within the limit on a tensor's.
+  std::uint64_t shape_elements(const std::vector<std::int64_t>& dims) {
     std::uint64_t product = 1;
     for (const std::int64_t d : dims) {
       if (d < 0 || (d != 0 && product > lim_.max_tensor_elements / static_cast<std::uint64_t>(d)))
         fail("shape dimension " + std::to_string(d) + " is negative or too large");
       product *= static_cast<std::uint64_t>(d);
     }
+    return product;
+  }
+  void shape_matches(const std::vector<std::int64_t>& dims, std::size_t elements) {
+    const std::uint64_t product = shape_elements(dims);
     if (product != elements)
       fail("shape holds " + std::to_string(product) + " elements, the payload " +
            std::to_string(elements));
@@ -204,9 +209,15 @@ body reader::message(s::Envelope::Body::Reader b) {
       body out(std::in_place_type<link_message>);
       auto& m = std::get<link_message>(out);
       at("header").header(m.header, r.hasHeader(), r.getHeader());
-      if (r.hasData()) {  // else header-only: the payload came by a device link
+      if (r.hasData()) {  // else header-only: the payload comes by a device link, [B, T, C]
         m.data = at("data").tensor<float>(true, r.getData());
         at("header.shape").shape_matches(m.header.shape, m.data->size());
+      } else {
+        at("header.shape").shape_elements(m.header.shape);
+        if (m.header.shape.size() != 3 ||
+            m.header.shape[0] > std::numeric_limits<std::int32_t>::max() ||
+            m.header.shape[1] > std::numeric_limits<std::int32_t>::max())
+          at("header.shape").fail("a header-only message needs [B, T, C] within int range");
       }
       m.flow_id = r.getFlowId();
       return out;

@@ -15,14 +15,14 @@ namespace troupe::topology {
 
 struct process_link {
   int lane = 0, from = 0, to = 0;  // lane d * tp + j; payloads from pipeline rank `from` to `to`
-  bool tied = false;         // the tied wte's link between the embedding's rank and the head's
-  std::string name() const;  // "pp-0-1-2": lane 0, rank 1 -> rank 2; "tied-0-0-3"
+  std::string name() const;        // "pp-0-1-2": lane 0, rank 1 -> rank 2
   friend bool operator==(const process_link&, const process_link&) = default;
 };
 
 // By lane: the neighbouring virtual stages' rank pairs in virtual-stage order, both directions
-// (each ordered pair once), then the tied wte's pair (embedding -> head, head -> embedding);
-// only pairs whose ranks live in different processes.
+// (each ordered pair once); only pairs whose ranks live in different processes. The tied wte's
+// gradient between the embedding's rank and the head's is not among them: between processes it
+// travels inside its message (topology/tied_wte.hpp).
 std::vector<process_link> process_links(const engine::pipeline_layout& layout,
                                         const job_placement& placement, int dp, int tp);
 

@@ -61,9 +61,10 @@ constexpr milliseconds linger_deadline{2000};
 // Connections waiting for their hello beyond this many are closed at once.
 constexpr std::size_t max_pending_connections = 1024;
 
-// Frame limits. A hello: token, host and worker address plus struct overhead. A welcome: per
-// peer a list element (3 words), its host (rounded up to words), its worker address and room
-// for far pointers where a large message crosses segments.
+// Frame limits. A hello: token, host, worker address and device plus struct overhead. A welcome:
+// per peer a list element (4 words), its host, worker address and device (each rounded up to
+// words, with a pointer), room for far pointers where a large message crosses segments, and the
+// NCCL ids (a pointer and 128 bytes each).
 constexpr std::size_t frame_overhead_bytes = 512;
 constexpr std::size_t max_hello_bytes = frame_overhead_bytes + max_job_token_bytes +
                                         max_host_bytes + 8 + max_worker_address_bytes + 8 +

@@ -36,7 +36,8 @@ inline constexpr std::size_t max_host_bytes = 255;
 inline constexpr std::size_t max_worker_address_bytes = 4096;
 inline constexpr std::size_t max_device_bytes = 64;
 // NCCL ids a welcome carries at most (one per pipeline link between processes), of these bytes.
-inline constexpr std::size_t max_nccl_ids = 4096;
+// (Rank 0's NCCL keeps a bootstrap thread and socket per id until both ends have joined.)
+inline constexpr std::size_t max_nccl_ids = 256;
 inline constexpr std::size_t nccl_id_bytes = 128;
 
 // Whether NCCL can link the processes of a welcome: every one has a device and no two share one

@@ -448,7 +448,7 @@ void validate_parallel(const recipe& r) {
                 "virtual_stages = " + std::to_string(chunks));
     int sum = 0;
     for (int n : p.layer_split) {
-      require(n >= 1, "parallel.layer_split", "every stage needs at least one layer");
+      require(n >= 1, "parallel.layer_split", "every virtual stage needs at least one layer");
       sum += n;
     }
     require(

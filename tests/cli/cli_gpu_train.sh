@@ -125,7 +125,7 @@ run gpuckr --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.
 run gpuckv --device cuda --set parallel.pp=2 --set parallel.micro_batches=4 --resume "$tmp/gpuck/checkpoints/step-00000004"
 run_job gpupp2x2 2 --device cuda --set parallel.pp=2
 # parallel.nccl_links: the two processes' links by NCCL where each has a GPU of its own (a
-# machine with two or more: 4 links, the pipeline's and the tied wte's, both ways), else staged
+# machine with two or more: 2 links, the pipeline's both ways), else staged
 # as above, the rendezvous saying why; the payloads' bytes are the same either way, and so are
 # the losses, bitwise.
 run_job gpupp2x2nccl 2 --device cuda --set parallel.pp=2 --set parallel.nccl_links=true
@@ -133,7 +133,7 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 links=$(grep "links between processes" "$tmp/gpupp2x2nccl.0.out")
 echo "gpupp2x2nccl: ${links:-no links line} (${gpus:-unknown} GPUs)"
 if [[ ${gpus:-0} -ge 2 ]]; then
-  [[ $links == *"NCCL (4 links)"* ]] || { echo "FAIL: gpupp2x2nccl: not NCCL on $gpus GPUs"; exit 1; }
+  [[ $links == *"NCCL (2 links)"* ]] || { echo "FAIL: gpupp2x2nccl: not NCCL on $gpus GPUs"; exit 1; }
 else
   [[ $links == *"staged through host memory (ranks 0 and 1 share device"* ]] ||
     { echo "FAIL: gpupp2x2nccl: one GPU, yet not staged for the shared device"; exit 1; }

@@ -477,6 +477,15 @@ TEST_CASE("a header-only link message crosses without data", "[unit]") {
   CHECK(got.flow_id == 9);
   CHECK(got.header.kind == link_kind::gradient);
   CHECK(got.header.shape == std::vector<std::int64_t>{2, 8, 64});
+  // Its shape still says what the link carries: [B, T, C], each within the limits.
+  m.header.shape = {5};
+  const frame flat = encode({4, 1, 0, false, m});
+  CHECK_THAT(refused_with([&] { decode(gather(flat), flat.bytes, wide()); }),
+             Catch::Contains("header-only message needs [B, T, C]"));
+  m.header.shape = {1, -2, 3};
+  const frame negative = encode({4, 1, 0, false, m});
+  CHECK_THAT(refused_with([&] { decode(gather(negative), negative.bytes, wide()); }),
+             Catch::Contains("shape dimension -2 is negative or too large"));
 }
 
 TEST_CASE("encode refuses messages without their plan", "[unit]") {

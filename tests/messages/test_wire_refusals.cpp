@@ -195,7 +195,8 @@ TEST_CASE("a tensor exchange of an unknown collective or a torn double is refuse
 
 TEST_CASE("a missing or scattered payload is refused, but for a header-only link message",
           "[unit]") {
-  const envelope e{0, 0, 0, false, link_message{header(link_kind::activation, {5}), floats(5, 1)}};
+  const envelope e{0, 0, 0, false,
+                   link_message{header(link_kind::activation, {1, 1, 5}), floats(5, 1)}};
   const frame f = detail::encode(e, 16);  // pieces of 16 and 4 bytes
   auto buf = gather(f);
   const auto message = follow(root_of(*buf).pointer(0));  // LinkMessage: header, data
