@@ -2,6 +2,7 @@
 #include "actors/pipeline_wiring.hpp"
 
 #include <algorithm>
+#include <exception>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -50,9 +51,9 @@ namespace {
 // between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
 // share it), and, apart, between the embedding's rank and the head's for the tied wte. Between
 // ranks of this process; a neighbouring pair across processes has this process's end of an NCCL
-// link where the rendezvous gave ids (every process joins its ends in process_links' order, so
-// each two-rank join meets its peer), else no link, and its payloads are staged through host
-// memory inside the messages (the tied wte's across processes always are).
+// link where the rendezvous gave ids (NCCL id i opens process_links' link i; a process joins
+// its ends at once), else no link, and its payloads are staged through host memory inside the
+// messages (the tied wte's across processes always are).
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
 struct device_links {
   link_map pipeline, tied;
@@ -84,15 +85,32 @@ device_links make_links(const build_inputs& in) {
   if (across.size() != in.nccl_ids.size() || !in.chunks->make_process_link)
     throw std::logic_error("make_links: " + std::to_string(in.nccl_ids.size()) + " NCCL ids for " +
                            std::to_string(across.size()) + " links between processes");
+  // This process's ends, joined all at once (a thread each, as nccl_group::join_all joins the
+  // ranks of one process): a join waits for its peer alone, never for joins ahead of it in
+  // another process, so every process leaves wiring about when the last one arrives.
+  std::vector<std::shared_ptr<engine::chunk_link>> made(across.size());
+  std::vector<std::exception_ptr> failed(across.size());
+  std::vector<std::thread> joining;
   for (std::size_t i = 0; i < across.size(); ++i) {
     const auto& pl = across[i];
     const int replica = pl.lane / in.r.parallel.tp, shard = pl.lane % in.r.parallel.tp;
     const bool sends = in.placement.process_of_stage(replica, pl.from, shard) == in.rank;
     const bool receives = in.placement.process_of_stage(replica, pl.to, shard) == in.rank;
     if (!sends && !receives) continue;
-    links.pipeline[{pl.lane, pl.from, pl.to}] =
-        in.chunks->make_process_link(pl.name(), in.nccl_ids[i], pl.from, pl.to, pl.lane, sends);
+    joining.emplace_back([&in, &made, &failed, &pl, i, sends] {
+      try {
+        made[i] =
+            in.chunks->make_process_link(pl.name(), in.nccl_ids[i], pl.from, pl.to, pl.lane, sends);
+      } catch (...) {
+        failed[i] = std::current_exception();
+      }
+    });
   }
+  for (auto& t : joining) t.join();
+  for (const auto& e : failed)
+    if (e) std::rethrow_exception(e);
+  for (std::size_t i = 0; i < across.size(); ++i)
+    if (made[i]) links.pipeline[{across[i].lane, across[i].from, across[i].to}] = made[i];
   return links;
 }
 

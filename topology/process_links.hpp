@@ -2,7 +2,7 @@
 // (actors/pipeline_wiring.cpp gives each an NCCL communicator of its own where the rendezvous
 // found every process on a device of its own; docs/processes.md). Every process computes the same
 // list from the layout and the placement, so link i of it is the one NCCL id i of the welcome
-// opens, and each process joins its ends in this order: a two-rank join always meets its peer.
+// opens.
 #pragma once
 
 #include <string>
