@@ -634,8 +634,9 @@ messages::welcome decode_welcome(const rendezvous_options& o, wire::Welcome::Rea
                 " bytes");
     out.nccl_ids.emplace_back(ids[i].begin(), ids[i].end());
   }
-  if (!out.nccl_ids.empty() && !nccl_obstacle(out.peers).empty())
-    throw bad("NCCL ids for processes that cannot use them (" + nccl_obstacle(out.peers) + ")");
+  if (const std::string obstacle = nccl_obstacle(out.peers);
+      !out.nccl_ids.empty() && !obstacle.empty())
+    throw bad("NCCL ids for processes that cannot use them (" + obstacle + ")");
   const auto& me = out.peers[static_cast<std::size_t>(own.coords.rank)];
   if (me.host != own.host || me.worker_address != own.worker_address || me.device != own.device)
     throw bad("its entry for this process (rank " + std::to_string(own.coords.rank) + ") differs");

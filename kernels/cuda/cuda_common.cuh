@@ -125,7 +125,7 @@ class timed_op {
 };
 
 // The 128-bit layernorm kernels (layernorm_vectorized.cu): each returns false, launching
-// nothing, when the row does not fit them (C a multiple of 32 lanes x 16 bytes, at most 8
+// nothing, when the row does not fit them (C a multiple of 32 lanes x 16 bytes, 1-4, 6 or 8
 // vectors a lane, 16-byte aligned rows); the caller then runs the warp-per-row kernel. Forward
 // with res: the row is the residual sum inp + inp2, stored to res (residual_layernorm_forward).
 template <class T>

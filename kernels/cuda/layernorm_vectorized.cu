@@ -16,8 +16,6 @@ namespace troupe::kernels::cuda {
 using namespace detail;
 namespace {
 
-constexpr int kMaxVectorsPerLane = 8;
-
 // With RESIDUAL, the row is first the residual sum inp + inp2, rounded to T as residual_forward
 // rounds it and stored to res (each lane reads its vectors before writing them: res may alias
 // inp or inp2).
@@ -110,6 +108,11 @@ __global__ void layernorm_dinp_vec_kernel(T* dinp, const T* dout, const T* inp, 
   }
 }
 
+// The vectors-a-lane counts the kernels are instantiated for (with_vectors_per_lane's cases).
+constexpr bool instantiated(int vpl) {
+  return vpl == 1 || vpl == 2 || vpl == 3 || vpl == 4 || vpl == 6 || vpl == 8;
+}
+
 template <class F>
 bool with_vectors_per_lane(int vpl, F&& f) {
   switch (vpl) {
@@ -145,7 +148,7 @@ int layernorm_vectors_per_lane(int C) {
   constexpr int per_warp = 32 * pack<T>::n;
   if (C <= 0 || C % per_warp != 0) return 0;
   const int vpl = C / per_warp;
-  return vpl <= kMaxVectorsPerLane ? vpl : 0;
+  return instantiated(vpl) ? vpl : 0;
 }
 
 template <class T>
