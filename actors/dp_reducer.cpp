@@ -43,9 +43,10 @@ class reducer_impl : public reducer_actor::base {
     std::vector<void*> ready(p.parts.size(), nullptr);
     std::int64_t bytes = 0;
     for (auto& part : p.parts) {
-      by_replica.at(static_cast<std::size_t>(part.replica)) = part.ranges;
-      ready.at(static_cast<std::size_t>(part.replica)) = part.ready;
-      if (part.replica == 0)
+      const auto at = static_cast<std::size_t>(part.replica - cfg_.first_replica);
+      by_replica.at(at) = part.ranges;
+      ready.at(at) = part.ready;
+      if (at == 0)
         for (const auto& r : part.ranges) bytes += r.second * 4;
     }
     std::vector<void*> done(p.parts.size(), nullptr);

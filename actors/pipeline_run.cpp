@@ -246,20 +246,21 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
   // 3. The job's processes.
   if (multi) {
     // Device payloads between processes by NCCL (parallel.nccl_links): each process offers its
-    // device, rank 0 an id per link between processes; the welcome keeps the ids only where
-    // every process has a device of its own.
+    // device, rank 0 an id per pipeline link, then per data-parallel group, between processes;
+    // the welcome keeps the ids only where every process has a device of its own.
     const bool nccl = in.chunks && r.parallel.nccl_links && in.chunks->make_process_link;
-    std::size_t links = 0;
+    std::size_t links = 0, groups = 0;
     std::vector<std::vector<std::uint8_t>> offered;
     std::string no_ids;  // why rank 0 offers none
     if (nccl) {
       links = topology::process_links(in.layout, in.placement, r.parallel.dp, r.parallel.tp).size();
-      if (links > transport::max_nccl_ids) {
-        no_ids =
-            std::to_string(links) + " links, more than " + std::to_string(transport::max_nccl_ids);
+      groups = nccl_groups(in).size();
+      if (links + groups > transport::max_nccl_ids) {
+        no_ids = std::to_string(links + groups) + " communicators, more than " +
+                 std::to_string(transport::max_nccl_ids);
       } else if (my_rank == 0) {
         try {
-          offered = in.chunks->new_link_ids(links);
+          offered = in.chunks->new_link_ids(links + groups);
         } catch (const std::exception& e) {
           no_ids = std::string("NCCL made no ids: ") + e.what();
         }
@@ -272,16 +273,18 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
     in.origin = trace::trace_clock::now();  // all processes leave the rendezvous together
     in.nccl_ids = std::move(w.nccl_ids);
     say("rendezvous: " + std::to_string(o.launch.world) + " processes joined");
-    if (!in.nccl_ids.empty() && in.nccl_ids.size() != links)  // before any process waits on one
+    if (!in.nccl_ids.empty() && in.nccl_ids.size() != links + groups)  // before any waits on one
       throw std::runtime_error("rendezvous: " + std::to_string(in.nccl_ids.size()) +
-                               " NCCL ids for " + std::to_string(links) +
-                               " links between processes (parallel.nccl_links differs between "
-                               "the processes' recipes?)");
-    if (nccl && links > 0) {
+                               " NCCL ids for " + std::to_string(links) + " links and " +
+                               std::to_string(groups) +
+                               " data-parallel groups between processes (parallel.nccl_links "
+                               "differs between the processes' recipes?)");
+    if (nccl && links + groups > 0) {
       const std::string obstacle = transport::nccl_obstacle(w.peers);
       say(!in.nccl_ids.empty()
-              ? "links between processes: NCCL (" + std::to_string(links) + " links)"
-              : "links between processes: staged through host memory (" +
+              ? "device payloads between processes: NCCL (" + std::to_string(links) +
+                    " pipeline links, " + std::to_string(groups) + " data-parallel groups)"
+              : "device payloads between processes: staged through host memory (" +
                     (!obstacle.empty() ? obstacle
                      : !no_ids.empty() ? no_ids
                                        : "rank 0 offered no NCCL ids") +

@@ -45,18 +45,27 @@ std::int64_t tokens_per_step(const build_inputs& in) {
   return t * r.parallel.dp;
 }
 
+std::vector<topology::process_group> nccl_groups(const build_inputs& in) {
+  if (!in.chunks || in.r.parallel.zero > 0) return {};
+  return topology::process_groups(in.placement, in.r.parallel.pp, in.r.parallel.dp,
+                                  in.r.parallel.tp);
+}
+
 namespace {
 
 // The links of a device pipeline, by (lane, sending rank, receiving rank): both directions
 // between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
 // share it), and, apart, between the embedding's rank and the head's for the tied wte. Between
 // ranks of this process; a neighbouring pair across processes has this process's end of an NCCL
-// link where the rendezvous gave ids (NCCL id i opens process_links' link i; a process joins
-// its ends at once), else no link, and its payloads are staged through host memory inside the
-// messages (the tied wte's across processes always are).
+// link where the rendezvous gave ids, else no link, and its payloads are staged through host
+// memory inside the messages (the tied wte's across processes always are). With the ids, too,
+// this process's replica of each data-parallel group that spans processes (by pipeline rank and
+// tensor shard). The ids open process_links() in order, then process_groups(); a process joins
+// all its communicators at once.
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
 struct device_links {
   link_map pipeline, tied;
+  std::map<std::pair<int, int>, std::shared_ptr<engine::replica_group>> groups;
 };
 device_links make_links(const build_inputs& in) {
   device_links links;
@@ -81,19 +90,24 @@ device_links make_links(const build_inputs& in) {
       links.tied[{d, from, to}] = in.chunks->make_link(from, to, d);
   }
   if (in.nccl_ids.empty()) return links;
-  const auto across = topology::process_links(L, in.placement, in.r.parallel.dp, in.r.parallel.tp);
-  if (across.size() != in.nccl_ids.size() || !in.chunks->make_process_link)
+  const int dp = in.r.parallel.dp, tp = in.r.parallel.tp;
+  const auto across = topology::process_links(L, in.placement, dp, tp);
+  const auto groups = nccl_groups(in);
+  if (across.size() + groups.size() != in.nccl_ids.size() || !in.chunks->make_process_link ||
+      (!groups.empty() && !in.chunks->make_process_group))
     throw std::logic_error("make_links: " + std::to_string(in.nccl_ids.size()) + " NCCL ids for " +
-                           std::to_string(across.size()) + " links between processes");
-  // This process's ends, joined all at once (a thread each, as nccl_group::join_all joins the
-  // ranks of one process): a join waits for its peer alone, never for joins ahead of it in
-  // another process, so every process leaves wiring about when the last one arrives.
+                           std::to_string(across.size()) + " links and " +
+                           std::to_string(groups.size()) + " groups between processes");
+  // This process's communicators, joined all at once (a thread each, as nccl_group::join_all
+  // joins the ranks of one process): a join waits for its peers alone, never for joins ahead of
+  // it in another process, so every process leaves wiring about when the last one arrives.
   std::vector<std::shared_ptr<engine::chunk_link>> made(across.size());
-  std::vector<std::exception_ptr> failed(across.size());
+  std::vector<std::shared_ptr<engine::replica_group>> joined(groups.size());
+  std::vector<std::exception_ptr> failed(across.size() + groups.size());
   std::vector<std::thread> joining;
   for (std::size_t i = 0; i < across.size(); ++i) {
     const auto& pl = across[i];
-    const int replica = pl.lane / in.r.parallel.tp, shard = pl.lane % in.r.parallel.tp;
+    const int replica = pl.lane / tp, shard = pl.lane % tp;
     const bool sends = in.placement.process_of_stage(replica, pl.from, shard) == in.rank;
     const bool receives = in.placement.process_of_stage(replica, pl.to, shard) == in.rank;
     if (!sends && !receives) continue;
@@ -106,11 +120,28 @@ device_links make_links(const build_inputs& in) {
       }
     });
   }
+  for (std::size_t k = 0; k < groups.size(); ++k) {
+    const auto& g = groups[k];
+    for (int d = 0; d < dp; ++d) {  // this process's replica of the group (one at most)
+      if (in.placement.process_of_stage(d, g.rank, g.shard) != in.rank) continue;
+      const std::size_t i = across.size() + k;
+      joining.emplace_back([&in, &joined, &failed, &g, i, k, d, dp] {
+        try {
+          joined[k] =
+              in.chunks->make_process_group(g.name(), in.nccl_ids[i], g.rank, g.shard, d, dp);
+        } catch (...) {
+          failed[i] = std::current_exception();
+        }
+      });
+    }
+  }
   for (auto& t : joining) t.join();
   for (const auto& e : failed)
     if (e) std::rethrow_exception(e);
   for (std::size_t i = 0; i < across.size(); ++i)
     if (made[i]) links.pipeline[{across[i].lane, across[i].from, across[i].to}] = made[i];
+  for (std::size_t k = 0; k < groups.size(); ++k)
+    if (joined[k]) links.groups[{groups[k].rank, groups[k].shard}] = joined[k];
   return links;
 }
 
@@ -124,7 +155,9 @@ std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in
   // The longest micro-batch: of the training lengths, and evaluation's (batch.seq_len).
   dc->T = std::max(*std::max_element(in.seq_lens.begin(), in.seq_lens.end()), in.r.batch.seq_len);
   dc->slots = engine::device_stage_slots(in.r, c.rank);
-  dc->stage_buckets = in.mesh && in.r.parallel.dp > 1;  // a ring reducer across processes
+  // A ring reducer across processes, unless an NCCL group averages the buckets on the devices.
+  dc->stage_buckets =
+      in.mesh && in.r.parallel.dp > 1 && !links.groups.contains({c.rank, c.tp_rank});
   const int lane = c.replica * c.tp + c.tp_rank;
   for (const auto& [key, link] : links.pipeline) {
     const auto [d, from, to] = key;
@@ -285,17 +318,31 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
     }
     return;
   }
-  // Across processes: a ring reducer per stage (of every lane), over the replicas of its shard.
+  // Across processes: a reducer per stage (of every lane), over the replicas of its shard. Where
+  // an NCCL group spans the replicas' processes, a dp reducer of the one replica drives this
+  // process's rank of it; otherwise a ring reducer, ringing through host memory.
   for (int lane = 0; lane < r.parallel.dp * tp; ++lane) {
     const int d = lane / tp, j = lane % tp;
     a.reducers.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
-      std::string name = "ring reducer " + std::to_string(p) + " · dp " + std::to_string(d);
+      const auto group = links.groups.find({p, j});
+      const bool nccl = group != links.groups.end();
+      std::string name = std::string(nccl ? "dp reducer " : "ring reducer ") + std::to_string(p) +
+                         " · dp " + std::to_string(d);
       if (tp > 1) name += " · tp " + std::to_string(j);
-      ring_reducer_config c{p, d, r.parallel.dp, add_track(a, in, name, "collective", p, lane)};
-      a.reducers.back().push_back(place(sys, a, in, pl.reducer_id(d, p, j),
-                                        pl.process_of_stage(d, p, j), name,
-                                        [&] { return spawn_ring_reducer(sys, std::move(c)); }));
+      auto trace = add_track(a, in, name, "collective", p, lane);
+      a.reducers.back().push_back(
+          place(sys, a, in, pl.reducer_id(d, p, j), pl.process_of_stage(d, p, j), name,
+                [&]() -> caf::actor {
+                  if (!nccl)
+                    return caf::actor_cast<caf::actor>(spawn_ring_reducer(
+                        sys, ring_reducer_config{p, d, r.parallel.dp, std::move(trace)}));
+                  reducer_config c{p, 1, std::move(trace), group->second};
+                  c.first_replica = d;
+                  return caf::actor_cast<caf::actor>(spawn_dp_reducer(
+                      sys, std::move(c), a.tracer,
+                      {a.stages[static_cast<std::size_t>(lane)][static_cast<std::size_t>(p)]}));
+                }));
     }
   }
 }
@@ -346,6 +393,14 @@ bool is_local(const run_actors& a, const caf::actor& h) {
   return std::find(a.local.begin(), a.local.end(), h) != a.local.end();
 }
 
+// Whether an NCCL group averages the buckets of (pipeline rank, tensor shard) between processes.
+bool nccl_reduced(const build_inputs& in, int rank, int shard) {
+  if (in.nccl_ids.empty()) return false;
+  const auto groups = nccl_groups(in);
+  return std::find(groups.begin(), groups.end(), topology::process_group{rank, shard}) !=
+         groups.end();
+}
+
 }  // namespace
 
 // Sends every local actor its peers (local actors or proxies).
@@ -380,8 +435,8 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
       w.tied_partner = row[static_cast<std::size_t>(partner)];
       caf::anon_send(row[static_cast<std::size_t>(k)], std::move(w));
       // Ring reducers and zero shards learn their stage and the next replica's (same tensor
-      // shard).
-      if ((in.mesh && r.parallel.dp > 1) || r.parallel.zero > 0) {
+      // shard); a reducer of an NCCL group knows its stage already.
+      if (((in.mesh && r.parallel.dp > 1) || r.parallel.zero > 0) && !nccl_reduced(in, k, j)) {
         const auto next = static_cast<std::size_t>(((d + 1) % r.parallel.dp) * tp + j);
         caf::anon_send(a.reducers[static_cast<std::size_t>(lane)][static_cast<std::size_t>(k)],
                        ring_wiring{row[static_cast<std::size_t>(k)],

@@ -57,8 +57,8 @@ struct build_inputs {
   int rank = 0;
   remote_mesh* mesh = nullptr;                            // set when the job spans processes
   std::shared_ptr<const engine::chunk_factory> chunks{};  // device stages
-  // From the rendezvous: an NCCL id per link of topology::process_links(); empty: payloads between
-  // processes are staged through host memory.
+  // From the rendezvous: an NCCL id per link of topology::process_links(), then per group of
+  // nccl_groups(); empty: payloads and buckets between processes are staged through host memory.
   std::vector<std::vector<std::uint8_t>> nccl_ids{};
   // Resuming: the checkpoint and its trainer state.
   std::filesystem::path resume_dir{};
@@ -86,6 +86,10 @@ caf::actor place(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
   return h;
 }
 
+// The data-parallel groups that NCCL averages between processes when the rendezvous gives ids:
+// topology::process_groups of a device job without ZeRO (ZeRO's shards reduce-scatter and gather
+// through host memory between processes).
+std::vector<topology::process_group> nccl_groups(const build_inputs& in);
 // BLAS/OpenMP threads per stage: run_options::compute_threads, or this machine's cores over the
 // stages it runs.
 int compute_threads(const build_inputs& in);

@@ -30,9 +30,10 @@ struct hello {
   mesh_coords coords;
   std::string host;
   std::vector<std::uint8_t> worker_address;  // UCX worker address blob
-  std::string device;  // the CUDA device of its chunks (PCI bus id); empty: none
+  std::string device;  // the CUDA device of its chunks (PCI bus id, NCCL host id); empty: none
   // Rank 0 only (never sent): NCCL unique ids (128 bytes each) it offers, one per pipeline
-  // link between processes (topology::process_links), for the welcome.
+  // link, then per data-parallel group, between processes (topology/process_links.hpp), for the
+  // welcome.
   std::vector<std::vector<std::uint8_t>> nccl_ids;
 };
 // Everyone's address, once all `world` processes have joined.

@@ -22,8 +22,8 @@ struct Hello {
   pipelineRank @6 :Int32;
   host @7 :Text;
   workerAddress @8 :Data;       # UCX worker address blob
-  device @9 :Text;              # the CUDA device of its chunks (PCI bus id); empty: none
-  ncclIds @10 :List(Data);      # rank 0's own hello only: ids offered for NCCL links (128 bytes)
+  device @9 :Text;              # its chunks' CUDA device (PCI bus id, NCCL host id); empty: none
+  ncclIds @10 :List(Data);      # rank 0's own hello only: ids offered (128 bytes each)
 }
 
 struct Peer {
@@ -35,8 +35,8 @@ struct Peer {
 
 struct Welcome {
   peers @0 :List(Peer);         # every process, by rank
-  ncclIds @1 :List(Data);       # one per link across processes, in the job's order; empty:
-                                # payloads between processes are staged through host memory
+  ncclIds @1 :List(Data);       # one per link, then per data-parallel group, across processes,
+                                # in the job's order; empty: staged through host memory
 }
 
 struct Refusal {

@@ -25,4 +25,21 @@ std::vector<process_link> process_links(const engine::pipeline_layout& layout,
   return out;
 }
 
+std::string process_group::name() const {
+  return "dp-" + std::to_string(rank) + "-" + std::to_string(shard);
+}
+
+std::vector<process_group> process_groups(const job_placement& placement, int pp, int dp, int tp) {
+  std::vector<process_group> out;
+  if (dp < 2) return out;
+  for (int rank = 0; rank < pp; ++rank) {
+    for (int shard = 0; shard < tp; ++shard) {
+      std::set<int> processes;
+      for (int d = 0; d < dp; ++d) processes.insert(placement.process_of_stage(d, rank, shard));
+      if (static_cast<int>(processes.size()) == dp) out.push_back({rank, shard});
+    }
+  }
+  return out;
+}
+
 }  // namespace troupe::topology

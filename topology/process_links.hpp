@@ -1,8 +1,8 @@
-// The pipeline links of a device job whose two ends live in different processes
+// The pipeline links and data-parallel groups of a device job that span processes
 // (actors/pipeline_wiring.cpp gives each an NCCL communicator of its own where the rendezvous
 // found every process on a device of its own; docs/processes.md). Every process computes the same
-// list from the layout and the placement, so link i of it is the one NCCL id i of the welcome
-// opens.
+// lists from the layout and the placement, so the welcome's NCCL ids open them in order: link i
+// of process_links() id i, then group k of process_groups() id links + k.
 #pragma once
 
 #include <string>
@@ -25,5 +25,19 @@ struct process_link {
 // travels inside its message (topology/tied_wte.hpp).
 std::vector<process_link> process_links(const engine::pipeline_layout& layout,
                                         const job_placement& placement, int dp, int tp);
+
+// The data-parallel group of tensor shard `shard` of pipeline rank `rank`: its dp replicas'
+// gradient buckets, averaged by one NCCL communicator in which replica d is rank d.
+struct process_group {
+  int rank = 0, shard = 0;
+  std::string name() const;  // "dp-1-0": pipeline rank 1, tensor shard 0
+  friend bool operator==(const process_group&, const process_group&) = default;
+};
+
+// By pipeline rank, then tensor shard: the data-parallel groups (dp > 1) whose replicas each
+// live in a process of their own. A group with two replicas in one process is not among them:
+// NCCL refuses two ranks of a communicator on one device, which is where a process keeps its
+// stages, so its buckets ring through host memory.
+std::vector<process_group> process_groups(const job_placement& placement, int pp, int dp, int tp);
 
 }  // namespace troupe::topology

@@ -2,12 +2,15 @@
 // see device_chunk.hpp. Built only with CUDA; gpu_chunk_stub.cpp says why not otherwise.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <exception>
 #include <map>
 #include <stdexcept>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <xxhash.h>
 
 #include "engine/chunks/device_chunk.hpp"
 #include "engine/chunks/gpu_chunk.hpp"
@@ -19,6 +22,9 @@ namespace troupe::engine {
 namespace {
 
 namespace cu = kernels::cuda;
+
+// How long a communicator's join, and its first connection, wait for the other ranks.
+constexpr std::chrono::seconds kJoinTimeout{120};
 
 class cuda_chunk final : public device_chunk {
  public:
@@ -134,11 +140,28 @@ class local_link final : public chunk_link {
 class nccl_pair_link final : public chunk_link {
  public:
   nccl_pair_link(const std::string& name, int from_device, int to_device) {
-    auto groups = cu::nccl_group::join_all(name, {from_device, to_device});
+    auto groups = cu::nccl_group::join_all(name, {from_device, to_device}, kJoinTimeout);
     sender_group_ = std::move(groups[0]);
     receiver_group_ = std::move(groups[1]);
     sender_ = cu::make_nccl_link(*sender_group_, 1);
     receiver_ = cu::make_nccl_link(*receiver_group_, 0);
+    // Both ends connect now, at once (nccl_group::connect_peer): the receiver on a thread.
+    std::exception_ptr failed;
+    std::thread receiving([this, &failed] {
+      try {
+        receiver_group_->connect_peer(0, false, kJoinTimeout);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    try {
+      sender_group_->connect_peer(1, true, kJoinTimeout);
+    } catch (...) {
+      receiving.join();  // its wait ends by its own deadline
+      throw;
+    }
+    receiving.join();
+    if (failed) std::rethrow_exception(failed);
   }
   ~nccl_pair_link() override {
     sender_.reset();
@@ -157,21 +180,28 @@ class nccl_pair_link final : public chunk_link {
   std::shared_ptr<cu::activation_link> sender_, receiver_;
 };
 
+// The id the rendezvous carried for communicator `name`, as NCCL takes it.
+cu::nccl_id nccl_id_of(const std::string& name, const std::vector<std::uint8_t>& id) {
+  cu::nccl_id raw{};
+  if (id.size() != raw.size())
+    throw std::invalid_argument("NCCL communicator " + name + ": an id of " +
+                                std::to_string(id.size()) + " bytes, not " +
+                                std::to_string(raw.size()));
+  std::copy(id.begin(), id.end(), reinterpret_cast<std::uint8_t*>(raw.data()));
+  return raw;
+}
+
 // This process's end of a link to another process: a two-rank NCCL group of its own (sender
 // rank 0, receiver rank 1), joined with the id the rendezvous carried.
 class nccl_process_link final : public chunk_link {
  public:
   nccl_process_link(const std::string& name, const std::vector<std::uint8_t>& id, bool sender,
                     int device)
-      : sender_(sender) {
-    cu::nccl_id raw{};
-    if (id.size() != raw.size())
-      throw std::invalid_argument("nccl_process_link " + name + ": an id of " +
-                                  std::to_string(id.size()) + " bytes");
-    std::copy(id.begin(), id.end(), reinterpret_cast<std::uint8_t*>(raw.data()));
-    group_ = std::make_unique<cu::nccl_group>(name, raw, 2, sender ? 0 : 1, device,
-                                              std::chrono::seconds(120));
-    link_ = cu::make_nccl_link(*group_, sender ? 1 : 0);
+      : sender_(sender),
+        group_(std::make_unique<cu::nccl_group>(name, nccl_id_of(name, id), 2, sender ? 0 : 1,
+                                                device, kJoinTimeout)),
+        link_(cu::make_nccl_link(*group_, sender ? 1 : 0)) {
+    group_->connect_peer(sender ? 1 : 0, sender, kJoinTimeout);  // the other end does at once
   }
   ~nccl_process_link() override { link_.reset(); }
   void* send(const void* data, std::size_t bytes, void* ready) override {
@@ -225,6 +255,37 @@ class nccl_replica_group final : public replica_group {
  private:
   std::vector<int> devices_;
   std::vector<std::unique_ptr<cu::nccl_group>> groups_;
+};
+
+// This process's replica of a data-parallel group whose replicas each live in a process of
+// their own: rank `replica` of a communicator joined with the id the rendezvous carried. mean()
+// averages this replica's ranges with the other processes' (ncclAvg, as nccl_replica_group).
+class nccl_process_group final : public replica_group {
+ public:
+  nccl_process_group(const std::string& name, const std::vector<std::uint8_t>& id, int replica,
+                     int replicas, int device)
+      : device_(device),
+        group_(std::make_unique<cu::nccl_group>(name, nccl_id_of(name, id), replicas, replica,
+                                                device, kJoinTimeout)) {
+    group_->connect_collectives(kJoinTimeout);  // every replica's process does at once
+  }
+  std::vector<void*> mean(const std::vector<float_ranges>& ranges,
+                          const std::vector<void*>& ready) override {
+    if (ranges.size() != 1 || ready.size() != 1)
+      throw std::logic_error(describe() + ": mean of " + std::to_string(ranges.size()) +
+                             " replicas' ranges in one process");
+    cu::nccl_group::all_reduce_mean({group_.get()}, ranges, {static_cast<cudaEvent_t>(ready[0])});
+    set_device(device_);
+    return {group_->done()};  // re-recorded by the next mean(): a later point
+  }
+  std::string describe() const override {
+    return "NCCL group " + group_->name() + ", replica " + std::to_string(group_->rank()) + " of " +
+           std::to_string(group_->size()) + " in as many processes";
+  }
+
+ private:
+  int device_;
+  std::unique_ptr<cu::nccl_group> group_;
 };
 
 // The replicas of a pipeline rank on one device (NCCL refuses two ranks of a communicator on
@@ -318,7 +379,21 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
     return std::make_shared<nccl_pair_link>(
         "pp-" + std::to_string(lane) + "-" + std::to_string(from) + "-" + std::to_string(to), a, b);
   };
-  f.device_identity = [device_of] { return kernels::cuda_device_bus_id(device_of(0, 0)); };
+  // As NCCL tells devices apart: by host (its host id where NCCL_HOSTID is set; the
+  // rendezvous adds the host's name) and PCI bus id. A long host id goes by its hash, so the
+  // identity stays within the rendezvous's 64 bytes.
+  f.device_identity = [device_of] {
+    std::string id = kernels::cuda_device_bus_id(device_of(0, 0));
+    std::string host = cu::nccl_host_id();
+    if (id.empty() || host.empty()) return id;
+    if (host.size() > 32) {
+      char hex[17];
+      std::snprintf(hex, sizeof hex, "%016llx",
+                    static_cast<unsigned long long>(XXH64(host.data(), host.size(), 0)));
+      host = std::string("xxh64:") + hex;
+    }
+    return id + " on NCCL host " + host;
+  };
   f.new_link_ids = [](std::size_t n) {
     std::vector<std::vector<std::uint8_t>> ids;
     for (std::size_t i = 0; i < n; ++i) {
@@ -333,6 +408,12 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
                                     bool sender) -> std::shared_ptr<chunk_link> {
     return std::make_shared<nccl_process_link>(name, id, sender,
                                                device_of(sender ? from : to, lane));
+  };
+  f.make_process_group =
+      [device_of, tp](const std::string& name, const std::vector<std::uint8_t>& id, int rank,
+                      int shard, int replica, int replicas) -> std::shared_ptr<replica_group> {
+    return std::make_shared<nccl_process_group>(name, id, replica, replicas,
+                                                device_of(rank, replica * tp + shard));
   };
   f.make_tensor_group = [device_of, tp](int rank, int replica,
                                         int shards) -> std::vector<std::shared_ptr<group_member>> {

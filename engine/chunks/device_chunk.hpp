@@ -143,8 +143,9 @@ class chunk_link {
   virtual std::string describe() const = 0;
 };
 
-// The data-parallel replicas of one pipeline rank's chunks, all in this process: replaces
-// gradient ranges with their mean over the replicas.
+// The data-parallel replicas of one pipeline rank's chunks: replaces gradient ranges with their
+// mean over the replicas. All of them in this process, or (make_process_group) this process's one
+// replica of a group that spans processes.
 class replica_group {
  public:
   using float_ranges = std::vector<std::pair<float*, std::int64_t>>;
@@ -186,19 +187,27 @@ struct chunk_factory {
   // has no tensor parallelism.
   std::function<std::vector<std::shared_ptr<group_member>>(int rank, int replica, int tp)>
       make_tensor_group;
-  // Links between processes over NCCL (set by kinds that have them; used where the rendezvous
-  // found every process on a device of its own, docs/processes.md). device_identity: this
-  // process's device, as the rendezvous compares them (a PCI bus id). new_link_ids: n NCCL
-  // unique ids (128 bytes each; rank 0 makes them, the welcome carries them). make_process_link:
-  // this process's end of the link carrying payloads from pipeline rank `from` to rank `to` of
-  // lane `lane`, which lives in another process: a two-rank communicator of its own joined with
-  // `id`, the sender as rank 0; it waits for the other end to join.
+  // Links and data-parallel groups between processes over NCCL (set by kinds that have them;
+  // used where the rendezvous found every process on a device of its own, docs/processes.md).
+  // device_identity: this process's device, as the rendezvous compares them (a PCI bus id, and
+  // NCCL's host id where one is set). new_link_ids: n NCCL unique ids (128 bytes each; rank 0
+  // makes them, the welcome carries them). make_process_link: this process's end of the link
+  // carrying payloads from pipeline rank `from` to rank `to` of lane `lane`, which lives in
+  // another process: a two-rank communicator of its own joined with `id`, the sender as rank 0;
+  // it waits for the other end to join. make_process_group: this process's replica `replica` of
+  // the data-parallel group of tensor shard `shard` of pipeline rank `rank`, whose `replicas`
+  // replicas each live in a process of their own: rank `replica` of a communicator joined with
+  // `id` (it waits for every replica to join); mean() takes this replica's ranges alone.
   std::function<std::string()> device_identity;
   std::function<std::vector<std::vector<std::uint8_t>>(std::size_t n)> new_link_ids;
   std::function<std::shared_ptr<chunk_link>(const std::string& name,
                                             const std::vector<std::uint8_t>& id, int from, int to,
                                             int lane, bool sender)>
       make_process_link;
+  std::function<std::shared_ptr<replica_group>(const std::string& name,
+                                               const std::vector<std::uint8_t>& id, int rank,
+                                               int shard, int replica, int replicas)>
+      make_process_group;
   // Whether make_chunk also takes a host tensor_group's member (engine/chunks/tensor_group.hpp): a
   // tensor group whose shards live in several processes is one (topology/tensor_exchange.hpp).
   bool host_tensor_groups = false;

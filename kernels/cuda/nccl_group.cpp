@@ -3,6 +3,7 @@
 
 #include <nccl.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <thread>
@@ -34,6 +35,11 @@ std::string nccl_version() {
   ncclGetVersion(&v);
   return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
          std::to_string(v % 100);
+}
+
+std::string nccl_host_id() {
+  const char* id = std::getenv("NCCL_HOSTID");
+  return id ? id : "";
 }
 
 nccl_group::nccl_group(std::string name, const nccl_id& id, int ranks, int rank, int device,
@@ -260,6 +266,44 @@ std::vector<std::unique_ptr<nccl_group>> nccl_group::join_all(
   for (const auto& f : failed)
     if (f) std::rethrow_exception(f);
   return groups;
+}
+
+namespace {
+// A few bytes of device memory for a transfer that only connects (freed at scope exit).
+class scratch {
+ public:
+  explicit scratch(int device) {
+    check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+    check_cuda(cudaMalloc(&p_, sizeof(float)), "cudaMalloc");
+    check_cuda(cudaMemset(p_, 0, sizeof(float)), "cudaMemset");
+  }
+  ~scratch() { cudaFree(p_); }
+  scratch(const scratch&) = delete;
+  scratch& operator=(const scratch&) = delete;
+  float* get() const { return static_cast<float*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+}  // namespace
+
+void nccl_group::connect_peer(int peer, bool sending, std::chrono::milliseconds timeout) {
+  const scratch s(device_);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // the memset, before NCCL's stream
+  if (sending) {
+    send(s.get(), 1, peer, nullptr);
+  } else {
+    recv(s.get(), 1, peer, nullptr);
+  }
+  wait(timeout, sending ? "connecting to rank " + std::to_string(peer)
+                        : "connecting from rank " + std::to_string(peer));
+}
+
+void nccl_group::connect_collectives(std::chrono::milliseconds timeout) {
+  const scratch s(device_);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  all_reduce_sum(s.get(), 1, nullptr);
+  wait(timeout, "connecting the collectives");
 }
 
 cudaEvent_t nccl_group::done() {

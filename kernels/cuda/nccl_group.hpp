@@ -36,6 +36,10 @@ using nccl_id = std::array<char, 128>;
 nccl_id nccl_new_id();
 // "2.28.x" of the NCCL library linked.
 std::string nccl_version();
+// NCCL_HOSTID from this process's environment ("" when unset). NCCL tells hosts apart by it
+// where it is set, not by their names: two processes on one device with different host ids are
+// two hosts to it (joined by its network transport), not a duplicate device.
+std::string nccl_host_id();
 
 class nccl_group {
  public:
@@ -80,6 +84,15 @@ class nccl_group {
   static void all_reduce_mean(const std::vector<nccl_group*>& groups,
                               const std::vector<float_ranges>& ranges,
                               const std::vector<cudaEvent_t>& after);
+
+  // Connect this rank's channels now, and wait until they are (each rank on a thread or in a
+  // process of its own, all at once, as when joining). NCCL connects a channel at its first
+  // transfer, and that waits for the peer's first transfer: a first send enqueued in the middle
+  // of training would wait for a receive that the peer posts only once it hears of the send.
+  // connect_peer: one byte to (sending) or from `peer`; connect_collectives: an all-reduce of one
+  // float over every rank.
+  void connect_peer(int peer, bool sending, std::chrono::milliseconds timeout);
+  void connect_collectives(std::chrono::milliseconds timeout);
 
   // An event recorded after everything enqueued so far (valid until the next done()).
   cudaEvent_t done();

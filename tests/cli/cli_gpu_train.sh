@@ -25,12 +25,15 @@
 #    that went through (losses, norms, final weights), and resumed at PP=2 (resharded) within
 #    the fp32 tolerances.
 #  - GPU jobs of several processes (torchrun-style variables), every process on the one GPU
-#    (LOCAL_RANK mod 1), their stages' payloads and gradient buckets staged through host memory:
-#    fp32 PP=2 as 2 processes, PP=2 x DP=2 as 4, and PP=2 x DP=2 ZeRO-2 as 4 within the fp32
-#    tolerances of the CPU; PP=2 as 2 processes with parallel.nccl_links bitwise the staged run
-#    (by NCCL where the machine has two GPUs or more, else staged, saying so); TP=2 as 2
-#    processes (the tensor group reduced through pinned host memory) bitwise TP=2 in one
-#    process, in fp32 and in bf16.
+#    (LOCAL_RANK mod 1). With parallel.nccl_links=false their stages' payloads and gradient
+#    buckets are staged through host memory: fp32 PP=2 as 2 processes, PP=2 x DP=2 as 4, and
+#    PP=2 x DP=2 ZeRO-2 as 4 within the fp32 tolerances of the CPU. By default (NCCL links) PP=2
+#    as 2 processes bitwise the staged run: by NCCL where the machine has two GPUs or more, else
+#    staged, the log saying the device is shared. With an NCCL host id per process (NCCL counts
+#    them as hosts apart and joins them over its socket transport, on one GPU too): PP=2 as 2
+#    processes bitwise the staged run, and PP=2 x DP=2 as 4, the links and the data-parallel
+#    buckets by NCCL, within the fp32 tolerances of the CPU. TP=2 as 2 processes (the tensor
+#    group reduced through pinned host memory) bitwise TP=2 in one process, in fp32 and in bf16.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -67,15 +70,20 @@ run() {  # run NAME ARGS...
 }
 # run_job NAME WORLD ARGS...: WORLD processes of one job (torchrun-style variables), every one on
 # the machine's GPU LOCAL_RANK mod its GPUs: with one GPU they share it, and the links between
-# their stages are staged through host memory.
+# their stages are staged through host memory. NCCL_HOSTS=1: each process with an NCCL host id of
+# its own (NCCL_HOSTID), so NCCL counts them as hosts apart, the rendezvous as devices apart, and
+# their communicators join over NCCL's socket transport on the loopback, sharing one GPU.
 run_job() {
   local name=$1 world=$2 r rc=0 port
   shift 2
   port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   local job=()
   for ((r = world - 1; r >= 0; r--)); do
+    local hosts=()
+    [[ ${NCCL_HOSTS:-0} == 1 ]] &&
+      hosts=(NCCL_HOSTID="troupe-test-host-$r" NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1)
     RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
-      MASTER_PORT=$port TROUPE_JOB_TOKEN=gpu-$name timeout 300 "$troupe" train "$recipe" \
+      MASTER_PORT=$port TROUPE_JOB_TOKEN=gpu-$name env "${hosts[@]}" timeout 300 "$troupe" train "$recipe" \
       "${common[@]}" "$@" --set "output.dir=$tmp/$name" --rendezvous-timeout 120 \
       >"$tmp/$name.$r.out" 2>&1 &
     job+=($!)
@@ -123,23 +131,37 @@ run gpuck --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.z
 run gpuckr --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
   --resume "$tmp/gpuck/checkpoints/step-00000004"
 run gpuckv --device cuda --set parallel.pp=2 --set parallel.micro_batches=4 --resume "$tmp/gpuck/checkpoints/step-00000004"
-run_job gpupp2x2 2 --device cuda --set parallel.pp=2
-# parallel.nccl_links: the two processes' links by NCCL where each has a GPU of its own (a
-# machine with two or more: 2 links, the pipeline's both ways), else staged
-# as above, the rendezvous saying why; the payloads' bytes are the same either way, and so are
-# the losses, bitwise.
-run_job gpupp2x2nccl 2 --device cuda --set parallel.pp=2 --set parallel.nccl_links=true
+run_job gpupp2x2 2 --device cuda --set parallel.pp=2 --set parallel.nccl_links=false
+# The default, parallel.nccl_links: the two processes' links by NCCL where each has a GPU of its
+# own (a machine with two or more: 2 links, the pipeline's both ways), else staged as above, the
+# log saying why; the payloads' bytes are the same either way, and so are the losses, bitwise.
+run_job gpupp2x2nccl 2 --device cuda --set parallel.pp=2
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-links=$(grep "links between processes" "$tmp/gpupp2x2nccl.0.out")
+links=$(grep "device payloads between processes" "$tmp/gpupp2x2nccl.0.out")
 echo "gpupp2x2nccl: ${links:-no links line} (${gpus:-unknown} GPUs)"
 if [[ ${gpus:-0} -ge 2 ]]; then
-  [[ $links == *"NCCL (2 links)"* ]] || { echo "FAIL: gpupp2x2nccl: not NCCL on $gpus GPUs"; exit 1; }
+  [[ $links == *"NCCL (2 pipeline links, 0 data-parallel groups)"* ]] ||
+    { echo "FAIL: gpupp2x2nccl: not NCCL on $gpus GPUs"; exit 1; }
 else
   [[ $links == *"staged through host memory (ranks 0 and 1 share device"* ]] ||
     { echo "FAIL: gpupp2x2nccl: one GPU, yet not staged for the shared device"; exit 1; }
 fi
-run_job gpuz2x4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2
-run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2
+# The same job and PP=2 x DP=2 as 4 processes, each process an NCCL host of its own: NCCL carries
+# the links and averages the data-parallel buckets on any machine, one GPU included.
+nccl_case() {  # nccl_case NAME WORLD WANT ARGS...
+  local name=$1 world=$2 want=$3
+  shift 3
+  NCCL_HOSTS=1 run_job "$name" "$world" --device cuda "$@"
+  links=$(grep "device payloads between processes" "$tmp/$name.0.out")
+  echo "$name: ${links:-no links line}"
+  [[ $links == *"NCCL ($want)"* ]] || { echo "FAIL: $name: not NCCL ($want)"; exit 1; }
+}
+nccl_case gpupp2x2ncclh 2 "2 pipeline links, 0 data-parallel groups" --set parallel.pp=2
+nccl_case gpudpx4nccl 4 "4 pipeline links, 2 data-parallel groups" --set parallel.pp=2 \
+  --set parallel.dp=2
+run_job gpuz2x4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 \
+  --set parallel.nccl_links=false
+run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.nccl_links=false
 # Tensor shards in two processes: their group reduces through pinned host memory, the arithmetic
 # of the one-device kernel that one process uses, so the losses are bitwise one process's.
 run gputp1 --device cuda --set parallel.tp=2
@@ -205,6 +227,11 @@ close(cpu, rows("gpupp2x2"), 1e-4, 1e-3, "fp32 GPU PP=2 as 2 processes vs CPU")
 assert [(r["loss"], r["grad_norm"]) for r in rows("gpupp2x2")] == \
     [(r["loss"], r["grad_norm"]) for r in rows("gpupp2x2nccl")], \
     "PP=2 as 2 processes with parallel.nccl_links is not bitwise the staged run"
+assert [(r["loss"], r["grad_norm"]) for r in rows("gpupp2x2")] == \
+    [(r["loss"], r["grad_norm"]) for r in rows("gpupp2x2ncclh")], \
+    "PP=2 as 2 processes over NCCL links is not bitwise the staged run"
+close(rows("cpudp"), rows("gpudpx4nccl"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 as 4 processes, NCCL links and data-parallel groups, vs CPU")
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")
 for one, two in (("gputp1", "gputpx2"), ("gputp16", "gputp16x2")):
     a, b = rows(one), rows(two)

@@ -1,5 +1,5 @@
-// The pipeline links of a device job between processes: which pairs, in which order (every
-// process computes the same list; NCCL id i of the welcome opens link i).
+// The pipeline links and data-parallel groups of a device job between processes: which, in
+// which order (every process computes the same lists; the welcome's NCCL ids open them in order).
 #include <catch2/catch.hpp>
 
 #include "topology/process_links.hpp"
@@ -43,5 +43,33 @@ TEST_CASE("process links: the pairs of ranks in different processes, in one orde
   SECTION("TP=2 in 2 processes: the shards of a rank are apart, but no pipeline pair is") {
     const auto layout = engine::make_pipeline_layout(model(2), 1, 1);
     CHECK(topology::process_links(layout, topology::job_placement(1, 1, 2, 2), 1, 2).empty());
+  }
+}
+
+TEST_CASE(
+    "process groups: the data-parallel groups whose replicas are each in a process of "
+    "their own",
+    "[unit][placement]") {
+  using topology::process_group;
+  SECTION("PP=2 x DP=2 in 4 processes: a group per pipeline rank") {
+    const auto groups = topology::process_groups(topology::job_placement(2, 2, 4), 2, 2, 1);
+    const std::vector<process_group> want = {{0, 0}, {1, 0}};
+    CHECK(groups == want);
+    CHECK(groups[1].name() == "dp-1-0");
+  }
+  SECTION("PP=2 x DP=2 in 2 processes: a replica per process, so still a group per rank") {
+    const std::vector<process_group> want = {{0, 0}, {1, 0}};
+    CHECK(topology::process_groups(topology::job_placement(2, 2, 2), 2, 2, 1) == want);
+  }
+  SECTION("DP=2 x TP=2 in 4 processes: a group per tensor shard") {
+    const std::vector<process_group> want = {{0, 0}, {0, 1}};
+    CHECK(topology::process_groups(topology::job_placement(1, 2, 4, 2), 1, 2, 2) == want);
+  }
+  SECTION("DP=4 in 2 processes: two replicas share each process, so no group") {
+    CHECK(topology::process_groups(topology::job_placement(1, 4, 2), 1, 4, 1).empty());
+  }
+  SECTION("PP=2 in 2 processes, or DP=2 in one: nothing to average between processes") {
+    CHECK(topology::process_groups(topology::job_placement(2, 1, 2), 2, 1, 1).empty());
+    CHECK(topology::process_groups(topology::job_placement(1, 2, 1), 1, 2, 1).empty());
   }
 }
