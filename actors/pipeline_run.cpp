@@ -249,18 +249,17 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
     // device, rank 0 an id per pipeline link, then per data-parallel group, between processes;
     // the welcome keeps the ids only where every process has a device of its own.
     const bool nccl = in.chunks && r.parallel.nccl_links && in.chunks->make_process_link;
-    std::size_t links = 0, groups = 0;
+    nccl_communicators plan;
     std::vector<std::vector<std::uint8_t>> offered;
     std::string no_ids;  // why rank 0 offers none
     if (nccl) {
-      links = topology::process_links(in.layout, in.placement, r.parallel.dp, r.parallel.tp).size();
-      groups = nccl_groups(in).size();
-      if (links + groups > transport::max_nccl_ids) {
-        no_ids = std::to_string(links + groups) + " communicators, more than " +
+      plan = nccl_plan(in);
+      if (plan.size() > transport::max_nccl_ids) {
+        no_ids = std::to_string(plan.size()) + " communicators, more than " +
                  std::to_string(transport::max_nccl_ids);
       } else if (my_rank == 0) {
         try {
-          offered = in.chunks->new_link_ids(links + groups);
+          offered = in.chunks->new_link_ids(plan.size());
         } catch (const std::exception& e) {
           no_ids = std::string("NCCL made no ids: ") + e.what();
         }
@@ -273,22 +272,19 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
     in.origin = trace::trace_clock::now();  // all processes leave the rendezvous together
     in.nccl_ids = std::move(w.nccl_ids);
     say("rendezvous: " + std::to_string(o.launch.world) + " processes joined");
-    if (!in.nccl_ids.empty() && in.nccl_ids.size() != links + groups)  // before any waits on one
+    if (!in.nccl_ids.empty() && in.nccl_ids.size() != plan.size())  // before any waits on one
       throw std::runtime_error("rendezvous: " + std::to_string(in.nccl_ids.size()) +
-                               " NCCL ids for " + std::to_string(links) + " links and " +
-                               std::to_string(groups) +
-                               " data-parallel groups between processes (parallel.nccl_links "
-                               "differs between the processes' recipes?)");
-    if (nccl && links + groups > 0) {
+                               " NCCL ids for " + plan.describe() +
+                               " between processes (parallel.nccl_links differs between the "
+                               "processes' recipes?)");
+    if (nccl && plan.size() > 0) {
       const std::string obstacle = transport::nccl_obstacle(w.peers);
-      say(!in.nccl_ids.empty()
-              ? "device payloads between processes: NCCL (" + std::to_string(links) +
-                    " pipeline links, " + std::to_string(groups) + " data-parallel groups)"
-              : "device payloads between processes: staged through host memory (" +
-                    (!obstacle.empty() ? obstacle
-                     : !no_ids.empty() ? no_ids
-                                       : "rank 0 offered no NCCL ids") +
-                    ")");
+      say(!in.nccl_ids.empty() ? "device payloads between processes: NCCL (" + plan.describe() + ")"
+                               : "device payloads between processes: staged through host memory (" +
+                                     (!obstacle.empty() ? obstacle
+                                      : !no_ids.empty() ? no_ids
+                                                        : "rank 0 offered no NCCL ids") +
+                                     ")");
     }
   }
 

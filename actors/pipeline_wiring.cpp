@@ -45,10 +45,23 @@ std::int64_t tokens_per_step(const build_inputs& in) {
   return t * r.parallel.dp;
 }
 
-std::vector<topology::process_group> nccl_groups(const build_inputs& in) {
-  if (!in.chunks || in.r.parallel.zero > 0) return {};
-  return topology::process_groups(in.placement, in.r.parallel.pp, in.r.parallel.dp,
-                                  in.r.parallel.tp);
+std::string nccl_communicators::describe() const {
+  auto count = [](std::size_t n, const std::string& what) {
+    return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+  };
+  return count(links.size(), "pipeline link") + ", " +
+         count(groups.size(), "data-parallel group") + ", " +
+         count(tensor_groups.size(), "tensor group");
+}
+
+nccl_communicators nccl_plan(const build_inputs& in) {
+  nccl_communicators c;
+  if (!in.chunks) return c;
+  const auto& p = in.r.parallel;
+  c.links = topology::process_links(in.layout, in.placement, p.dp, p.tp);
+  if (p.zero == 0) c.groups = topology::process_groups(in.placement, p.pp, p.dp, p.tp);
+  c.tensor_groups = topology::process_tensor_groups(in.placement, p.pp, p.dp, p.tp);
+  return c;
 }
 
 namespace {
@@ -60,12 +73,14 @@ namespace {
 // link where the rendezvous gave ids, else no link, and its payloads are staged through host
 // memory inside the messages (the tied wte's across processes always are). With the ids, too,
 // this process's replica of each data-parallel group that spans processes (by pipeline rank and
-// tensor shard). The ids open process_links() in order, then process_groups(); a process joins
-// all its communicators at once.
+// tensor shard), and its members of each tensor group that does (by replica and rank: every
+// shard's member, null where it lives in another process). The ids open nccl_plan()'s
+// communicators in order; a process joins all of its own at once.
 using link_map = std::map<std::tuple<int, int, int>, std::shared_ptr<engine::chunk_link>>;
 struct device_links {
   link_map pipeline, tied;
   std::map<std::pair<int, int>, std::shared_ptr<engine::replica_group>> groups;
+  std::map<std::pair<int, int>, std::vector<std::shared_ptr<engine::group_member>>> tensor_groups;
 };
 device_links make_links(const build_inputs& in) {
   device_links links;
@@ -91,55 +106,71 @@ device_links make_links(const build_inputs& in) {
   }
   if (in.nccl_ids.empty()) return links;
   const int dp = in.r.parallel.dp, tp = in.r.parallel.tp;
-  const auto across = topology::process_links(L, in.placement, dp, tp);
-  const auto groups = nccl_groups(in);
-  if (across.size() + groups.size() != in.nccl_ids.size() || !in.chunks->make_process_link ||
-      (!groups.empty() && !in.chunks->make_process_group))
+  const auto plan = nccl_plan(in);
+  const auto& across = plan.links;
+  const auto& groups = plan.groups;
+  const auto& tensor = plan.tensor_groups;
+  if (plan.size() != in.nccl_ids.size() || !in.chunks->make_process_link ||
+      (!groups.empty() && !in.chunks->make_process_group) ||
+      (!tensor.empty() && !in.chunks->make_process_tensor_member))
     throw std::logic_error("make_links: " + std::to_string(in.nccl_ids.size()) + " NCCL ids for " +
-                           std::to_string(across.size()) + " links and " +
-                           std::to_string(groups.size()) + " groups between processes");
+                           plan.describe() + " between processes");
   // This process's communicators, joined all at once (a thread each, as nccl_group::join_all
   // joins the ranks of one process): a join waits for its peers alone, never for joins ahead of
   // it in another process, so every process leaves wiring about when the last one arrives.
   std::vector<std::shared_ptr<engine::chunk_link>> made(across.size());
   std::vector<std::shared_ptr<engine::replica_group>> joined(groups.size());
-  std::vector<std::exception_ptr> failed(across.size() + groups.size());
+  for (const auto& g : tensor)
+    links.tensor_groups[{g.replica, g.rank}].resize(static_cast<std::size_t>(tp));
+  std::vector<std::exception_ptr> failed(plan.size());
   std::vector<std::thread> joining;
-  for (std::size_t i = 0; i < across.size(); ++i) {
-    const auto& pl = across[i];
-    const int replica = pl.lane / tp, shard = pl.lane % tp;
-    const bool sends = in.placement.process_of_stage(replica, pl.from, shard) == in.rank;
-    const bool receives = in.placement.process_of_stage(replica, pl.to, shard) == in.rank;
-    if (!sends && !receives) continue;
-    joining.emplace_back([&in, &made, &failed, &pl, i, sends] {
+  auto join = [&joining, &failed](std::size_t i, auto make) {
+    joining.emplace_back([&failed, i, make] {
       try {
-        made[i] =
-            in.chunks->make_process_link(pl.name(), in.nccl_ids[i], pl.from, pl.to, pl.lane, sends);
+        make();
       } catch (...) {
         failed[i] = std::current_exception();
       }
     });
+  };
+  std::size_t i = 0;  // the id
+  for (std::size_t l = 0; l < across.size(); ++l, ++i) {
+    const auto& pl = across[l];
+    const int replica = pl.lane / tp, shard = pl.lane % tp;
+    const bool sends = in.placement.process_of_stage(replica, pl.from, shard) == in.rank;
+    const bool receives = in.placement.process_of_stage(replica, pl.to, shard) == in.rank;
+    if (!sends && !receives) continue;
+    join(i, [&in, &made, &pl, i, l, sends] {
+      made[l] =
+          in.chunks->make_process_link(pl.name(), in.nccl_ids[i], pl.from, pl.to, pl.lane, sends);
+    });
   }
-  for (std::size_t k = 0; k < groups.size(); ++k) {
+  for (std::size_t k = 0; k < groups.size(); ++k, ++i) {
     const auto& g = groups[k];
     for (int d = 0; d < dp; ++d) {  // this process's replica of the group (one at most)
       if (in.placement.process_of_stage(d, g.rank, g.shard) != in.rank) continue;
-      const std::size_t i = across.size() + k;
-      joining.emplace_back([&in, &joined, &failed, &g, i, k, d, dp] {
-        try {
-          joined[k] =
-              in.chunks->make_process_group(g.name(), in.nccl_ids[i], g.rank, g.shard, d, dp);
-        } catch (...) {
-          failed[i] = std::current_exception();
-        }
+      join(i, [&in, &joined, &g, i, k, d, dp] {
+        joined[k] = in.chunks->make_process_group(g.name(), in.nccl_ids[i], g.rank, g.shard, d, dp);
+      });
+    }
+  }
+  for (std::size_t k = 0; k < tensor.size(); ++k, ++i) {
+    const auto& g = tensor[k];
+    auto& members = links.tensor_groups[{g.replica, g.rank}];
+    for (int j = 0; j < tp; ++j) {  // this process's shard of the group (one at most)
+      if (in.placement.process_of_stage(g.replica, g.rank, j) != in.rank) continue;
+      auto& member = members[static_cast<std::size_t>(j)];
+      join(i, [&in, &member, &g, i, j, tp] {
+        member = in.chunks->make_process_tensor_member(g.name(), in.nccl_ids[i], g.rank, g.replica,
+                                                       j, tp);
       });
     }
   }
   for (auto& t : joining) t.join();
   for (const auto& e : failed)
     if (e) std::rethrow_exception(e);
-  for (std::size_t i = 0; i < across.size(); ++i)
-    if (made[i]) links.pipeline[{across[i].lane, across[i].from, across[i].to}] = made[i];
+  for (std::size_t l = 0; l < across.size(); ++l)
+    if (made[l]) links.pipeline[{across[l].lane, across[l].from, across[l].to}] = made[l];
   for (std::size_t k = 0; k < groups.size(); ++k)
     if (joined[k]) links.groups[{groups[k].rank, groups[k].shard}] = joined[k];
   return links;
@@ -234,7 +265,9 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
         if (members.empty()) {
           const std::string group =
               "tp group of stage " + std::to_string(p) + " · dp " + std::to_string(d);
-          if (in.mesh && pl.tensor_group_spans(d, p)) {  // its members in several processes
+          if (const auto t = links.tensor_groups.find({d, p}); t != links.tensor_groups.end()) {
+            members = t->second;                                // NCCL across processes
+          } else if (in.mesh && pl.tensor_group_spans(d, p)) {  // members in several processes
             members = spanning_group(a, in, group, d, p);
           } else if (in.chunks) {
             members = in.chunks->make_tensor_group(p, d, tp);
@@ -396,7 +429,7 @@ bool is_local(const run_actors& a, const caf::actor& h) {
 // Whether an NCCL group averages the buckets of (pipeline rank, tensor shard) between processes.
 bool nccl_reduced(const build_inputs& in, int rank, int shard) {
   if (in.nccl_ids.empty()) return false;
-  const auto groups = nccl_groups(in);
+  const auto groups = nccl_plan(in).groups;
   return std::find(groups.begin(), groups.end(), topology::process_group{rank, shard}) !=
          groups.end();
 }

@@ -57,8 +57,8 @@ struct build_inputs {
   int rank = 0;
   remote_mesh* mesh = nullptr;                            // set when the job spans processes
   std::shared_ptr<const engine::chunk_factory> chunks{};  // device stages
-  // From the rendezvous: an NCCL id per link of topology::process_links(), then per group of
-  // nccl_groups(); empty: payloads and buckets between processes are staged through host memory.
+  // From the rendezvous: an NCCL id per communicator of nccl_plan(), in order; empty: payloads,
+  // buckets and tensor groups between processes are staged through host memory.
   std::vector<std::vector<std::uint8_t>> nccl_ids{};
   // Resuming: the checkpoint and its trainer state.
   std::filesystem::path resume_dir{};
@@ -86,10 +86,19 @@ caf::actor place(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
   return h;
 }
 
-// The data-parallel groups that NCCL averages between processes when the rendezvous gives ids:
-// topology::process_groups of a device job without ZeRO (ZeRO's shards reduce-scatter and gather
-// through host memory between processes).
-std::vector<topology::process_group> nccl_groups(const build_inputs& in);
+// The communicators NCCL serves between processes when the rendezvous gives ids, in the ids'
+// order: a device job's pipeline links (topology::process_links), then its data-parallel groups
+// without ZeRO (process_groups; ZeRO's shards reduce-scatter and gather through host memory),
+// then its tensor groups (process_tensor_groups). None for host chunks.
+struct nccl_communicators {
+  std::vector<topology::process_link> links;
+  std::vector<topology::process_group> groups;
+  std::vector<topology::process_tensor_group> tensor_groups;
+  std::size_t size() const { return links.size() + groups.size() + tensor_groups.size(); }
+  // "4 pipeline links, 2 data-parallel groups, 1 tensor group"
+  std::string describe() const;
+};
+nccl_communicators nccl_plan(const build_inputs& in);
 // BLAS/OpenMP threads per stage: run_options::compute_threads, or this machine's cores over the
 // stages it runs.
 int compute_threads(const build_inputs& in);

@@ -42,4 +42,22 @@ std::vector<process_group> process_groups(const job_placement& placement, int pp
   return out;
 }
 
+std::string process_tensor_group::name() const {
+  return "tp-" + std::to_string(replica) + "-" + std::to_string(rank);
+}
+
+std::vector<process_tensor_group> process_tensor_groups(const job_placement& placement, int pp,
+                                                        int dp, int tp) {
+  std::vector<process_tensor_group> out;
+  if (tp < 2) return out;
+  for (int d = 0; d < dp; ++d) {
+    for (int rank = 0; rank < pp; ++rank) {
+      std::set<int> processes;
+      for (int j = 0; j < tp; ++j) processes.insert(placement.process_of_stage(d, rank, j));
+      if (static_cast<int>(processes.size()) == tp) out.push_back({d, rank});
+    }
+  }
+  return out;
+}
+
 }  // namespace troupe::topology

@@ -1,8 +1,8 @@
 // The pipeline links and data-parallel groups of a device job that span processes
 // (actors/pipeline_wiring.cpp gives each an NCCL communicator of its own where the rendezvous
 // found every process on a device of its own; docs/processes.md). Every process computes the same
-// lists from the layout and the placement, so the welcome's NCCL ids open them in order: link i
-// of process_links() id i, then group k of process_groups() id links + k.
+// lists from the layout and the placement, so the welcome's NCCL ids open them in order: the
+// links of process_links(), then the groups of process_groups(), then process_tensor_groups().
 #pragma once
 
 #include <string>
@@ -39,5 +39,18 @@ struct process_group {
 // NCCL refuses two ranks of a communicator on one device, which is where a process keeps its
 // stages, so its buckets ring through host memory.
 std::vector<process_group> process_groups(const job_placement& placement, int pp, int dp, int tp);
+
+// The tensor-parallel group of pipeline rank `rank` of replica `replica`: its tp shards' sums,
+// by one NCCL communicator in which shard j is rank j.
+struct process_tensor_group {
+  int replica = 0, rank = 0;
+  std::string name() const;  // "tp-1-0": replica 1, pipeline rank 0
+  friend bool operator==(const process_tensor_group&, const process_tensor_group&) = default;
+};
+
+// By replica, then pipeline rank: the tensor groups (tp > 1) whose shards each live in a
+// process of their own (a group with two shards in one process sums through host memory).
+std::vector<process_tensor_group> process_tensor_groups(const job_placement& placement, int pp,
+                                                        int dp, int tp);
 
 }  // namespace troupe::topology

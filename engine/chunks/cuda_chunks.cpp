@@ -180,17 +180,6 @@ class nccl_pair_link final : public chunk_link {
   std::shared_ptr<cu::activation_link> sender_, receiver_;
 };
 
-// The id the rendezvous carried for communicator `name`, as NCCL takes it.
-cu::nccl_id nccl_id_of(const std::string& name, const std::vector<std::uint8_t>& id) {
-  cu::nccl_id raw{};
-  if (id.size() != raw.size())
-    throw std::invalid_argument("NCCL communicator " + name + ": an id of " +
-                                std::to_string(id.size()) + " bytes, not " +
-                                std::to_string(raw.size()));
-  std::copy(id.begin(), id.end(), reinterpret_cast<std::uint8_t*>(raw.data()));
-  return raw;
-}
-
 // This process's end of a link to another process: a two-rank NCCL group of its own (sender
 // rank 0, receiver rank 1), joined with the id the rendezvous carried.
 class nccl_process_link final : public chunk_link {
@@ -198,7 +187,7 @@ class nccl_process_link final : public chunk_link {
   nccl_process_link(const std::string& name, const std::vector<std::uint8_t>& id, bool sender,
                     int device)
       : sender_(sender),
-        group_(std::make_unique<cu::nccl_group>(name, nccl_id_of(name, id), 2, sender ? 0 : 1,
+        group_(std::make_unique<cu::nccl_group>(name, cu::nccl_id_from(name, id), 2, sender ? 0 : 1,
                                                 device, kJoinTimeout)),
         link_(cu::make_nccl_link(*group_, sender ? 1 : 0)) {
     group_->connect_peer(sender ? 1 : 0, sender, kJoinTimeout);  // the other end does at once
@@ -265,7 +254,7 @@ class nccl_process_group final : public replica_group {
   nccl_process_group(const std::string& name, const std::vector<std::uint8_t>& id, int replica,
                      int replicas, int device)
       : device_(device),
-        group_(std::make_unique<cu::nccl_group>(name, nccl_id_of(name, id), replicas, replica,
+        group_(std::make_unique<cu::nccl_group>(name, cu::nccl_id_from(name, id), replicas, replica,
                                                 device, kJoinTimeout)) {
     group_->connect_collectives(kJoinTimeout);  // every replica's process does at once
   }
@@ -414,6 +403,12 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
                       int shard, int replica, int replicas) -> std::shared_ptr<replica_group> {
     return std::make_shared<nccl_process_group>(name, id, replica, replicas,
                                                 device_of(rank, replica * tp + shard));
+  };
+  f.make_process_tensor_member =
+      [device_of, tp](const std::string& name, const std::vector<std::uint8_t>& id, int rank,
+                      int replica, int shard, int shards) -> std::shared_ptr<group_member> {
+    return join_process_tensor_group(name, id, shard, shards,
+                                     device_of(rank, replica * tp + shard));
   };
   f.make_tensor_group = [device_of, tp](int rank, int replica,
                                         int shards) -> std::vector<std::shared_ptr<group_member>> {

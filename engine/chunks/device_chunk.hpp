@@ -208,6 +208,13 @@ struct chunk_factory {
                                                const std::vector<std::uint8_t>& id, int rank,
                                                int shard, int replica, int replicas)>
       make_process_group;
+  // make_process_tensor_member: this process's member (shard `shard`) of the tensor group of
+  // pipeline rank `rank` of replica `replica`, whose `shards` shards each live in a process of
+  // their own: rank `shard` of a communicator joined with `id`, for make_chunk's tp_member.
+  std::function<std::shared_ptr<group_member>(const std::string& name,
+                                              const std::vector<std::uint8_t>& id, int rank,
+                                              int replica, int shard, int shards)>
+      make_process_tensor_member;
   // Whether make_chunk also takes a host tensor_group's member (engine/chunks/tensor_group.hpp): a
   // tensor group whose shards live in several processes is one (topology/tensor_exchange.hpp).
   bool host_tensor_groups = false;

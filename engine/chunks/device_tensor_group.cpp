@@ -82,6 +82,7 @@ class member_event {
 struct nccl_state {
   std::mutex m;
   std::string name;
+  // By member: this process's members' ranks (null: a member in another process).
   std::vector<std::unique_ptr<cu::nccl_group>> comms;
   std::string aborted;  // non-empty: every call throws this
 };
@@ -105,10 +106,13 @@ class nccl_member final : public device_tensor_group {
     std::lock_guard lk(s_->m);
     if (!s_->aborted.empty()) return;
     s_->aborted = s_->name + ": " + why;
-    for (auto& c : s_->comms) c->abort(s_->aborted);
+    for (auto& c : s_->comms)
+      if (c) c->abort(s_->aborted);
   }
   std::string describe() const override {
-    return "NCCL group " + s_->name + " of " + std::to_string(size()) + " devices";
+    const bool spans = std::any_of(s_->comms.begin(), s_->comms.end(), [](auto& c) { return !c; });
+    return "NCCL group " + s_->name + " of " + std::to_string(size()) +
+           (spans ? " devices in as many processes" : " devices");
   }
 
  private:
@@ -404,6 +408,23 @@ std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
   for (int i = 0; i < n; ++i)
     members.push_back(std::make_shared<nccl_member>(s, i, devices[static_cast<std::size_t>(i)]));
   return members;
+}
+
+std::shared_ptr<device_tensor_group> join_process_tensor_group(const std::string& name,
+                                                               const std::vector<std::uint8_t>& id,
+                                                               int rank, int size, int device,
+                                                               std::chrono::milliseconds deadline) {
+  if (size < 2 || rank < 0 || rank >= size)
+    throw std::invalid_argument("join_process_tensor_group " + name + ": member " +
+                                std::to_string(rank) + " of " + std::to_string(size));
+  auto s = std::make_shared<nccl_state>();
+  s->name = name;
+  s->comms.resize(static_cast<std::size_t>(size));
+  auto& mine = s->comms[static_cast<std::size_t>(rank)];
+  mine = std::make_unique<cu::nccl_group>(name, cu::nccl_id_from(name, id), size, rank, device,
+                                          deadline);
+  mine->connect_collectives(deadline);  // every member's process does at once
+  return std::make_shared<nccl_member>(s, rank, device);
 }
 
 }  // namespace troupe::engine

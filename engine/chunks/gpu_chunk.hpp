@@ -134,6 +134,13 @@ class device_tensor_group : public group_member {
 std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
     const std::string& name, const std::vector<int>& devices,
     std::chrono::milliseconds deadline = std::chrono::seconds(120));
+// This process's member `rank` (on CUDA device `device`) of the group `name` of `size` members
+// whose others each live in a process of their own: a rank of an NCCL communicator joined with
+// `id` (128 bytes, from the rendezvous), connected before it returns (every member's process
+// joins at once; each waits up to `deadline`).
+std::shared_ptr<device_tensor_group> join_process_tensor_group(
+    const std::string& name, const std::vector<std::uint8_t>& id, int rank, int size, int device,
+    std::chrono::milliseconds deadline = std::chrono::seconds(120));
 // A device chunk's member of a host tensor group (one whose shards live in several processes:
 // topology/tensor_exchange.hpp), for a chunk on CUDA device `device`. Each collective copies the
 // buffer into pinned host memory after the chunk's work so far, reduces it there in fp32 in

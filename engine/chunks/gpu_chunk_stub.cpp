@@ -36,6 +36,15 @@ std::vector<std::shared_ptr<device_tensor_group>> make_device_tensor_group(
   throw std::runtime_error("--device cuda: " + why);
 }
 
+std::shared_ptr<device_tensor_group> join_process_tensor_group(const std::string&,
+                                                               const std::vector<std::uint8_t>&,
+                                                               int, int, int,
+                                                               std::chrono::milliseconds) {
+  std::string why;
+  cuda_training_available(&why);
+  throw std::runtime_error("--device cuda: " + why);
+}
+
 std::shared_ptr<device_tensor_group> make_staged_tensor_member(std::shared_ptr<tensor_group>, int) {
   std::string why;
   cuda_training_available(&why);

@@ -30,6 +30,16 @@ nccl_id nccl_new_id() {
   return out;
 }
 
+nccl_id nccl_id_from(const std::string& name, const std::vector<std::uint8_t>& bytes) {
+  nccl_id id{};
+  if (bytes.size() != id.size())
+    throw std::invalid_argument("NCCL communicator " + name + ": an id of " +
+                                std::to_string(bytes.size()) + " bytes, not " +
+                                std::to_string(id.size()));
+  std::memcpy(id.data(), bytes.data(), id.size());
+  return id;
+}
+
 std::string nccl_version() {
   int v = 0;
   ncclGetVersion(&v);

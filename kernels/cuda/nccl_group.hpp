@@ -34,6 +34,9 @@ struct nccl_error : cuda_error {
 // ncclUniqueId as bytes, to travel in the rendezvous message from rank 0 to the others.
 using nccl_id = std::array<char, 128>;
 nccl_id nccl_new_id();
+// An id that travelled as bytes, for the communicator `name`; throws std::invalid_argument naming
+// it when the bytes are not an id's 128.
+nccl_id nccl_id_from(const std::string& name, const std::vector<std::uint8_t>& bytes);
 // "2.28.x" of the NCCL library linked.
 std::string nccl_version();
 // NCCL_HOSTID from this process's environment ("" when unset). NCCL tells hosts apart by it

@@ -32,8 +32,10 @@
 #    staged, the log saying the device is shared. With an NCCL host id per process (NCCL counts
 #    them as hosts apart and joins them over its socket transport, on one GPU too): PP=2 as 2
 #    processes bitwise the staged run, and PP=2 x DP=2 as 4, the links and the data-parallel
-#    buckets by NCCL, within the fp32 tolerances of the CPU. TP=2 as 2 processes (the tensor
-#    group reduced through pinned host memory) bitwise TP=2 in one process, in fp32 and in bf16.
+#    buckets by NCCL, TP=2 as 2 (an NCCL tensor group) and PP=2 x DP=2 x TP=2 as 8, all within
+#    the fp32 tolerances of the CPU, and PP=2 x DP=2 x TP=2 as 8 staged too. TP=2 as 2 processes
+#    staged (the tensor group reduced through pinned host memory) bitwise TP=2 in one process, in
+#    fp32 and in bf16.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
 #    steps are skipped as non-finite and the scale backs off, then updates apply and the loss
 #    falls.
@@ -140,14 +142,15 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 links=$(grep "device payloads between processes" "$tmp/gpupp2x2nccl.0.out")
 echo "gpupp2x2nccl: ${links:-no links line} (${gpus:-unknown} GPUs)"
 if [[ ${gpus:-0} -ge 2 ]]; then
-  [[ $links == *"NCCL (2 pipeline links, 0 data-parallel groups)"* ]] ||
+  [[ $links == *"NCCL (2 pipeline links, 0 data-parallel groups, 0 tensor groups)"* ]] ||
     { echo "FAIL: gpupp2x2nccl: not NCCL on $gpus GPUs"; exit 1; }
 else
   [[ $links == *"staged through host memory (ranks 0 and 1 share device"* ]] ||
     { echo "FAIL: gpupp2x2nccl: one GPU, yet not staged for the shared device"; exit 1; }
 fi
-# The same job and PP=2 x DP=2 as 4 processes, each process an NCCL host of its own: NCCL carries
-# the links and averages the data-parallel buckets on any machine, one GPU included.
+# The same job, PP=2 x DP=2 as 4 processes, TP=2 as 2 and PP=2 x DP=2 x TP=2 as 8, each process
+# an NCCL host of its own: NCCL carries the links, averages the data-parallel buckets and sums the
+# tensor groups on any machine, one GPU included.
 nccl_case() {  # nccl_case NAME WORLD WANT ARGS...
   local name=$1 world=$2 want=$3
   shift 3
@@ -156,18 +159,26 @@ nccl_case() {  # nccl_case NAME WORLD WANT ARGS...
   echo "$name: ${links:-no links line}"
   [[ $links == *"NCCL ($want)"* ]] || { echo "FAIL: $name: not NCCL ($want)"; exit 1; }
 }
-nccl_case gpupp2x2ncclh 2 "2 pipeline links, 0 data-parallel groups" --set parallel.pp=2
-nccl_case gpudpx4nccl 4 "4 pipeline links, 2 data-parallel groups" --set parallel.pp=2 \
-  --set parallel.dp=2
+nccl_case gpupp2x2ncclh 2 "2 pipeline links, 0 data-parallel groups, 0 tensor groups" \
+  --set parallel.pp=2
+nccl_case gpudpx4nccl 4 "4 pipeline links, 2 data-parallel groups, 0 tensor groups" \
+  --set parallel.pp=2 --set parallel.dp=2
+nccl_case gputpx2nccl 2 "0 pipeline links, 0 data-parallel groups, 1 tensor group" \
+  --set parallel.tp=2
+nccl_case gpu3dx8nccl 8 "8 pipeline links, 4 data-parallel groups, 4 tensor groups" \
+  --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2
+run_job gpu3dx8 8 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2 \
+  --set parallel.nccl_links=false
 run_job gpuz2x4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 \
   --set parallel.nccl_links=false
 run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.nccl_links=false
 # Tensor shards in two processes: their group reduces through pinned host memory, the arithmetic
 # of the one-device kernel that one process uses, so the losses are bitwise one process's.
 run gputp1 --device cuda --set parallel.tp=2
-run_job gputpx2 2 --device cuda --set parallel.tp=2
+run_job gputpx2 2 --device cuda --set parallel.tp=2 --set parallel.nccl_links=false
 run gputp16 --device cuda --set parallel.tp=2 --set precision.dtype=bf16
-run_job gputp16x2 2 --device cuda --set parallel.tp=2 --set precision.dtype=bf16
+run_job gputp16x2 2 --device cuda --set parallel.tp=2 --set precision.dtype=bf16 \
+  --set parallel.nccl_links=false
 # fp16's case asks that the loss fall, not that it follow the CPU: a corpus of its own, made
 # here with a fixed seed, whose loss falls steadily (the docs hold passages a few steps of
 # training meet as loss spikes, and whose skipped steps then leave the loss high).
@@ -232,6 +243,11 @@ assert [(r["loss"], r["grad_norm"]) for r in rows("gpupp2x2")] == \
     "PP=2 as 2 processes over NCCL links is not bitwise the staged run"
 close(rows("cpudp"), rows("gpudpx4nccl"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 as 4 processes, NCCL links and data-parallel groups, vs CPU")
+close(cpu, rows("gputpx2nccl"), 1e-4, 1e-3, "fp32 GPU TP=2 as 2 processes, an NCCL tensor group, vs CPU")
+close(rows("cpudp"), rows("gpu3dx8nccl"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 x TP=2 as 8 processes, by NCCL, vs CPU")
+close(rows("cpudp"), rows("gpu3dx8"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 x TP=2 as 8 processes, staged through host memory, vs CPU")
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")
 for one, two in (("gputp1", "gputpx2"), ("gputp16", "gputp16x2")):
     a, b = rows(one), rows(two)

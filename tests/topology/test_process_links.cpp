@@ -73,3 +73,27 @@ TEST_CASE(
     CHECK(topology::process_groups(topology::job_placement(1, 2, 1), 1, 2, 1).empty());
   }
 }
+
+TEST_CASE(
+    "process tensor groups: the tensor groups whose shards are each in a process of their "
+    "own",
+    "[unit][placement]") {
+  using topology::process_tensor_group;
+  SECTION("PP=2 x DP=2 x TP=2 in 8 processes: a group per replica and rank") {
+    const auto groups =
+        topology::process_tensor_groups(topology::job_placement(2, 2, 8, 2), 2, 2, 2);
+    const std::vector<process_tensor_group> want = {{0, 0}, {0, 1}, {1, 0}, {1, 1}};
+    CHECK(groups == want);
+    CHECK(groups[2].name() == "tp-1-0");
+  }
+  SECTION("TP=2 in 2 processes: one group") {
+    const std::vector<process_tensor_group> want = {{0, 0}};
+    CHECK(topology::process_tensor_groups(topology::job_placement(1, 1, 2, 2), 1, 1, 2) == want);
+  }
+  SECTION("PP=2 x TP=2 in 2 processes: a rank's shards share a process, so no group") {
+    CHECK(topology::process_tensor_groups(topology::job_placement(2, 1, 2, 2), 2, 1, 2).empty());
+  }
+  SECTION("TP=1: none") {
+    CHECK(topology::process_tensor_groups(topology::job_placement(2, 1, 2), 2, 1, 1).empty());
+  }
+}
