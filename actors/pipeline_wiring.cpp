@@ -49,8 +49,8 @@ std::string nccl_communicators::describe() const {
   auto count = [](std::size_t n, const std::string& what) {
     return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
   };
-  return count(links.size(), "pipeline link") + ", " +
-         count(groups.size(), "data-parallel group") + ", " +
+  return count(links.size(), "pipeline link") + ", " + count(tied_links.size(), "tied wte link") +
+         ", " + count(groups.size(), "data-parallel group") + ", " +
          count(tensor_groups.size(), "tensor group");
 }
 
@@ -59,6 +59,7 @@ nccl_communicators nccl_plan(const build_inputs& in) {
   if (!in.chunks) return c;
   const auto& p = in.r.parallel;
   c.links = topology::process_links(in.layout, in.placement, p.dp, p.tp);
+  c.tied_links = topology::process_tied_links(in.layout, in.placement, p.dp, p.tp);
   if (p.zero == 0) c.groups = topology::process_groups(in.placement, p.pp, p.dp, p.tp);
   c.tensor_groups = topology::process_tensor_groups(in.placement, p.pp, p.dp, p.tp);
   return c;
@@ -71,7 +72,7 @@ namespace {
 // share it), and, apart, between the embedding's rank and the head's for the tied wte. Between
 // ranks of this process; a neighbouring pair across processes has this process's end of an NCCL
 // link where the rendezvous gave ids, else no link, and its payloads are staged through host
-// memory inside the messages (the tied wte's across processes always are). With the ids, too,
+// memory inside the messages; likewise the tied wte's pair of ranks. With the ids, too,
 // this process's replica of each data-parallel group that spans processes (by pipeline rank and
 // tensor shard), and its members of each tensor group that does (by replica and rank: every
 // shard's member, null where it lives in another process). The ids open nccl_plan()'s
@@ -107,7 +108,8 @@ device_links make_links(const build_inputs& in) {
   if (in.nccl_ids.empty()) return links;
   const int dp = in.r.parallel.dp, tp = in.r.parallel.tp;
   const auto plan = nccl_plan(in);
-  const auto& across = plan.links;
+  auto across = plan.links;  // then the tied wte's, as the ids go
+  across.insert(across.end(), plan.tied_links.begin(), plan.tied_links.end());
   const auto& groups = plan.groups;
   const auto& tensor = plan.tensor_groups;
   if (plan.size() != in.nccl_ids.size() || !in.chunks->make_process_link ||
@@ -170,7 +172,9 @@ device_links make_links(const build_inputs& in) {
   for (const auto& e : failed)
     if (e) std::rethrow_exception(e);
   for (std::size_t l = 0; l < across.size(); ++l)
-    if (made[l]) links.pipeline[{across[l].lane, across[l].from, across[l].to}] = made[l];
+    if (made[l])
+      (across[l].tied ? links.tied
+                      : links.pipeline)[{across[l].lane, across[l].from, across[l].to}] = made[l];
   for (std::size_t k = 0; k < groups.size(); ++k)
     if (joined[k]) links.groups[{groups[k].rank, groups[k].shard}] = joined[k];
   return links;

@@ -87,15 +87,18 @@ caf::actor place(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
 }
 
 // The communicators NCCL serves between processes when the rendezvous gives ids, in the ids'
-// order: a device job's pipeline links (topology::process_links), then its data-parallel groups
+// order: a device job's pipeline links (topology::process_links), its tied wte's links
+// (process_tied_links), then its data-parallel groups
 // without ZeRO (process_groups; ZeRO's shards reduce-scatter and gather through host memory),
 // then its tensor groups (process_tensor_groups). None for host chunks.
 struct nccl_communicators {
-  std::vector<topology::process_link> links;
+  std::vector<topology::process_link> links, tied_links;
   std::vector<topology::process_group> groups;
   std::vector<topology::process_tensor_group> tensor_groups;
-  std::size_t size() const { return links.size() + groups.size() + tensor_groups.size(); }
-  // "4 pipeline links, 2 data-parallel groups, 1 tensor group"
+  std::size_t size() const {
+    return links.size() + tied_links.size() + groups.size() + tensor_groups.size();
+  }
+  // "4 pipeline links, 4 tied wte links, 2 data-parallel groups, 1 tensor group"
   std::string describe() const;
 };
 nccl_communicators nccl_plan(const build_inputs& in);

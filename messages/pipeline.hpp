@@ -192,7 +192,7 @@ struct zero_update_done {
 // The tied wte gradient, exchanged between the embedding rank and the head rank.
 struct tied_grad {
   int step = 0, replica = 0;
-  float_buffer data;
+  float_buffer data;  // null: the copy went by a device link (topology/tied_wte.hpp)
 };
 
 // Switch the pipeline schedule from the next step on. Refused (with a reason) if the schedule

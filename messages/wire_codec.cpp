@@ -362,7 +362,8 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       auto o = b.initTiedGrad();
       o.setStep(m.step);
       o.setReplica(m.replica);
-      w.tensor(o.initData(), m.data, "data");
+      // No data: a header-only message, the copy on a device link (topology/tied_wte.hpp).
+      if (m.data) w.tensor(o.initData(), m.data, "data");
     }
     void operator()(const snapshot_request& m) {
       auto o = b.initSnapshotRequest();

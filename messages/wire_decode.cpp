@@ -282,8 +282,10 @@ body reader::message(s::Envelope::Body::Reader b) {
     }
     case B::TIED_GRAD: {
       const auto r = b.getTiedGrad();
+      // Without data, the header alone: the copy comes by a device link (the stage checks that
+      // it has one).
       return tied_grad{r.getStep(), r.getReplica(),
-                       at("data").tensor<float>(r.hasData(), r.getData())};
+                       r.hasData() ? at("data").tensor<float>(true, r.getData()) : nullptr};
     }
     case B::SNAPSHOT_REQUEST: {
       const auto r = b.getSnapshotRequest();

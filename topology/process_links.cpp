@@ -6,7 +6,8 @@
 namespace troupe::topology {
 
 std::string process_link::name() const {
-  return "pp-" + std::to_string(lane) + "-" + std::to_string(from) + "-" + std::to_string(to);
+  return (tied ? "tied-" : "pp-") + std::to_string(lane) + "-" + std::to_string(from) + "-" +
+         std::to_string(to);
 }
 
 std::vector<process_link> process_links(const engine::pipeline_layout& layout,
@@ -21,6 +22,20 @@ std::vector<process_link> process_links(const engine::pipeline_layout& layout,
       for (auto [from, to] : {std::pair{a, b}, std::pair{b, a}})
         if (seen.insert({from, to}).second) out.push_back({lane, from, to});
     }
+  }
+  return out;
+}
+
+std::vector<process_link> process_tied_links(const engine::pipeline_layout& layout,
+                                             const job_placement& placement, int dp, int tp) {
+  std::vector<process_link> out;
+  const int embedding = layout.embedding_rank(), head = layout.head_rank();
+  if (embedding == head) return out;
+  for (int lane = 0; lane < dp * tp; ++lane) {
+    auto process = [&](int rank) { return placement.process_of_stage(lane / tp, rank, lane % tp); };
+    if (process(embedding) == process(head)) continue;
+    out.push_back({lane, embedding, head, true});
+    out.push_back({lane, head, embedding, true});
   }
   return out;
 }

@@ -15,16 +15,21 @@ namespace troupe::topology {
 
 struct process_link {
   int lane = 0, from = 0, to = 0;  // lane d * tp + j; payloads from pipeline rank `from` to `to`
-  std::string name() const;        // "pp-0-1-2": lane 0, rank 1 -> rank 2
+  bool tied = false;               // the tied wte's gradient copy, not the pipeline's payloads
+  // "pp-0-1-2": lane 0, rank 1 -> rank 2; "tied-0-1-0" for the tied wte's
+  std::string name() const;
   friend bool operator==(const process_link&, const process_link&) = default;
 };
 
 // By lane: the neighbouring virtual stages' rank pairs in virtual-stage order, both directions
-// (each ordered pair once); only pairs whose ranks live in different processes. The tied wte's
-// gradient between the embedding's rank and the head's is not among them: between processes it
-// travels inside its message (topology/tied_wte.hpp).
+// (each ordered pair once); only pairs whose ranks live in different processes.
 std::vector<process_link> process_links(const engine::pipeline_layout& layout,
                                         const job_placement& placement, int dp, int tp);
+// By lane: the embedding's rank to the head's and back, for the tied wte's gradient copies
+// (topology/tied_wte.hpp), where the two ranks differ and live in different processes. Links of
+// their own, beside the pipeline's between the same ranks.
+std::vector<process_link> process_tied_links(const engine::pipeline_layout& layout,
+                                             const job_placement& placement, int dp, int tp);
 
 // The data-parallel group of tensor shard `shard` of pipeline rank `rank`: its dp replicas'
 // gradient buckets, averaged by one NCCL communicator in which replica d is rank d.

@@ -84,12 +84,18 @@ void tied_wte::received(const messages::float_buffer& data) {
                                  " values, not " + std::to_string(numel_));
       chunks_->copy_from_host(c, scratch, data->data(), bytes());
     } else {
-      if (!receive_) throw std::logic_error(who_ + ": no tied wte receive link");
+      if (!receive_)
+        throw std::runtime_error(who_ +
+                                 ": a tied wte gradient without data, and no device link from "
+                                 "the partner to receive it by");
       void* got = receive_->receive(scratch, bytes(), chunks_->record_event(c));
       chunks_->wait_event(c, got);
     }
   } else {
-    if (!data) throw std::logic_error(who_ + ": a tied wte gradient without data");
+    if (!data)
+      throw std::runtime_error(who_ +
+                               ": a tied wte gradient without data, and no device link from the "
+                               "partner to receive it by");
     partner_ = data;
   }
   received_ = true;

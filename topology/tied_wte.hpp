@@ -7,8 +7,9 @@
 // stage actor sends and receives the tied_grad messages (actors/stage.cpp).
 //
 // How a copy crosses to the partner is the chunks' kind's policy: CPU chunks' inside the message
-// (a payload copy); device chunks' through the tied link beside a header-only message, or, with
-// no link (the partner in another process), staged through host memory inside the message.
+// (a payload copy); device chunks' through the tied link beside a header-only message (an NCCL
+// link when the partner is in another process), or, with no link (the partner in another
+// process, NCCL not there), staged through host memory inside the message.
 // Device chunks' own copy changes only after the link's send has read it; the partner's is
 // received into the chunk's gradient scratch in header order.
 #pragma once

@@ -135,22 +135,22 @@ run gpuckr --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.
 run gpuckv --device cuda --set parallel.pp=2 --set parallel.micro_batches=4 --resume "$tmp/gpuck/checkpoints/step-00000004"
 run_job gpupp2x2 2 --device cuda --set parallel.pp=2 --set parallel.nccl_links=false
 # The default, parallel.nccl_links: the two processes' links by NCCL where each has a GPU of its
-# own (a machine with two or more: 2 links, the pipeline's both ways), else staged as above, the
+# own (a machine with two or more: the pipeline's both ways, and the tied wte's), else staged as above, the
 # log saying why; the payloads' bytes are the same either way, and so are the losses, bitwise.
 run_job gpupp2x2nccl 2 --device cuda --set parallel.pp=2
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 links=$(grep "device payloads between processes" "$tmp/gpupp2x2nccl.0.out")
 echo "gpupp2x2nccl: ${links:-no links line} (${gpus:-unknown} GPUs)"
 if [[ ${gpus:-0} -ge 2 ]]; then
-  [[ $links == *"NCCL (2 pipeline links, 0 data-parallel groups, 0 tensor groups)"* ]] ||
+  [[ $links == *"NCCL (2 pipeline links, 2 tied wte links, 0 data-parallel groups, 0 tensor groups)"* ]] ||
     { echo "FAIL: gpupp2x2nccl: not NCCL on $gpus GPUs"; exit 1; }
 else
   [[ $links == *"staged through host memory (ranks 0 and 1 share device"* ]] ||
     { echo "FAIL: gpupp2x2nccl: one GPU, yet not staged for the shared device"; exit 1; }
 fi
 # The same job, PP=2 x DP=2 as 4 processes, TP=2 as 2 and PP=2 x DP=2 x TP=2 as 8, each process
-# an NCCL host of its own: NCCL carries the links, averages the data-parallel buckets and sums the
-# tensor groups on any machine, one GPU included.
+# an NCCL host of its own: NCCL carries the links (the tied wte's too), averages the data-parallel
+# buckets and sums the tensor groups on any machine, one GPU included.
 nccl_case() {  # nccl_case NAME WORLD WANT ARGS...
   local name=$1 world=$2 want=$3
   shift 3
@@ -159,13 +159,13 @@ nccl_case() {  # nccl_case NAME WORLD WANT ARGS...
   echo "$name: ${links:-no links line}"
   [[ $links == *"NCCL ($want)"* ]] || { echo "FAIL: $name: not NCCL ($want)"; exit 1; }
 }
-nccl_case gpupp2x2ncclh 2 "2 pipeline links, 0 data-parallel groups, 0 tensor groups" \
+nccl_case gpupp2x2ncclh 2 "2 pipeline links, 2 tied wte links, 0 data-parallel groups, 0 tensor groups" \
   --set parallel.pp=2
-nccl_case gpudpx4nccl 4 "4 pipeline links, 2 data-parallel groups, 0 tensor groups" \
+nccl_case gpudpx4nccl 4 "4 pipeline links, 4 tied wte links, 2 data-parallel groups, 0 tensor groups" \
   --set parallel.pp=2 --set parallel.dp=2
-nccl_case gputpx2nccl 2 "0 pipeline links, 0 data-parallel groups, 1 tensor group" \
+nccl_case gputpx2nccl 2 "0 pipeline links, 0 tied wte links, 0 data-parallel groups, 1 tensor group" \
   --set parallel.tp=2
-nccl_case gpu3dx8nccl 8 "8 pipeline links, 4 data-parallel groups, 4 tensor groups" \
+nccl_case gpu3dx8nccl 8 "8 pipeline links, 8 tied wte links, 4 data-parallel groups, 4 tensor groups" \
   --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2
 run_job gpu3dx8 8 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2 \
   --set parallel.nccl_links=false

@@ -193,8 +193,10 @@ TEST_CASE("a tensor exchange of an unknown collective or a torn double is refuse
         "wire: tensor_exchange.data: a double sum of 5 floats (an odd count)");
 }
 
-TEST_CASE("a missing or scattered payload is refused, but for a header-only link message",
-          "[unit]") {
+TEST_CASE(
+    "a missing or scattered payload is refused, but for a header-only link message or "
+    "tied wte gradient",
+    "[unit]") {
   const envelope e{0, 0, 0, false,
                    link_message{header(link_kind::activation, {1, 1, 5}), floats(5, 1)}};
   const frame f = detail::encode(e, 16);  // pieces of 16 and 4 bytes
@@ -204,12 +206,22 @@ TEST_CASE("a missing or scattered payload is refused, but for a header-only link
     poke<std::uint64_t>(message.pointer(1), 0);
     CHECK(std::get<link_message>(decode(buf, f.bytes, wide()).message).data == nullptr);
   }
-  SECTION("no payload where one is required") {
+  SECTION("no payload: a tied wte gradient is then its header alone (its copy on a device link)") {
     const frame t = detail::encode({0, 0, 0, false, tied_grad{3, 0, floats(5, 1)}}, 16);
     auto tbuf = gather(t);
     poke<std::uint64_t>(follow(root_of(*tbuf).pointer(0)).pointer(0), 0);  // TiedGrad.data
+    const auto got = std::get<tied_grad>(decode(tbuf, t.bytes, wide()).message);
+    CHECK(got.step == 3);
+    CHECK(got.data == nullptr);
+  }
+  SECTION("no payload where one is required") {
+    const frame t = detail::encode(
+        {0, 0, 0, false, batch_message{batch_part::inputs, 0, 0, 0, 0, false, 1, 5, tokens(5)}},
+        16);
+    auto tbuf = gather(t);
+    poke<std::uint64_t>(follow(root_of(*tbuf).pointer(0)).pointer(0), 0);  // BatchMessage.tokens
     CHECK(refused_with([&] { decode(tbuf, t.bytes, wide()); }) ==
-          "wire: tied_grad.data: missing payload");
+          "wire: batch_message.tokens: missing payload");
   }
   SECTION("pieces out of order") {
     std::byte* list = target_of(follow(message.pointer(1)).pointer(0));  // Tensor.pieces

@@ -40,6 +40,18 @@ TEST_CASE("process links: the pairs of ranks in different processes, in one orde
     REQUIRE(links.size() == 4);
     for (std::size_t i = 0; i < links.size(); ++i) CHECK(links[i].lane == static_cast<int>(i / 2));
   }
+  SECTION("the tied wte's links: the embedding's rank and the head's, both ways, by lane") {
+    const auto layout = engine::make_pipeline_layout(model(4), 4, 1);
+    const auto tied = topology::process_tied_links(layout, topology::job_placement(4, 2, 4), 2, 1);
+    const std::vector<process_link> want = {
+        {0, 0, 3, true}, {0, 3, 0, true}, {1, 0, 3, true}, {1, 3, 0, true}};
+    CHECK(tied == want);
+    CHECK(tied[1].name() == "tied-0-3-0");
+    // Both ends in one process, or one rank holding both ends: none.
+    CHECK(topology::process_tied_links(layout, topology::job_placement(4, 1, 1), 1, 1).empty());
+    const auto one = engine::make_pipeline_layout(model(2), 1, 1);
+    CHECK(topology::process_tied_links(one, topology::job_placement(1, 2, 2), 2, 1).empty());
+  }
   SECTION("TP=2 in 2 processes: the shards of a rank are apart, but no pipeline pair is") {
     const auto layout = engine::make_pipeline_layout(model(2), 1, 1);
     CHECK(topology::process_links(layout, topology::job_placement(1, 1, 2, 2), 1, 2).empty());

@@ -2,7 +2,8 @@
 // head's rank each end with own + other, bitwise the same on both, whether the copies travel
 // inside the messages (CPU chunks), through links (device chunks of the host kind), or staged
 // through host memory (device chunks without links), and whichever copy arrives first; two copies
-// on one rank are summed in place; a copy that is not final does not leave.
+// on one rank are summed in place; a copy that is not final does not leave; a copy without data
+// at a rank without a link is refused.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -123,5 +124,21 @@ TEST_CASE("two tied copies on one rank are summed in place", "[tied-wte]") {
     for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = w0[i] + w1[i];
     CHECK(r.wte(0) == sum);
     CHECK(r.wte(1) == sum);
+  }
+}
+
+// A header-only tied_grad (its copy on a device link between processes) at a rank that has no
+// such link: refused with one line naming the rank, never read as zeros.
+TEST_CASE("a tied wte gradient without data, at a rank without a link, is refused", "[tied-wte]") {
+  const auto ranges = engine::partition_layers(kModel, 2);
+  for (const bool device : {false, true}) {
+    INFO((device ? "device chunks, no links" : "CPU chunks"));
+    rank b = make_rank({ranges[1]}, device, -0.25f);
+    topology::tied_wte tb(*b.chunks, b.buckets, -1, 0, nullptr, nullptr, "stage 1 · dp 0");
+    tb.start();
+    CHECK_THROWS_WITH(tb.received(nullptr),
+                      "stage 1 · dp 0: a tied wte gradient without data, and no device link from "
+                      "the partner to receive it by");
+    CHECK_FALSE(tb.done());
   }
 }
