@@ -500,15 +500,16 @@ const run_result& training_job::result() const { return s_->res; }
 
 namespace {
 // A process of a failed job ends within kTeardownLimit even if its teardown cannot finish: a
-// peer that stopped (SIGSTOP, a hung machine) may never drain what this process sends it, and a
-// launcher restarts the job only once every process has ended.
+// peer that stopped (SIGSTOP, a hung machine) may never drain what this process sends it, a stage
+// waiting on its device for a peer process that died (an NCCL transfer or collective) never
+// returns, and a launcher restarts the job only once every process has ended.
 constexpr std::chrono::seconds kTeardownLimit{30};
 void arm_teardown_deadline(const std::string& failure, int rank) {
   std::thread([failure, rank] {
     std::this_thread::sleep_for(kTeardownLimit);
     std::fprintf(stderr,
                  "troupe train: rank %d: error: %s; the teardown did not finish in %lld s (a peer "
-                 "may be stopped); ending this process\n",
+                 "may be stopped, or a stage stuck waiting for one); ending this process\n",
                  rank, failure.c_str(), static_cast<long long>(kTeardownLimit.count()));
     std::fflush(stderr);
     std::_Exit(1);

@@ -33,7 +33,8 @@
 #    them as hosts apart and joins them over its socket transport, on one GPU too): PP=2 as 2
 #    processes bitwise the staged run, and PP=2 x DP=2 as 4, the links and the data-parallel
 #    buckets by NCCL, TP=2 as 2 (an NCCL tensor group) and PP=2 x DP=2 x TP=2 as 8, all within
-#    the fp32 tolerances of the CPU, and PP=2 x DP=2 x TP=2 as 8 staged too. TP=2 as 2 processes
+#    the fp32 tolerances of the CPU, and PP=2 x DP=2 x TP=2 as 8 staged too. One process of a
+#    PP=2 x DP=2 NCCL job killed: the others end by themselves, rank 0 naming the lost rank. TP=2 as 2 processes
 #    staged (the tensor group reduced through pinned host memory) bitwise TP=2 in one process, in
 #    fp32 and in bf16.
 #  - fp16 with dynamic loss scaling from 2^40 (beyond fp16), backing off by 2^-10: the first
@@ -169,6 +170,39 @@ nccl_case gpu3dx8nccl 8 "8 pipeline links, 8 tied wte links, 4 data-parallel gro
   --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2
 run_job gpu3dx8 8 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2 \
   --set parallel.nccl_links=false
+# A process of such a job killed (SIGKILL) in steady state: the others, whose links and
+# collectives wait on their devices for a peer that is gone, still end by themselves (non-zero,
+# not at the timeout), and rank 0 names the lost rank.
+port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+job=()
+for ((r = 3; r >= 0; r--)); do
+  RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    TROUPE_JOB_TOKEN=gpu-kill NCCL_HOSTID="troupe-test-host-$r" NCCL_SOCKET_IFNAME=lo \
+    NCCL_IB_DISABLE=1 timeout 150 "$troupe" train "$recipe" "${common[@]}" --device cuda \
+    --set parallel.pp=2 --set parallel.dp=2 --set steps=1000000 --set eval_interval=0 \
+    --set "output.dir=$tmp/gpukill" --peer-timeout 5 --rendezvous-timeout 120 \
+    >"$tmp/gpukill.$r.out" 2>&1 &
+  job+=($!)
+done
+for _ in $(seq 1 600); do
+  [[ -f $tmp/gpukill/metrics.jsonl && $(wc -l <"$tmp/gpukill/metrics.jsonl") -ge 3 ]] && break
+  sleep 0.2
+done
+kill -9 "$(pgrep -P "${job[1]}")"  # rank 2's troupe process (job[1] is its `timeout`)
+codes=()
+for p in "${job[@]}"; do
+  rc=0
+  wait "$p" || rc=$?
+  codes+=("$rc")
+done
+echo "gpukill: exit codes (ranks 3 2 1 0): ${codes[*]}"
+for rc in "${codes[@]}"; do
+  [[ $rc -ne 0 && $rc -ne 124 ]] ||
+    { echo "FAIL: gpukill: a process exited $rc after rank 2 was killed"; tail -n 4 "$tmp"/gpukill.*.out; exit 1; }
+done
+grep -Eq "rank 2 \(.*\) lost" "$tmp/gpukill.0.out" ||
+  { echo "FAIL: gpukill: rank 0 did not name the lost rank"; cat "$tmp/gpukill.0.out"; exit 1; }
+grep -h "error" "$tmp"/gpukill.[013].out | sed "s/^/gpukill: /"
 run_job gpuz2x4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 \
   --set parallel.nccl_links=false
 run_job gpudpx4 4 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.nccl_links=false

@@ -6,7 +6,8 @@
 # weights must be identical to the in-process run (tensor shards across processes included);
 # likewise stages on device chunks of the host kind, whose payloads cross processes staged
 # through host memory. Then failures: a killed rank (or tensor shard) is reported by
-# rank 0 naming it within the heartbeat deadline and every process exits non-zero; a process with
+# rank 0 naming it within the heartbeat deadline and every process exits non-zero, one whose stage
+# is stuck for good included (30 s after the failure); a process with
 # the wrong job token or protocol version is refused and the job still completes.
 # Usage: cli_multiprocess.sh TROUPE
 set -euo pipefail
@@ -283,6 +284,34 @@ wait "${job[1]}" || rc=$?
 grep -Eq "tp 1 stopped.*rank 1 \(.*\) lost|rank 1 \(.*\) lost" "$tmp/tpkill.0.log" || {
   echo "FAIL: rank 0 did not name the lost shard's rank" >&2; cat "$tmp/tpkill.0.log" >&2; exit 1; }
 grep "error" "$tmp/tpkill.0.log"
+
+# A process whose stage is stuck for good (--test-stall: a thread that never returns, as one
+# waiting on its device for a peer process that died) still ends when its job fails: 30 s after
+# the failure it says so and exits 1, rather than waiting on the stuck thread.
+next_port
+job=()
+for r in 1 0; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    TROUPE_JOB_TOKEN=cli-stuck timeout 120 "$troupe" train "$tmp/recipe.toml" \
+    --set "output.dir=$tmp/stuck" --set parallel.pp=2 --set steps=1000000 --set eval_interval=0 \
+    --peer-timeout 5 --test-stall 1:3 >"$tmp/stuck.$r.log" 2>&1 &
+  job+=($!)
+done
+pids+=("${job[@]}")
+for _ in $(seq 1 300); do  # steps 1 and 2 done: step 3's first action of rank 1 never ends
+  [[ -f $tmp/stuck/metrics.jsonl && $(wc -l <"$tmp/stuck/metrics.jsonl") -ge 2 ]] && break
+  sleep 0.2
+done
+sleep 1
+kill -9 "$(pgrep -P "${job[1]}")"  # rank 0's troupe process
+rc=0
+wait "${job[0]}" || rc=$?
+[[ $rc -eq 1 ]] || {
+  echo "FAIL: the stuck rank 1 exited $rc after rank 0 was killed" >&2; cat "$tmp/stuck.1.log" >&2; exit 1; }
+grep -q "rank 1: error: .*rank 0 (.*) lost.*; the teardown did not finish in 30 s" \
+  "$tmp/stuck.1.log" || {
+  echo "FAIL: the stuck rank 1 did not say why it ended" >&2; cat "$tmp/stuck.1.log" >&2; exit 1; }
+grep "the teardown did not finish" "$tmp/stuck.1.log"
 
 # A process with the wrong job token is refused with the reason; the job is not disturbed.
 next_port
