@@ -246,8 +246,9 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
   // 3. The job's processes.
   if (multi) {
     // Device payloads between processes by NCCL (parallel.nccl_links): each process offers its
-    // device, rank 0 an id per pipeline link, then per data-parallel group, between processes;
-    // the welcome keeps the ids only where every process has a device of its own.
+    // device, rank 0 an id per communicator of nccl_plan (pipeline and tied wte links,
+    // data-parallel and tensor groups between processes); the welcome keeps the ids only where
+    // every process has a device of its own.
     const bool nccl = in.chunks && r.parallel.nccl_links && in.chunks->make_process_link;
     nccl_communicators plan;
     std::vector<std::vector<std::uint8_t>> offered;

@@ -67,6 +67,15 @@ nccl_communicators nccl_plan(const build_inputs& in) {
 
 namespace {
 
+// Whether an NCCL group averages the buckets of (pipeline rank, tensor shard) between processes
+// (in every process alike, whether or not it holds a replica of the group).
+bool nccl_reduced(const build_inputs& in, int rank, int shard) {
+  if (in.nccl_ids.empty()) return false;
+  const auto groups = nccl_plan(in).groups;
+  return std::find(groups.begin(), groups.end(), topology::process_group{rank, shard}) !=
+         groups.end();
+}
+
 // The links of a device pipeline, by (lane, sending rank, receiving rank): both directions
 // between the ranks of neighbouring virtual stages (a rank with itself when neighbouring chunks
 // share it), and, apart, between the embedding's rank and the head's for the tied wte. Between
@@ -126,6 +135,13 @@ device_links make_links(const build_inputs& in) {
     links.tensor_groups[{g.replica, g.rank}].resize(static_cast<std::size_t>(tp));
   std::vector<std::exception_ptr> failed(plan.size());
   std::vector<std::thread> joining;
+  struct join_all_at_exit {  // a thread that failed to start leaves the started ones joined
+    std::vector<std::thread>& threads;
+    ~join_all_at_exit() {
+      for (auto& t : threads)
+        if (t.joinable()) t.join();
+    }
+  } joined_at_exit{joining};
   auto join = [&joining, &failed](std::size_t i, auto make) {
     joining.emplace_back([&failed, i, make] {
       try {
@@ -168,7 +184,7 @@ device_links make_links(const build_inputs& in) {
       });
     }
   }
-  for (auto& t : joining) t.join();
+  for (auto& t : joining) t.join();  // a failed join shows once the others have ended
   for (const auto& e : failed)
     if (e) std::rethrow_exception(e);
   for (std::size_t l = 0; l < across.size(); ++l)
@@ -362,8 +378,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
     const int d = lane / tp, j = lane % tp;
     a.reducers.emplace_back();
     for (int p = 0; p < r.parallel.pp; ++p) {
-      const auto group = links.groups.find({p, j});
-      const bool nccl = group != links.groups.end();
+      const bool nccl = nccl_reduced(in, p, j);
       std::string name = std::string(nccl ? "dp reducer " : "ring reducer ") + std::to_string(p) +
                          " · dp " + std::to_string(d);
       if (tp > 1) name += " · tp " + std::to_string(j);
@@ -374,7 +389,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
                   if (!nccl)
                     return caf::actor_cast<caf::actor>(spawn_ring_reducer(
                         sys, ring_reducer_config{p, d, r.parallel.dp, std::move(trace)}));
-                  reducer_config c{p, 1, std::move(trace), group->second};
+                  reducer_config c{p, 1, std::move(trace), links.groups.at({p, j})};
                   c.first_replica = d;
                   return caf::actor_cast<caf::actor>(spawn_dp_reducer(
                       sys, std::move(c), a.tracer,
@@ -428,14 +443,6 @@ namespace {
 
 bool is_local(const run_actors& a, const caf::actor& h) {
   return std::find(a.local.begin(), a.local.end(), h) != a.local.end();
-}
-
-// Whether an NCCL group averages the buckets of (pipeline rank, tensor shard) between processes.
-bool nccl_reduced(const build_inputs& in, int rank, int shard) {
-  if (in.nccl_ids.empty()) return false;
-  const auto groups = nccl_plan(in).groups;
-  return std::find(groups.begin(), groups.end(), topology::process_group{rank, shard}) !=
-         groups.end();
 }
 
 }  // namespace

@@ -31,9 +31,9 @@ struct hello {
   std::string host;
   std::vector<std::uint8_t> worker_address;  // UCX worker address blob
   std::string device;  // the CUDA device of its chunks (PCI bus id, NCCL host id); empty: none
-  // Rank 0 only (never sent): NCCL unique ids (128 bytes each) it offers, one per pipeline
-  // link, then per data-parallel group, between processes (topology/process_links.hpp), for the
-  // welcome.
+  // Rank 0 only (never sent): NCCL unique ids (128 bytes each) it offers, one per communicator
+  // between processes (links and groups, in actors/pipeline_wiring.hpp's nccl_plan order), for
+  // the welcome.
   std::vector<std::vector<std::uint8_t>> nccl_ids;
 };
 // Everyone's address, once all `world` processes have joined.

@@ -35,8 +35,8 @@ struct Peer {
 
 struct Welcome {
   peers @0 :List(Peer);         # every process, by rank
-  ncclIds @1 :List(Data);       # one per link, then per data-parallel group, across processes,
-                                # in the job's order; empty: staged through host memory
+  ncclIds @1 :List(Data);       # one per communicator across processes (links, groups), in
+                                # the job's order; empty: staged through host memory
 }
 
 struct Refusal {

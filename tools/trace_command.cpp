@@ -128,7 +128,10 @@ std::function<int()> add_trace_command(CLI::App& app) {
   auto* render = cmd->add_subcommand("render", "Draw one step's pipeline timeline as SVG");
   render->add_option("file", opts->file, "Trace JSON file")->required();
   render->add_option("-o,--output", opts->output, "SVG file to write")->required();
-  render->add_option("--step", opts->step, "Step to draw (default: the last complete one)")
+  render
+      ->add_option(
+          "--step", opts->step,
+          "Step to draw, as the trace counts them, from 0 (default: the last complete one)")
       ->check(CLI::NonNegativeNumber);
   render->add_option("--width", opts->width_px, "Image width in px")->check(CLI::Range(400, 20000));
 

@@ -2,7 +2,8 @@
 // (actors/pipeline_wiring.cpp gives each an NCCL communicator of its own where the rendezvous
 // found every process on a device of its own; docs/processes.md). Every process computes the same
 // lists from the layout and the placement, so the welcome's NCCL ids open them in order: the
-// links of process_links(), then the groups of process_groups(), then process_tensor_groups().
+// links of process_links(), of process_tied_links(), then the groups of process_groups(), then
+// of process_tensor_groups() (actors/pipeline_wiring.hpp: nccl_plan).
 #pragma once
 
 #include <string>

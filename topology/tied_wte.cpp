@@ -94,8 +94,8 @@ void tied_wte::received(const messages::float_buffer& data) {
   } else {
     if (!data)
       throw std::runtime_error(who_ +
-                               ": a tied wte gradient without data, and no device link from the "
-                               "partner to receive it by");
+                               ": a tied wte gradient without data (a CPU stage takes its "
+                               "partner's copy inside the message)");
     partner_ = data;
   }
   received_ = true;

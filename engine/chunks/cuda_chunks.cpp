@@ -2,15 +2,12 @@
 // see device_chunk.hpp. Built only with CUDA; gpu_chunk_stub.cpp says why not otherwise.
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <exception>
 #include <map>
 #include <stdexcept>
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <xxhash.h>
 
 #include "engine/chunks/device_chunk.hpp"
 #include "engine/chunks/gpu_chunk.hpp"
@@ -368,20 +365,8 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
     return std::make_shared<nccl_pair_link>(
         "pp-" + std::to_string(lane) + "-" + std::to_string(from) + "-" + std::to_string(to), a, b);
   };
-  // As NCCL tells devices apart: by host (its host id where NCCL_HOSTID is set; the
-  // rendezvous adds the host's name) and PCI bus id. A long host id goes by its hash, so the
-  // identity stays within the rendezvous's 64 bytes.
   f.device_identity = [device_of] {
-    std::string id = kernels::cuda_device_bus_id(device_of(0, 0));
-    std::string host = cu::nccl_host_id();
-    if (id.empty() || host.empty()) return id;
-    if (host.size() > 32) {
-      char hex[17];
-      std::snprintf(hex, sizeof hex, "%016llx",
-                    static_cast<unsigned long long>(XXH64(host.data(), host.size(), 0)));
-      host = std::string("xxh64:") + hex;
-    }
-    return id + " on NCCL host " + host;
+    return device_identity(kernels::cuda_device_bus_id(device_of(0, 0)), cu::nccl_host_id());
   };
   f.new_link_ids = [](std::size_t n) {
     std::vector<std::vector<std::uint8_t>> ids;

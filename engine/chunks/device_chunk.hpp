@@ -20,6 +20,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -231,6 +232,16 @@ struct chunk_factory {
 // process on device local_rank mod the devices.
 chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp = 1,
                           int local_rank = -1);
+// A process's device as the rendezvous compares them for NCCL (chunk_factory::device_identity),
+// and as NCCL tells devices apart: its PCI bus id, with NCCL's host id where one is set
+// (NCCL_HOSTID: NCCL then counts hosts by it, not by their names, so two processes on one device
+// with different host ids are two hosts to it, joined by its network transport). A host id
+// longer than 32 bytes goes by its xxh64, so the identity stays within the rendezvous's 64
+// bytes; an empty one (set, but to nothing) is a host id too, as NCCL takes it. "" without a bus
+// id (no device).
+std::string device_identity(const std::string& bus_id,
+                            const std::optional<std::string>& nccl_host_id);
+
 // Host chunks and links: the CPU engine's arithmetic (engine::cpu_chunks) behind the device
 // contracts, bitwise the CPU pipeline's numbers; tensor groups are make_local_tensor_group's
 // (or, across processes, any host tensor_group).

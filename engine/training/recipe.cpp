@@ -239,9 +239,10 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
       {"parallel.nccl_links",
        described(nested(&recipe::parallel, &parallel_config::nccl_links),
                  "`device = \"cuda\"` across processes: carry the pipeline's activations and "
-                 "gradients, and average data-parallel gradients (without ZeRO), between "
-                 "processes by NCCL where every process has a GPU of its own; false, or where "
-                 "two processes share a GPU: staged through host memory and the transport ("
+                 "gradients and the tied wte's gradient, average data-parallel gradients "
+                 "(without ZeRO) and sum tensor groups between processes by NCCL where every "
+                 "process has a GPU of its own; false, or where two processes share a GPU: "
+                 "staged through host memory and the transport ("
                  "[processes.md](processes.md#gpus-across-processes))")},
       {"precision.dtype",
        described(nested(&recipe::precision, &precision_config::dtype),

@@ -68,7 +68,7 @@ struct parallel_config {
   int bucket_layers = 1;          // transformer layers per data-parallel gradient bucket
   int zero = 0;                   // ZeRO stage over each rank's DP group: 0 (DDP), 1, 2
   int zero_prefetch = 1;          // ZeRO-3: layers gathered ahead of use
-  bool nccl_links = true;         // device payloads and DP buckets between processes by NCCL
+  bool nccl_links = true;         // device payloads and groups between processes by NCCL
 };
 
 // Number formats and loss scaling (docs/recipe.md, [precision]).

@@ -47,9 +47,10 @@ std::string nccl_version() {
          std::to_string(v % 100);
 }
 
-std::string nccl_host_id() {
+std::optional<std::string> nccl_host_id() {
   const char* id = std::getenv("NCCL_HOSTID");
-  return id ? id : "";
+  if (!id) return std::nullopt;
+  return std::string(id);
 }
 
 nccl_group::nccl_group(std::string name, const nccl_id& id, int ranks, int rank, int device,
@@ -279,27 +280,28 @@ std::vector<std::unique_ptr<nccl_group>> nccl_group::join_all(
 }
 
 namespace {
-// A few bytes of device memory for a transfer that only connects (freed at scope exit).
+// A float of device memory for a transfer that only connects: allocated, zeroed and freed on the
+// group's stream, so nothing waits on the device's other streams (other communicators' joins).
 class scratch {
  public:
-  explicit scratch(int device) {
+  scratch(int device, cudaStream_t stream) : stream_(stream) {
     check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
-    check_cuda(cudaMalloc(&p_, sizeof(float)), "cudaMalloc");
-    check_cuda(cudaMemset(p_, 0, sizeof(float)), "cudaMemset");
+    check_cuda(cudaMallocAsync(&p_, sizeof(float), stream_), "cudaMallocAsync");
+    check_cuda(cudaMemsetAsync(p_, 0, sizeof(float), stream_), "cudaMemsetAsync");
   }
-  ~scratch() { cudaFree(p_); }
+  ~scratch() { cudaFreeAsync(p_, stream_); }
   scratch(const scratch&) = delete;
   scratch& operator=(const scratch&) = delete;
   float* get() const { return static_cast<float*>(p_); }
 
  private:
+  cudaStream_t stream_;
   void* p_ = nullptr;
 };
 }  // namespace
 
 void nccl_group::connect_peer(int peer, bool sending, std::chrono::milliseconds timeout) {
-  const scratch s(device_);
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // the memset, before NCCL's stream
+  const scratch s(device_, stream_);  // on the stream the transfer runs on: ordered before it
   if (sending) {
     send(s.get(), 1, peer, nullptr);
   } else {
@@ -310,8 +312,7 @@ void nccl_group::connect_peer(int peer, bool sending, std::chrono::milliseconds 
 }
 
 void nccl_group::connect_collectives(std::chrono::milliseconds timeout) {
-  const scratch s(device_);
-  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  const scratch s(device_, stream_);
   all_reduce_sum(s.get(), 1, nullptr);
   wait(timeout, "connecting the collectives");
 }

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,10 +40,11 @@ nccl_id nccl_new_id();
 nccl_id nccl_id_from(const std::string& name, const std::vector<std::uint8_t>& bytes);
 // "2.28.x" of the NCCL library linked.
 std::string nccl_version();
-// NCCL_HOSTID from this process's environment ("" when unset). NCCL tells hosts apart by it
-// where it is set, not by their names: two processes on one device with different host ids are
-// two hosts to it (joined by its network transport), not a duplicate device.
-std::string nccl_host_id();
+// NCCL_HOSTID from this process's environment (none when unset; set but empty is a host id too,
+// as NCCL takes it). NCCL tells hosts apart by it where it is set, not by their names: two
+// processes on one device with different host ids are two hosts to it (joined by its network
+// transport), not a duplicate device.
+std::optional<std::string> nccl_host_id();
 
 class nccl_group {
  public:
@@ -92,8 +94,9 @@ class nccl_group {
   // process of its own, all at once, as when joining). NCCL connects a channel at its first
   // transfer, and that waits for the peer's first transfer: a first send enqueued in the middle
   // of training would wait for a receive that the peer posts only once it hears of the send.
-  // connect_peer: one byte to (sending) or from `peer`; connect_collectives: an all-reduce of one
-  // float over every rank.
+  // connect_peer: one byte to (sending) or from `peer`. connect_collectives: an all-reduce of
+  // one float over every rank (NCCL may still connect another algorithm at a later, larger
+  // collective; every rank calls those anyway, so that waits on nobody's header).
   void connect_peer(int peer, bool sending, std::chrono::milliseconds timeout);
   void connect_collectives(std::chrono::milliseconds timeout);
 

@@ -32,7 +32,8 @@
 #    staged, the log saying the device is shared. With an NCCL host id per process (NCCL counts
 #    them as hosts apart and joins them over its socket transport, on one GPU too): PP=2 as 2
 #    processes bitwise the staged run, and PP=2 x DP=2 as 4, the links and the data-parallel
-#    buckets by NCCL, TP=2 as 2 (an NCCL tensor group) and PP=2 x DP=2 x TP=2 as 8, all within
+#    buckets by NCCL, PP=2 x DP=2 ZeRO-2 as 4 (links by NCCL, the shards through host memory),
+#    TP=2 as 2 (an NCCL tensor group) and PP=2 x DP=2 x TP=2 as 8, all within
 #    the fp32 tolerances of the CPU, and PP=2 x DP=2 x TP=2 as 8 staged too. One process of a
 #    PP=2 x DP=2 NCCL job killed: the others end by themselves, rank 0 naming the lost rank. TP=2 as 2 processes
 #    staged (the tensor group reduced through pinned host memory) bitwise TP=2 in one process, in
@@ -168,6 +169,9 @@ nccl_case gputpx2nccl 2 "0 pipeline links, 0 tied wte links, 0 data-parallel gro
   --set parallel.tp=2
 nccl_case gpu3dx8nccl 8 "8 pipeline links, 8 tied wte links, 4 data-parallel groups, 4 tensor groups" \
   --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2
+# ZeRO-2: its shards ring through host memory, the links still by NCCL.
+nccl_case gpuz2x4nccl 4 "4 pipeline links, 4 tied wte links, 0 data-parallel groups, 0 tensor groups" \
+  --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2
 run_job gpu3dx8 8 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2 \
   --set parallel.nccl_links=false
 # A process of such a job killed (SIGKILL) in steady state: the others, whose links and
@@ -280,6 +284,8 @@ close(rows("cpudp"), rows("gpudpx4nccl"), 1e-4, 1e-3,
 close(cpu, rows("gputpx2nccl"), 1e-4, 1e-3, "fp32 GPU TP=2 as 2 processes, an NCCL tensor group, vs CPU")
 close(rows("cpudp"), rows("gpu3dx8nccl"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 x TP=2 as 8 processes, by NCCL, vs CPU")
+close(rows("cpudp"), rows("gpuz2x4nccl"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes, NCCL links, vs CPU")
 close(rows("cpudp"), rows("gpu3dx8"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 x TP=2 as 8 processes, staged through host memory, vs CPU")
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")

@@ -207,3 +207,19 @@ TEST_CASE("device chunks refuse what they do not do, naming it", "[rank-chunks]"
              }),
              Catch::Contains("no slot") && Catch::Contains("micro-batch 3"));
 }
+
+// What the rendezvous compares to tell whether NCCL can join two processes' devices.
+TEST_CASE("a device's identity: its bus id, and NCCL's host id where one is set", "[rank-chunks]") {
+  CHECK(device_identity("0000:00:06.0", std::nullopt) == "0000:00:06.0");
+  CHECK(device_identity("0000:00:06.0", "") == "0000:00:06.0 on NCCL host \"\"");  // set, empty
+  CHECK(device_identity("", "host-a").empty());                                    // no device
+  CHECK(device_identity("0000:00:06.0", "host-a") == "0000:00:06.0 on NCCL host host-a");
+  CHECK(device_identity("0000:00:06.0", "host-a") != device_identity("0000:00:06.0", "host-b"));
+  // A long host id by its hash: within the rendezvous's 64 bytes, still telling ids apart.
+  const std::string a(200, 'a'), b = std::string(199, 'a') + "b";
+  const auto long_a = device_identity("0000:00:06.0", a);
+  CHECK(long_a.size() <= 64);
+  CHECK(long_a.rfind("0000:00:06.0 on NCCL host xxh64:", 0) == 0);
+  CHECK(long_a == device_identity("0000:00:06.0", a));
+  CHECK(long_a != device_identity("0000:00:06.0", b));
+}

@@ -202,6 +202,11 @@ TEST_CASE("the welcome carries rank 0's NCCL ids only where every process has it
       {"a process without a device",
        {{"a", "0"}, {"b", ""}, {"c", "0"}},
        "rank 1 has no CUDA device"},
+      {"one device, each process an NCCL host of its own (NCCL_HOSTID)",
+       {{"a", "0000:18:00.0 on NCCL host h0"},
+        {"a", "0000:18:00.0 on NCCL host h1"},
+        {"a", "0000:18:00.0 on NCCL host h2"}},
+       ""},
   };
   for (const auto& l : layouts) {
     INFO(l.what);
