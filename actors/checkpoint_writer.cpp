@@ -61,29 +61,48 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     assembler_.emplace(cfg_.model, cfg_.tp);
     t0_ = cfg_.trace.now_us();
     auto rp = make_response_promise<checkpoint_copied>();
-    // W2: replica 0's lanes, or every replica's with ZeRO.
+    // W2: replica 0's lanes, or every replica's with ZeRO. W4: every stage captures its state
+    // first; the next step may begin once all have, and their states are then collected.
     const int lanes = (cfg_.zero ? cfg_.dp : 1) * cfg_.tp;
+    pending_ = lanes * cfg_.pp;
+    for (int lane = 0; lane < lanes; ++lane) {
+      for (const auto& stage : cfg_.stages.at(static_cast<std::size_t>(lane))) {
+        request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true, true})
+            .then(
+                [this, rp, lanes, gen = generation_](stage_snapshot&) mutable {
+                  if (gen != generation_) return;  // abandoned
+                  if (--pending_ > 0) return;
+                  rp.deliver(checkpoint_copied{state_.step});
+                  collect(lanes);
+                },
+                [this, gen = generation_](caf::error& e) { failed(gen, e); });
+      }
+    }
+    return rp;
+  }
+
+  // Every captured state, then the files (W1).
+  void collect(int lanes) {
     pending_ = lanes * cfg_.pp;
     for (int lane = 0; lane < lanes; ++lane) {
       for (const auto& stage : cfg_.stages.at(static_cast<std::size_t>(lane))) {
         request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true})
             .then(
-                [this, rp, lane, gen = generation_](stage_snapshot& s) mutable {
+                [this, lane, gen = generation_](stage_snapshot& s) {
                   if (gen != generation_) return;  // abandoned
                   add(s, lane);
-                  if (--pending_ > 0) return;
-                  rp.deliver(checkpoint_copied{state_.step});
-                  write();
+                  if (--pending_ == 0) write();
                 },
-                [this, gen = generation_](caf::error& e) {
-                  if (gen != generation_) return;  // abandoned
-                  quit(caf::make_error(caf::sec::runtime_error,
-                                       "checkpoint of step " + std::to_string(state_.step) +
-                                           ": a stage did not give its state: " + to_string(e)));
-                });
+                [this, gen = generation_](caf::error& e) { failed(gen, e); });
       }
     }
-    return rp;
+  }
+
+  void failed(int gen, const caf::error& e) {
+    if (gen != generation_) return;  // abandoned
+    quit(caf::make_error(caf::sec::runtime_error,
+                         "checkpoint of step " + std::to_string(state_.step) +
+                             ": a stage did not give its state: " + to_string(e)));
   }
 
   // One stage's state into the whole tensors (W2: other replicas' parameters are the same).

@@ -1,7 +1,8 @@
 // The checkpoint writer (docs/checkpoints.md): on checkpoint_begin from the coordinator it asks
-// the stages for their state (snapshot_request with `state`), answers checkpoint_copied once
-// every stage has answered, so the next step may begin, and then writes and commits the
-// checkpoint (engine/training/checkpoint.hpp) on its own thread while training goes on. A failed
+// the stages to capture their state (snapshot_request with `capture`), answers checkpoint_copied
+// once every stage has, so the next step may begin, then collects the states (snapshot_request
+// with `state`) and writes and commits the checkpoint (engine/training/checkpoint.hpp) on its own
+// thread while training goes on. A failed
 // write stops it with the error, naming the file; the coordinator, which monitors it, ends the run.
 //
 // Invariants:
@@ -9,6 +10,8 @@
 //  W2. Parameters come from replica 0's lanes (the shards of a rank; under ZeRO-1/2 the other
 //      replicas send none, ZeRO-3's every replica its owned pieces); moments from replica 0's
 //      lanes too, or with ZeRO from every replica (each owns a piece of each bucket).
+//  W4. The states collected are those the stages captured between the two steps (stage S7),
+//      whatever the steps after the capture do.
 //  W3. checkpoint_flush is answered after every checkpoint begun before it is committed; with
 //      abandon, a checkpoint still being collected is dropped (never written: the last committed
 //      one stays the newest) and the answer is immediate; its stages' late answers are ignored.

@@ -62,6 +62,9 @@ struct run_options {
   // Testing the watchdog: the first action of step test_stall_step (0-based) of the stage of
   // pipeline rank test_stall_rank (replica 0) never ends.
   int test_stall_rank = -1, test_stall_step = -1;
+  // Testing checkpoints: every stage's copy of a captured state starts this much later (so the
+  // next step's update has to wait for it).
+  int test_capture_delay_ms = 0;
   // An embedding's pacing: steps to run before the coordinator pauses (-1: all); and a
   // checkpoint writer even without checkpoint.every (checkpoints taken on request).
   int step_limit = -1;

@@ -317,6 +317,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.compute_threads = compute_threads(in);
       c.watchdog = in.watchdog;
       if (p == in.o.test_stall_rank && lane == 0) c.test_stall_step = in.o.test_stall_step;
+      c.test_capture_delay_ms = in.o.test_capture_delay_ms;
       std::string name = "stage " + std::to_string(p) + " · dp " + std::to_string(d);
       if (tp > 1) name += " · tp " + std::to_string(j);
       c.trace = add_track(a, in, name, "stage", p, lane);

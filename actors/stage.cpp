@@ -11,6 +11,10 @@
 //  S5. ZeRO: a bucket holding a tied wte copy goes to the shard only after the tied exchange
 //      (the shard reduces gradients the stage will never see whole again); the squared norm
 //      is the sum of the shard's per-bucket reports, in bucket order.
+//  S7. A checkpoint's capture (snapshot_request::capture) takes the state between steps. CPU
+//      chunks without ZeRO: a thread copies it while the next step runs, which only reads
+//      parameters and moments; the next update waits for the copy first. Otherwise the state is
+//      taken before the capture is answered, so before the next step begins.
 //  S6. ZeRO-3: an action's pass stops before each piece that reads parameters; it goes on only
 //      once the piece's buckets are gathered. Gathers and releases follow the plan's sequence of
 //      uses (engine::param_residency, kept by topology::param_gathers), never timing, so every
@@ -41,6 +45,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -97,6 +103,7 @@ class stage_impl : public stage_actor::base {
     // A shard that stops (failed, or the run is torn down) must not leave its peers waiting in
     // a collective: they throw, naming this stage, and stop too.
     if (cfg_.tp_member) cfg_.tp_member->abort(who() + " stopped");
+    if (copying_.valid()) copying_.wait();  // it reads the chunks
     wiring_ = {};
     held_.clear();
     stash_links_.clear();
@@ -125,8 +132,10 @@ class stage_impl : public stage_actor::base {
         [this](zero_gathered& g) { on_gathered(g); },
         [this](stage_continue) { advance(); },
         [this](snapshot_request& r) -> caf::result<stage_snapshot> {
-          return r.state ? on_state(r) : on_snapshot();
+          if (r.capture) return on_capture();
+          return r.state ? on_state() : on_snapshot();
         },
+        [this](snapshot_copied) { on_copied(); },
     };
   }
 
@@ -358,15 +367,77 @@ class stage_impl : public stage_actor::base {
     return rp;
   }
 
-  // A checkpoint's state (snapshot_request::state): the parameters and the AdamW moments; where
-  // the ZeRO shard holds them, as the pieces it owns. Nothing is gathered or released for it.
-  // Under ZeRO-1/2 every replica holds the same whole parameters: replica 0's lanes send them,
-  // the others their owned moments only.
-  caf::result<stage_snapshot> on_state(const snapshot_request&) {
-    if (!zero()) return snapshot(true, true);
+  // A checkpoint's first phase (S7): the state taken aside, answered with an empty snapshot once
+  // the next step may begin.
+  caf::result<stage_snapshot> on_capture() {
+    if (copying_.valid()) copying_.get();  // an abandoned checkpoint's (a failed job's)
+    captured_.reset();
+    stage_snapshot empty;
+    empty.rank = my_rank();
+    empty.replica = cfg_.replica;
+    if (!zero() && !device()) {
+      // The copy only reads; the stage thread meanwhile writes activations and gradients.
+      caf::actor me = caf::actor_cast<caf::actor>(this);
+      copying_ = std::async(std::launch::async, [this, me] {
+        if (cfg_.test_capture_delay_ms > 0)
+          std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
+        auto s = snapshot(true, true);
+        caf::anon_send(me, snapshot_copied{});
+        return s;
+      });
+      return empty;
+    }
     auto rp = make_response_promise<stage_snapshot>();
+    take_state([this, rp, empty](stage_snapshot s) mutable {
+      captured_ = std::move(s);
+      rp.deliver(std::move(empty));
+    });
+    return rp;
+  }
+
+  // The copy's thread is done, or about to return its copy (it says so just before).
+  void on_copied() {
+    if (copying_.valid()) captured_ = copying_.get();
+    if (!captured_ || state_waiting_.empty()) return;
+    for (auto& rp : state_waiting_) rp.deliver(*captured_);
+    state_waiting_.clear();
+    captured_.reset();
+  }
+  // The next update waits for a copy still running (S7).
+  void finish_capture() {
+    if (!copying_.valid()) return;
+    captured_ = copying_.get();
+  }
+
+  // A checkpoint's state (snapshot_request::state): what the capture took, or, without one, the
+  // state now.
+  caf::result<stage_snapshot> on_state() {
+    if (copying_.valid() && copying_.wait_for(std::chrono::seconds(0)) == std::future_status::ready)
+      captured_ = copying_.get();
+    if (captured_) {
+      stage_snapshot s = std::move(*captured_);
+      captured_.reset();
+      return s;
+    }
+    auto rp = make_response_promise<stage_snapshot>();
+    if (copying_.valid()) {  // answered when the copy's thread says it is done
+      state_waiting_.push_back(rp);
+      return rp;
+    }
+    take_state([rp](stage_snapshot s) mutable { rp.deliver(std::move(s)); });
+    return rp;
+  }
+
+  // The parameters and the AdamW moments; where the ZeRO shard holds them, as the pieces it owns.
+  // Nothing is gathered or released for it. Under ZeRO-1/2 every replica holds the same whole
+  // parameters: replica 0's lanes send them, the others their owned moments only.
+  void take_state(std::function<void(stage_snapshot)> done) {
+    if (!zero()) {
+      done(snapshot(true, true));
+      return;
+    }
     request(wiring_.reducer, caf::infinite, zero_state_request{})
-        .then([this, rp](zero_state& z) mutable {
+        .then([this, done = std::move(done)](zero_state& z) {
           stage_snapshot s;
           if (!sharded_params() && cfg_.replica == 0) {
             s = snapshot(true);
@@ -388,9 +459,8 @@ class stage_impl : public stage_actor::base {
               if (sharded_params()) piece(tensor_role::parameter, z.params);
             }
           }
-          rp.deliver(std::move(s));
+          done(std::move(s));
         });
-    return rp;
   }
 
   // The parameter of chunk c whose elements hold flat offset `offset`.
@@ -953,6 +1023,7 @@ class stage_impl : public stage_actor::base {
   // A skipped update (the coordinator's guard) drops the step's gradients and leaves the
   // parameters and moments as they are.
   void on_update(const apply_update& u) {
+    finish_capture();
     if (zero()) {
       caf::anon_send(wiring_.reducer, zero_update{u.step, u.grad_norm, u.skip, u.unscale});
       return;
@@ -1076,6 +1147,10 @@ class stage_impl : public stage_actor::base {
   bool consolidated_ = false;  // the final weights are gathered: nothing is released any more
   int final_pending_ = 0;
   std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;
+  // A checkpoint's state (S7): being copied, taken, and the state requests waiting for it.
+  std::future<stage_snapshot> copying_;
+  std::optional<stage_snapshot> captured_;
+  std::vector<caf::typed_response_promise<stage_snapshot>> state_waiting_;
   bool active_ = false, compute_done_ = false, grads_sent_ = false;
   double waiting_since_ = -1, dp_wait_since_ = 0;
   double loss_sum_ = 0;

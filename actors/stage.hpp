@@ -82,7 +82,8 @@ struct stage_config {
   std::shared_ptr<const device_chunks_config> device;  // null: CPU chunks
   // The process's action watchdog (engine/training/watchdog.hpp); null: none.
   std::shared_ptr<engine::action_watchdog> watchdog;
-  int test_stall_step = -1;  // testing: the first action of this step never ends
+  int test_stall_step = -1;       // testing: the first action of this step never ends
+  int test_capture_delay_ms = 0;  // testing: a checkpoint's copy (S7) starts this much later
 };
 
 messages::stage_actor spawn_stage(caf::actor_system& system, stage_config config);

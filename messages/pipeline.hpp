@@ -219,10 +219,14 @@ struct trace_finish {
 // Snapshot of a stage's parameters by Hugging Face name (final weights, tests; on the wire the
 // parameter-shard message). With `state` (a checkpoint at the end of `step`): the AdamW moments
 // too, and, where ZeRO shards hold them, the parameters and moments as pieces; a ZeRO-3 stage
-// gathers nothing for it.
+// gathers nothing for it. With `capture` too (a checkpoint's first phase, between steps): the
+// stage takes its state aside and answers with an empty snapshot once the next step may begin
+// (a CPU stage at once, copying while that step runs; its update waits for the copy); the state
+// request that follows answers with what was taken.
 struct snapshot_request {
   int step = 0;
   bool state = false;
+  bool capture = false;
 };
 enum class tensor_role : int { parameter = 0, exp_avg = 1, exp_avg_sq = 2 };
 // Values [offset, offset + size) of a named tensor's flat elements (Troupe layout; a tensor

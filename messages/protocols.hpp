@@ -89,6 +89,8 @@ struct coordinator_wiring {
 struct start_run {};
 // A stage's note to itself: run the next action (after the mailbox had its turn).
 struct stage_continue {};
+// A stage's note to itself from the thread that copied a checkpoint's state aside: it is there.
+struct snapshot_copied {};
 struct trace_write {
   std::string path;
   trace_finish finish;
@@ -117,6 +119,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::schedule_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::coordinator_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::start_run)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_continue)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::snapshot_copied)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_write)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::ring_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::remote_down)
@@ -128,7 +131,7 @@ using stage_actor = caf::typed_actor<
     caf::reacts_to<stage_wiring>, caf::reacts_to<step_plan>, caf::reacts_to<link_message>,
     caf::reacts_to<link_credit>, caf::reacts_to<batch_message>, caf::reacts_to<grad_bucket_reduced>,
     caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<zero_update_done>,
-    caf::reacts_to<zero_gathered>, caf::reacts_to<stage_continue>,
+    caf::reacts_to<zero_gathered>, caf::reacts_to<stage_continue>, caf::reacts_to<snapshot_copied>,
     caf::replies_to<snapshot_request>::with<stage_snapshot>>;
 
 using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,

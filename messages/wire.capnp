@@ -156,6 +156,7 @@ struct TiedGrad {
 struct SnapshotRequest {
   step @0 :Int32;
   state @1 :Bool;           # a checkpoint's: moments too, pieces where ZeRO shards hold them
+  capture @2 :Bool;         # the checkpoint's first phase: take the state aside, answer empty
 }
 
 struct TensorPiece {

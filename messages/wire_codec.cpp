@@ -369,6 +369,7 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       auto o = b.initSnapshotRequest();
       o.setStep(m.step);
       o.setState(m.state);
+      o.setCapture(m.capture);
     }
     void operator()(const stage_snapshot& m) {
       auto o = b.initStageSnapshot();

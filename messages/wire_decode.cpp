@@ -289,7 +289,7 @@ body reader::message(s::Envelope::Body::Reader b) {
     }
     case B::SNAPSHOT_REQUEST: {
       const auto r = b.getSnapshotRequest();
-      return snapshot_request{r.getStep(), r.getState()};
+      return snapshot_request{r.getStep(), r.getState(), r.getCapture()};
     }
     case B::STAGE_SNAPSHOT: {
       const auto r = b.getStageSnapshot();

@@ -3,7 +3,9 @@
 // every later step's loss, gradient norm and validation loss, and the final weights, on every
 // layout (pipeline, data-parallel, ZeRO-1/2/3, tensor shards, interleaving, ZB-H1, device
 // chunks of the host kind, the update guard's windows). Resumed at another mesh (resharding),
-// the run continues the same data and stays within 1e-5 of the one that went through.
+// the run continues the same data and stays within 1e-5 of the one that went through. A
+// checkpoint copied while the next step runs holds the state between the steps, however late the
+// copy.
 #include <cmath>
 #include <filesystem>
 
@@ -204,6 +206,36 @@ TEST_CASE("a fresh run does not write over another run's checkpoints", "[actors]
   o.resume = (dir / "nowhere").string();
   CHECK_THROWS_WITH(run_actors(r, o),
                     Catch::Contains("cannot resume") && Catch::Contains("nowhere"));
+}
+
+// A CPU stage copies a captured state while the next step runs, and that step's update waits for
+// the copy (stage S7): with every copy made to start 300 ms late, long after the next update
+// would otherwise have run, the checkpoints are still byte for byte those of a run without delay.
+TEST_CASE("a checkpoint holds the state between its steps, however late its copy runs",
+          "[actors][checkpoint]") {
+  temp_dir dir;
+  const mesh x{2, 1, 1, 0, 1, 4};
+  engine::recipe r = with_mesh(base_recipe(dir), x);
+  r.checkpoint.every = 3;
+  engine::recipe prompt = r, late = r;
+  prompt.output.dir = (dir / "prompt").string();
+  late.output.dir = (dir / "late").string();
+  const auto a = run_actors(prompt, options(x));
+  run_options o = options(x);
+  o.test_capture_delay_ms = 300;
+  const auto b = run_actors(late, o);
+  same_steps(b, a, 0, 0);
+  for (const int step : {3, 6}) {
+    for (const char* f : {"model.safetensors", "exp_avg.safetensors", "exp_avg_sq.safetensors"}) {
+      INFO("step " << step << ": " << f);
+      std::ifstream p(engine::checkpoint_dir(prompt.checkpoint_path(), step) / f, std::ios::binary);
+      std::ifstream q(engine::checkpoint_dir(late.checkpoint_path(), step) / f, std::ios::binary);
+      const std::string pa(std::istreambuf_iterator<char>(p), {}),
+          qa(std::istreambuf_iterator<char>(q), {});
+      CHECK(!pa.empty());
+      CHECK(pa == qa);
+    }
+  }
 }
 
 }  // namespace

@@ -113,7 +113,7 @@ struct checker {
   }
   void operator()(const snapshot_request& w) {
     const auto& g = as<snapshot_request>();
-    CHECK(std::tie(w.step, w.state) == std::tie(g.step, g.state));
+    CHECK(std::tie(w.step, w.state, w.capture) == std::tie(g.step, g.state, g.capture));
   }
   void operator()(const stage_snapshot& w) {
     const auto& g = as<stage_snapshot>();

@@ -123,7 +123,7 @@ inline body sample(std::size_t kind) {
     case 11:
       return tied_grad{6, 1, floats(33, 2)};
     case 12:
-      return snapshot_request{12, true};
+      return snapshot_request{12, true, true};
     case 13: {
       const auto p = floats(5, 3);
       return stage_snapshot{
