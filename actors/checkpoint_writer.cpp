@@ -38,6 +38,11 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
             collecting_ = false;
             ++generation_;
             assembler_.reset();
+            for (auto& [b, rp] : deferred_)
+              rp.deliver(caf::make_error(caf::sec::runtime_error, "checkpoint of step " +
+                                                                      std::to_string(b.state.step) +
+                                                                      " abandoned: the job ended"));
+            deferred_.clear();
             for (auto& rp : flushes_) rp.deliver(true);
             flushes_.clear();
             return true;
@@ -50,8 +55,18 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
   }
 
  private:
+  // W1: a checkpoint begun while the last one is collected or written waits for its commit.
   caf::result<checkpoint_copied> begin(checkpoint_begin& b) {
-    if (collecting_) throw std::logic_error("checkpoint writer: a checkpoint begun during another");
+    auto rp = make_response_promise<checkpoint_copied>();
+    if (collecting_) {
+      deferred_.emplace_back(std::move(b), rp);
+      return rp;
+    }
+    start(b, rp);
+    return rp;
+  }
+
+  void start(checkpoint_begin& b, caf::typed_response_promise<checkpoint_copied> rp) {
     collecting_ = true;
     state_ = std::move(b.state);
     state_.mesh = cfg_.mesh;
@@ -60,7 +75,6 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     state_.overrides = cfg_.overrides;
     assembler_.emplace(cfg_.model, cfg_.tp);
     t0_ = cfg_.trace.now_us();
-    auto rp = make_response_promise<checkpoint_copied>();
     // W2: replica 0's lanes, or every replica's with ZeRO. W4: every stage captures its state
     // first; the next step may begin once all have, and their states are then collected.
     const int lanes = (cfg_.zero ? cfg_.dp : 1) * cfg_.tp;
@@ -78,7 +92,6 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
                 [this, gen = generation_](caf::error& e) { failed(gen, e); });
       }
     }
-    return rp;
   }
 
   // Every captured state, then the files (W1).
@@ -129,6 +142,12 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     if (cfg_.trace.enabled() && cfg_.tracer)
       caf::anon_send(caf::actor_cast<tracer_actor>(cfg_.tracer), trace_batch{cfg_.trace.take()});
     collecting_ = false;
+    if (!deferred_.empty()) {  // W1: the next one now; flushes wait for it too
+      auto [next, rp] = std::move(deferred_.front());
+      deferred_.erase(deferred_.begin());
+      start(next, rp);
+      return;
+    }
     for (auto& rp : flushes_) rp.deliver(true);  // W3
     flushes_.clear();
   }
@@ -141,6 +160,8 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
   engine::checkpoint_state state_;
   std::optional<engine::checkpoint_assembler> assembler_;
   std::vector<caf::typed_response_promise<bool>> flushes_;
+  std::vector<std::pair<checkpoint_begin, caf::typed_response_promise<checkpoint_copied>>>
+      deferred_;  // W1: begun while another was collected or written
 };
 
 }  // namespace

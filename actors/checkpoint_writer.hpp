@@ -6,7 +6,8 @@
 // write stops it with the error, naming the file; the coordinator, which monitors it, ends the run.
 //
 // Invariants:
-//  W1. One checkpoint at a time: the next is collected only after the previous is committed.
+//  W1. One checkpoint at a time: the next is collected only after the previous is committed (one
+//      begun meanwhile waits, and so does the coordinator's step after it).
 //  W2. Parameters come from replica 0's lanes (the shards of a rank; under ZeRO-1/2 the other
 //      replicas send none, ZeRO-3's every replica its owned pieces); moments from replica 0's
 //      lanes too, or with ZeRO from every replica (each owns a piece of each bucket).

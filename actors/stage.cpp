@@ -396,17 +396,15 @@ class stage_impl : public stage_actor::base {
   }
 
   // The copy's thread is done, or about to return its copy (it says so just before).
-  void on_copied() {
+  void on_copied() { finish_capture(); }
+  // The copy, once done (waiting for it: the next update does, S7), to the state requests
+  // waiting for it: so a state leaves before the update's update_done does.
+  void finish_capture() {
     if (copying_.valid()) captured_ = copying_.get();
     if (!captured_ || state_waiting_.empty()) return;
     for (auto& rp : state_waiting_) rp.deliver(*captured_);
     state_waiting_.clear();
     captured_.reset();
-  }
-  // The next update waits for a copy still running (S7).
-  void finish_capture() {
-    if (!copying_.valid()) return;
-    captured_ = copying_.get();
   }
 
   // A checkpoint's state (snapshot_request::state): what the capture took, or, without one, the

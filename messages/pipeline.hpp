@@ -244,9 +244,10 @@ struct stage_snapshot {
 };
 
 // Checkpoints (docs/checkpoints.md), between actors of the control process:
-//   coordinator --checkpoint_begin--> checkpoint writer --snapshot_request{state}--> stages
-//   writer --checkpoint_copied--> coordinator (every state copied: the next step may begin),
-//   then the writer writes and commits the files while training goes on.
+//   coordinator --checkpoint_begin--> checkpoint writer --snapshot_request{capture}--> stages
+//   writer --checkpoint_copied--> coordinator (every state captured: the next step may begin),
+//   then the writer collects the states (snapshot_request{state}), writes and commits the files
+//   while training goes on.
 struct checkpoint_begin {
   engine::checkpoint_state state;  // the coordinator's part: step, tokens, data position, guard
 };
