@@ -40,6 +40,16 @@ std::vector<process_link> process_tied_links(const engine::pipeline_layout& layo
   return out;
 }
 
+namespace {
+// Whether n members, member i in process process_of(i), each live in a process of their own.
+template <class ProcessOf>
+bool apart(int n, ProcessOf process_of) {
+  std::set<int> processes;
+  for (int i = 0; i < n; ++i) processes.insert(process_of(i));
+  return static_cast<int>(processes.size()) == n;
+}
+}  // namespace
+
 std::string process_group::name() const {
   return "dp-" + std::to_string(rank) + "-" + std::to_string(shard);
 }
@@ -48,11 +58,9 @@ std::vector<process_group> process_groups(const job_placement& placement, int pp
   std::vector<process_group> out;
   if (dp < 2) return out;
   for (int rank = 0; rank < pp; ++rank) {
-    for (int shard = 0; shard < tp; ++shard) {
-      std::set<int> processes;
-      for (int d = 0; d < dp; ++d) processes.insert(placement.process_of_stage(d, rank, shard));
-      if (static_cast<int>(processes.size()) == dp) out.push_back({rank, shard});
-    }
+    for (int shard = 0; shard < tp; ++shard)
+      if (apart(dp, [&](int d) { return placement.process_of_stage(d, rank, shard); }))
+        out.push_back({rank, shard});
   }
   return out;
 }
@@ -66,11 +74,9 @@ std::vector<process_tensor_group> process_tensor_groups(const job_placement& pla
   std::vector<process_tensor_group> out;
   if (tp < 2) return out;
   for (int d = 0; d < dp; ++d) {
-    for (int rank = 0; rank < pp; ++rank) {
-      std::set<int> processes;
-      for (int j = 0; j < tp; ++j) processes.insert(placement.process_of_stage(d, rank, j));
-      if (static_cast<int>(processes.size()) == tp) out.push_back({d, rank});
-    }
+    for (int rank = 0; rank < pp; ++rank)
+      if (apart(tp, [&](int j) { return placement.process_of_stage(d, rank, j); }))
+        out.push_back({d, rank});
   }
   return out;
 }
