@@ -54,13 +54,22 @@ std::string nccl_communicators::describe() const {
          count(tensor_groups.size(), "tensor group");
 }
 
+namespace {
+// ZeRO-1/2 through the devices' groups asked for (where the chunks have them: below).
+bool zero_on_device(const engine::recipe& r) {
+  return r.parallel.zero_on_device && r.parallel.zero > 0 && r.parallel.zero < 3;
+}
+}  // namespace
+
 nccl_communicators nccl_plan(const build_inputs& in) {
   nccl_communicators c;
   if (!in.chunks) return c;
   const auto& p = in.r.parallel;
   c.links = topology::process_links(in.layout, in.placement, p.dp, p.tp);
   c.tied_links = topology::process_tied_links(in.layout, in.placement, p.dp, p.tp);
-  if (p.zero == 0) c.groups = topology::process_groups(in.placement, p.pp, p.dp, p.tp);
+  // ZeRO's host shards ring through host memory; ZeRO through the devices uses the groups.
+  if (p.zero == 0 || zero_on_device(in.r))
+    c.groups = topology::process_groups(in.placement, p.pp, p.dp, p.tp);
   c.tensor_groups = topology::process_tensor_groups(in.placement, p.pp, p.dp, p.tp);
   return c;
 }
@@ -196,9 +205,52 @@ device_links make_links(const build_inputs& in) {
   return links;
 }
 
+// Whether ZeRO runs through the devices (parallel.zero_on_device) for the replicas of (pipeline
+// rank, tensor shard), decided alike in every process: where they all share a process whose
+// chunk kind has zero groups, or where an NCCL group spans their processes. Otherwise (or
+// without the key) ZeRO's host shard actors serve them.
+bool zero_through_devices(const build_inputs& in, int rank, int shard) {
+  if (!in.chunks || !zero_on_device(in.r)) return false;
+  bool together = true;
+  for (int d = 1; d < in.r.parallel.dp; ++d)
+    together = together && in.placement.process_of_stage(d, rank, shard) ==
+                               in.placement.process_of_stage(0, rank, shard);
+  return together ? static_cast<bool>(in.chunks->make_zero_group) : nccl_reduced(in, rank, shard);
+}
+
+// This process's zero_group of each (pipeline rank, tensor shard) whose replicas it holds and
+// zero_through_devices serves: one of the chunks' kind when every replica lives here, else this
+// process's rank of the NCCL group.
+using zero_group_map = std::map<std::pair<int, int>, std::shared_ptr<engine::zero_group>>;
+zero_group_map make_zero_groups(const build_inputs& in, const device_links& links) {
+  zero_group_map out;
+  const auto& r = in.r;
+  for (int p = 0; p < r.parallel.pp; ++p) {
+    for (int j = 0; j < r.parallel.tp; ++j) {
+      int here = 0;
+      for (int d = 0; d < r.parallel.dp; ++d)
+        here += in.placement.process_of_stage(d, p, j) == in.rank ? 1 : 0;
+      if (here == 0 || !zero_through_devices(in, p, j)) continue;
+      if (here == r.parallel.dp) {
+        out[{p, j}] = in.chunks->make_zero_group(p, j, r.parallel.dp);
+        continue;
+      }
+      const auto g = links.groups.find({p, j});
+      auto z = g == links.groups.end() ? nullptr
+                                       : std::dynamic_pointer_cast<engine::zero_group>(g->second);
+      if (!z)
+        throw std::logic_error("ZeRO through the devices: no zero group of " + in.chunks->name +
+                               " chunks for pipeline rank " + std::to_string(p));
+      out[{p, j}] = std::move(z);
+    }
+  }
+  return out;
+}
+
 // A device stage's chunks and its ends of the lane's links.
 std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in,
                                                           const device_links& links,
+                                                          const zero_group_map& zero_groups,
                                                           const stage_config& c) {
   auto dc = std::make_shared<device_chunks_config>();
   dc->factory = in.chunks;
@@ -206,6 +258,8 @@ std::shared_ptr<const device_chunks_config> device_config(const build_inputs& in
   // The longest micro-batch: of the training lengths, and evaluation's (batch.seq_len).
   dc->T = std::max(*std::max_element(in.seq_lens.begin(), in.seq_lens.end()), in.r.batch.seq_len);
   dc->slots = engine::device_stage_slots(in.r, c.rank);
+  if (const auto z = zero_groups.find({c.rank, c.tp_rank}); z != zero_groups.end())
+    dc->zero_group = z->second;
   // A ring reducer across processes, unless an NCCL group averages the buckets on the devices.
   dc->stage_buckets =
       in.mesh && in.r.parallel.dp > 1 && !links.groups.contains({c.rank, c.tp_rank});
@@ -266,6 +320,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
   const auto& r = in.r;
   const auto& pl = in.placement;
   const device_links links = make_links(in);
+  const zero_group_map zero_groups = make_zero_groups(in, links);
   const int tp = r.parallel.tp;
   // The tensor group of each (replica, rank): its tp shards, one member each (on the host, or
   // the device chunks' kind).
@@ -323,7 +378,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.trace = add_track(a, in, name, "stage", p, lane);
       a.stages.back().push_back(
           place(sys, a, in, pl.stage_id(d, p, j), pl.process_of_stage(d, p, j), name, [&] {
-            if (in.chunks) c.device = device_config(in, links, c);
+            if (in.chunks) c.device = device_config(in, links, zero_groups, c);
             return spawn_stage(sys, std::move(c));
           }));
     }
@@ -334,6 +389,10 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       const int d = lane / tp, j = lane % tp;
       a.reducers.emplace_back();
       for (int p = 0; p < r.parallel.pp; ++p) {
+        if (zero_through_devices(in, p, j)) {  // the stages do it, through their zero group
+          a.reducers.back().emplace_back();
+          continue;
+        }
         std::string name = "zero shard " + std::to_string(p) + " · dp " + std::to_string(d);
         if (tp > 1) name += " · tp " + std::to_string(j);
         zero_shard_config c;
@@ -481,7 +540,8 @@ void wire_actors(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
       caf::anon_send(row[static_cast<std::size_t>(k)], std::move(w));
       // Ring reducers and zero shards learn their stage and the next replica's (same tensor
       // shard); a reducer of an NCCL group knows its stage already.
-      if (((in.mesh && r.parallel.dp > 1) || r.parallel.zero > 0) && !nccl_reduced(in, k, j)) {
+      if (((in.mesh && r.parallel.dp > 1) || r.parallel.zero > 0) && !nccl_reduced(in, k, j) &&
+          a.reducers[static_cast<std::size_t>(lane)][static_cast<std::size_t>(k)]) {
         const auto next = static_cast<std::size_t>(((d + 1) % r.parallel.dp) * tp + j);
         caf::anon_send(a.reducers[static_cast<std::size_t>(lane)][static_cast<std::size_t>(k)],
                        ring_wiring{row[static_cast<std::size_t>(k)],

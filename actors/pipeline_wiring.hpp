@@ -89,7 +89,8 @@ caf::actor place(caf::actor_system& sys, run_actors& a, const build_inputs& in, 
 // The communicators NCCL serves between processes when the rendezvous gives ids, in the ids'
 // order: a device job's pipeline links (topology::process_links), its tied wte's links
 // (process_tied_links), then its data-parallel groups
-// without ZeRO (process_groups; ZeRO's shards reduce-scatter and gather through host memory),
+// without ZeRO or with ZeRO through the devices (process_groups; ZeRO's host shards
+// reduce-scatter and gather through host memory),
 // then its tensor groups (process_tensor_groups). None for host chunks.
 struct nccl_communicators {
   std::vector<topology::process_link> links, tied_links;

@@ -15,6 +15,10 @@
 //      chunks without ZeRO: a thread copies it while the next step runs, which only reads
 //      parameters and moments; the next update waits for the copy first. Otherwise the state is
 //      taken before the capture is answered, so before the next step begins.
+//  S8. ZeRO-1/2 through the devices' zero_group: buckets go to the group in the order they
+//      became final, even past a bucket waiting for the tied exchange (S5), so every replica, in
+//      every process, enqueues the same collectives in the same order (NCCL's rule); the
+//      parameters are all-gathered after the update and the next step waits for them.
 //  S6. ZeRO-3: an action's pass stops before each piece that reads parameters; it goes on only
 //      once the piece's buckets are gathered. Gathers and releases follow the plan's sequence of
 //      uses (engine::param_residency, kept by topology::param_gathers), never timing, so every
@@ -62,6 +66,7 @@
 #include "engine/model/gpt_weights.hpp"
 #include "engine/training/checkpoint.hpp"
 #include "kernels/cpu_threads.hpp"
+#include "topology/device_zero.hpp"
 #include "topology/grad_buckets.hpp"
 #include "topology/link_credits.hpp"
 #include "topology/param_gathers.hpp"
@@ -119,7 +124,7 @@ class stage_impl : public stage_actor::base {
     return {
         [this](stage_wiring& w) {
           wiring_ = std::move(w);
-          if (zero()) send_zero_layout();
+          if (zero() && !zero_on_device()) send_zero_layout();
         },
         [this](step_plan& p) { start_plan(std::move(p)); },
         [this](link_message& m) { on_link(std::move(m)); },
@@ -136,6 +141,7 @@ class stage_impl : public stage_actor::base {
           return r.state ? on_state() : on_snapshot();
         },
         [this](snapshot_copied) { on_copied(); },
+        [this](bucket_gathered& g) { on_bucket_gathered(g); },
     };
   }
 
@@ -146,6 +152,8 @@ class stage_impl : public stage_actor::base {
            (cfg_.tp > 1 ? " tp " + std::to_string(cfg_.tp_rank) : "");
   }
   bool device() const { return cfg_.device != nullptr; }
+  // ZeRO-1/2 through the devices' zero_group (topology/device_zero.hpp), not a shard actor.
+  bool zero_on_device() const { return device() && cfg_.device->zero_group != nullptr; }
   bool staged_buckets() const { return device() && cfg_.device->stage_buckets; }
   // This shard's place among all stage actors of a rank, as the coordinator counts them.
   int lane() const { return cfg_.replica * cfg_.tp + cfg_.tp_rank; }
@@ -166,20 +174,7 @@ class stage_impl : public stage_actor::base {
                   {},
                   {}};
     zero_shards_ = l.buckets;
-    if (!cfg_.resume.empty()) {  // the owned moments from the checkpoint
-      for (int c = 0; c < chunks_->chunk_count(); ++c) {
-        const auto m = checkpoint_tensors(c, "exp_avg"), v = checkpoint_tensors(c, "exp_avg_sq");
-        for (const auto& b : l.buckets) {
-          for (const auto& seg : b.segments) {
-            if (seg.chunk != c) continue;
-            const auto end = static_cast<std::size_t>(seg.at + seg.numel);
-            if (l.m.size() < end) l.m.resize(end), l.v.resize(end);
-            std::copy_n(m.begin() + seg.offset, seg.numel, l.m.begin() + seg.at);
-            std::copy_n(v.begin() + seg.offset, seg.numel, l.v.begin() + seg.at);
-          }
-        }
-      }
-    }
+    if (!cfg_.resume.empty()) std::tie(l.m, l.v) = owned_checkpoint_moments(l.buckets);
     if (sharded_params()) {
       for (const auto& b : l.buckets) {
         for (const auto& seg : b.segments) {
@@ -198,6 +193,25 @@ class stage_impl : public stage_actor::base {
     caf::anon_send(wiring_.reducer, std::move(l));
   }
   int my_rank() const { return cfg_.rank; }
+
+  // The owned floats' AdamW moments from the resumed checkpoint, in shard storage order.
+  std::pair<std::vector<float>, std::vector<float>> owned_checkpoint_moments(
+      const std::vector<engine::bucket_shard>& shards) const {
+    std::vector<float> om, ov;
+    for (int c = 0; c < chunks_->chunk_count(); ++c) {
+      const auto m = checkpoint_tensors(c, "exp_avg"), v = checkpoint_tensors(c, "exp_avg_sq");
+      for (const auto& b : shards) {
+        for (const auto& seg : b.segments) {
+          if (seg.chunk != c) continue;
+          const auto end = static_cast<std::size_t>(seg.at + seg.numel);
+          if (om.size() < end) om.resize(end), ov.resize(end);
+          std::copy_n(m.begin() + seg.offset, seg.numel, om.begin() + seg.at);
+          std::copy_n(v.begin() + seg.offset, seg.numel, ov.begin() + seg.at);
+        }
+      }
+    }
+    return {std::move(om), std::move(ov)};
+  }
 
   // One of the resumed checkpoint's tensor files as chunk c's flat buffer.
   std::vector<float> checkpoint_tensors(int c, const std::string& which) const {
@@ -238,7 +252,21 @@ class stage_impl : public stage_actor::base {
       if (r.embedding) embedding_chunk_ = c;
       if (r.head) head_chunk_ = c;
     }
-    buckets_.build(*chunks_, cfg_.bucket_layers, zero());  // ZeRO: with the chunks' host buffers
+    using side = topology::grad_buckets::zero_side;
+    buckets_.build(*chunks_, cfg_.bucket_layers,
+                   !zero()            ? side::none
+                   : zero_on_device() ? side::device
+                                      : side::host);  // the buffers ZeRO works on
+    if (zero_on_device()) {
+      if (sharded_params()) throw std::logic_error(who() + ": ZeRO-3 through the devices' groups");
+      device_zero_ = topology::device_zero(*chunks_, buckets_, cfg_.device->zero_group,
+                                           cfg_.replica, cfg_.replicas, {cfg_.tp_rank, cfg_.tp});
+      zero_shards_ = device_zero_.shards();
+      if (!cfg_.resume.empty()) {
+        const auto [m, v] = owned_checkpoint_moments(zero_shards_);
+        device_zero_.load_moments(m, v);
+      }
+    }
     if (!cfg_.resume.empty() && !zero()) {  // the chunks' moments from the checkpoint
       for (int c = 0; c < chunks_->chunk_count(); ++c)
         chunks_->load_moments(c, checkpoint_tensors(c, "exp_avg").data(),
@@ -434,31 +462,39 @@ class stage_impl : public stage_actor::base {
       done(snapshot(true, true));
       return;
     }
+    if (zero_on_device()) {
+      auto [m, v] = device_zero_.moments();
+      done(zero_snapshot(zero_state{std::move(m), std::move(v), {}}));
+      return;
+    }
     request(wiring_.reducer, caf::infinite, zero_state_request{})
-        .then([this, done = std::move(done)](zero_state& z) {
-          stage_snapshot s;
-          if (!sharded_params() && cfg_.replica == 0) {
-            s = snapshot(true);
-          } else {
-            s.rank = my_rank();
-            s.replica = cfg_.replica;
-          }
-          for (const auto& b : zero_shards_) {
-            for (const auto& seg : b.segments) {
-              const auto& p = parameter_at(seg.chunk, seg.offset);
-              const std::int64_t offset = seg.offset - p.offset;
-              const auto name = state_name(seg.chunk, p);
-              auto piece = [&](tensor_role role, const std::vector<float>& from) {
-                s.pieces.push_back(
-                    {role, name, offset, {from.data() + seg.at, from.data() + seg.at + seg.numel}});
-              };
-              piece(tensor_role::exp_avg, z.m);
-              piece(tensor_role::exp_avg_sq, z.v);
-              if (sharded_params()) piece(tensor_role::parameter, z.params);
-            }
-          }
-          done(std::move(s));
-        });
+        .then([this, done = std::move(done)](zero_state& z) { done(zero_snapshot(z)); });
+  }
+
+  // A ZeRO stage's state: the parameters (replica 0's lanes, ZeRO-1/2) and the owned pieces.
+  stage_snapshot zero_snapshot(const zero_state& z) {
+    stage_snapshot s;
+    if (!sharded_params() && cfg_.replica == 0) {
+      s = snapshot(true);
+    } else {
+      s.rank = my_rank();
+      s.replica = cfg_.replica;
+    }
+    for (const auto& b : zero_shards_) {
+      for (const auto& seg : b.segments) {
+        const auto& p = parameter_at(seg.chunk, seg.offset);
+        const std::int64_t offset = seg.offset - p.offset;
+        const auto name = state_name(seg.chunk, p);
+        auto piece = [&](tensor_role role, const std::vector<float>& from) {
+          s.pieces.push_back(
+              {role, name, offset, {from.data() + seg.at, from.data() + seg.at + seg.numel}});
+        };
+        piece(tensor_role::exp_avg, z.m);
+        piece(tensor_role::exp_avg_sq, z.v);
+        if (sharded_params()) piece(tensor_role::parameter, z.params);
+      }
+    }
+    return s;
   }
 
   // The parameter of chunk c whose elements hold flat offset `offset`.
@@ -889,6 +925,8 @@ class stage_impl : public stage_actor::base {
         tied_waiting_.push_back(*b);
         bucket_final(*b);
         flush_tied_waiting();
+      } else if (zero_on_device() && !tied_waiting_.empty()) {  // S8: after the one waiting
+        tied_waiting_.push_back(*b);
       } else {
         send_bucket(*b);
       }
@@ -904,7 +942,14 @@ class stage_impl : public stage_actor::base {
   void send_bucket(int b) {
     const double t = cfg_.trace.now_us();
     const auto& info = buckets_.bucket(b);
-    if (zero()) {  // the shard works on the chunks' host buffers (device chunks: copied there)
+    if (zero_on_device()) {
+      caf::actor me = caf::actor_cast<caf::actor>(this);
+      const int step = plan_.step;
+      device_zero_.reduce_scatter(step, b, [me, step, b](void* done) {
+        caf::anon_send(me, grad_bucket_reduced{step, b, 0.0, done});
+      });
+    } else if (zero()) {  // the shard works on the chunks' host buffers (device chunks: copied
+                          // there)
       const float* base = chunks_->gradients(info.chunk);
       for (const auto& [ptr, n] : info.ranges)
         chunks_->gradients_to_host(info.chunk, ptr - base, n);
@@ -961,7 +1006,7 @@ class stage_impl : public stage_actor::base {
     if (zero()) {
       shard_square_sums_.at(static_cast<std::size_t>(r.bucket)) = r.square_sum;
       // ZeRO-2: the shard copied its chunk; the whole bucket's host pages go to the pool.
-      if (release_grads()) {
+      if (release_grads() && !zero_on_device()) {
         for (const auto& [ptr, n] : buckets_.shard_grad_ranges(r.bucket)) {
           if (pool_grads())
             grad_pool_->release(ptr, n);
@@ -1006,7 +1051,9 @@ class stage_impl : public stage_actor::base {
     if (cfg_.replicas > 1 || tied_.copies() == 1)
       cfg_.trace.span("wait", cfg_.replicas > 1 ? "dp" : "tied", dp_wait_since_, now, {plan_.step});
     double sq = 0;
-    if (zero()) {
+    if (zero_on_device()) {
+      sq = device_zero_.square_sum();
+    } else if (zero()) {
       for (double s : shard_square_sums_) sq += s;
     } else {
       for (int c = 0; c < chunks_->chunk_count(); ++c) {
@@ -1022,6 +1069,10 @@ class stage_impl : public stage_actor::base {
   // parameters and moments as they are.
   void on_update(const apply_update& u) {
     finish_capture();
+    if (zero_on_device()) {
+      update_on_devices(u);
+      return;
+    }
     if (zero()) {
       caf::anon_send(wiring_.reducer, zero_update{u.step, u.grad_norm, u.skip, u.unscale});
       return;
@@ -1034,6 +1085,44 @@ class stage_impl : public stage_actor::base {
     chunks_->zero_grad();
     if (!u.skip) cfg_.trace.span("optimizer", "AdamW", t0, cfg_.trace.now_us(), {u.step});
     caf::anon_send(wiring_.coordinator, update_done{u.step, my_rank(), lane(), lr, memory()});
+    flush_trace();
+  }
+
+  // ZeRO-1/2 through the devices: AdamW on the owned floats, then every bucket's all-gather
+  // (bucket_gathered each). A skipped update changes nothing: every replica's parameters are
+  // still the same whole ones.
+  void update_on_devices(const apply_update& u) {
+    update_lr_ = engine::learning_rate(cfg_.optimizer, u.step, cfg_.total_steps);
+    if (u.skip || buckets_.size() == 0) {
+      update_gathered(u.step);
+      return;
+    }
+    const double t0 = cfg_.trace.now_us();
+    update_lr_ =
+        device_zero_.update(cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm, u.unscale);
+    cfg_.trace.span("optimizer", "AdamW shard", t0, cfg_.trace.now_us(), {u.step});
+    gathers_pending_ = buckets_.size();
+    gather_t0_ = cfg_.trace.now_us();
+    caf::actor me = caf::actor_cast<caf::actor>(this);
+    for (int b = 0; b < buckets_.size(); ++b)
+      device_zero_.all_gather(u.step, b, [me, step = u.step, b](void* done) {
+        caf::anon_send(me, bucket_gathered{step, b, done});
+      });
+  }
+
+  void on_bucket_gathered(const bucket_gathered& g) {
+    if (gathers_pending_ <= 0) throw std::logic_error(who() + ": a gather nobody waits for");
+    if (g.done) chunks_->wait_event(buckets_.bucket(g.bucket).chunk, g.done);
+    if (--gathers_pending_ > 0) return;
+    cfg_.trace.span("collective", "all-gather (enqueued)", gather_t0_, cfg_.trace.now_us(),
+                    {g.step});
+    device_zero_.gathered();
+    update_gathered(g.step);
+  }
+
+  void update_gathered(int step) {
+    chunks_->zero_grad();
+    caf::anon_send(wiring_.coordinator, update_done{step, my_rank(), lane(), update_lr_, memory()});
     flush_trace();
   }
 
@@ -1074,7 +1163,7 @@ class stage_impl : public stage_actor::base {
         m.buffers += engine::resident_bytes(chunks_->gradients(c), bytes);
       else
         m.gradients += bytes;
-      if (zero() && device())
+      if (zero() && device() && !zero_on_device())
         m.buffers += engine::resident_bytes(chunks_->host_parameters(c), bytes) +
                      engine::resident_bytes(chunks_->host_gradients(c), bytes);
     }
@@ -1157,6 +1246,9 @@ class stage_impl : public stage_actor::base {
   std::vector<double> shard_square_sums_;  // ZeRO: by bucket, this step
   std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
   std::vector<engine::bucket_shard> zero_shards_;  // ZeRO: what this replica owns, by bucket
+  topology::device_zero device_zero_;              // ZeRO-1/2 through the devices' group
+  int gathers_pending_ = 0;                        // and its update's all-gathers still running
+  double update_lr_ = 0, gather_t0_ = 0;
   std::shared_ptr<engine::action_watchdog::entry> watch_;  // this stage's watchdog record
   int embedding_chunk_ = -1, head_chunk_ = -1;
   topology::tied_wte tied_;  // the tied wte's copies here and their exchange

@@ -91,6 +91,13 @@ struct start_run {};
 struct stage_continue {};
 // A stage's note to itself from the thread that copied a checkpoint's state aside: it is there.
 struct snapshot_copied {};
+// A stage's note to itself from its zero_group (ZeRO-1/2 on the devices, topology/device_zero.hpp):
+// bucket's parameters are all-gathered once the event `done` has passed (nullptr: now). The
+// reduce-scatter's note is a grad_bucket_reduced.
+struct bucket_gathered {
+  int step = 0, bucket = 0;
+  void* done = nullptr;
+};
 struct trace_write {
   std::string path;
   trace_finish finish;
@@ -120,6 +127,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::coordinator_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::start_run)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_continue)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::snapshot_copied)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::bucket_gathered)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_write)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::ring_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::remote_down)
@@ -132,7 +140,7 @@ using stage_actor = caf::typed_actor<
     caf::reacts_to<link_credit>, caf::reacts_to<batch_message>, caf::reacts_to<grad_bucket_reduced>,
     caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<zero_update_done>,
     caf::reacts_to<zero_gathered>, caf::reacts_to<stage_continue>, caf::reacts_to<snapshot_copied>,
-    caf::replies_to<snapshot_request>::with<stage_snapshot>>;
+    caf::reacts_to<bucket_gathered>, caf::replies_to<snapshot_request>::with<stage_snapshot>>;
 
 using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,
                                       caf::reacts_to<begin_eval>>;

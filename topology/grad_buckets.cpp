@@ -1,6 +1,8 @@
 // Gradient buckets and the in-process mean. See grad_buckets.hpp.
 #include "topology/grad_buckets.hpp"
 
+#include "engine/chunks/device_chunk.hpp"
+
 #include <stdexcept>
 
 namespace troupe::topology {
@@ -17,7 +19,7 @@ void grad_buckets::build(const std::vector<engine::gpt_chunk*>& chunks, int laye
     sides_.push_back({st->range(), &st->parameters(), st->params(), st->grads()});
 }
 
-void grad_buckets::build(engine::rank_chunks& chunks, int layers_per_bucket, bool zero) {
+void grad_buckets::build(engine::rank_chunks& chunks, int layers_per_bucket, zero_side side) {
   std::vector<std::vector<engine::grad_block>> blocks;
   std::vector<float*> grads;
   for (int c = 0; c < chunks.chunk_count(); ++c) {
@@ -25,10 +27,18 @@ void grad_buckets::build(engine::rank_chunks& chunks, int layers_per_bucket, boo
     grads.push_back(chunks.gradients(c));
   }
   build(blocks, grads, layers_per_bucket);
-  if (!zero) return;
-  for (int c = 0; c < chunks.chunk_count(); ++c)
+  if (side == zero_side::none) return;
+  for (int c = 0; c < chunks.chunk_count(); ++c) {
+    if (side == zero_side::host) {
+      sides_.push_back({chunks.range(c), &chunks.layout(c), chunks.host_parameters(c),
+                        chunks.host_gradients(c)});
+      continue;
+    }
+    auto* d = chunks.device(c);
+    if (!d) throw std::logic_error("grad_buckets: a device side over chunks of another kind");
     sides_.push_back(
-        {chunks.range(c), &chunks.layout(c), chunks.host_parameters(c), chunks.host_gradients(c)});
+        {chunks.range(c), &chunks.layout(c), d->device_parameters(), d->device_gradients()});
+  }
 }
 
 void grad_buckets::build(const std::vector<std::vector<engine::grad_block>>& chunk_blocks,

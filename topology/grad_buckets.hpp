@@ -29,9 +29,11 @@ class grad_buckets {
   // their own.
   void build(const std::vector<engine::gpt_chunk*>& chunks, int layers_per_bucket);
   // The buckets of a rank's chunks, over their gradients (device memory for device chunks).
-  // With `zero`, ZeRO's side (param_ranges, shard_grad_ranges, shards, views) is the chunks'
-  // flat buffers in host memory (rank_chunks::host_parameters / host_gradients).
-  void build(engine::rank_chunks& chunks, int layers_per_bucket, bool zero);
+  // ZeRO's side (param_ranges, shard_grad_ranges, shards, views): none; the chunks' flat
+  // buffers in host memory (host: rank_chunks::host_parameters / host_gradients); or device
+  // chunks' own master weights and gradients (device: ZeRO through a zero_group).
+  enum class zero_side { none, host, device };
+  void build(engine::rank_chunks& chunks, int layers_per_bucket, zero_side side);
   // The same buckets over gradients held elsewhere: chunk c's blocks (its chunk_grad_blocks) at
   // offsets of grads[c]; no ZeRO side.
   void build(const std::vector<std::vector<engine::grad_block>>& blocks,

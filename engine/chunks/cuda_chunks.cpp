@@ -11,6 +11,7 @@
 
 #include "engine/chunks/device_chunk.hpp"
 #include "engine/chunks/gpu_chunk.hpp"
+#include "engine/chunks/zero_group.hpp"
 #include "kernels/cuda/activation_link.hpp"
 #include "kernels/cuda/device_info.hpp"
 #include "kernels/cuda/nccl_group.hpp"
@@ -101,6 +102,26 @@ class cuda_chunk final : public device_chunk {
   std::int64_t optimizer_bytes() const override { return s_.optimizer_bytes(); }
   std::pair<std::vector<float>, std::vector<float>> moments() override { return s_.moments(); }
   void load_moments(const float* m, const float* v) override { s_.load_moments(m, v); }
+  float* device_parameters() override { return s_.device_parameters(); }
+  void own(std::vector<shard_segment> segments) override { s_.own(std::move(segments)); }
+  double owned_square_sum(const std::vector<shard_segment>& segments) override {
+    return s_.owned_square_sum(segments);
+  }
+  // As update(), over the owned segments.
+  double update_owned(const optimizer_config& config, int step, int total_steps, double grad_norm,
+                      double unscale) override {
+    const double lr = learning_rate(config, step, total_steps);
+    const double multiplier = unscale * clip_coefficient(grad_norm, config.grad_clip);
+    s_.adamw_owned(adamw_hparams_at(config, lr), step + 1, static_cast<float>(multiplier));
+    return lr;
+  }
+  void parameters_changed(std::int64_t at, std::int64_t n) override {
+    s_.parameters_changed(at, n);
+  }
+  std::pair<std::vector<float>, std::vector<float>> owned_moments() override {
+    return s_.owned_moments();
+  }
+  void load_owned_moments(const float* m, const float* v) override { s_.load_owned_moments(m, v); }
   void* record_event() override { return s_.record_event(); }
   void wait_event(void* event) override { s_.wait_event(event); }
   void copy_to_host(void* host, const void* memory, std::size_t bytes) override {
@@ -246,8 +267,9 @@ class nccl_replica_group final : public replica_group {
 // This process's replica of a data-parallel group whose replicas each live in a process of
 // their own: rank `replica` of a communicator joined with the id the rendezvous carried. mean()
 // averages this replica's ranges with the other processes' (ncclAvg, as nccl_replica_group).
-class nccl_process_group final : public replica_group {
+class nccl_process_group final : public replica_group, public zero_group {
  public:
+  using float_ranges = replica_group::float_ranges;  // zero_group's is the same type
   nccl_process_group(const std::string& name, const std::vector<std::uint8_t>& id, int replica,
                      int replicas, int device)
       : device_(device),
@@ -264,14 +286,70 @@ class nccl_process_group final : public replica_group {
     set_device(device_);
     return {group_->done()};  // re-recorded by the next mean(): a later point
   }
+  // ZeRO-1/2: this replica's part of the collective, enqueued at once (every process's replica
+  // calls in the same order: its stage's).
+  void reduce_scatter(int, int, int replica, const float_ranges& ranges, void* ready,
+                      done_fn done) override {
+    owned(replica, ranges, ready, cu::nccl_group::owned_op::reduce_mean, done);
+  }
+  void all_gather(int, int, int replica, const float_ranges& ranges, void* ready,
+                  done_fn done) override {
+    owned(replica, ranges, ready, cu::nccl_group::owned_op::broadcast, done);
+  }
   std::string describe() const override {
     return "NCCL group " + group_->name() + ", replica " + std::to_string(group_->rank()) + " of " +
            std::to_string(group_->size()) + " in as many processes";
   }
 
  private:
+  void owned(int replica, const float_ranges& ranges, void* ready, cu::nccl_group::owned_op op,
+             const done_fn& done) {
+    if (replica != group_->rank())
+      throw std::logic_error(describe() + ": a call for replica " + std::to_string(replica));
+    cu::nccl_group::owned_collective({group_.get()}, {ranges}, {static_cast<cudaEvent_t>(ready)},
+                                     op);
+    set_device(device_);
+    done(group_->done());  // re-recorded by the next collective: a later point
+  }
   int device_;
   std::unique_ptr<cu::nccl_group> group_;
+};
+
+// ZeRO-1/2 over replicas of a pipeline rank on distinct devices of this process: a
+// communicator rank per replica, driven by the thread of the replica that calls last.
+class nccl_zero_group final : public replicas_zero_group {
+ public:
+  nccl_zero_group(const std::string& name, std::vector<int> devices)
+      : replicas_zero_group(static_cast<int>(devices.size()), name),
+        devices_(std::move(devices)),
+        groups_(cu::nccl_group::join_all(name, devices_)) {}
+  std::string describe() const override {
+    return "NCCL ZeRO group " + name() + " of " + std::to_string(groups_.size()) + " devices";
+  }
+
+ protected:
+  std::vector<void*> run(op o, const std::vector<float_ranges>& ranges,
+                         const std::vector<void*>& ready) override {
+    std::vector<cu::nccl_group*> groups;
+    std::vector<cudaEvent_t> after;
+    for (std::size_t d = 0; d < groups_.size(); ++d) {
+      groups.push_back(groups_[d].get());
+      after.push_back(static_cast<cudaEvent_t>(ready.at(d)));
+    }
+    cu::nccl_group::owned_collective(groups, ranges, after,
+                                     o == op::reduce_scatter ? cu::nccl_group::owned_op::reduce_mean
+                                                             : cu::nccl_group::owned_op::broadcast);
+    std::vector<void*> done;
+    for (std::size_t d = 0; d < groups_.size(); ++d) {
+      set_device(devices_[d]);
+      done.push_back(groups_[d]->done());
+    }
+    return done;
+  }
+
+ private:
+  std::vector<int> devices_;
+  std::vector<std::unique_ptr<cu::nccl_group>> groups_;
 };
 
 // The replicas of a pipeline rank on one device (NCCL refuses two ranks of a communicator on
@@ -322,6 +400,22 @@ class local_replica_group final : public replica_group {
     return "mean kernel of " + std::to_string(replicas_) + " replicas on device " +
            std::to_string(device_);
   }
+  // For local_zero_group: the group's stream after the replicas' events; n floats copied on it;
+  // the event after them (for every replica).
+  void order(const std::vector<void*>& ready) {
+    for (void* e : ready)
+      if (e)
+        check(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(e), 0), "cudaStreamWaitEvent");
+  }
+  void copy(float* to, const float* from, std::int64_t n) {
+    check(cudaMemcpyAsync(to, from, static_cast<std::size_t>(n) * sizeof(float),
+                          cudaMemcpyDeviceToDevice, stream_),
+          "cudaMemcpyAsync(gather)");
+  }
+  std::vector<void*> finish() {
+    check(cudaEventRecord(done_, stream_), "cudaEventRecord");
+    return std::vector<void*>(static_cast<std::size_t>(replicas_), done_);
+  }
 
  private:
   static void check(cudaError_t e, const char* what) {
@@ -330,6 +424,51 @@ class local_replica_group final : public replica_group {
   int device_ = 0, replicas_ = 1;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t done_ = nullptr;
+};
+
+// ZeRO-1/2 over replicas of a pipeline rank on one device: the mean kernel into every copy (a
+// reduce-scatter's owners among them), and the owners' chunks copied to the others, on the
+// group's own stream.
+class local_zero_group final : public replicas_zero_group {
+ public:
+  local_zero_group(int device, int replicas, const std::string& name)
+      : replicas_zero_group(replicas, name), device_(device), mean_(device, replicas) {}
+  std::string describe() const override {
+    return "ZeRO group " + name() + " of " + std::to_string(replicas()) + " replicas on device " +
+           std::to_string(device_);
+  }
+
+ protected:
+  std::vector<void*> run(op o, const std::vector<float_ranges>& ranges,
+                         const std::vector<void*>& ready) override {
+    if (o == op::reduce_scatter) return mean_.mean(ranges, ready);
+    // After every replica's ready event (the mean group's stream orders them), then each chunk
+    // from its owner to the others.
+    set_device(device_);
+    const int d = replicas();
+    std::int64_t n = 0;
+    for (const auto& r : ranges[0]) n += r.second;
+    mean_.order(ready);
+    for (int c = 0; c < d; ++c) {
+      const auto [b, e] = owned_chunk_bounds(n, d, c);
+      const int owner = chunk_owner(c, d);
+      std::vector<std::pair<float*, std::int64_t>> from;
+      for_each_piece(ranges[static_cast<std::size_t>(owner)], b, e,
+                     [&](float* p, std::int64_t k, std::int64_t) { from.emplace_back(p, k); });
+      for (int r = 0; r < d; ++r) {
+        if (r == owner) continue;
+        std::size_t i = 0;
+        for_each_piece(
+            ranges[static_cast<std::size_t>(r)], b, e,
+            [&](float* p, std::int64_t k, std::int64_t) { mean_.copy(p, from.at(i++).first, k); });
+      }
+    }
+    return mean_.finish();
+  }
+
+ private:
+  int device_;
+  local_replica_group mean_;  // its stream and event
 };
 
 }  // namespace
@@ -405,6 +544,21 @@ chunk_factory cuda_chunks(const gpu_trainer_options& options, int pp, int tp, in
     auto members =
         make_device_tensor_group("tp-" + std::to_string(replica) + "-" + std::to_string(rank), on);
     return {members.begin(), members.end()};
+  };
+  f.make_zero_group = [device_of, devices, tp](int rank, int shard,
+                                               int replicas) -> std::shared_ptr<zero_group> {
+    std::vector<int> on;
+    for (int d = 0; d < replicas; ++d) on.push_back(device_of(rank, d * tp + shard));
+    const std::string name = "zero-" + std::to_string(rank) + "-" + std::to_string(shard);
+    if (std::all_of(on.begin(), on.end(), [&on](int x) { return x == on[0]; }))
+      return std::make_shared<local_zero_group>(on[0], replicas, name);
+    auto sorted = on;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end())
+      return std::make_shared<nccl_zero_group>(name, on);
+    throw std::runtime_error("parallel.dp: the replicas of pipeline rank " + std::to_string(rank) +
+                             " share some of " + std::to_string(devices) +
+                             " devices: give each replica its own device or put them all on one");
   };
   f.make_group = [device_of, devices, tp](int rank, int shard,
                                           int replicas) -> std::shared_ptr<replica_group> {

@@ -28,6 +28,7 @@
 #include "engine/chunks/gpu_chunk.hpp"
 #include "engine/model/block_pass.hpp"
 #include "engine/model/gpt_model.hpp"
+#include "engine/parallel/zero.hpp"
 #include "engine/training/optimizer.hpp"
 
 namespace troupe::engine {
@@ -121,7 +122,29 @@ class device_chunk {
   virtual std::pair<std::vector<float>, std::vector<float>> moments() = 0;
   virtual void load_moments(const float* m, const float* v) = 0;
   virtual std::int64_t device_bytes() const = 0;     // what the chunk allocated
-  virtual std::int64_t optimizer_bytes() const = 0;  // of which AdamW moments
+  virtual std::int64_t optimizer_bytes() const = 0;  // of which AdamW moments (owned ones too)
+
+  // ---- ZeRO-1/2 on the device (zero_group): this replica's owned floats ----------------------
+  // The fp32 master weights on the device, in the flat layout (a zero_group gathers them).
+  virtual float* device_parameters() = 0;
+  // The segments of the flat layout this replica owns (offset, numel, decay; `at` into the
+  // owned storage, which holds them one after the other); allocates their AdamW moments on the
+  // device, zeroed. Once, in a chunk made without optimizer state.
+  virtual void own(std::vector<shard_segment> segments) = 0;
+  // Sum of the squared gradients of `segments` (some of own()'s, counted ones only), in double,
+  // in segment order, after the chunk's work so far.
+  virtual double owned_square_sum(const std::vector<shard_segment>& segments) = 0;
+  // update() over the owned segments alone (their gradients, unscaled and clipped, then AdamW
+  // with the owned moments); the compute copy of those weights follows. Returns the lr.
+  virtual double update_owned(const optimizer_config& config, int step, int total_steps,
+                              double grad_norm, double unscale) = 0;
+  // The master weights [at, at + n) changed on the device (a gather wrote them): the compute
+  // copy the passes read follows, on the chunk's stream.
+  virtual void parameters_changed(std::int64_t at, std::int64_t n) = 0;
+  // The owned moments on the host (owned storage order), after the chunk's work so far; loading
+  // them.
+  virtual std::pair<std::vector<float>, std::vector<float>> owned_moments() = 0;
+  virtual void load_owned_moments(const float* m, const float* v) = 0;
 
   virtual void* record_event() = 0;
   virtual void wait_event(void* event) = 0;
@@ -160,6 +183,32 @@ class replica_group {
   virtual std::string describe() const = 0;
 };
 
+// ZeRO-1/2 through the devices: the data-parallel replicas of one pipeline rank's tensor shard
+// reduce-scatter each gradient bucket and all-gather its parameters in the chunks' own memory.
+// A bucket is the concatenation of its ranges, cut into ring chunks (topology::ring_chunk_bounds)
+// of which replica r owns chunk topology::ring_owned_chunk(r, d), as engine::make_bucket_shard
+// says. One object serves this process's replicas of the group: each calls with its own copy of
+// the bucket's ranges (the same sizes, in the same order), final after its event `ready`; once
+// every replica of the process has called for (step, bucket), the collective is enqueued (on the
+// last caller's thread) and each caller's `done` runs, on that thread, with the event after
+// which its ranges hold the result (nullptr: they already do; an event may be re-recorded by a
+// later collective, a later point). Every process enqueues its collectives in the order its
+// replicas call: the callers keep one order in every process.
+//  - reduce_scatter: each replica's owned chunk ends as the mean over the replicas (the ring's
+//    order of sums where the kind can keep it); the rest of its ranges is unspecified.
+//  - all_gather: every replica's ranges end as the owners' chunks.
+class zero_group {
+ public:
+  using float_ranges = std::vector<std::pair<float*, std::int64_t>>;
+  using done_fn = std::function<void(void* event)>;
+  virtual ~zero_group() = default;
+  virtual void reduce_scatter(int step, int bucket, int replica, const float_ranges& ranges,
+                              void* ready, done_fn done) = 0;
+  virtual void all_gather(int step, int bucket, int replica, const float_ranges& ranges,
+                          void* ready, done_fn done) = 0;
+  virtual std::string describe() const = 0;
+};
+
 // How a device pipeline makes its chunks and links. A lane is one tensor shard of one
 // data-parallel replica: lane d * tp + j is shard j of replica d (lanes are replicas without
 // tensor parallelism). The CUDA kind places pipeline rank r of lane d * tp + j on device
@@ -183,6 +232,11 @@ struct chunk_factory {
   // replicas. Unset: the chunks' gradients are host memory, and the host's ring-order mean
   // (topology::ring_order_mean) serves them.
   std::function<std::shared_ptr<replica_group>(int rank, int shard, int replicas)> make_group;
+  // ZeRO-1/2 through the devices: the data-parallel group of tensor shard `shard` of pipeline
+  // rank `rank` over its `replicas` replicas, all in this process. Unset: this kind has none
+  // (ZeRO runs in host shards). Across processes, make_process_group's groups are zero_groups
+  // too where the kind has them.
+  std::function<std::shared_ptr<zero_group>(int rank, int shard, int replicas)> make_zero_group;
   // The tensor-parallel group of pipeline rank `rank` of replica `replica`: member j for shard
   // j's chunks (every chunk of the rank's shard uses it, one pass at a time). Unset: this kind
   // has no tensor parallelism.

@@ -114,6 +114,8 @@ struct gpu_chunk::impl {
   virtual block_pass backward_weight_pass(int slot, grad_block_fn on_block_done) = 0;
   // AdamW on every parameter; the working copy, if any, receives the new weights.
   virtual void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
+  // The same on the owned segments alone, with the owned moments.
+  virtual void adamw_owned(const kernels::adamw_hparams& hp, int step, float grad_multiplier) = 0;
   // The 16-bit copy of master weights [at, at + n), after they changed (nothing for fp32).
   virtual void refresh_working(std::int64_t at, std::int64_t n) = 0;
 
@@ -159,6 +161,9 @@ struct gpu_chunk::impl {
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
   float* scratch = nullptr;  // gradient_scratch()
   std::int64_t scratch_floats = 0;
+  std::vector<shard_segment> owned;  // ZeRO through a zero_group: the owned segments
+  float *owned_m = nullptr, *owned_v = nullptr;
+  std::int64_t owned_floats = 0;
   bool recompute = false;
   bool split_backward = false;  // slots keep what a split backward's W needs
   attention_kernel attention = attention_kernel::fused;
@@ -694,6 +699,19 @@ struct model_impl final : gpu_chunk::impl {
     if constexpr (!std::is_same_v<D, float>) cu::convert(ctx, working + at, master + at, n);
   }
 
+  void adamw_owned(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
+    for (const auto& sg : owned) {
+      const auto o = sg.offset;
+      if constexpr (std::is_same_v<D, float>) {
+        cu::adamw_update(ctx, master + o, grads + o, owned_m + sg.at, owned_v + sg.at, sg.numel, hp,
+                         step, sg.decay, grad_multiplier, static_cast<cu::bf16*>(nullptr));
+      } else {
+        cu::adamw_update(ctx, master + o, grads + o, owned_m + sg.at, owned_v + sg.at, sg.numel, hp,
+                         step, sg.decay, grad_multiplier, working + o);
+      }
+    }
+  }
+
   void adamw(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
     if (!m) throw std::logic_error("gpu_chunk: AdamW in a chunk made without optimizer state");
     if (ctx.fast_kernels()) {  // one launch over the flat buffers
@@ -1041,9 +1059,74 @@ void gpu_chunk::load_moments(const float* m, const float* v) {
   impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
 }
 
+void gpu_chunk::own(std::vector<shard_segment> segments) {
+  auto& s = *impl_;
+  if (s.m || s.owned_m)
+    throw std::logic_error("gpu_chunk: owned segments in a chunk with optimizer state");
+  std::int64_t n = 0;
+  for (const auto& sg : segments) {
+    check_span(s, sg.offset, sg.numel);
+    n = std::max(n, sg.at + sg.numel);
+  }
+  device_guard g(s.device);
+  s.owned = std::move(segments);
+  s.owned_floats = n;
+  s.owned_m = s.arena.alloc<float>(std::max<std::int64_t>(n, 1));
+  s.owned_v = s.arena.alloc<float>(std::max<std::int64_t>(n, 1));
+  zero(s.ctx, s.owned_m, n);
+  zero(s.ctx, s.owned_v, n);
+}
+
+double gpu_chunk::owned_square_sum(const std::vector<shard_segment>& segments) {
+  device_guard g(impl_->device);
+  double sum = 0;
+  for (const auto& sg : segments)
+    if (sg.counted && sg.numel > 0)
+      sum += cu::square_sum(impl_->ctx, impl_->grads + sg.offset, sg.numel);
+  return sum;
+}
+
+void gpu_chunk::adamw_owned(const kernels::adamw_hparams& hp, int step, float grad_multiplier) {
+  if (!impl_->owned_m) throw std::logic_error("gpu_chunk: AdamW of owned segments before own()");
+  device_guard g(impl_->device);
+  impl_->adamw_owned(hp, step, grad_multiplier);
+}
+
+void gpu_chunk::parameters_changed(std::int64_t at, std::int64_t n) {
+  check_span(*impl_, at, n);
+  device_guard g(impl_->device);
+  impl_->refresh_working(at, n);
+}
+
+std::pair<std::vector<float>, std::vector<float>> gpu_chunk::owned_moments() const {
+  device_guard g(impl_->device);
+  impl_->ctx.synchronize();
+  const auto n = static_cast<std::size_t>(impl_->owned_floats);
+  std::pair<std::vector<float>, std::vector<float>> out{std::vector<float>(n),
+                                                        std::vector<float>(n)};
+  if (n == 0) return out;
+  check(cudaMemcpy(out.first.data(), impl_->owned_m, n * sizeof(float), cudaMemcpyDeviceToHost),
+        "cudaMemcpy(owned moments)");
+  check(cudaMemcpy(out.second.data(), impl_->owned_v, n * sizeof(float), cudaMemcpyDeviceToHost),
+        "cudaMemcpy(owned moments)");
+  return out;
+}
+
+void gpu_chunk::load_owned_moments(const float* m, const float* v) {
+  device_guard g(impl_->device);
+  const auto bytes = static_cast<std::size_t>(impl_->owned_floats) * sizeof(float);
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(impl_->owned_m, m, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(owned moments)");
+  check(cudaMemcpyAsync(impl_->owned_v, v, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
+        "cudaMemcpyAsync(owned moments)");
+  impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
+}
+
 std::int64_t gpu_chunk::device_bytes() const { return impl_->arena.bytes(); }
 std::int64_t gpu_chunk::optimizer_bytes() const {
-  return impl_->m ? 2 * impl_->P * static_cast<std::int64_t>(sizeof(float)) : 0;
+  return (impl_->m ? 2 * impl_->P : 2 * impl_->owned_floats) *
+         static_cast<std::int64_t>(sizeof(float));
 }
 std::string gpu_chunk::device_name() const { return kernels::cuda_device_name(impl_->device); }
 void* gpu_chunk::stream() const { return impl_->ctx.stream(); }

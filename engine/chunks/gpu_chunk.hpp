@@ -38,6 +38,7 @@
 
 #include "engine/model/block_pass.hpp"
 #include "engine/model/gpt_model.hpp"
+#include "engine/parallel/zero.hpp"
 #include "engine/training/optimizer.hpp"
 
 namespace troupe::engine {
@@ -261,6 +262,17 @@ class gpu_chunk {
   // them from host floats (parameter_count() each). Throw without optimizer state.
   std::pair<std::vector<float>, std::vector<float>> moments() const;
   void load_moments(const float* m, const float* v);
+  // ZeRO-1/2 through a zero_group (device_chunk::own and what follows it): the owned segments'
+  // AdamW moments on the device (owned storage order, counted in optimizer_bytes()), their
+  // squared gradients (counted segments, in order, fp64), AdamW on them alone (1-based step,
+  // the working copy following), and the working copy of [at, at + n) after a gather wrote
+  // the master weights.
+  void own(std::vector<shard_segment> segments);
+  double owned_square_sum(const std::vector<shard_segment>& segments);
+  void adamw_owned(const kernels::adamw_hparams& hp, int step, float grad_multiplier);
+  void parameters_changed(std::int64_t at, std::int64_t n);
+  std::pair<std::vector<float>, std::vector<float>> owned_moments() const;
+  void load_owned_moments(const float* m, const float* v);
 
   std::int64_t device_bytes() const;     // everything this chunk allocated on the device
   std::int64_t optimizer_bytes() const;  // of which AdamW moments (0 without optimizer_state)

@@ -1,6 +1,7 @@
 // Host chunks and links (device_chunk.hpp): one chunk of an engine::cpu_chunks behind the
 // device contracts, so a device pipeline run on the host computes what the CPU pipeline does,
 // bitwise. Every call finishes before it returns: events are nullptr.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -10,6 +11,7 @@
 
 #include "engine/chunks/cpu_chunks.hpp"
 #include "engine/chunks/device_chunk.hpp"
+#include "engine/chunks/zero_group.hpp"
 
 namespace troupe::engine {
 namespace {
@@ -152,7 +154,10 @@ class host_chunk final : public device_chunk {
            compute_.activation_bytes() +
            static_cast<std::int64_t>(received_.size() * sizeof(float));
   }
-  std::int64_t optimizer_bytes() const override { return compute_.optimizer_bytes(); }
+  std::int64_t optimizer_bytes() const override {
+    return compute_.optimizer_bytes() +
+           static_cast<std::int64_t>((m_.size() + v_.size()) * sizeof(float));
+  }
   std::pair<std::vector<float>, std::vector<float>> moments() override {
     const auto& o = compute_.optimizer(0);
     const float* m = o.first_moment().f32();
@@ -162,6 +167,37 @@ class host_chunk final : public device_chunk {
   }
   void load_moments(const float* m, const float* v) override {
     compute_.optimizer(0).load_moments(m, v);
+  }
+  float* device_parameters() override { return compute_.chunk(0).params(); }
+  void own(std::vector<shard_segment> segments) override {
+    if (!owned_.segments.empty() || compute_.optimizer_bytes() > 0)
+      throw std::logic_error("host_chunk: owned segments in a chunk with optimizer state");
+    std::int64_t n = 0;
+    for (auto& s : segments) {
+      s.chunk = 0;
+      n = std::max(n, s.at + s.numel);
+    }
+    owned_.segments = std::move(segments);
+    m_.assign(static_cast<std::size_t>(n), 0.0f);
+    v_.assign(static_cast<std::size_t>(n), 0.0f);
+  }
+  // The host shards' arithmetic (engine::shard_square_sum, shard_adamw_step): bitwise theirs.
+  double owned_square_sum(const std::vector<shard_segment>& segments) override {
+    bucket_shard b;
+    b.segments = segments;
+    for (auto& s : b.segments) s.chunk = 0;
+    return shard_square_sum(b, views());
+  }
+  double update_owned(const optimizer_config& config, int step, int total_steps, double grad_norm,
+                      double unscale) override {
+    return shard_adamw_step({owned_}, views(), m_.data(), v_.data(), config, step, total_steps,
+                            grad_norm, unscale);
+  }
+  void parameters_changed(std::int64_t, std::int64_t) override {}
+  std::pair<std::vector<float>, std::vector<float>> owned_moments() override { return {m_, v_}; }
+  void load_owned_moments(const float* m, const float* v) override {
+    std::copy(m, m + m_.size(), m_.begin());
+    std::copy(v, v + v_.size(), v_.begin());
   }
   void* record_event() override { return nullptr; }
   void wait_event(void*) override {}
@@ -180,6 +216,12 @@ class host_chunk final : public device_chunk {
     bool live = false;  // holds a forward's saved activations
   };
   static micro_batch_id id(int slot) { return {0, slot}; }
+  shard_views views() {
+    shard_views v;
+    v.params = {compute_.chunk(0).params()};
+    v.grads = {compute_.chunk(0).grads()};
+    return v;
+  }
   slot_state& at(int slot) {
     if (slot < 0 || static_cast<std::size_t>(slot) >= slots_.size())
       throw std::out_of_range("host_chunk: slot " + std::to_string(slot));
@@ -214,6 +256,8 @@ class host_chunk final : public device_chunk {
   std::vector<slot_state> slots_;
   std::vector<float> scratch_;
   std::vector<float> received_;  // gradient_scratch
+  bucket_shard owned_;           // ZeRO on the device: the owned segments (chunk 0)
+  std::vector<float> m_, v_;     // and their moments
 };
 
 // Payloads queued in host memory, in send order.
@@ -267,6 +311,10 @@ chunk_factory host_chunks(bool recompute) {
   };
   f.make_link = [](int from, int to, int) -> std::shared_ptr<chunk_link> {
     return std::make_shared<host_link>(from, to);
+  };
+  f.make_zero_group = [](int rank, int shard, int replicas) {
+    return make_host_zero_group(replicas,
+                                "zero-" + std::to_string(rank) + "-" + std::to_string(shard));
   };
   f.make_tensor_group = [](int rank, int replica,
                            int tp) -> std::vector<std::shared_ptr<group_member>> {

@@ -46,6 +46,7 @@ class cpu_rank_chunks final : public rank_chunks {
   }
   float* gradients(int c) override { return compute_.chunk(c).grads(); }
   gpt_chunk* cpu_chunk(int c) override { return &compute_.chunk(c); }
+  device_chunk* device(int) override { return nullptr; }
   std::vector<float> parameters(int c) const override {
     const auto& st = weights_of(c);
     return {st.params(), st.params() + st.parameter_count()};
@@ -231,6 +232,7 @@ class device_rank_chunks final : public rank_chunks {
   }
   float* gradients(int c) override { return chunk(c).device_gradients(); }
   gpt_chunk* cpu_chunk(int) override { return nullptr; }
+  device_chunk* device(int c) override { return &chunk(c); }
   std::vector<float> parameters(int c) const override { return chunk(c).parameters(); }
 
   bool host_payloads() const override { return false; }

@@ -33,6 +33,7 @@
 namespace troupe::engine {
 
 struct chunk_factory;  // device_chunk.hpp
+class device_chunk;
 
 enum class payload_kind { activation, gradient };
 
@@ -52,6 +53,9 @@ class rank_chunks {
   virtual float* gradients(int c) = 0;
   // CPU chunks: the chunk's gpt_chunk (ZeRO works on its host buffers); nullptr otherwise.
   virtual gpt_chunk* cpu_chunk(int c) = 0;
+  // Device chunks: the chunk itself (ZeRO-1/2 through a zero_group works on its owned floats);
+  // nullptr otherwise.
+  virtual device_chunk* device(int c) = 0;
   // The master weights, copied to the host.
   virtual std::vector<float> parameters(int c) const = 0;
 

@@ -244,6 +244,12 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
                  "process has a GPU of its own; false, or where two processes share a GPU: "
                  "staged through host memory and the transport ("
                  "[processes.md](processes.md#gpus-across-processes))")},
+      {"parallel.zero_on_device",
+       described(nested(&recipe::parallel, &parallel_config::zero_on_device),
+                 "ZeRO-1/2 on device chunks: reduce-scatter the gradients, keep and update the "
+                 "owned AdamW moments and all-gather the parameters in device memory, through "
+                 "each rank's data-parallel group (NCCL); false: through host shards "
+                 "([zero.md](zero.md#on-device-chunks-device--cuda))")},
       {"precision.dtype",
        described(nested(&recipe::precision, &precision_config::dtype),
                  "`fp32`; `bf16` and `fp16` (16-bit compute, fp32 master weights and AdamW state) "

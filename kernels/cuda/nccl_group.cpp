@@ -3,6 +3,7 @@
 
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -215,16 +216,17 @@ void nccl_group::recv(void* data, std::size_t bytes, int peer, cudaEvent_t after
   settle("recv", std::chrono::steady_clock::now() + kEnqueueDeadline);
 }
 
-void nccl_group::all_reduce_mean(const std::vector<nccl_group*>& groups,
-                                 const std::vector<float_ranges>& ranges,
-                                 const std::vector<cudaEvent_t>& after) {
+void nccl_group::grouped(const std::vector<nccl_group*>& groups,
+                         const std::vector<float_ranges>& ranges,
+                         const std::vector<cudaEvent_t>& after, const char* what,
+                         const std::function<int(nccl_group&, const float_ranges&)>& call) {
   if (ranges.size() != groups.size() || after.size() != groups.size())
-    throw std::invalid_argument("nccl all_reduce_mean: " + std::to_string(groups.size()) +
+    throw std::invalid_argument(std::string("nccl ") + what + ": " + std::to_string(groups.size()) +
                                 " groups, " + std::to_string(ranges.size()) + " range lists, " +
                                 std::to_string(after.size()) + " events");
   for (std::size_t i = 0; i < groups.size(); ++i) {
     nccl_group& g = *groups[i];
-    g.usable("all_reduce_mean");
+    g.usable(what);
     check_cuda(cudaSetDevice(g.device_), "cudaSetDevice(" + std::to_string(g.device_) + ")");
     g.order_after(after[i]);
   }
@@ -238,20 +240,64 @@ void nccl_group::all_reduce_mean(const std::vector<nccl_group*>& groups,
     fail_all(std::string("ncclGroupStart: ") + ncclGetErrorString(r));
   ncclResult_t first_error = ncclSuccess;
   for (std::size_t i = 0; i < groups.size(); ++i) {
-    nccl_group& g = *groups[i];
-    for (const auto& [p, n] : ranges[i]) {
-      const ncclResult_t r = ncclAllReduce(p, p, static_cast<std::size_t>(n), ncclFloat32, ncclAvg,
-                                           as_comm(g.comm_), g.stream_);
-      if (r != ncclSuccess && r != ncclInProgress && first_error == ncclSuccess) first_error = r;
-    }
+    const auto r = static_cast<ncclResult_t>(call(*groups[i], ranges[i]));
+    if (r != ncclSuccess && r != ncclInProgress && first_error == ncclSuccess) first_error = r;
   }
   const ncclResult_t end = ncclGroupEnd();
   if (first_error != ncclSuccess)
-    fail_all(std::string("ncclAllReduce: ") + ncclGetErrorString(first_error));
+    fail_all(std::string(what) + ": " + ncclGetErrorString(first_error));
   if (end != ncclSuccess && end != ncclInProgress)
     fail_all(std::string("ncclGroupEnd: ") + ncclGetErrorString(end));
   const auto deadline = std::chrono::steady_clock::now() + kEnqueueDeadline;
-  for (auto* g : groups) g->settle("all_reduce_mean", deadline);
+  for (auto* g : groups) g->settle(what, deadline);
+}
+
+void nccl_group::all_reduce_mean(const std::vector<nccl_group*>& groups,
+                                 const std::vector<float_ranges>& ranges,
+                                 const std::vector<cudaEvent_t>& after) {
+  grouped(groups, ranges, after, "all_reduce_mean", [](nccl_group& g, const float_ranges& r) {
+    int first = ncclSuccess;
+    for (const auto& [p, n] : r) {
+      const ncclResult_t e = ncclAllReduce(p, p, static_cast<std::size_t>(n), ncclFloat32, ncclAvg,
+                                           as_comm(g.comm_), g.stream_);
+      if (e != ncclSuccess && e != ncclInProgress && first == ncclSuccess) first = e;
+    }
+    return first;
+  });
+}
+
+void nccl_group::owned_collective(const std::vector<nccl_group*>& groups,
+                                  const std::vector<float_ranges>& ranges,
+                                  const std::vector<cudaEvent_t>& after, owned_op op) {
+  const char* what = op == owned_op::reduce_mean ? "reduce_to_owners" : "broadcast_from_owners";
+  grouped(groups, ranges, after, what, [op](nccl_group& g, const float_ranges& r) {
+    std::int64_t n = 0;
+    for (const auto& range : r) n += range.second;
+    const std::int64_t d = g.ranks_;
+    int first = ncclSuccess;
+    for (std::int64_t c = 0; c < d; ++c) {
+      // Ring chunk c ([n c / d, n (c + 1) / d), engine::owned_chunk_bounds) and its owner.
+      const std::int64_t begin = n * c / d, end = n * (c + 1) / d;
+      const int owner = static_cast<int>((c + d - 1) % d);
+      std::int64_t at = 0;
+      for (const auto& [p, k] : r) {
+        const std::int64_t lo = std::max(begin, at), hi = std::min(end, at + k);
+        if (lo < hi) {
+          float* piece = p + (lo - at);
+          const auto count = static_cast<std::size_t>(hi - lo);
+          const ncclResult_t e = op == owned_op::reduce_mean
+                                     ? ncclReduce(piece, piece, count, ncclFloat32, ncclAvg, owner,
+                                                  as_comm(g.comm_), g.stream_)
+                                     : ncclBroadcast(piece, piece, count, ncclFloat32, owner,
+                                                     as_comm(g.comm_), g.stream_);
+          if (e != ncclSuccess && e != ncclInProgress && first == ncclSuccess) first = e;
+        }
+        at += k;
+        if (at >= end) break;
+      }
+    }
+    return first;
+  });
 }
 
 std::vector<std::unique_ptr<nccl_group>> nccl_group::join_all(

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -90,6 +91,17 @@ class nccl_group {
                               const std::vector<float_ranges>& ranges,
                               const std::vector<cudaEvent_t>& after);
 
+  // The same, by ring chunk of each rank's ranges (their concatenation of n floats cut into
+  // chunk c = [n c / d, n (c + 1) / d) over the d ranks, owned by rank (c + d - 1) mod d, as
+  // engine::zero_group says): reduce_mean averages chunk c into its owner's copy (ncclReduce,
+  // ncclAvg; the other ranks' copies are left as they were), broadcast copies it from its
+  // owner to every rank (ncclBroadcast). groups: ranks of one communicator (all of them, or a
+  // process's one).
+  enum class owned_op { reduce_mean, broadcast };
+  static void owned_collective(const std::vector<nccl_group*>& groups,
+                               const std::vector<float_ranges>& ranges,
+                               const std::vector<cudaEvent_t>& after, owned_op op);
+
   // Connect this rank's channels now, and wait until they are (each rank on a thread or in a
   // process of its own, all at once, as when joining). NCCL connects a channel at its first
   // transfer, and that waits for the peer's first transfer: a first send enqueued in the middle
@@ -110,6 +122,13 @@ class nccl_group {
 
  private:
   void settle(const char* op, std::chrono::steady_clock::time_point deadline);
+  // Checks and orders every group after its event, then call(group, its ranges) for each inside
+  // one ncclGroupStart/End (a failure aborts them all, naming `what`). call returns an
+  // ncclResult_t.
+  static void grouped(const std::vector<nccl_group*>& groups,
+                      const std::vector<float_ranges>& ranges,
+                      const std::vector<cudaEvent_t>& after, const char* what,
+                      const std::function<int(nccl_group&, const float_ranges&)>& call);
   void usable(const char* op) const;
   void order_after(cudaEvent_t after);
 

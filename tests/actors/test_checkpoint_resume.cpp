@@ -23,6 +23,7 @@ struct mesh {
   int pp = 1, dp = 1, tp = 1, zero = 0, v = 1, m = 2;
   const char* schedule = "1f1b";
   bool host_chunks = false;
+  bool zero_on_device = false;  // host chunks: ZeRO through their zero_group
 };
 
 engine::recipe with_mesh(engine::recipe r, const mesh& x) {
@@ -33,6 +34,7 @@ engine::recipe with_mesh(engine::recipe r, const mesh& x) {
   r.parallel.virtual_stages = x.v;
   r.parallel.micro_batches = x.m;
   r.parallel.schedule = x.schedule;
+  r.parallel.zero_on_device = x.zero_on_device;
   return r;
 }
 
@@ -97,6 +99,7 @@ TEST_CASE("a run resumed from its checkpoint ends bitwise as the run that went t
       {"DP=2 x TP=2 ZeRO-3", {1, 2, 2, 3, 1, 2}},
       {"device chunks PP=2 x DP=2", {2, 2, 1, 0, 1, 4, "1f1b", true}},
       {"device chunks PP=2 x DP=2 ZeRO-1", {2, 2, 1, 1, 1, 4, "1f1b", true}},
+      {"device chunks PP=2 x DP=2 ZeRO-2 on the devices", {2, 2, 1, 2, 1, 4, "1f1b", true, true}},
   };
   for (const auto& [name, x] : cases) {
     DYNAMIC_SECTION(name) {

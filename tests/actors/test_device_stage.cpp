@@ -23,6 +23,7 @@ struct device_case {
   int bucket_layers = 1;
   int tp = 1;
   int zero = 0;
+  bool zero_on_device = false;  // device chunks: ZeRO through their zero_group
 };
 
 run_options host_device(bool recompute) {
@@ -113,6 +114,19 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=2 x DP=2 x TP=2 ZeRO-2 ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 2, 2},
       {"PP=2 x DP=2 x TP=2 ZeRO-3 interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false, 2, 1, 2,
        3},
+      // ZeRO-1/2 through the devices' group (parallel.zero_on_device): reduce-scatter, owned
+      // AdamW and all-gather in the chunks' own memory, no shard actor, the same numbers (S8:
+      // buckets keep their order past the one waiting for the tied exchange).
+      {"DP=2 ZeRO-1 on the devices", 1, 1, 2, "1f1b", 1, false, 2, 1, 1, 1, true},
+      {"PP=2 x DP=2 ZeRO-1 on the devices, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 2, 2, 1, 1,
+       true},
+      {"PP=2 x DP=3 ZeRO-2 on the devices, interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false,
+       3, 1, 1, 2, true},
+      {"PP=2 x DP=2 ZeRO-2 on the devices, ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true, 2, 1,
+       1, 2, true},
+      {"PP=3 x DP=2 ZeRO-1 on the devices, GPipe", 3, 1, 3, "gpipe", 1, false, 2, 1, 1, 1, true},
+      {"PP=2 x DP=2 x TP=2 ZeRO-1 on the devices, ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 2, 1,
+       true},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -130,8 +144,23 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       run_options cpu;
       cpu.check_replicas = false;
       const auto want = run_actors(r, cpu);
-      const auto got = run_actors(r, host_device(c.recompute));
+      engine::recipe on_device = r;
+      on_device.parallel.zero_on_device = c.zero_on_device;
+      const auto got = run_actors(on_device, host_device(c.recompute));
       CHECK(same_run(got, want) == 2);  // two validations
+      if (c.zero > 0 && c.zero < 3) {
+        // Host shards keep host copies of the chunks' buffers (buffers); through the devices
+        // nothing is kept on the host, and the owned moments are the chunks' own.
+        REQUIRE_FALSE(got.steps.back().memory.empty());
+        for (const auto& m : got.steps.back().memory) {
+          INFO("replica " << m.replica << " rank " << m.rank);
+          CHECK(m.optimizer > 0);
+          if (c.zero_on_device)
+            CHECK(m.buffers == 0);
+          else
+            CHECK(m.buffers > 0);
+        }
+      }
     }
   }
 }

@@ -128,6 +128,12 @@ run gpuzbac --device cuda --set parallel.pp=2 --set parallel.schedule=zb_h1 \
 run gpuz1 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1
 run gpuz2 --device cuda --engine actors --set parallel.dp=2 --set parallel.zero=2
 run gpuz3 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3
+# ZeRO-1/2 through the devices' group (parallel.zero_on_device): reduce-scatter, owned AdamW and
+# all-gather in device memory; the replicas share the one GPU here (its mean kernel and copies).
+run gpuz1dev --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
+  --set parallel.zero_on_device=true
+run gpuz2devzb --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 \
+  --set parallel.schedule=zb_h1 --set parallel.zero_on_device=true
 run gpuz3zbac --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3 \
   --set parallel.schedule=zb_h1 --set activation_checkpoint.mode=full
 run gpuck --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
@@ -172,6 +178,10 @@ nccl_case gpu3dx8nccl 8 "8 pipeline links, 8 tied wte links, 4 data-parallel gro
 # ZeRO-2: its shards ring through host memory, the links still by NCCL.
 nccl_case gpuz2x4nccl 4 "4 pipeline links, 4 tied wte links, 0 data-parallel groups, 0 tensor groups" \
   --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2
+# ZeRO-2 through the devices: each process's rank of the data-parallel group's communicator
+# reduce-scatters (ncclReduce to each chunk's owner) and all-gathers (ncclBroadcast).
+nccl_case gpuz2x4ncclz 4 "4 pipeline links, 4 tied wte links, 2 data-parallel groups, 0 tensor groups" \
+  --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 --set parallel.zero_on_device=true
 run_job gpu3dx8 8 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2 \
   --set parallel.nccl_links=false
 # A process of such a job killed (SIGKILL) in steady state: the others, whose links and
@@ -268,6 +278,10 @@ assert open(f"{tmp}/gpuck/final.safetensors", "rb").read() == open(f"{tmp}/gpuck
 close(ck[4:], rows("gpuckv"), 1e-4, 1e-3, "GPU PP=2 resumed from a PP=2 x DP=2 ZeRO-1 checkpoint")
 close(rows("cpudp"), rows("gpuz2"), 1e-4, 1e-3, "fp32 GPU DP=2 ZeRO-2 vs CPU")
 close(rows("cpudp"), rows("gpuz3"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-3 vs CPU")
+close(rows("cpudp"), rows("gpuz1dev"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 ZeRO-1 through the device's group vs CPU")
+close(rows("cpudp"), rows("gpuz2devzb"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 ZeRO-2 ZB-H1 through the device's group vs CPU")
 close(rows("cpudp"), rows("gpuz3zbac"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 ZeRO-3 ZB-H1 with checkpointing (W gathers what it recomputes) vs CPU")
 close(rows("cpudp"), rows("gpuz2x4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes vs CPU")
@@ -286,6 +300,8 @@ close(rows("cpudp"), rows("gpu3dx8nccl"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 x TP=2 as 8 processes, by NCCL, vs CPU")
 close(rows("cpudp"), rows("gpuz2x4nccl"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes, NCCL links, vs CPU")
+close(rows("cpudp"), rows("gpuz2x4ncclz"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes through NCCL data-parallel groups vs CPU")
 close(rows("cpudp"), rows("gpu3dx8"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 x TP=2 as 8 processes, staged through host memory, vs CPU")
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")

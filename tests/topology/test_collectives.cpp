@@ -1,10 +1,15 @@
 // Ring collectives: the message-driven ring all-reduce gives bitwise the in-process ring-order
-// mean for every replica count, bucket layout and delivery order; both are the mean.
+// mean for every replica count, bucket layout and delivery order; both are the mean. The host
+// zero group (ZeRO through the devices, on host chunks) reduce-scatters and all-gathers bitwise
+// as the ring does.
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <deque>
 #include <random>
+#include <thread>
 
+#include "engine/chunks/zero_group.hpp"
 #include "topology/collectives.hpp"
 
 using namespace troupe::topology;
@@ -176,4 +181,81 @@ TEST_CASE("a half collective refuses the other half's chunks", "[unit]") {
   REQUIRE_THROWS_WITH(ag.receive(0, 0, c.data(), 3), Catch::Contains("without that phase"));
   REQUIRE_NOTHROW(ag.receive(1, 1, c.data(), 3));  // replica 0 owns chunk 1
   REQUIRE(a[3] == 2.0f);
+}
+
+TEST_CASE("the host zero group, called from every replica's thread, is the ring bitwise",
+          "[unit]") {
+  const std::vector<std::vector<std::int64_t>> layouts = {{1}, {7}, {3, 0, 5, 11}, {4097}};
+  for (int d = 1; d <= 4; ++d) {
+    for (std::size_t l = 0; l < layouts.size(); ++l) {
+      const auto seed = static_cast<std::uint32_t>(d * 17 + l);
+      replicas got(d, layouts[l], seed), want(d, layouts[l], seed);
+      auto group = troupe::engine::make_host_zero_group(d, "test");
+      // Two buckets' collectives in flight at once, each replica calling from its own thread
+      // (bucket 1 first on odd replicas): each completes once every replica has called.
+      replicas other(d, layouts[l], seed + 1), other_want(d, layouts[l], seed + 1);
+      std::atomic<int> done{0};
+      std::vector<std::thread> threads;
+      for (int i = 0; i < d; ++i)
+        threads.emplace_back([&, i] {
+          auto call = [&](replicas& r, int bucket) {
+            group->reduce_scatter(0, bucket, i, r.ranges[static_cast<std::size_t>(i)], nullptr,
+                                  [&](void* e) {
+                                    CHECK(e == nullptr);
+                                    ++done;
+                                  });
+          };
+          if (i % 2)
+            call(other, 1), call(got, 0);
+          else
+            call(got, 0), call(other, 1);
+        });
+      for (auto& t : threads) t.join();
+      REQUIRE(done == 2 * d);
+      run_ring(want, seed + 3, ring_kind::reduce_scatter);
+      run_ring(other_want, seed + 4, ring_kind::reduce_scatter);
+      const auto n = static_cast<std::int64_t>(want.data[0].size());
+      INFO("d=" << d << " layout " << l);
+      for (int i = 0; i < d; ++i) {
+        const auto [b, e] = ring_chunk_bounds(n, d, ring_owned_chunk(i, d));
+        for (std::int64_t k = b; k < e; ++k) {
+          const auto at = static_cast<std::size_t>(k), r = static_cast<std::size_t>(i);
+          REQUIRE(got.data[r][at] == want.data[r][at]);
+          REQUIRE(other.data[r][at] == other_want.data[r][at]);
+        }
+      }
+      // All-gather: every replica ends with every owner's chunk (the rest overwritten).
+      for (int i = 0; i < d; ++i)
+        for (int c = 0; c < d; ++c) {
+          if (c == ring_owned_chunk(i, d)) continue;
+          const auto [b, e] = ring_chunk_bounds(n, d, c);
+          for (std::int64_t k = b; k < e; ++k) {
+            got.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
+            want.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
+          }
+        }
+      threads.clear();
+      for (int i = 0; i < d; ++i)
+        threads.emplace_back([&, i] {
+          group->all_gather(0, 0, i, got.ranges[static_cast<std::size_t>(i)], nullptr,
+                            [](void*) {});
+        });
+      for (auto& t : threads) t.join();
+      run_ring(want, seed + 5, ring_kind::all_gather);
+      for (int i = 0; i < d; ++i)
+        REQUIRE(got.data[static_cast<std::size_t>(i)] == want.data[static_cast<std::size_t>(i)]);
+    }
+  }
+}
+
+TEST_CASE("a zero group refuses a replica calling twice, and replicas that disagree", "[unit]") {
+  auto group = troupe::engine::make_host_zero_group(2, "test");
+  std::vector<float> a(6, 1.0f), b(5, 1.0f);
+  group->reduce_scatter(3, 0, 0, {{a.data(), 6}}, nullptr, [](void*) {});
+  REQUIRE_THROWS_WITH(group->reduce_scatter(3, 0, 0, {{a.data(), 6}}, nullptr, [](void*) {}),
+                      Catch::Contains("called twice"));
+  REQUIRE_THROWS_WITH(group->reduce_scatter(3, 0, 1, {{b.data(), 5}}, nullptr, [](void*) {}),
+                      Catch::Contains("disagree"));
+  REQUIRE_THROWS_WITH(group->all_gather(3, 0, 2, {{a.data(), 6}}, nullptr, [](void*) {}),
+                      Catch::Contains("replica 2 of 2"));
 }

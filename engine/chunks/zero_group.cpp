@@ -1,0 +1,130 @@
+// In-process zero_groups. See zero_group.hpp.
+#include "engine/chunks/zero_group.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+namespace troupe::engine {
+namespace {
+
+std::int64_t total(const zero_group::float_ranges& r) {
+  std::int64_t n = 0;
+  for (const auto& [p, k] : r) n += k;
+  return n;
+}
+
+class host_zero_group final : public replicas_zero_group {
+ public:
+  using replicas_zero_group::replicas_zero_group;
+  std::string describe() const override {
+    return "host ZeRO group " + name() + " of " + std::to_string(replicas()) + " replicas";
+  }
+
+ protected:
+  std::vector<void*> run(op o, const std::vector<float_ranges>& ranges,
+                         const std::vector<void*>&) override {
+    const int d = replicas();
+    const std::int64_t n = total(ranges[0]);
+    std::vector<float> sum;
+    for (int c = 0; c < d; ++c) {
+      const auto [b, e] = owned_chunk_bounds(n, d, c);
+      const auto& owner = ranges[static_cast<std::size_t>(chunk_owner(c, d))];
+      if (o == op::all_gather) {
+        sum.resize(static_cast<std::size_t>(e - b));
+        for_each_piece(owner, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
+          std::memcpy(sum.data() + off, p, static_cast<std::size_t>(k) * sizeof(float));
+        });
+        for (int r = 0; r < d; ++r)
+          if (r != chunk_owner(c, d))
+            for_each_piece(ranges[static_cast<std::size_t>(r)], b, e,
+                           [&](float* p, std::int64_t k, std::int64_t off) {
+                             std::memcpy(p, sum.data() + off,
+                                         static_cast<std::size_t>(k) * sizeof(float));
+                           });
+        continue;
+      }
+      sum.assign(static_cast<std::size_t>(e - b), 0.0f);
+      for (int k = 0; k < d; ++k)
+        for_each_piece(ranges[static_cast<std::size_t>((c + k) % d)], b, e,
+                       [&](float* p, std::int64_t cnt, std::int64_t off) {
+                         float* s = sum.data() + off;
+                         for (std::int64_t i = 0; i < cnt; ++i) s[i] = k == 0 ? p[i] : s[i] + p[i];
+                       });
+      const float scale = 1.0f / static_cast<float>(d);
+      for (float& v : sum) v = v * scale;
+      for_each_piece(owner, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
+        std::memcpy(p, sum.data() + off, static_cast<std::size_t>(k) * sizeof(float));
+      });
+    }
+    return std::vector<void*>(ranges.size(), nullptr);
+  }
+};
+
+}  // namespace
+
+replicas_zero_group::replicas_zero_group(int replicas, std::string name)
+    : replicas_(replicas), name_(std::move(name)) {
+  if (replicas < 1)
+    throw std::invalid_argument("zero group " + name_ + ": " + std::to_string(replicas) +
+                                " replicas");
+}
+
+void replicas_zero_group::reduce_scatter(int step, int bucket, int replica,
+                                         const float_ranges& ranges, void* ready, done_fn done) {
+  call(op::reduce_scatter, step, bucket, replica, ranges, ready, std::move(done));
+}
+
+void replicas_zero_group::all_gather(int step, int bucket, int replica, const float_ranges& ranges,
+                                     void* ready, done_fn done) {
+  call(op::all_gather, step, bucket, replica, ranges, ready, std::move(done));
+}
+
+void replicas_zero_group::call(op o, int step, int bucket, int replica, const float_ranges& ranges,
+                               void* ready, done_fn done) {
+  if (replica < 0 || replica >= replicas_)
+    throw std::logic_error("zero group " + name_ + ": replica " + std::to_string(replica) + " of " +
+                           std::to_string(replicas_));
+  pending p;
+  {
+    std::lock_guard lock(mutex_);
+    const auto key = std::make_tuple(static_cast<int>(o), step, bucket);
+    auto& q = pending_[key];
+    if (q.ranges.empty()) {
+      q.ranges.resize(static_cast<std::size_t>(replicas_));
+      q.ready.resize(static_cast<std::size_t>(replicas_));
+      q.done.resize(static_cast<std::size_t>(replicas_));
+    }
+    const auto at = static_cast<std::size_t>(replica);
+    if (q.done[at])
+      throw std::logic_error("zero group " + name_ + ": replica " + std::to_string(replica) +
+                             " called twice for bucket " + std::to_string(bucket) + " of step " +
+                             std::to_string(step));
+    q.ranges[at] = ranges;
+    q.ready[at] = ready;
+    q.done[at] = std::move(done);
+    if (++q.arrived < replicas_) return;
+    p = std::move(q);
+    pending_.erase(key);
+  }
+  for (const auto& r : p.ranges) {
+    bool same = r.size() == p.ranges[0].size();
+    for (std::size_t i = 0; same && i < r.size(); ++i) same = r[i].second == p.ranges[0][i].second;
+    if (!same)
+      throw std::logic_error("zero group " + name_ + ": replicas disagree on bucket " +
+                             std::to_string(bucket) + "'s ranges");
+  }
+  std::vector<void*> events;
+  {
+    std::lock_guard lock(run_mutex_);
+    events = run(o, p.ranges, p.ready);
+  }
+  for (std::size_t r = 0; r < p.done.size(); ++r) p.done[r](events.at(r));
+}
+
+std::shared_ptr<zero_group> make_host_zero_group(int replicas, std::string name) {
+  return std::make_shared<host_zero_group>(replicas, std::move(name));
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,117 @@
+// ZeRO-1/2 on device chunks through a zero_group. See device_zero.hpp.
+#include "topology/device_zero.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace troupe::topology {
+
+device_zero::device_zero(engine::rank_chunks& chunks, const grad_buckets& buckets,
+                         std::shared_ptr<engine::zero_group> group, int replica, int replicas,
+                         engine::tensor_shard tp)
+    : chunks_(&chunks),
+      buckets_(&buckets),
+      group_(std::move(group)),
+      replica_(replica),
+      shards_(buckets.shards(replica, replicas, tp)) {
+  const int n = chunks.chunk_count();
+  std::vector<std::vector<engine::shard_segment>> owned(static_cast<std::size_t>(n));
+  owned_floats_.assign(static_cast<std::size_t>(n), 0);
+  for (const auto& b : shards_) {
+    auto& ats = local_at_.emplace_back();
+    for (auto s : b.segments) {
+      if (s.chunk < 0 || s.chunk >= n || !chunks.device(s.chunk))
+        throw std::logic_error("device_zero: a segment of chunk " + std::to_string(s.chunk) +
+                               ", not a device chunk of this rank");
+      auto& at = owned_floats_[static_cast<std::size_t>(s.chunk)];
+      ats.push_back(at);
+      s.at = at;
+      at += s.numel;
+      owned[static_cast<std::size_t>(s.chunk)].push_back(s);
+    }
+  }
+  for (int c = 0; c < n; ++c) chunks.device(c)->own(std::move(owned[static_cast<std::size_t>(c)]));
+}
+
+std::pair<std::vector<float>, std::vector<float>> device_zero::moments() {
+  std::vector<std::pair<std::vector<float>, std::vector<float>>> local;
+  for (int c = 0; c < chunks_->chunk_count(); ++c)
+    local.push_back(chunks_->device(c)->owned_moments());
+  std::int64_t total = 0;
+  for (const auto& b : shards_)
+    for (const auto& s : b.segments) total = std::max(total, s.at + s.numel);
+  std::pair<std::vector<float>, std::vector<float>> out{
+      std::vector<float>(static_cast<std::size_t>(total)),
+      std::vector<float>(static_cast<std::size_t>(total))};
+  for (std::size_t b = 0; b < shards_.size(); ++b) {
+    for (std::size_t i = 0; i < shards_[b].segments.size(); ++i) {
+      const auto& s = shards_[b].segments[i];
+      const auto& [m, v] = local.at(static_cast<std::size_t>(s.chunk));
+      const auto from = local_at_[b][i];
+      std::copy_n(m.begin() + from, s.numel, out.first.begin() + s.at);
+      std::copy_n(v.begin() + from, s.numel, out.second.begin() + s.at);
+    }
+  }
+  return out;
+}
+
+void device_zero::load_moments(const std::vector<float>& m, const std::vector<float>& v) {
+  std::vector<std::pair<std::vector<float>, std::vector<float>>> local;
+  for (const auto n : owned_floats_)
+    local.emplace_back(std::vector<float>(static_cast<std::size_t>(n)),
+                       std::vector<float>(static_cast<std::size_t>(n)));
+  for (std::size_t b = 0; b < shards_.size(); ++b) {
+    for (std::size_t i = 0; i < shards_[b].segments.size(); ++i) {
+      const auto& s = shards_[b].segments[i];
+      if (static_cast<std::int64_t>(m.size()) < s.at + s.numel ||
+          static_cast<std::int64_t>(v.size()) < s.at + s.numel)
+        throw std::logic_error("device_zero: moments shorter than the owned floats");
+      auto& [lm, lv] = local.at(static_cast<std::size_t>(s.chunk));
+      const auto to = local_at_[b][i];
+      std::copy_n(m.begin() + s.at, s.numel, lm.begin() + to);
+      std::copy_n(v.begin() + s.at, s.numel, lv.begin() + to);
+    }
+  }
+  for (int c = 0; c < chunks_->chunk_count(); ++c) {
+    const auto& [lm, lv] = local[static_cast<std::size_t>(c)];
+    chunks_->device(c)->load_owned_moments(lm.data(), lv.data());
+  }
+}
+
+void device_zero::reduce_scatter(int step, int b, engine::zero_group::done_fn done) {
+  const auto& info = buckets_->bucket(b);
+  group_->reduce_scatter(step, b, replica_, info.ranges, chunks_->record_event(info.chunk),
+                         std::move(done));
+}
+
+double device_zero::square_sum() {
+  double sum = 0;
+  for (std::size_t b = 0; b < shards_.size(); ++b) {
+    auto segments = shards_[b].segments;
+    for (std::size_t i = 0; i < segments.size(); ++i) segments[i].at = local_at_[b][i];
+    sum += chunks_->device(shards_[b].chunk)->owned_square_sum(segments);
+  }
+  return sum;
+}
+
+double device_zero::update(const engine::optimizer_config& c, int step, int total_steps,
+                           double grad_norm, double unscale) {
+  double lr = engine::learning_rate(c, step, total_steps);
+  for (int k = 0; k < chunks_->chunk_count(); ++k)
+    lr = chunks_->device(k)->update_owned(c, step, total_steps, grad_norm, unscale);
+  return lr;
+}
+
+void device_zero::all_gather(int step, int b, engine::zero_group::done_fn done) {
+  const auto& info = buckets_->bucket(b);
+  group_->all_gather(step, b, replica_, buckets_->param_ranges(b),
+                     chunks_->record_event(info.chunk), std::move(done));
+}
+
+void device_zero::gathered() {
+  for (int c = 0; c < chunks_->chunk_count(); ++c)
+    chunks_->device(c)->parameters_changed(0, chunks_->parameter_count(c));
+}
+
+}  // namespace troupe::topology
