@@ -11,10 +11,12 @@
 //  S5. ZeRO: a bucket holding a tied wte copy goes to the shard only after the tied exchange
 //      (the shard reduces gradients the stage will never see whole again); the squared norm
 //      is the sum of the shard's per-bucket reports, in bucket order.
-//  S7. A checkpoint's capture (snapshot_request::capture) takes the state between steps. CPU
-//      chunks without ZeRO: a thread copies it while the next step runs, which only reads
-//      parameters and moments; the next update waits for the copy first. Otherwise the state is
-//      taken before the capture is answered, so before the next step begins.
+//  S7. A checkpoint's capture (snapshot_request::capture) takes the state between steps.
+//      Without ZeRO: each chunk's copy begins when the capture arrives (rank_chunks::
+//      capture_state: device chunks into pinned host memory on a stream of their own) and a
+//      thread takes it while the next step runs, which only reads parameters and moments; the
+//      next update waits for the copy first. ZeRO: the state is taken before the capture is
+//      answered, so before the next step begins.
 //  S8. ZeRO-1/2 through the devices' zero_group: buckets go to the group in the order they
 //      became final, even past a bucket waiting for the tied exchange (S5), so every replica, in
 //      every process, enqueues the same collectives in the same order (NCCL's rule); the
@@ -403,13 +405,20 @@ class stage_impl : public stage_actor::base {
     stage_snapshot empty;
     empty.rank = my_rank();
     empty.replica = cfg_.replica;
-    if (!zero() && !device()) {
-      // The copy only reads; the stage thread meanwhile writes activations and gradients.
+    if (!zero()) {
+      // The copies begin now (device chunks: into pinned host memory on a stream of their own)
+      // and are taken on a thread; they only read, while the stage thread meanwhile writes
+      // activations and gradients.
+      std::vector<std::function<engine::rank_chunks::host_state()>> copies;
+      for (int c = 0; c < chunks_->chunk_count(); ++c)
+        copies.push_back(chunks_->capture_state(c, true));
       caf::actor me = caf::actor_cast<caf::actor>(this);
-      copying_ = std::async(std::launch::async, [this, me] {
+      copying_ = std::async(std::launch::async, [this, me, copies = std::move(copies)] {
         if (cfg_.test_capture_delay_ms > 0)
           std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
-        auto s = snapshot(true, true);
+        std::vector<engine::rank_chunks::host_state> states;
+        for (const auto& copy : copies) states.push_back(copy());
+        auto s = snapshot_of(states, true, true);
         caf::anon_send(me, snapshot_copied{});
         return s;
       });
@@ -1186,11 +1195,19 @@ class stage_impl : public stage_actor::base {
   // (the two copies are summed in different orders over the replicas, so they may differ in
   // their last bits, and exact resume needs both); with moments, the AdamW moments as pieces.
   stage_snapshot snapshot(bool state = false, bool moments = false) {
+    std::vector<engine::rank_chunks::host_state> states;
+    for (int c = 0; c < chunks_->chunk_count(); ++c)
+      states.push_back(chunks_->state_on_host(c, moments));
+    return snapshot_of(states, state, moments);
+  }
+  // The same from chunk states taken already (by chunk); reads only what chunks_ keeps constant.
+  stage_snapshot snapshot_of(const std::vector<engine::rank_chunks::host_state>& states, bool state,
+                             bool moments) const {
     stage_snapshot s;
     s.rank = my_rank();
     s.replica = cfg_.replica;
     for (int c = 0; c < chunks_->chunk_count(); ++c) {
-      const auto h = chunks_->state_on_host(c, moments);
+      const auto& h = states.at(static_cast<std::size_t>(c));
       auto values = [](const float* base, const engine::parameter_info& q) {
         return std::vector<float>(base + q.offset, base + q.offset + q.numel);
       };

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <exception>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -28,7 +29,9 @@ class cuda_chunk final : public device_chunk {
  public:
   cuda_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_options& options, int slots,
              int device, std::shared_ptr<device_tensor_group> group)
-      : s_(weights, B, T, options, slots, device, std::move(group)), T_(T) {}
+      : s_(weights, B, T, options, slots, device, std::move(group)),
+        T_(T),
+        pinned_copy_(options.pinned_state_copy) {}
 
   const chunk_range& range() const override { return s_.range(); }
   int slots() const override { return s_.slots(); }
@@ -102,6 +105,20 @@ class cuda_chunk final : public device_chunk {
   std::int64_t optimizer_bytes() const override { return s_.optimizer_bytes(); }
   std::pair<std::vector<float>, std::vector<float>> moments() override { return s_.moments(); }
   void load_moments(const float* m, const float* v) override { s_.load_moments(m, v); }
+  // checkpoint.pinned_copy: into pinned memory while the chunk goes on; otherwise copied now.
+  std::function<state_copy()> begin_state_copy(bool with_moments) override {
+    if (!pinned_copy_) {
+      auto s = std::make_shared<state_copy>();
+      s->params = s_.parameters();
+      if (with_moments) std::tie(s->m, s->v) = s_.moments();
+      return [s] { return std::move(*s); };
+    }
+    return [fill = s_.begin_state_copy(with_moments)] {
+      state_copy s;
+      fill(s.params, s.m, s.v);
+      return s;
+    };
+  }
   float* device_parameters() override { return s_.device_parameters(); }
   void own(std::vector<shard_segment> segments) override { s_.own(std::move(segments)); }
   double owned_square_sum(const std::vector<shard_segment>& segments) override {
@@ -134,6 +151,7 @@ class cuda_chunk final : public device_chunk {
  private:
   gpu_chunk s_;
   int T_ = 0;
+  bool pinned_copy_ = false;
   std::map<int, int> lengths_;  // by slot: its micro-batch's sequence length
 };
 

@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -121,6 +122,24 @@ class device_chunk {
   // made with optimizer state; parameter_count() floats each).
   virtual std::pair<std::vector<float>, std::vector<float>> moments() = 0;
   virtual void load_moments(const float* m, const float* v) = 0;
+  // A checkpoint's capture: begins copying the master weights and (with_moments) the AdamW
+  // moments to host memory now, after the chunk's work so far, and returns the call that waits
+  // for the copy and gives it (parameter_count() floats each; m and v empty without moments), on
+  // any thread. Until it returns the chunk may run work that reads them, never update(). The
+  // default copies when called (parameters(), moments()): for kinds whose calls are safe from
+  // another thread while the chunk works (host chunks); CUDA chunks copy into pinned host
+  // memory on a stream of their own, overlapping the chunk's later work.
+  struct state_copy {
+    std::vector<float> params, m, v;
+  };
+  virtual std::function<state_copy()> begin_state_copy(bool with_moments) {
+    return [this, with_moments] {
+      state_copy s;
+      s.params = parameters();
+      if (with_moments) std::tie(s.m, s.v) = moments();
+      return s;
+    };
+  }
   virtual std::int64_t device_bytes() const = 0;     // what the chunk allocated
   virtual std::int64_t optimizer_bytes() const = 0;  // of which AdamW moments (owned ones too)
 

@@ -161,6 +161,23 @@ struct gpu_chunk::impl {
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
   float* scratch = nullptr;  // gradient_scratch()
   std::int64_t scratch_floats = 0;
+  // begin_state_copy's pinned host buffer, copy stream and events (made at its first call).
+  struct pinned_copy {
+    float* host = nullptr;
+    std::int64_t floats = 0;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t start = nullptr, done = nullptr;
+    pinned_copy() = default;
+    pinned_copy(const pinned_copy&) = delete;
+    pinned_copy& operator=(const pinned_copy&) = delete;
+    ~pinned_copy() {
+      if (done) cudaEventDestroy(done);
+      if (start) cudaEventDestroy(start);
+      if (stream) cudaStreamDestroy(stream);
+      if (host) cudaFreeHost(host);
+    }
+  };
+  std::unique_ptr<pinned_copy> state_copy;
   std::vector<shard_segment> owned;  // ZeRO through a zero_group: the owned segments
   float *owned_m = nullptr, *owned_v = nullptr;
   std::int64_t owned_floats = 0;
@@ -1057,6 +1074,51 @@ void gpu_chunk::load_moments(const float* m, const float* v) {
   check(cudaMemcpyAsync(impl_->v, v, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
         "cudaMemcpyAsync(moments)");
   impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
+}
+
+gpu_chunk::state_fill gpu_chunk::begin_state_copy(bool with_moments) {
+  auto& s = *impl_;
+  if (with_moments && !s.m)
+    throw std::logic_error("gpu_chunk: no optimizer state (ZeRO holds the moments)");
+  device_guard g(s.device);
+  auto& c = s.state_copy;
+  if (!c) {
+    c = std::make_unique<impl::pinned_copy>();
+    check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate(copy)");
+    check(cudaEventCreateWithFlags(&c->start, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  const std::int64_t n = s.P * (with_moments ? 3 : 1);
+  if (c->floats < n) {
+    if (c->host) check(cudaFreeHost(c->host), "cudaFreeHost");
+    c->host = nullptr;
+    c->floats = 0;
+    check(cudaMallocHost(reinterpret_cast<void**>(&c->host),
+                         static_cast<std::size_t>(n) * sizeof(float)),
+          "cudaMallocHost(checkpoint copy)");
+    c->floats = n;
+  }
+  check(cudaEventRecord(c->start, s.ctx.stream()), "cudaEventRecord");
+  check(cudaStreamWaitEvent(c->stream, c->start, 0), "cudaStreamWaitEvent");
+  const auto bytes = static_cast<std::size_t>(s.P) * sizeof(float);
+  check(cudaMemcpyAsync(c->host, s.master, bytes, cudaMemcpyDeviceToHost, c->stream),
+        "cudaMemcpyAsync(checkpoint copy)");
+  if (with_moments) {
+    check(cudaMemcpyAsync(c->host + s.P, s.m, bytes, cudaMemcpyDeviceToHost, c->stream),
+          "cudaMemcpyAsync(checkpoint copy)");
+    check(cudaMemcpyAsync(c->host + 2 * s.P, s.v, bytes, cudaMemcpyDeviceToHost, c->stream),
+          "cudaMemcpyAsync(checkpoint copy)");
+  }
+  check(cudaEventRecord(c->done, c->stream), "cudaEventRecord");
+  return [copy = c.get(), device = s.device, P = s.P, with_moments](
+             std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) {
+    device_guard g(device);
+    check(cudaEventSynchronize(copy->done), "cudaEventSynchronize(checkpoint copy)");
+    params.assign(copy->host, copy->host + P);
+    if (!with_moments) return;
+    m.assign(copy->host + P, copy->host + 2 * P);
+    v.assign(copy->host + 2 * P, copy->host + 3 * P);
+  };
 }
 
 void gpu_chunk::own(std::vector<shard_segment> segments) {

@@ -32,6 +32,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,6 +74,9 @@ struct gpu_trainer_options {
   bool split_backward = false;
   // false: no AdamW moments on the device (ZeRO: its shards hold them); adamw throws.
   bool optimizer_state = true;
+  // A checkpoint's capture (begin_state_copy): into pinned host memory on a stream of the
+  // chunk's own, overlapping its later work; false: copied before begin_state_copy returns.
+  bool pinned_state_copy = false;
 };
 
 struct recipe;
@@ -262,6 +266,14 @@ class gpu_chunk {
   // them from host floats (parameter_count() each). Throw without optimizer state.
   std::pair<std::vector<float>, std::vector<float>> moments() const;
   void load_moments(const float* m, const float* v);
+  // A checkpoint's capture (device_chunk::begin_state_copy): the master weights and (with
+  // moments) the AdamW moments copied into pinned host memory (allocated at the first call, kept)
+  // on a stream of the chunk's own, after what the chunk's stream has enqueued, while its later
+  // work runs; the returned call waits for the copy (any thread) and fills the vectors. The
+  // chunk's AdamW must not run before it returned; the next begin neither.
+  using state_fill =
+      std::function<void(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v)>;
+  state_fill begin_state_copy(bool with_moments);
   // ZeRO-1/2 through a zero_group (device_chunk::own and what follows it): the owned segments'
   // AdamW moments on the device (owned storage order, counted in optimizer_bytes()), their
   // squared gradients (counted segments, in order, fp64), AdamW on them alone (1-based step,

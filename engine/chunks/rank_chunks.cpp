@@ -442,6 +442,25 @@ class device_rank_chunks final : public rank_chunks {
 
 }  // namespace
 
+std::function<rank_chunks::host_state()> rank_chunks::capture_state(int c, bool with_moments) {
+  if (auto* d = device(c)) {
+    return [copy = d->begin_state_copy(with_moments), with_moments] {
+      auto s = copy();
+      host_state h;
+      h.owned_params = std::move(s.params);
+      h.params = h.owned_params.data();
+      if (with_moments) {
+        h.owned_m = std::move(s.m);
+        h.owned_v = std::move(s.v);
+        h.m = h.owned_m.data();
+        h.v = h.owned_v.data();
+      }
+      return h;
+    };
+  }
+  return [this, c, with_moments] { return state_on_host(c, with_moments); };
+}
+
 rank_chunks::host_state rank_chunks::state_on_host(int c, bool with_moments) {
   host_state h;
   h.owned_params = parameters(c);

@@ -148,6 +148,12 @@ class rank_chunks {
     std::vector<float> owned_params, owned_m, owned_v;
   };
   virtual host_state state_on_host(int c, bool with_moments);
+  // A checkpoint's capture (actors/stage.cpp, S7): begins taking c's master weights and
+  // (with_moments) AdamW moments to the host now, after c's work so far, and returns the call
+  // that waits for them and gives them as state_on_host does, on any thread. Until it returns,
+  // c may run work that only reads them (forward, backward), never its update. CPU chunks: the
+  // call gives views of the chunks' buffers; device chunks: device_chunk::begin_state_copy.
+  virtual std::function<host_state()> capture_state(int c, bool with_moments);
 
   // ---- memory --------------------------------------------------------------------------
   virtual std::int64_t optimizer_bytes() const = 0;   // AdamW moments held here

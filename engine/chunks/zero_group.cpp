@@ -69,6 +69,7 @@ replicas_zero_group::replicas_zero_group(int replicas, std::string name)
   if (replicas < 1)
     throw std::invalid_argument("zero group " + name_ + ": " + std::to_string(replicas) +
                                 " replicas");
+  calls_.assign(static_cast<std::size_t>(replicas), 0);
 }
 
 void replicas_zero_group::reduce_scatter(int step, int bucket, int replica,
@@ -86,27 +87,36 @@ void replicas_zero_group::call(op o, int step, int bucket, int replica, const fl
   if (replica < 0 || replica >= replicas_)
     throw std::logic_error("zero group " + name_ + ": replica " + std::to_string(replica) + " of " +
                            std::to_string(replicas_));
+  auto what = [](int op_, int step_, int bucket_) {
+    return std::string(op_ == static_cast<int>(op::reduce_scatter) ? "reduce-scatter"
+                                                                   : "all-gather") +
+           " of bucket " + std::to_string(bucket_) + " (step " + std::to_string(step_) + ")";
+  };
   pending p;
   {
     std::lock_guard lock(mutex_);
+    const auto at = static_cast<std::size_t>(replica);
     const auto key = std::make_tuple(static_cast<int>(o), step, bucket);
-    auto& q = pending_[key];
+    const std::uint64_t seq = calls_[at]++;
+    auto& q = pending_[seq];
     if (q.ranges.empty()) {
+      q.key = key;
       q.ranges.resize(static_cast<std::size_t>(replicas_));
       q.ready.resize(static_cast<std::size_t>(replicas_));
       q.done.resize(static_cast<std::size_t>(replicas_));
-    }
-    const auto at = static_cast<std::size_t>(replica);
-    if (q.done[at])
+    } else if (q.key != key) {
+      const auto [o1, s1, b1] = q.key;
       throw std::logic_error("zero group " + name_ + ": replica " + std::to_string(replica) +
-                             " called twice for bucket " + std::to_string(bucket) + " of step " +
-                             std::to_string(step));
+                             "'s collective " + std::to_string(seq) + " is the " +
+                             what(static_cast<int>(o), step, bucket) + ", another replica's the " +
+                             what(o1, s1, b1) + " (the replicas must call in one order)");
+    }
     q.ranges[at] = ranges;
     q.ready[at] = ready;
     q.done[at] = std::move(done);
     if (++q.arrived < replicas_) return;
     p = std::move(q);
-    pending_.erase(key);
+    pending_.erase(seq);
   }
   for (const auto& r : p.ranges) {
     bool same = r.size() == p.ranges[0].size();

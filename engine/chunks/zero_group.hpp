@@ -36,6 +36,10 @@ void for_each_piece(const zero_group::float_ranges& ranges, std::int64_t begin, 
   }
 }
 
+// Calls meet by their place in each replica's sequence: the k-th call of every replica is one
+// collective, and must name the same (operation, step, bucket) or the group throws, naming both:
+// the order NCCL needs of every rank (zero_group's callers keep one order), checked here on every
+// kind, host chunks' included.
 class replicas_zero_group : public zero_group {
  public:
   replicas_zero_group(int replicas, std::string name);
@@ -58,6 +62,7 @@ class replicas_zero_group : public zero_group {
   void call(op o, int step, int bucket, int replica, const float_ranges& ranges, void* ready,
             done_fn done);
   struct pending {
+    std::tuple<int, int, int> key;  // (op, step, bucket) of the first caller
     std::vector<float_ranges> ranges;
     std::vector<void*> ready;
     std::vector<done_fn> done;
@@ -65,9 +70,10 @@ class replicas_zero_group : public zero_group {
   };
   int replicas_;
   std::string name_;
-  std::mutex mutex_;      // pending_
-  std::mutex run_mutex_;  // one run() at a time
-  std::map<std::tuple<int, int, int>, pending> pending_;
+  std::mutex mutex_;                          // pending_, calls_
+  std::mutex run_mutex_;                      // one run() at a time
+  std::map<std::uint64_t, pending> pending_;  // by place in the sequence
+  std::vector<std::uint64_t> calls_;          // by replica: its calls so far
 };
 
 // Host memory: each ring chunk summed in the ring's order (x_c + x_{c+1} + ... + x_{c+d-1}) and

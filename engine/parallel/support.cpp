@@ -60,15 +60,6 @@ const std::vector<support_rule>& support_rules() {
              "true needs device chunks (device = \"cuda\"); the CPU engines' ZeRO runs in "
              "host shard actors");
        }},
-      {"ZeRO-3 with `parallel.zero_on_device`", "parallel.zero_on_device",
-       "no: CPU chunks' ZeRO runs in host shard actors",
-       "no: ZeRO-3 gathers through host shards (parallel.zero_on_device = false)",
-       [](const job_shape& j) { return j.r->parallel.zero_on_device && j.r->parallel.zero == 3; },
-       [](const job_shape&) {
-         return std::string(
-             "true takes parallel.zero 1 or 2; ZeRO-3 gathers through host shards "
-             "(parallel.zero_on_device = false)");
-       }},
   };
   return rules;
 }

@@ -194,6 +194,11 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
       {"checkpoint.keep", described(nested(&recipe::checkpoint, &checkpoint_config::keep),
                                     "committed checkpoints kept; an older one is removed only "
                                     "after a newer one is committed")},
+      {"checkpoint.pinned_copy",
+       described(nested(&recipe::checkpoint, &checkpoint_config::pinned_copy),
+                 "`device = \"cuda\"`: each chunk copies its state into pinned host memory on "
+                 "a stream of its own while the next step runs; false: before it begins "
+                 "([checkpoints.md](checkpoints.md#how-a-checkpoint-is-taken))")},
       {"watchdog.action_timeout",
        described(nested(&recipe::watchdog, &watchdog_config::action_timeout),
                  "seconds a stage may spend in one action before it is reported and its process "
@@ -248,8 +253,8 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
        described(nested(&recipe::parallel, &parallel_config::zero_on_device),
                  "ZeRO-1/2 on device chunks: reduce-scatter the gradients, keep and update the "
                  "owned AdamW moments and all-gather the parameters in device memory, through "
-                 "each rank's data-parallel group (NCCL); false: through host shards "
-                 "([zero.md](zero.md#on-device-chunks-device--cuda))")},
+                 "each rank's data-parallel group (NCCL); false, and for ZeRO-3: through host "
+                 "shards ([zero.md](zero.md#on-device-chunks-device--cuda))")},
       {"precision.dtype",
        described(nested(&recipe::precision, &precision_config::dtype),
                  "`fp32`; `bf16` and `fp16` (16-bit compute, fp32 master weights and AdamW state) "

@@ -52,6 +52,7 @@ struct checkpoint_config {
   int every = 0;
   std::string dir = "checkpoints";
   int keep = 2;
+  bool pinned_copy = false;  // CUDA: the state copied to pinned memory while the next step runs
 };
 
 // How the model is spread over actors (docs/pipeline.md, docs/zero.md, docs/tensor_parallel.md).

@@ -211,13 +211,8 @@ TEST_CASE("a fresh run does not write over another run's checkpoints", "[actors]
                     Catch::Contains("cannot resume") && Catch::Contains("nowhere"));
 }
 
-// A CPU stage copies a captured state while the next step runs, and that step's update waits for
-// the copy (stage S7): with every copy made to start 300 ms late, long after the next update
-// would otherwise have run, the checkpoints are still byte for byte those of a run without delay.
-TEST_CASE("a checkpoint holds the state between its steps, however late its copy runs",
-          "[actors][checkpoint]") {
+void late_copy_is_exact(const mesh& x) {
   temp_dir dir;
-  const mesh x{2, 1, 1, 0, 1, 4};
   engine::recipe r = with_mesh(base_recipe(dir), x);
   r.checkpoint.every = 3;
   engine::recipe prompt = r, late = r;
@@ -238,6 +233,21 @@ TEST_CASE("a checkpoint holds the state between its steps, however late its copy
       CHECK(!pa.empty());
       CHECK(pa == qa);
     }
+  }
+}
+
+// A stage copies a captured state while the next step runs (device chunks: begun at the capture,
+// taken on a thread), and that step's update waits for the copy (stage S7): with every copy made
+// to be taken 300 ms late, long after the next update would otherwise have run, the checkpoints
+// are still byte for byte those of a run without delay.
+TEST_CASE("a checkpoint holds the state between its steps, however late its copy runs",
+          "[actors][checkpoint]") {
+  const std::vector<std::pair<const char*, mesh>> cases = {
+      {"CPU chunks PP=2", {2, 1, 1, 0, 1, 4}},
+      {"device chunks PP=2 x DP=2", {2, 2, 1, 0, 1, 4, "1f1b", true}},
+  };
+  for (const auto& [name, x] : cases) {
+    DYNAMIC_SECTION(name) { late_copy_is_exact(x); }
   }
 }
 

@@ -141,6 +141,17 @@ run gpuck --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.z
 run gpuckr --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
   --resume "$tmp/gpuck/checkpoints/step-00000004"
 run gpuckv --device cuda --set parallel.pp=2 --set parallel.micro_batches=4 --resume "$tmp/gpuck/checkpoints/step-00000004"
+# checkpoint.pinned_copy: the state copied into pinned memory on a stream of its own while the
+# next step runs; the checkpoints are byte for byte those copied before the next step.
+run gpucks --device cuda --set parallel.pp=2 --set parallel.dp=2 --set checkpoint.every=4
+run gpuckp --device cuda --set parallel.pp=2 --set parallel.dp=2 --set checkpoint.every=4 \
+  --set checkpoint.pinned_copy=true
+for step in 00000008 00000012; do
+  for f in model exp_avg exp_avg_sq lm_head; do
+    cmp "$tmp/gpucks/checkpoints/step-$step/$f.safetensors" "$tmp/gpuckp/checkpoints/step-$step/$f.safetensors" ||
+      { echo "FAIL: gpuckp: step $step $f differs from the copy taken before the next step"; exit 1; }
+  done
+done
 run_job gpupp2x2 2 --device cuda --set parallel.pp=2 --set parallel.nccl_links=false
 # The default, parallel.nccl_links: the two processes' links by NCCL where each has a GPU of its
 # own (a machine with two or more: the pipeline's both ways, and the tied wte's), else staged as above, the

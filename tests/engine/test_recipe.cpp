@@ -510,6 +510,17 @@ TEST_CASE("the support rules refuse a job naming the key, and the table lists ea
   CHECK_NOTHROW(check_support(job));
   job.device_chunks = true;  // ... and on device chunks (a group across processes: host-staged)
   CHECK_NOTHROW(check_support(job));
+  // ZeRO through the devices' groups needs device chunks (host test chunks are some).
+  r.parallel.tp = 1;
+  r.parallel.zero = 1;
+  r.parallel.zero_on_device = true;
+  CHECK_NOTHROW(check_support(job));
+  r.device = "cpu";
+  CHECK_NOTHROW(check_support(job));
+  job.device_chunks = false;
+  CHECK_THROWS_WITH(check_support(job), Catch::StartsWith("key parallel.zero_on_device: "));
+  r.parallel.zero = 0;  // nothing to do without ZeRO
+  CHECK_NOTHROW(check_support(job));
   // What is refused on CUDA is only what the kernels cannot do: head sizes, fp32 cuDNN.
   for (const auto& rule : support_rules()) CHECK((rule.cpu == "yes" || rule.cuda == "yes"));
   const std::string table = format_support_table();
