@@ -15,8 +15,9 @@
 //      Without ZeRO: each chunk's copy begins when the capture arrives (rank_chunks::
 //      capture_state: device chunks into pinned host memory on a stream of their own) and a
 //      thread takes it while the next step runs, which only reads parameters and moments; the
-//      next update waits for the copy first. ZeRO: the state is taken before the capture is
-//      answered, so before the next step begins.
+//      next update waits for the copy first. ZeRO: the shard is asked for its owned floats at
+//      the capture, before the update this stage sends it later (one sender, one order), so its
+//      answer holds them as they were between the steps.
 //  S8. ZeRO-1/2 through the devices' zero_group: buckets go to the group in the order they
 //      became final, even past a bucket waiting for the tied exchange (S5), so every replica, in
 //      every process, enqueues the same collectives in the same order (NCCL's rule); the
@@ -399,46 +400,68 @@ class stage_impl : public stage_actor::base {
 
   // A checkpoint's first phase (S7): the state taken aside, answered with an empty snapshot once
   // the next step may begin.
+  // The capture is answered at once. The chunks' copies of what the stage holds (parameters,
+  // and without ZeRO the moments; under ZeRO-1/2 replica 0's lanes alone send parameters) begin
+  // now (device chunks: into pinned host memory on a stream of their own) and are taken on a
+  // thread; they only read, while the stage thread meanwhile writes activations and gradients.
+  // ZeRO's owned floats come from the shard, asked now: it answers before the update this
+  // stage sends it later; or, through the devices' group, from the devices now.
   caf::result<stage_snapshot> on_capture() {
     if (copying_.valid()) copying_.get();  // an abandoned checkpoint's (a failed job's)
     captured_.reset();
+    copied_.reset();
+    zero_part_.reset();
+    zero_pending_ = false;
+    const int capture = ++captures_;
     stage_snapshot empty;
     empty.rank = my_rank();
     empty.replica = cfg_.replica;
-    if (!zero()) {
-      // The copies begin now (device chunks: into pinned host memory on a stream of their own)
-      // and are taken on a thread; they only read, while the stage thread meanwhile writes
-      // activations and gradients.
-      std::vector<std::function<engine::rank_chunks::host_state()>> copies;
-      for (int c = 0; c < chunks_->chunk_count(); ++c)
-        copies.push_back(chunks_->capture_state(c, true));
-      caf::actor me = caf::actor_cast<caf::actor>(this);
-      copying_ = std::async(std::launch::async, [this, me, copies = std::move(copies)] {
-        if (cfg_.test_capture_delay_ms > 0)
-          std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
-        std::vector<engine::rank_chunks::host_state> states;
-        for (const auto& copy : copies) states.push_back(copy());
-        auto s = snapshot_of(states, true, true);
-        caf::anon_send(me, snapshot_copied{});
-        return s;
-      });
-      return empty;
+    const bool params = !zero() || (!sharded_params() && cfg_.replica == 0);
+    const bool moments = !zero();
+    std::vector<std::function<engine::rank_chunks::host_state()>> copies;
+    for (int c = 0; params && c < chunks_->chunk_count(); ++c)
+      copies.push_back(chunks_->capture_state(c, moments));
+    caf::actor me = caf::actor_cast<caf::actor>(this);
+    copying_ = std::async(
+        std::launch::async, [this, me, copies = std::move(copies), empty, params, moments] {
+          if (cfg_.test_capture_delay_ms > 0)
+            std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
+          std::vector<engine::rank_chunks::host_state> states;
+          for (const auto& copy : copies) states.push_back(copy());
+          auto s = params ? snapshot_of(states, true, moments) : empty;
+          caf::anon_send(me, snapshot_copied{});
+          return s;
+        });
+    if (zero_on_device()) {
+      auto [m, v] = device_zero_.moments();
+      zero_part_ = zero_state{std::move(m), std::move(v), {}};
+    } else if (zero()) {
+      zero_pending_ = true;
+      request(wiring_.reducer, caf::infinite, zero_state_request{})
+          .then([this, capture](zero_state& z) {
+            if (capture != captures_) return;  // an abandoned checkpoint's
+            zero_part_ = std::move(z);
+            zero_pending_ = false;
+            assemble_capture();
+          });
     }
-    auto rp = make_response_promise<stage_snapshot>();
-    take_state([this, rp, empty](stage_snapshot s) mutable {
-      captured_ = std::move(s);
-      rp.deliver(std::move(empty));
-    });
-    return rp;
+    return empty;
   }
 
   // The copy's thread is done, or about to return its copy (it says so just before).
   void on_copied() { finish_capture(); }
-  // The copy, once done (waiting for it: the next update does, S7), to the state requests
-  // waiting for it: so a state leaves before the update's update_done does.
+  // The copy, once done (waiting for it: the next update does, S7), with ZeRO's part once in, to
+  // the state requests waiting for it: so a state leaves before the update's update_done does.
   void finish_capture() {
-    if (copying_.valid()) captured_ = copying_.get();
-    if (!captured_ || state_waiting_.empty()) return;
+    if (copying_.valid()) copied_ = copying_.get();
+    assemble_capture();
+  }
+  void assemble_capture() {
+    if (!copied_ || zero_pending_) return;
+    captured_ = zero() ? zero_snapshot(std::move(*copied_), *zero_part_) : std::move(*copied_);
+    copied_.reset();
+    zero_part_.reset();
+    if (state_waiting_.empty()) return;
     for (auto& rp : state_waiting_) rp.deliver(*captured_);
     state_waiting_.clear();
     captured_.reset();
@@ -447,15 +470,18 @@ class stage_impl : public stage_actor::base {
   // A checkpoint's state (snapshot_request::state): what the capture took, or, without one, the
   // state now.
   caf::result<stage_snapshot> on_state() {
-    if (copying_.valid() && copying_.wait_for(std::chrono::seconds(0)) == std::future_status::ready)
-      captured_ = copying_.get();
+    if (copying_.valid() &&
+        copying_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      copied_ = copying_.get();
+      assemble_capture();
+    }
     if (captured_) {
       stage_snapshot s = std::move(*captured_);
       captured_.reset();
       return s;
     }
     auto rp = make_response_promise<stage_snapshot>();
-    if (copying_.valid()) {  // answered when the copy's thread says it is done
+    if (copying_.valid() || copied_ || zero_pending_) {  // answered once the capture is in
       state_waiting_.push_back(rp);
       return rp;
     }
@@ -471,24 +497,27 @@ class stage_impl : public stage_actor::base {
       done(snapshot(true, true));
       return;
     }
+    stage_snapshot base;
+    if (!sharded_params() && cfg_.replica == 0) {
+      base = snapshot(true);
+    } else {
+      base.rank = my_rank();
+      base.replica = cfg_.replica;
+    }
     if (zero_on_device()) {
       auto [m, v] = device_zero_.moments();
-      done(zero_snapshot(zero_state{std::move(m), std::move(v), {}}));
+      done(zero_snapshot(std::move(base), zero_state{std::move(m), std::move(v), {}}));
       return;
     }
     request(wiring_.reducer, caf::infinite, zero_state_request{})
-        .then([this, done = std::move(done)](zero_state& z) { done(zero_snapshot(z)); });
+        .then([this, base = std::move(base), done = std::move(done)](zero_state& z) mutable {
+          done(zero_snapshot(std::move(base), z));
+        });
   }
 
-  // A ZeRO stage's state: the parameters (replica 0's lanes, ZeRO-1/2) and the owned pieces.
-  stage_snapshot zero_snapshot(const zero_state& z) {
-    stage_snapshot s;
-    if (!sharded_params() && cfg_.replica == 0) {
-      s = snapshot(true);
-    } else {
-      s.rank = my_rank();
-      s.replica = cfg_.replica;
-    }
+  // A ZeRO stage's state: `s` (the parameters, replica 0's lanes under ZeRO-1/2) and the owned
+  // pieces.
+  stage_snapshot zero_snapshot(stage_snapshot s, const zero_state& z) {
     for (const auto& b : zero_shards_) {
       for (const auto& seg : b.segments) {
         const auto& p = parameter_at(seg.chunk, seg.offset);
@@ -1253,7 +1282,10 @@ class stage_impl : public stage_actor::base {
   std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;
   // A checkpoint's state (S7): being copied, taken, and the state requests waiting for it.
   std::future<stage_snapshot> copying_;
-  std::optional<stage_snapshot> captured_;
+  std::optional<stage_snapshot> copied_, captured_;  // the thread's part; the whole state
+  std::optional<zero_state> zero_part_;              // ZeRO's owned floats
+  bool zero_pending_ = false;                        // asked of the shard, not in yet
+  int captures_ = 0;                                 // captures begun
   std::vector<caf::typed_response_promise<stage_snapshot>> state_waiting_;
   bool active_ = false, compute_done_ = false, grads_sent_ = false;
   double waiting_since_ = -1, dp_wait_since_ = 0;

@@ -239,12 +239,18 @@ void late_copy_is_exact(const mesh& x) {
 // A stage copies a captured state while the next step runs (device chunks: begun at the capture,
 // taken on a thread), and that step's update waits for the copy (stage S7): with every copy made
 // to be taken 300 ms late, long after the next update would otherwise have run, the checkpoints
-// are still byte for byte those of a run without delay.
+// are still byte for byte those of a run without delay, with and without ZeRO.
 TEST_CASE("a checkpoint holds the state between its steps, however late its copy runs",
           "[actors][checkpoint]") {
   const std::vector<std::pair<const char*, mesh>> cases = {
       {"CPU chunks PP=2", {2, 1, 1, 0, 1, 4}},
       {"device chunks PP=2 x DP=2", {2, 2, 1, 0, 1, 4, "1f1b", true}},
+      // ZeRO: replica 0's parameters copied on the thread, the owned floats asked of the shard
+      // at the capture (answered before the update that follows), or copied from the devices.
+      {"CPU chunks PP=2 x DP=2 ZeRO-1", {2, 2, 1, 1, 1, 4}},
+      {"CPU chunks DP=2 ZeRO-3", {1, 2, 1, 3, 1, 2}},
+      {"device chunks PP=2 x DP=2 ZeRO-2", {2, 2, 1, 2, 1, 4, "1f1b", true}},
+      {"device chunks PP=2 x DP=2 ZeRO-1 on the devices", {2, 2, 1, 1, 1, 4, "1f1b", true, true}},
   };
   for (const auto& [name, x] : cases) {
     DYNAMIC_SECTION(name) { late_copy_is_exact(x); }
