@@ -1,6 +1,8 @@
 // Ring collectives. See collectives.hpp for the order of operations.
 #include "topology/collectives.hpp"
 
+#include "engine/chunks/zero_group.hpp"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -14,24 +16,14 @@ std::int64_t total(const float_ranges& r) {
   return n;
 }
 
-// Calls fn(pointer, count, offset in chunk) for the pieces of [begin, end) in ranges.
-template <class Fn>
-void for_each_piece(const float_ranges& ranges, std::int64_t begin, std::int64_t end, Fn&& fn) {
-  std::int64_t at = 0;
-  for (const auto& [p, k] : ranges) {
-    const std::int64_t lo = std::max(begin, at), hi = std::min(end, at + k);
-    if (lo < hi) fn(p + (lo - at), hi - lo, lo - begin);
-    at += k;
-    if (at >= end) break;
-  }
-}
+using engine::for_each_piece;  // the pieces of [begin, end) in ranges
 
 int mod(int a, int d) { return ((a % d) + d) % d; }
 
 }  // namespace
 
 std::pair<std::int64_t, std::int64_t> ring_chunk_bounds(std::int64_t n, int d, int c) {
-  return {n * c / d, n * (c + 1) / d};
+  return engine::owned_chunk_bounds(n, d, c);
 }
 
 void ring_order_mean(const std::vector<float_ranges>& replicas) {

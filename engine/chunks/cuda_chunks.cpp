@@ -82,10 +82,7 @@ class cuda_chunk final : public device_chunk {
   // As the CPU's step_with_norm, with unscaling and clipping folded into one multiplier.
   double update(const optimizer_config& config, int step, int total_steps, double grad_norm,
                 double unscale) override {
-    const double lr = learning_rate(config, step, total_steps);
-    const double multiplier = unscale * clip_coefficient(grad_norm, config.grad_clip);
-    s_.adamw(adamw_hparams_at(config, lr), step + 1, static_cast<float>(multiplier));
-    return lr;
+    return adamw_step(config, step, total_steps, grad_norm, unscale, &gpu_chunk::adamw);
   }
   void add_gradients(std::int64_t at, const float* values, std::int64_t n) override {
     s_.add_gradients(at, values, n);
@@ -127,10 +124,7 @@ class cuda_chunk final : public device_chunk {
   // As update(), over the owned segments.
   double update_owned(const optimizer_config& config, int step, int total_steps, double grad_norm,
                       double unscale) override {
-    const double lr = learning_rate(config, step, total_steps);
-    const double multiplier = unscale * clip_coefficient(grad_norm, config.grad_clip);
-    s_.adamw_owned(adamw_hparams_at(config, lr), step + 1, static_cast<float>(multiplier));
-    return lr;
+    return adamw_step(config, step, total_steps, grad_norm, unscale, &gpu_chunk::adamw_owned);
   }
   void parameters_changed(std::int64_t at, std::int64_t n) override {
     s_.parameters_changed(at, n);
@@ -149,6 +143,16 @@ class cuda_chunk final : public device_chunk {
   }
 
  private:
+  // The schedule's lr and one gradient multiplier (unscaling times clipping) into `adamw`.
+  double adamw_step(const optimizer_config& config, int step, int total_steps, double grad_norm,
+                    double unscale,
+                    void (gpu_chunk::*adamw)(const kernels::adamw_hparams&, int, float)) {
+    const double lr = learning_rate(config, step, total_steps);
+    const double multiplier = unscale * clip_coefficient(grad_norm, config.grad_clip);
+    (s_.*adamw)(adamw_hparams_at(config, lr), step + 1, static_cast<float>(multiplier));
+    return lr;
+  }
+
   gpu_chunk s_;
   int T_ = 0;
   bool pinned_copy_ = false;

@@ -3,6 +3,7 @@
 // (tests, the host test chunks of `troupe train`): the ring's arithmetic in host memory.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
