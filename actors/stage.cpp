@@ -19,9 +19,11 @@
 //      the capture, before the update this stage sends it later (one sender, one order), so its
 //      answer holds them as they were between the steps.
 //  S8. ZeRO-1/2 through the devices' zero_group: buckets go to the group in the order they
-//      became final, even past a bucket waiting for the tied exchange (S5), so every replica, in
-//      every process, enqueues the same collectives in the same order (NCCL's rule); the
-//      parameters are all-gathered after the update and the next step waits for them.
+//      became final, except a bucket holding a tied wte copy, which goes once the exchange is
+//      done and every other bucket of the rank has gone (a place the same on every replica), so
+//      every replica, in every process, enqueues the same collectives in the same order (NCCL's
+//      rule) while the other buckets overlap backward; the parameters are all-gathered after
+//      the update and the next step waits for them.
 //  S6. ZeRO-3: an action's pass stops before each piece that reads parameters; it goes on only
 //      once the piece's buckets are gathered. Gathers and releases follow the plan's sequence of
 //      uses (engine::param_residency, kept by topology::param_gathers), never timing, so every
@@ -306,6 +308,8 @@ class stage_impl : public stage_actor::base {
       shard_square_sums_.assign(static_cast<std::size_t>(buckets_.size()), 0.0);
       tied_waiting_.clear();
       tied_.start();
+      untied_left_ = 0;
+      for (int b = 0; b < buckets_.size(); ++b) untied_left_ += tied_.holds(b) ? 0 : 1;
       find_last_weight_actions();
     }
     if (gathering()) start_gathers();
@@ -408,6 +412,9 @@ class stage_impl : public stage_actor::base {
   // stage sends it later; or, through the devices' group, from the devices now.
   caf::result<stage_snapshot> on_capture() {
     if (copying_.valid()) copying_.get();  // an abandoned checkpoint's (a failed job's)
+    for (auto& rp : state_waiting_)        // and its state requests
+      rp.deliver(caf::make_error(caf::sec::runtime_error, "a checkpoint abandoned"));
+    state_waiting_.clear();
     captured_.reset();
     copied_.reset();
     zero_part_.reset();
@@ -958,16 +965,15 @@ class stage_impl : public stage_actor::base {
   void on_block_final(int chunk, int block) {
     const auto b = buckets_.block_done(chunk, block);
     if (!b) return;
-    if (zero()) {  // S5
-      if (tied_.holds(*b) && !tied_.done()) {
+    if (zero()) {  // S5, S8
+      if (tied_.holds(*b)) {
         tied_waiting_.push_back(*b);
         bucket_final(*b);
-        flush_tied_waiting();
-      } else if (zero_on_device() && !tied_waiting_.empty()) {  // S8: after the one waiting
-        tied_waiting_.push_back(*b);
       } else {
         send_bucket(*b);
+        --untied_left_;
       }
+      flush_tied_waiting();
       return;
     }
     if (cfg_.replicas > 1) {
@@ -981,10 +987,10 @@ class stage_impl : public stage_actor::base {
     const double t = cfg_.trace.now_us();
     const auto& info = buckets_.bucket(b);
     if (zero_on_device()) {
-      caf::actor me = caf::actor_cast<caf::actor>(this);
       const int step = plan_.step;
-      device_zero_.reduce_scatter(step, b, [me, step, b](void* done) {
-        caf::anon_send(me, grad_bucket_reduced{step, b, 0.0, done});
+      device_zero_.reduce_scatter(step, b, [me = address(), step, b](void* done) {
+        if (auto self = caf::actor_cast<caf::actor>(me))  // a stage that stopped: nobody
+          caf::anon_send(self, grad_bucket_reduced{step, b, 0.0, done});
       });
     } else if (zero()) {  // the shard works on the chunks' host buffers (device chunks: copied
                           // there)
@@ -1019,7 +1025,7 @@ class stage_impl : public stage_actor::base {
   }
 
   void flush_tied_waiting() {
-    if (!tied_.done()) return;
+    if (!tied_.done() || (zero_on_device() && untied_left_ > 0)) return;
     for (int b : tied_waiting_) send_bucket(b);
     tied_waiting_.clear();
   }
@@ -1141,10 +1147,10 @@ class stage_impl : public stage_actor::base {
     cfg_.trace.span("optimizer", "AdamW shard", t0, cfg_.trace.now_us(), {u.step});
     gathers_pending_ = buckets_.size();
     gather_t0_ = cfg_.trace.now_us();
-    caf::actor me = caf::actor_cast<caf::actor>(this);
     for (int b = 0; b < buckets_.size(); ++b)
-      device_zero_.all_gather(u.step, b, [me, step = u.step, b](void* done) {
-        caf::anon_send(me, bucket_gathered{step, b, done});
+      device_zero_.all_gather(u.step, b, [me = address(), step = u.step, b](void* done) {
+        if (auto self = caf::actor_cast<caf::actor>(me))
+          caf::anon_send(self, bucket_gathered{step, b, done});
       });
   }
 
@@ -1294,6 +1300,7 @@ class stage_impl : public stage_actor::base {
   int buckets_pending_ = 0;
   std::vector<double> shard_square_sums_;  // ZeRO: by bucket, this step
   std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
+  int untied_left_ = 0;                    // and (S8) the other buckets not sent yet this step
   std::vector<engine::bucket_shard> zero_shards_;  // ZeRO: what this replica owns, by bucket
   topology::device_zero device_zero_;              // ZeRO-1/2 through the devices' group
   int gathers_pending_ = 0;                        // and its update's all-gathers still running

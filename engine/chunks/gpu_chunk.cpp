@@ -1086,7 +1086,9 @@ gpu_chunk::state_fill gpu_chunk::begin_state_copy(bool with_moments) {
     c = std::make_unique<impl::pinned_copy>();
     check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate(copy)");
     check(cudaEventCreateWithFlags(&c->start, cudaEventDisableTiming), "cudaEventCreate");
-    check(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming), "cudaEventCreate");
+    // The capture's thread sleeps on it instead of spinning a core for the copy's length.
+    check(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming | cudaEventBlockingSync),
+          "cudaEventCreate");
   }
   const std::int64_t n = s.P * (with_moments ? 3 : 1);
   if (c->floats < n) {

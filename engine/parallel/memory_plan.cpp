@@ -131,6 +131,11 @@ namespace {
 
 // pp > 1 or tp > 1: every rank's chunks as device stage actors hold them (device_stage_slots
 // each); with tensor parallelism, one shard's.
+// ZeRO-1/2 through the devices' groups: the chunks hold the owned floats' moments.
+bool owned_moments(const recipe& r) {
+  return r.parallel.zero_on_device && r.parallel.zero > 0 && r.parallel.zero < 3;
+}
+
 std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options& o) {
   const int tp = r.parallel.tp;
   const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
@@ -141,8 +146,10 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                           : std::string()) +
                   " (" + r.precision.dtype + " compute, " + attention_kernel_for(r) +
                   " attention, fp32 master weights, gradients" +
-                  (o.optimizer_state ? " and AdamW moments"
-                                     : "; AdamW moments in ZeRO's shards, in host memory") +
+                  (o.optimizer_state  ? " and AdamW moments"
+                   : owned_moments(r) ? "; the AdamW moments of the floats each replica owns "
+                                        "(ZeRO through the devices' groups)"
+                                      : "; AdamW moments in ZeRO's shards, in host memory") +
                   "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
                   std::to_string(r.batch.seq_len) +
                   " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
@@ -172,6 +179,11 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
       const auto params_of = chunk_parameter_layout(r.model, range, {0, tp});
       if (!params_of.empty()) params += params_of.back().offset + params_of.back().numel;
     }
+    // ZeRO through the devices' groups: moments of about 1/dp of the rank's floats (each
+    // bucket's ring chunk; at most one float more per bucket).
+    if (owned_moments(r))
+      sum.model_state += (params + r.parallel.dp - 1) / r.parallel.dp * 2 *
+                         static_cast<std::int64_t>(sizeof(float));
     with += sum.activations;
     without += sum.activations_without_recompute;
     std::snprintf(line, sizeof line, "%6d %6d %12lld %12s %14s %12s\n", rank, slots,
@@ -203,7 +215,8 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
 std::string format_gpu_memory_plan(const recipe& r) {
   validate_recipe(r);
   gpu_trainer_options o = gpu_options(r);
-  // Device stages: the schedule may split backward; ZeRO's shards hold the moments.
+  // Device stages: the schedule may split backward; ZeRO's shards hold the moments (through the
+  // devices' groups, the chunks hold the owned ones: the formula's optimizer term).
   if (r.parallel.pp > 1 || r.parallel.tp > 1 || r.parallel.zero > 0) {
     o.split_backward = splits_backward(r);
     o.optimizer_state = r.parallel.zero == 0;

@@ -326,14 +326,14 @@ std::vector<std::unique_ptr<nccl_group>> nccl_group::join_all(
 }
 
 namespace {
-// A float of device memory for a transfer that only connects: allocated, zeroed and freed on the
+// Floats of device memory for transfers that only connect: allocated, zeroed and freed on the
 // group's stream, so nothing waits on the device's other streams (other communicators' joins).
 class scratch {
  public:
-  scratch(int device, cudaStream_t stream) : stream_(stream) {
+  scratch(int device, cudaStream_t stream, std::size_t floats = 1) : stream_(stream) {
     check_cuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
-    check_cuda(cudaMallocAsync(&p_, sizeof(float), stream_), "cudaMallocAsync");
-    check_cuda(cudaMemsetAsync(p_, 0, sizeof(float), stream_), "cudaMemsetAsync");
+    check_cuda(cudaMallocAsync(&p_, floats * sizeof(float), stream_), "cudaMallocAsync");
+    check_cuda(cudaMemsetAsync(p_, 0, floats * sizeof(float), stream_), "cudaMemsetAsync");
   }
   ~scratch() { cudaFreeAsync(p_, stream_); }
   scratch(const scratch&) = delete;
@@ -358,8 +358,13 @@ void nccl_group::connect_peer(int peer, bool sending, std::chrono::milliseconds 
 }
 
 void nccl_group::connect_collectives(std::chrono::milliseconds timeout) {
-  const scratch s(device_, stream_);
+  // An all-reduce, then a reduce to and a broadcast from every rank (ZeRO's owned collectives,
+  // whose algorithm NCCL may connect apart from the all-reduce's), one float each.
+  const scratch s(device_, stream_, static_cast<std::size_t>(ranks_));
   all_reduce_sum(s.get(), 1, nullptr);
+  const float_ranges one_each{{s.get(), ranks_}};
+  owned_collective({this}, {one_each}, {nullptr}, owned_op::reduce_mean);
+  owned_collective({this}, {one_each}, {nullptr}, owned_op::broadcast);
   wait(timeout, "connecting the collectives");
 }
 

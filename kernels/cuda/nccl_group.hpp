@@ -107,8 +107,9 @@ class nccl_group {
   // transfer, and that waits for the peer's first transfer: a first send enqueued in the middle
   // of training would wait for a receive that the peer posts only once it hears of the send.
   // connect_peer: one byte to (sending) or from `peer`. connect_collectives: an all-reduce of
-  // one float over every rank (NCCL may still connect another algorithm at a later, larger
-  // collective; every rank calls those anyway, so that waits on nobody's header).
+  // one float over every rank, and owned_collective's reduce and broadcast rooted at each rank
+  // (NCCL may still connect another algorithm at a later, larger collective; every rank calls
+  // those anyway, so that waits on nobody's header).
   void connect_peer(int peer, bool sending, std::chrono::milliseconds timeout);
   void connect_collectives(std::chrono::milliseconds timeout);
 
