@@ -1143,10 +1143,11 @@ void gpu_chunk::own(std::vector<shard_segment> segments) {
 
 double gpu_chunk::owned_square_sum(const std::vector<shard_segment>& segments) {
   device_guard g(impl_->device);
-  double sum = 0;
+  std::vector<std::pair<const float*, std::int64_t>> spans;
   for (const auto& sg : segments)
-    if (sg.counted && sg.numel > 0)
-      sum += cu::square_sum(impl_->ctx, impl_->grads + sg.offset, sg.numel);
+    if (sg.counted && sg.numel > 0) spans.emplace_back(impl_->grads + sg.offset, sg.numel);
+  double sum = 0;  // in segment order, as the host shards sum
+  for (const double s : cu::square_sums(impl_->ctx, spans)) sum += s;
   return sum;
 }
 

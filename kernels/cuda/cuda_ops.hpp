@@ -359,6 +359,9 @@ void adamw_update_flat(const context& ctx, float* param, const float* grad, floa
                        float grad_scale, fp16* param_copy);
 // Sum of squares of n values, in fp64, in a fixed order.
 double square_sum(const context& ctx, const float* x, std::int64_t n);
+// square_sum of each span, bitwise, with one wait for the stream instead of one per span.
+std::vector<double> square_sums(const context& ctx,
+                                const std::vector<std::pair<const float*, std::int64_t>>& spans);
 
 // ---- data parallelism on one device -----------------------------------------------------------
 // The replicas' copies of n floats, all on the current device, each become their mean:

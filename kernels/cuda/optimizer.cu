@@ -198,6 +198,39 @@ const std::uint8_t* adamw_segments::decay() const {
          (static_cast<std::size_t>(count_) + 1) * sizeof(std::int64_t);
 }
 
+std::vector<double> square_sums(const context& ctx,
+                                const std::vector<std::pair<const float*, std::int64_t>>& spans) {
+  const timed_op timing(ctx, op_family::optimizer);
+  // Each span's partials (square_sum's block count) one after the other in one buffer.
+  std::vector<std::size_t> first(spans.size() + 1, 0);
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const std::int64_t n = spans[i].second;
+    first[i + 1] = first[i] + (n > 0 ? std::min<std::int64_t>(blocks_for(n), 1024) : 0);
+  }
+  std::vector<double> out(spans.size(), 0.0);
+  if (first.back() == 0) return out;
+  double* partial = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&partial), first.back() * sizeof(double),
+                        ctx.stream()),
+        "cudaMallocAsync(square_sums)");
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const auto blocks = static_cast<unsigned>(first[i + 1] - first[i]);
+    if (blocks == 0) continue;
+    square_sum_kernel<<<blocks, kThreads, 0, ctx.stream()>>>(partial + first[i], spans[i].first,
+                                                             spans[i].second);
+    check_launch("square_sum_kernel");
+  }
+  std::vector<double> host(first.back());
+  check(cudaMemcpyAsync(host.data(), partial, host.size() * sizeof(double), cudaMemcpyDeviceToHost,
+                        ctx.stream()),
+        "cudaMemcpyAsync(square_sums)");
+  check(cudaFreeAsync(partial, ctx.stream()), "cudaFreeAsync(square_sums)");
+  ctx.synchronize();
+  for (std::size_t i = 0; i < spans.size(); ++i)
+    for (std::size_t b = first[i]; b < first[i + 1]; ++b) out[i] += host[b];
+  return out;
+}
+
 double square_sum(const context& ctx, const float* x, std::int64_t n) {
   const timed_op timing(ctx, op_family::optimizer);
   const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(n), 1024));

@@ -391,6 +391,13 @@ TEST_CASE("the GPU sum of squares matches the CPU gradient norm and repeats bitw
   const double got = cu::square_sum(ctx, gx.get(), n);
   CHECK(std::abs(std::sqrt(got) - want) <= 1e-12 * want);
   CHECK(cu::square_sum(ctx, gx.get(), n) == got);
+  // Several spans at once (ZeRO's owned segments): each bitwise its own square_sum.
+  const std::vector<std::pair<const float*, std::int64_t>> spans = {
+      {gx.get(), 1}, {gx.get() + 7, 0}, {gx.get() + 100, 262'145}, {gx.get() + 5, n - 5}};
+  const auto sums = cu::square_sums(ctx, spans);
+  REQUIRE(sums.size() == spans.size());
+  for (std::size_t i = 0; i < spans.size(); ++i)
+    CHECK(sums[i] == cu::square_sum(ctx, spans[i].first, spans[i].second));
 }
 
 TEST_CASE("the replicas' mean on one device sums in replica order, into every copy", "[gpu]") {
