@@ -254,6 +254,28 @@ void set_device(int device) {
     throw cu::cuda_error("cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(e));
 }
 
+// Every rank of a communicator this process holds (rank d on devices[d]), driven by one thread:
+// enqueue(groups, after) with each rank after its `ready` event, then by rank the event after
+// its part (re-recorded by the next call: a later point).
+template <class Enqueue>
+std::vector<void*> drive_ranks(const std::vector<std::unique_ptr<cu::nccl_group>>& ranks,
+                               const std::vector<int>& devices, const std::vector<void*>& ready,
+                               Enqueue enqueue) {
+  std::vector<cu::nccl_group*> groups;
+  std::vector<cudaEvent_t> after;
+  for (std::size_t d = 0; d < ranks.size(); ++d) {
+    groups.push_back(ranks[d].get());
+    after.push_back(static_cast<cudaEvent_t>(ready.at(d)));
+  }
+  enqueue(groups, after);
+  std::vector<void*> done;
+  for (std::size_t d = 0; d < ranks.size(); ++d) {
+    set_device(devices[d]);
+    done.push_back(ranks[d]->done());
+  }
+  return done;
+}
+
 // The replicas of a pipeline rank on distinct devices: a communicator rank per replica, driven
 // by the one thread that calls mean() (the rank's reducer).
 class nccl_replica_group final : public replica_group {
@@ -262,19 +284,9 @@ class nccl_replica_group final : public replica_group {
       : devices_(std::move(devices)), groups_(cu::nccl_group::join_all(name, devices_)) {}
   std::vector<void*> mean(const std::vector<float_ranges>& ranges,
                           const std::vector<void*>& ready) override {
-    std::vector<cu::nccl_group*> groups;
-    std::vector<cudaEvent_t> after;
-    for (std::size_t d = 0; d < groups_.size(); ++d) {
-      groups.push_back(groups_[d].get());
-      after.push_back(static_cast<cudaEvent_t>(ready.at(d)));
-    }
-    cu::nccl_group::all_reduce_mean(groups, ranges, after);
-    std::vector<void*> done;
-    for (std::size_t d = 0; d < groups_.size(); ++d) {
-      set_device(devices_[d]);
-      done.push_back(groups_[d]->done());  // re-recorded by the next mean(): a later point
-    }
-    return done;
+    return drive_ranks(groups_, devices_, ready, [&ranges](const auto& groups, const auto& after) {
+      cu::nccl_group::all_reduce_mean(groups, ranges, after);
+    });
   }
   std::string describe() const override {
     return "NCCL group " + groups_.front()->name() + " of " + std::to_string(groups_.size()) +
@@ -352,21 +364,12 @@ class nccl_zero_group final : public replicas_zero_group {
  protected:
   std::vector<void*> run(op o, const std::vector<float_ranges>& ranges,
                          const std::vector<void*>& ready) override {
-    std::vector<cu::nccl_group*> groups;
-    std::vector<cudaEvent_t> after;
-    for (std::size_t d = 0; d < groups_.size(); ++d) {
-      groups.push_back(groups_[d].get());
-      after.push_back(static_cast<cudaEvent_t>(ready.at(d)));
-    }
-    cu::nccl_group::owned_collective(groups, ranges, after,
-                                     o == op::reduce_scatter ? cu::nccl_group::owned_op::reduce_mean
-                                                             : cu::nccl_group::owned_op::broadcast);
-    std::vector<void*> done;
-    for (std::size_t d = 0; d < groups_.size(); ++d) {
-      set_device(devices_[d]);
-      done.push_back(groups_[d]->done());
-    }
-    return done;
+    const auto kind = o == op::reduce_scatter ? cu::nccl_group::owned_op::reduce_mean
+                                              : cu::nccl_group::owned_op::broadcast;
+    return drive_ranks(groups_, devices_, ready,
+                       [&ranges, kind](const auto& groups, const auto& after) {
+                         cu::nccl_group::owned_collective(groups, ranges, after, kind);
+                       });
   }
 
  private:
