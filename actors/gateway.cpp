@@ -287,7 +287,11 @@ class gateway_impl : public caf::blocking_actor {
       return;
     }
     if (auto sink = s_->sinks.find(e.target); sink != s_->sinks.end() && e.correlation == 0) {
-      sink->second(std::move(e.message));
+      try {  // a group member that cannot take the message breaks the job, not the gateway
+        sink->second(std::move(e.message));
+      } catch (const std::exception& x) {
+        fail_job("rank " + std::to_string(s_->cfg.rank) + ": " + x.what());
+      }
       return;
     }
     auto it = s_->local.find(e.target);

@@ -14,6 +14,7 @@
 #include "actors/stage.hpp"
 #include "actors/zero_shard.hpp"
 #include "engine/parallel/memory_plan.hpp"
+#include "topology/zero_exchange.hpp"
 
 namespace troupe::actors {
 
@@ -207,20 +208,51 @@ device_links make_links(const build_inputs& in) {
 
 // Whether ZeRO runs through the devices (parallel.zero_on_device) for the replicas of (pipeline
 // rank, tensor shard), decided alike in every process: where they all share a process whose
-// chunk kind has zero groups, or where an NCCL group spans their processes. Otherwise (or
-// without the key) ZeRO's host shard actors serve them.
+// chunk kind has zero groups, or where an NCCL group spans their processes, or the chunks' memory
+// is host memory (their pieces then travel as messages). Otherwise (or without the key) ZeRO's
+// host shard actors serve them.
 bool zero_through_devices(const build_inputs& in, int rank, int shard) {
   if (!in.chunks || !zero_on_device(in.r)) return false;
   bool together = true;
   for (int d = 1; d < in.r.parallel.dp; ++d)
     together = together && in.placement.process_of_stage(d, rank, shard) ==
                                in.placement.process_of_stage(0, rank, shard);
-  return together ? static_cast<bool>(in.chunks->make_zero_group) : nccl_reduced(in, rank, shard);
+  if (together) return static_cast<bool>(in.chunks->make_zero_group);
+  return nccl_reduced(in, rank, shard) || (in.chunks->host_memory && in.mesh);
+}
+
+// The zero group of (pipeline rank p, tensor shard j) whose replicas live in several processes,
+// over messages: this process's replicas take theirs as sinks of their reducer ids.
+std::shared_ptr<engine::zero_group> exchange_zero_group(const build_inputs& in, int p, int j) {
+  const auto& pl = in.placement;
+  const int dp = in.r.parallel.dp;
+  std::vector<bool> here(static_cast<std::size_t>(dp));
+  for (int d = 0; d < dp; ++d)
+    here[static_cast<std::size_t>(d)] = pl.process_of_stage(d, p, j) == in.rank;
+  const std::string name = "zero group of stage " + std::to_string(p) +
+                           (in.r.parallel.tp > 1 ? " · tp " + std::to_string(j) : "");
+  remote_mesh* mesh = in.mesh;
+  const int from = in.rank;
+  auto group = std::make_shared<topology::exchange_zero_group>(
+      name, p, here, [mesh, pl, p, j, from](int to, messages::ring_chunk m) {
+        mesh->post(pl.process_of_stage(to, p, j),
+                   messages::wire::envelope{pl.reducer_id(to, p, j), from, 0, false, std::move(m)});
+      });
+  for (int d = 0; d < dp; ++d) {
+    if (!here[static_cast<std::size_t>(d)]) continue;
+    mesh->add_sink(
+        pl.reducer_id(d, p, j),
+        [group, d](messages::wire::body&& b) {
+          if (auto* x = std::get_if<messages::ring_chunk>(&b)) group->deliver(d, std::move(*x));
+        },
+        name + " · dp " + std::to_string(d));
+  }
+  return group;
 }
 
 // This process's zero_group of each (pipeline rank, tensor shard) whose replicas it holds and
 // zero_through_devices serves: one of the chunks' kind when every replica lives here, else this
-// process's rank of the NCCL group.
+// process's rank of the NCCL group, or (host memory) an exchange over messages.
 using zero_group_map = std::map<std::pair<int, int>, std::shared_ptr<engine::zero_group>>;
 zero_group_map make_zero_groups(const build_inputs& in, const device_links& links) {
   zero_group_map out;
@@ -238,6 +270,8 @@ zero_group_map make_zero_groups(const build_inputs& in, const device_links& link
       const auto g = links.groups.find({p, j});
       auto z = g == links.groups.end() ? nullptr
                                        : std::dynamic_pointer_cast<engine::zero_group>(g->second);
+      if (!z && g == links.groups.end() && in.chunks->host_memory)
+        z = exchange_zero_group(in, p, j);
       if (!z)
         throw std::logic_error("ZeRO through the devices: no zero group of " + in.chunks->name +
                                " chunks for pipeline rank " + std::to_string(p));

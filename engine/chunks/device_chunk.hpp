@@ -254,7 +254,7 @@ struct chunk_factory {
   // ZeRO-1/2 through the devices: the data-parallel group of tensor shard `shard` of pipeline
   // rank `rank` over its `replicas` replicas, all in this process. Unset: this kind has none
   // (ZeRO runs in host shards). Across processes, make_process_group's groups are zero_groups
-  // too where the kind has them.
+  // too where the kind has them, and host_memory kinds exchange messages.
   std::function<std::shared_ptr<zero_group>(int rank, int shard, int replicas)> make_zero_group;
   // The tensor-parallel group of pipeline rank `rank` of replica `replica`: member j for shard
   // j's chunks (every chunk of the rank's shard uses it, one pass at a time). Unset: this kind
@@ -292,6 +292,9 @@ struct chunk_factory {
   // Whether make_chunk also takes a host tensor_group's member (engine/chunks/tensor_group.hpp): a
   // tensor group whose shards live in several processes is one (topology/tensor_exchange.hpp).
   bool host_tensor_groups = false;
+  // Whether the chunks' memory is host memory (host chunks): ZeRO through the groups across
+  // processes then exchanges the buckets' pieces as messages (topology/zero_exchange.hpp).
+  bool host_memory = false;
 };
 
 // CUDA chunks (gpu_chunk) for a pipeline of `pp` ranks of `tp` tensor shards each, and links

@@ -300,6 +300,7 @@ chunk_factory host_chunks(bool recompute) {
   chunk_factory f;
   f.name = "host";
   f.host_tensor_groups = true;
+  f.host_memory = true;
   f.make_chunk = [recompute](const gpt_chunk& weights, int B, int T, int slots, int, int,
                              std::shared_ptr<group_member> member,
                              bool optimizer_state) -> std::unique_ptr<device_chunk> {

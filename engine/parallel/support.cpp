@@ -52,8 +52,8 @@ const std::vector<support_rule>& support_rules() {
       {"ZeRO's collectives and optimizer in device memory (`parallel.zero_on_device`)",
        "parallel.zero_on_device", "no: CPU chunks' ZeRO runs in host shard actors", "yes",
        [](const job_shape& j) {
-         return j.r->parallel.zero_on_device && j.r->parallel.zero > 0 && j.r->device != "cuda" &&
-                !j.device_chunks;
+         return j.chunks_known && j.r->parallel.zero_on_device && j.r->parallel.zero > 0 &&
+                j.r->device != "cuda" && !j.device_chunks;
        },
        [](const job_shape&) {
          return std::string(

@@ -17,6 +17,9 @@ struct job_shape {
   const recipe* r = nullptr;
   int processes = 1;           // the job's processes (troupe launch, Slurm, ...)
   bool device_chunks = false;  // stages on device chunks (device "cuda", or host test chunks)
+  // Whether the chunks are known (the job is being built); a recipe checked alone does not know
+  // whether host test chunks will serve it, so the rules that depend on them wait.
+  bool chunks_known = true;
 };
 
 struct support_rule {

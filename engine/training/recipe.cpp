@@ -577,7 +577,8 @@ void validate_recipe(const recipe& r) {
   validate_names(r);
   job_shape job;
   job.r = &r;
-  check_support(job);  // the combinations not built (engine/parallel/support.hpp)
+  job.chunks_known = false;  // run_training checks the rest, with its chunks
+  check_support(job);        // the combinations not built (engine/parallel/support.hpp)
   validate_precision(r);
   require(r.eval_interval >= 0, "eval_interval", "must be >= 0");
   require(r.eval_batches > 0, "eval_batches", "must be positive");

@@ -106,11 +106,7 @@ inline std::vector<double> serial_val_losses(const engine::recipe& r) {
 
 inline run_result run_actors(const engine::recipe& r, run_options o = {}) {
   if (o.compute_threads == 0) o.compute_threads = 1;
-  // As a recipe file is checked, except for what device chunks of the host kind take where a
-  // recipe of device "cpu" cannot (run_training checks it with the chunks known).
-  engine::recipe checked = r;
-  if (o.device_chunks) checked.parallel.zero_on_device = false;
-  engine::validate_recipe(checked);
+  engine::validate_recipe(r);
   return run_training(r, {}, o);
 }
 

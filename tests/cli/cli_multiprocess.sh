@@ -194,6 +194,36 @@ for c in "${device_layouts[@]}"; do
 done
 multi_args=()
 
+# ZeRO-1/2 through the devices' groups (parallel.zero_on_device) on those chunks: each replica's
+# owned chunks travel as messages between processes (topology/zero_exchange.hpp), or meet in
+# one process's group, in the order stage invariant S8 keeps (the group refuses another order);
+# no host shard, no host copy (every rank's "buffers" 0). Identical to the one-process CPU run
+# with ZeRO's host shards (NAME WORLD REFERENCE ARGS...).
+zero_device_layouts=(
+  "hdp2z1d 2 hdp2z1 --set parallel.dp=2 --set parallel.zero=1"
+  "hpp2dp2z2d 4 hpp2dp2z2 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2"
+  "hpp2dp2z1zbd 4 hpp2dp2z1zb --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 --set parallel.schedule=zb_h1 --set batch.grad_accum=2"
+  "hpp2dp2z1x2d 2 hpp2dp2z1x2 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1"
+  "hdp2tp2z2d 4 hdp2tp2z2 --set parallel.dp=2 --set parallel.tp=2 --set parallel.zero=2"
+)
+for c in "${zero_device_layouts[@]}"; do
+  read -r -a f <<<"$c"
+  name=${f[0]} world=${f[1]} ref=${f[2]}
+  if [[ ! -d $tmp/$ref-one ]]; then
+    "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/$ref-one" "${f[@]:3}" \
+      >"$tmp/$ref-one.log" 2>&1 || { echo "FAIL: in-process $ref" >&2; cat "$tmp/$ref-one.log" >&2; exit 1; }
+  fi
+  run_job "$name" "$world" "${f[@]:3}" --set parallel.zero_on_device=true --test-chunks host
+  compare "$ref-one" "$name"
+  "$py" - "$tmp/$name/metrics.jsonl" <<'PY' || exit 1
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+held = [m["buffers"] for r in rows if "memory" in r for m in r["memory"]]
+if not held or any(held):
+    sys.exit(f"FAIL: {sys.argv[1]}: host buffers {held[:8]}: not ZeRO through the devices' groups")
+PY
+done
+
 # ZeRO-1/2/3 at DP=2 and DP=4, with PP=1 and PP=2, over 20 steps across processes: each is
 # identical to the same job in one process, and within 1e-5 of DDP across processes. DP=3 splits
 # no bucket evenly (uneven owned ranges, nothing padded).

@@ -519,6 +519,9 @@ TEST_CASE("the support rules refuse a job naming the key, and the table lists ea
   CHECK_NOTHROW(check_support(job));
   job.device_chunks = false;
   CHECK_THROWS_WITH(check_support(job), Catch::StartsWith("key parallel.zero_on_device: "));
+  job.chunks_known = false;  // a recipe checked alone: host test chunks may serve it
+  CHECK_NOTHROW(check_support(job));
+  job.chunks_known = true;
   r.parallel.zero = 0;  // nothing to do without ZeRO
   CHECK_NOTHROW(check_support(job));
   // What is refused on CUDA is only what the kernels cannot do: head sizes, fp32 cuDNN.

@@ -11,6 +11,7 @@
 
 #include "engine/chunks/zero_group.hpp"
 #include "topology/collectives.hpp"
+#include "topology/zero_exchange.hpp"
 
 using namespace troupe::topology;
 
@@ -261,4 +262,87 @@ TEST_CASE("a zero group refuses replicas calling in different orders, or disagre
                       Catch::Contains("disagree"));
   REQUIRE_THROWS_WITH(group->all_gather(3, 0, 2, {{a.data(), 6}}, nullptr, [](void*) {}),
                       Catch::Contains("replica 2 of 2"));
+}
+
+TEST_CASE("the zero group across processes exchanges pieces as messages, bitwise the ring",
+          "[unit]") {
+  const std::vector<std::vector<std::int64_t>> layouts = {{1}, {7}, {3, 0, 5, 11}, {4097}};
+  for (int d = 1; d <= 4; ++d) {
+    for (std::size_t l = 0; l < layouts.size(); ++l) {
+      const auto seed = static_cast<std::uint32_t>(d * 23 + l);
+      replicas got(d, layouts[l], seed), want(d, layouts[l], seed);
+      // Replica r in "process" r % 2: two groups, messages between them posted to the other.
+      std::vector<std::shared_ptr<exchange_zero_group>> process(2);
+      for (int p = 0; p < 2; ++p) {
+        std::vector<bool> here(static_cast<std::size_t>(d));
+        for (int r = 0; r < d; ++r) here[static_cast<std::size_t>(r)] = r % 2 == p;
+        process[static_cast<std::size_t>(p)] = std::make_shared<exchange_zero_group>(
+            "test", 0, here, [&process](int to, troupe::messages::ring_chunk m) {
+              process[static_cast<std::size_t>(to % 2)]->deliver(to, std::move(m));
+            });
+      }
+      std::atomic<int> done{0};
+      auto collective = [&](bool gather) {
+        std::vector<std::thread> threads;
+        for (int i = 0; i < d; ++i)
+          threads.emplace_back([&, i] {
+            auto& g = *process[static_cast<std::size_t>(i % 2)];
+            const auto& r = got.ranges[static_cast<std::size_t>(i)];
+            auto count = [&](void* e) {
+              CHECK(e == nullptr);
+              ++done;
+            };
+            if (gather)
+              g.all_gather(5, 2, i, r, nullptr, count);
+            else
+              g.reduce_scatter(5, 2, i, r, nullptr, count);
+          });
+        for (auto& t : threads) t.join();
+      };
+      collective(false);
+      REQUIRE(done == d);
+      run_ring(want, seed + 3, ring_kind::reduce_scatter);
+      const auto n = static_cast<std::int64_t>(want.data[0].size());
+      INFO("d=" << d << " layout " << l);
+      for (int i = 0; i < d; ++i) {
+        const auto [b, e] = ring_chunk_bounds(n, d, ring_owned_chunk(i, d));
+        for (std::int64_t k = b; k < e; ++k) {
+          const auto at = static_cast<std::size_t>(k), r = static_cast<std::size_t>(i);
+          REQUIRE(got.data[r][at] == want.data[r][at]);
+        }
+      }
+      for (int i = 0; i < d; ++i)
+        for (int c = 0; c < d; ++c) {
+          if (c == ring_owned_chunk(i, d)) continue;
+          const auto [b, e] = ring_chunk_bounds(n, d, c);
+          for (std::int64_t k = b; k < e; ++k) {
+            got.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
+            want.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
+          }
+        }
+      collective(true);
+      REQUIRE(done == 2 * d);
+      run_ring(want, seed + 5, ring_kind::all_gather);
+      for (int i = 0; i < d; ++i)
+        REQUIRE(got.data[static_cast<std::size_t>(i)] == want.data[static_cast<std::size_t>(i)]);
+    }
+  }
+}
+
+TEST_CASE("the zero group across processes refuses replicas calling in different orders",
+          "[unit]") {
+  std::vector<std::shared_ptr<exchange_zero_group>> process(2);
+  for (int p = 0; p < 2; ++p)
+    process[static_cast<std::size_t>(p)] = std::make_shared<exchange_zero_group>(
+        "test", 1, std::vector<bool>{p == 0, p == 1},
+        [&process](int to, troupe::messages::ring_chunk m) {
+          process[static_cast<std::size_t>(to)]->deliver(to, std::move(m));
+        });
+  std::vector<float> a(6, 1.0f), b(6, 2.0f);
+  process[0]->reduce_scatter(4, 0, 0, {{a.data(), 6}}, nullptr, [](void*) {});
+  // Replica 1's first collective is bucket 1's, replica 0's bucket 0's.
+  REQUIRE_THROWS_WITH(
+      process[1]->reduce_scatter(4, 1, 1, {{b.data(), 6}}, nullptr, [](void*) {}),
+      Catch::Contains("reduce-scatter of bucket 1 (step 4), replica 0's the reduce-scatter of "
+                      "bucket 0 (step 4)"));
 }
