@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <deque>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -184,65 +185,72 @@ TEST_CASE("a half collective refuses the other half's chunks", "[unit]") {
   REQUIRE(a[3] == 2.0f);
 }
 
+namespace {
+
+// Over d replicas, each calling group_of(i) from a thread of its own: the reduce-scatters of two
+// buckets in flight at once, then the all-gather of the first, each bitwise what the message
+// ring leaves (reduce-scatter: every owned chunk; all-gather: everything).
+void check_against_ring(int d, const std::vector<std::int64_t>& layout, std::uint32_t seed,
+                        const std::function<troupe::engine::zero_group&(int)>& group_of) {
+  replicas got(d, layout, seed), want(d, layout, seed);
+  replicas other(d, layout, seed + 1), other_want(d, layout, seed + 1);
+  std::atomic<int> done{0};
+  auto on_every_replica = [&](const std::function<void(int)>& call) {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < d; ++i) threads.emplace_back([&call, i] { call(i); });
+    for (auto& t : threads) t.join();
+  };
+  auto count = [&done](void* e) {
+    CHECK(e == nullptr);
+    ++done;
+  };
+  on_every_replica([&](int i) {
+    group_of(i).reduce_scatter(0, 0, i, got.ranges[static_cast<std::size_t>(i)], nullptr, count);
+    group_of(i).reduce_scatter(0, 1, i, other.ranges[static_cast<std::size_t>(i)], nullptr, count);
+  });
+  REQUIRE(done == 2 * d);
+  run_ring(want, seed + 3, ring_kind::reduce_scatter);
+  run_ring(other_want, seed + 4, ring_kind::reduce_scatter);
+  const auto n = static_cast<std::int64_t>(want.data[0].size());
+  for (int i = 0; i < d; ++i) {
+    const auto [b, e] = ring_chunk_bounds(n, d, ring_owned_chunk(i, d));
+    for (std::int64_t k = b; k < e; ++k) {
+      const auto at = static_cast<std::size_t>(k), r = static_cast<std::size_t>(i);
+      REQUIRE(got.data[r][at] == want.data[r][at]);
+      REQUIRE(other.data[r][at] == other_want.data[r][at]);
+    }
+  }
+  // All-gather: every replica ends with every owner's chunk (the rest overwritten).
+  for (int i = 0; i < d; ++i)
+    for (int c = 0; c < d; ++c) {
+      if (c == ring_owned_chunk(i, d)) continue;
+      const auto [b, e] = ring_chunk_bounds(n, d, c);
+      for (std::int64_t k = b; k < e; ++k) {
+        got.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
+        want.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
+      }
+    }
+  on_every_replica([&](int i) {
+    group_of(i).all_gather(0, 0, i, got.ranges[static_cast<std::size_t>(i)], nullptr, count);
+  });
+  REQUIRE(done == 3 * d);
+  run_ring(want, seed + 5, ring_kind::all_gather);
+  for (int i = 0; i < d; ++i)
+    REQUIRE(got.data[static_cast<std::size_t>(i)] == want.data[static_cast<std::size_t>(i)]);
+}
+
+const std::vector<std::vector<std::int64_t>> zero_layouts = {{1}, {7}, {3, 0, 5, 11}, {4097}};
+
+}  // namespace
+
 TEST_CASE("the host zero group, called from every replica's thread, is the ring bitwise",
           "[unit]") {
-  const std::vector<std::vector<std::int64_t>> layouts = {{1}, {7}, {3, 0, 5, 11}, {4097}};
   for (int d = 1; d <= 4; ++d) {
-    for (std::size_t l = 0; l < layouts.size(); ++l) {
-      const auto seed = static_cast<std::uint32_t>(d * 17 + l);
-      replicas got(d, layouts[l], seed), want(d, layouts[l], seed);
-      auto group = troupe::engine::make_host_zero_group(d, "test");
-      // Two buckets' collectives in flight at once, each replica calling from its own thread
-      // (bucket 1 first on odd replicas): each completes once every replica has called.
-      replicas other(d, layouts[l], seed + 1), other_want(d, layouts[l], seed + 1);
-      std::atomic<int> done{0};
-      std::vector<std::thread> threads;
-      for (int i = 0; i < d; ++i)
-        threads.emplace_back([&, i] {
-          auto call = [&](replicas& r, int bucket) {
-            group->reduce_scatter(0, bucket, i, r.ranges[static_cast<std::size_t>(i)], nullptr,
-                                  [&](void* e) {
-                                    CHECK(e == nullptr);
-                                    ++done;
-                                  });
-          };
-          call(got, 0);
-          call(other, 1);
-        });
-      for (auto& t : threads) t.join();
-      REQUIRE(done == 2 * d);
-      run_ring(want, seed + 3, ring_kind::reduce_scatter);
-      run_ring(other_want, seed + 4, ring_kind::reduce_scatter);
-      const auto n = static_cast<std::int64_t>(want.data[0].size());
+    for (std::size_t l = 0; l < zero_layouts.size(); ++l) {
       INFO("d=" << d << " layout " << l);
-      for (int i = 0; i < d; ++i) {
-        const auto [b, e] = ring_chunk_bounds(n, d, ring_owned_chunk(i, d));
-        for (std::int64_t k = b; k < e; ++k) {
-          const auto at = static_cast<std::size_t>(k), r = static_cast<std::size_t>(i);
-          REQUIRE(got.data[r][at] == want.data[r][at]);
-          REQUIRE(other.data[r][at] == other_want.data[r][at]);
-        }
-      }
-      // All-gather: every replica ends with every owner's chunk (the rest overwritten).
-      for (int i = 0; i < d; ++i)
-        for (int c = 0; c < d; ++c) {
-          if (c == ring_owned_chunk(i, d)) continue;
-          const auto [b, e] = ring_chunk_bounds(n, d, c);
-          for (std::int64_t k = b; k < e; ++k) {
-            got.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
-            want.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
-          }
-        }
-      threads.clear();
-      for (int i = 0; i < d; ++i)
-        threads.emplace_back([&, i] {
-          group->all_gather(0, 0, i, got.ranges[static_cast<std::size_t>(i)], nullptr,
-                            [](void*) {});
-        });
-      for (auto& t : threads) t.join();
-      run_ring(want, seed + 5, ring_kind::all_gather);
-      for (int i = 0; i < d; ++i)
-        REQUIRE(got.data[static_cast<std::size_t>(i)] == want.data[static_cast<std::size_t>(i)]);
+      auto group = troupe::engine::make_host_zero_group(d, "test");
+      check_against_ring(d, zero_layouts[l], static_cast<std::uint32_t>(d * 17 + l),
+                         [&group](int) -> troupe::engine::zero_group& { return *group; });
     }
   }
 }
@@ -266,11 +274,9 @@ TEST_CASE("a zero group refuses replicas calling in different orders, or disagre
 
 TEST_CASE("the zero group across processes exchanges pieces as messages, bitwise the ring",
           "[unit]") {
-  const std::vector<std::vector<std::int64_t>> layouts = {{1}, {7}, {3, 0, 5, 11}, {4097}};
   for (int d = 1; d <= 4; ++d) {
-    for (std::size_t l = 0; l < layouts.size(); ++l) {
-      const auto seed = static_cast<std::uint32_t>(d * 23 + l);
-      replicas got(d, layouts[l], seed), want(d, layouts[l], seed);
+    for (std::size_t l = 0; l < zero_layouts.size(); ++l) {
+      INFO("d=" << d << " layout " << l);
       // Replica r in "process" r % 2: two groups, messages between them posted to the other.
       std::vector<std::shared_ptr<exchange_zero_group>> process(2);
       for (int p = 0; p < 2; ++p) {
@@ -281,50 +287,10 @@ TEST_CASE("the zero group across processes exchanges pieces as messages, bitwise
               process[static_cast<std::size_t>(to % 2)]->deliver(to, std::move(m));
             });
       }
-      std::atomic<int> done{0};
-      auto collective = [&](bool gather) {
-        std::vector<std::thread> threads;
-        for (int i = 0; i < d; ++i)
-          threads.emplace_back([&, i] {
-            auto& g = *process[static_cast<std::size_t>(i % 2)];
-            const auto& r = got.ranges[static_cast<std::size_t>(i)];
-            auto count = [&](void* e) {
-              CHECK(e == nullptr);
-              ++done;
-            };
-            if (gather)
-              g.all_gather(5, 2, i, r, nullptr, count);
-            else
-              g.reduce_scatter(5, 2, i, r, nullptr, count);
-          });
-        for (auto& t : threads) t.join();
-      };
-      collective(false);
-      REQUIRE(done == d);
-      run_ring(want, seed + 3, ring_kind::reduce_scatter);
-      const auto n = static_cast<std::int64_t>(want.data[0].size());
-      INFO("d=" << d << " layout " << l);
-      for (int i = 0; i < d; ++i) {
-        const auto [b, e] = ring_chunk_bounds(n, d, ring_owned_chunk(i, d));
-        for (std::int64_t k = b; k < e; ++k) {
-          const auto at = static_cast<std::size_t>(k), r = static_cast<std::size_t>(i);
-          REQUIRE(got.data[r][at] == want.data[r][at]);
-        }
-      }
-      for (int i = 0; i < d; ++i)
-        for (int c = 0; c < d; ++c) {
-          if (c == ring_owned_chunk(i, d)) continue;
-          const auto [b, e] = ring_chunk_bounds(n, d, c);
-          for (std::int64_t k = b; k < e; ++k) {
-            got.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
-            want.data[static_cast<std::size_t>(i)][static_cast<std::size_t>(k)] = -1.0f;
-          }
-        }
-      collective(true);
-      REQUIRE(done == 2 * d);
-      run_ring(want, seed + 5, ring_kind::all_gather);
-      for (int i = 0; i < d; ++i)
-        REQUIRE(got.data[static_cast<std::size_t>(i)] == want.data[static_cast<std::size_t>(i)]);
+      check_against_ring(d, zero_layouts[l], static_cast<std::uint32_t>(d * 23 + l),
+                         [&process](int i) -> troupe::engine::zero_group& {
+                           return *process[static_cast<std::size_t>(i % 2)];
+                         });
     }
   }
 }
