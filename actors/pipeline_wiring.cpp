@@ -55,12 +55,7 @@ std::string nccl_communicators::describe() const {
          count(tensor_groups.size(), "tensor group");
 }
 
-namespace {
-// ZeRO-1/2 through the devices' groups asked for (where the chunks have them: below).
-bool zero_on_device(const engine::recipe& r) {
-  return r.parallel.zero_on_device && r.parallel.zero > 0 && r.parallel.zero < 3;
-}
-}  // namespace
+using engine::zero_on_device;
 
 nccl_communicators nccl_plan(const build_inputs& in) {
   nccl_communicators c;

@@ -425,20 +425,23 @@ class stage_impl : public stage_actor::base {
     empty.replica = cfg_.replica;
     const bool params = !zero() || (!sharded_params() && cfg_.replica == 0);
     const bool moments = !zero();
-    std::vector<std::function<engine::rank_chunks::host_state()>> copies;
-    for (int c = 0; params && c < chunks_->chunk_count(); ++c)
-      copies.push_back(chunks_->capture_state(c, moments));
-    caf::actor me = caf::actor_cast<caf::actor>(this);
-    copying_ = std::async(
-        std::launch::async, [this, me, copies = std::move(copies), empty, params, moments] {
-          if (cfg_.test_capture_delay_ms > 0)
-            std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
-          std::vector<engine::rank_chunks::host_state> states;
-          for (const auto& copy : copies) states.push_back(copy());
-          auto s = params ? snapshot_of(states, true, moments) : empty;
-          caf::anon_send(me, snapshot_copied{});
-          return s;
-        });
+    if (params) {
+      std::vector<std::function<engine::rank_chunks::host_state()>> copies;
+      for (int c = 0; c < chunks_->chunk_count(); ++c)
+        copies.push_back(chunks_->capture_state(c, moments));
+      caf::actor me = caf::actor_cast<caf::actor>(this);
+      copying_ = std::async(std::launch::async, [this, me, copies = std::move(copies), moments] {
+        if (cfg_.test_capture_delay_ms > 0)
+          std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
+        std::vector<engine::rank_chunks::host_state> states;
+        for (const auto& copy : copies) states.push_back(copy());
+        auto s = snapshot_of(states, true, moments);
+        caf::anon_send(me, snapshot_copied{});
+        return s;
+      });
+    } else {  // ZeRO-3 (or a replica past 0): the stage holds nothing of the state to copy
+      copied_ = empty;
+    }
     if (zero_on_device()) {
       auto [m, v] = device_zero_.moments();
       zero_part_ = zero_state{std::move(m), std::move(v), {}};

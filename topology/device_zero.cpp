@@ -14,18 +14,17 @@ device_zero::device_zero(engine::rank_chunks& chunks, const grad_buckets& bucket
       buckets_(&buckets),
       group_(std::move(group)),
       replica_(replica),
-      shards_(buckets.shards(replica, replicas, tp)) {
+      shards_(buckets.shards(replica, replicas, tp)),
+      local_(shards_) {
   const int n = chunks.chunk_count();
   std::vector<std::vector<engine::shard_segment>> owned(static_cast<std::size_t>(n));
   owned_floats_.assign(static_cast<std::size_t>(n), 0);
-  for (const auto& b : shards_) {
-    auto& ats = local_at_.emplace_back();
-    for (auto s : b.segments) {
+  for (auto& b : local_) {
+    for (auto& s : b.segments) {
       if (s.chunk < 0 || s.chunk >= n || !chunks.device(s.chunk))
         throw std::logic_error("device_zero: a segment of chunk " + std::to_string(s.chunk) +
                                ", not a device chunk of this rank");
       auto& at = owned_floats_[static_cast<std::size_t>(s.chunk)];
-      ats.push_back(at);
       s.at = at;
       at += s.numel;
       owned[static_cast<std::size_t>(s.chunk)].push_back(s);
@@ -48,7 +47,7 @@ std::pair<std::vector<float>, std::vector<float>> device_zero::moments() {
     for (std::size_t i = 0; i < shards_[b].segments.size(); ++i) {
       const auto& s = shards_[b].segments[i];
       const auto& [m, v] = local.at(static_cast<std::size_t>(s.chunk));
-      const auto from = local_at_[b][i];
+      const auto from = local_[b].segments[i].at;
       std::copy_n(m.begin() + from, s.numel, out.first.begin() + s.at);
       std::copy_n(v.begin() + from, s.numel, out.second.begin() + s.at);
     }
@@ -68,7 +67,7 @@ void device_zero::load_moments(const std::vector<float>& m, const std::vector<fl
           static_cast<std::int64_t>(v.size()) < s.at + s.numel)
         throw std::logic_error("device_zero: moments shorter than the owned floats");
       auto& [lm, lv] = local.at(static_cast<std::size_t>(s.chunk));
-      const auto to = local_at_[b][i];
+      const auto to = local_[b].segments[i].at;
       std::copy_n(m.begin() + s.at, s.numel, lm.begin() + to);
       std::copy_n(v.begin() + s.at, s.numel, lv.begin() + to);
     }
@@ -87,11 +86,7 @@ void device_zero::reduce_scatter(int step, int b, engine::zero_group::done_fn do
 
 double device_zero::square_sum() {
   double sum = 0;
-  for (std::size_t b = 0; b < shards_.size(); ++b) {
-    auto segments = shards_[b].segments;
-    for (std::size_t i = 0; i < segments.size(); ++i) segments[i].at = local_at_[b][i];
-    sum += chunks_->device(shards_[b].chunk)->owned_square_sum(segments);
-  }
+  for (const auto& b : local_) sum += chunks_->device(b.chunk)->owned_square_sum(b.segments);
   return sum;
 }
 

@@ -52,9 +52,8 @@ class device_zero {
   std::shared_ptr<engine::zero_group> group_;
   int replica_ = 0;
   std::vector<engine::bucket_shard> shards_;  // at: shard storage
-  // By bucket and segment: where the segment's moments sit in its chunk's owned storage.
-  std::vector<std::vector<std::int64_t>> local_at_;
-  std::vector<std::int64_t> owned_floats_;  // by chunk
+  std::vector<engine::bucket_shard> local_;   // the same, at: its chunk's owned storage
+  std::vector<std::int64_t> owned_floats_;    // by chunk
 };
 
 }  // namespace troupe::topology

@@ -8,31 +8,8 @@
 #include "engine/chunks/zero_group.hpp"
 
 namespace troupe::topology {
-namespace {
-
-std::int64_t total(const engine::zero_group::float_ranges& r) {
-  std::int64_t n = 0;
-  for (const auto& [p, k] : r) n += k;
-  return n;
-}
-
-// Chunk c of `ranges` copied out, and copied in.
-std::vector<float> chunk_of(const engine::zero_group::float_ranges& ranges, int d, int c) {
-  const auto [b, e] = engine::owned_chunk_bounds(total(ranges), d, c);
-  std::vector<float> out(static_cast<std::size_t>(e - b));
-  engine::for_each_piece(ranges, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
-    std::memcpy(out.data() + off, p, static_cast<std::size_t>(k) * sizeof(float));
-  });
-  return out;
-}
-void put_chunk(const engine::zero_group::float_ranges& ranges, int d, int c, const float* values) {
-  const auto [b, e] = engine::owned_chunk_bounds(total(ranges), d, c);
-  engine::for_each_piece(ranges, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
-    std::memcpy(p, values + off, static_cast<std::size_t>(k) * sizeof(float));
-  });
-}
-
-}  // namespace
+using engine::copy_chunk_in;
+using engine::copy_chunk_out;
 
 exchange_zero_group::exchange_zero_group(std::string name, int rank, std::vector<bool> here,
                                          post_fn remote)
@@ -100,7 +77,7 @@ void exchange_zero_group::call(int phase, int step, int bucket, int replica,
     m.phase = phase;
     m.chunk = chunk;
     m.collective = static_cast<int>(k);
-    m.data = std::make_shared<messages::payload<float>>(chunk_of(ranges, d, chunk));
+    m.data = std::make_shared<messages::payload<float>>(copy_chunk_out(ranges, d, chunk));
     send(to, std::move(m));
   }
   done_fn finished;
@@ -147,22 +124,19 @@ exchange_zero_group::done_fn exchange_zero_group::complete(int replica, std::uin
           std::to_string(k) + " is the " + collective(p.phase, p.step, p.bucket) + ", replica " +
           std::to_string(from) + "'s the " + collective(m.phase, m.step, m.bucket) +
           " (the replicas must call in one order)");
-  if (p.phase == 0) {  // the owned chunk's sum in the ring's order, scaled, into its ranges
+  if (p.phase == 0) {  // the owned chunk's mean in the ring's order, into its ranges
     const int c = (replica + 1) % d;
-    std::vector<float> own = chunk_of(p.ranges, d, c), sum(own.size());
-    for (int j = 0; j < d; ++j) {
-      const int from = (c + j) % d;
-      const float* x = from == replica ? own.data() : p.received.at(from).data->data();
-      if (from != replica && p.received.at(from).data->size() != own.size())
+    const std::vector<float> own = copy_chunk_out(p.ranges, d, c);
+    std::vector<const float*> by_replica(static_cast<std::size_t>(d), own.data());
+    for (const auto& [from, m] : p.received) {
+      if (m.data->size() != own.size())
         throw std::logic_error(describe() + ": replica " + std::to_string(from) +
                                " sent another size of chunk " + std::to_string(c));
-      for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = j == 0 ? x[i] : sum[i] + x[i];
+      by_replica[static_cast<std::size_t>(from)] = m.data->data();
     }
-    const float scale = 1.0f / static_cast<float>(d);
-    for (float& v : sum) v = v * scale;
-    put_chunk(p.ranges, d, c, sum.data());
+    copy_chunk_in(p.ranges, d, c, engine::ring_chunk_mean(by_replica, c, own.size()).data());
   } else {  // every other owner's chunk into its ranges
-    for (const auto& [from, m] : p.received) put_chunk(p.ranges, d, m.chunk, m.data->data());
+    for (const auto& [from, m] : p.received) copy_chunk_in(p.ranges, d, m.chunk, m.data->data());
   }
   done_fn done = std::move(p.done);
   pending_.erase(it);

@@ -1051,29 +1051,44 @@ void gpu_chunk::load_parameters(std::int64_t at, const float* host, std::int64_t
   impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
 }
 
-std::pair<std::vector<float>, std::vector<float>> gpu_chunk::moments() const {
-  if (!impl_->m) throw std::logic_error("gpu_chunk: no optimizer state (ZeRO holds the moments)");
-  device_guard g(impl_->device);
-  impl_->ctx.synchronize();
-  const auto n = static_cast<std::size_t>(impl_->P);
-  std::pair<std::vector<float>, std::vector<float>> out{std::vector<float>(n),
-                                                        std::vector<float>(n)};
-  check(cudaMemcpy(out.first.data(), impl_->m, n * sizeof(float), cudaMemcpyDeviceToHost),
+namespace {
+// n floats of m and of v (device) to the host, after the stream's work so far; and back.
+std::pair<std::vector<float>, std::vector<float>> moments_to_host(const gpu_chunk::impl& s,
+                                                                  const float* m, const float* v,
+                                                                  std::int64_t n) {
+  device_guard g(s.device);
+  s.ctx.synchronize();
+  const auto k = static_cast<std::size_t>(n);
+  std::pair<std::vector<float>, std::vector<float>> out{std::vector<float>(k),
+                                                        std::vector<float>(k)};
+  if (k == 0) return out;
+  check(cudaMemcpy(out.first.data(), m, k * sizeof(float), cudaMemcpyDeviceToHost),
         "cudaMemcpy(moments)");
-  check(cudaMemcpy(out.second.data(), impl_->v, n * sizeof(float), cudaMemcpyDeviceToHost),
+  check(cudaMemcpy(out.second.data(), v, k * sizeof(float), cudaMemcpyDeviceToHost),
         "cudaMemcpy(moments)");
   return out;
+}
+void moments_from_host(const gpu_chunk::impl& s, float* m, float* v, const float* host_m,
+                       const float* host_v, std::int64_t n) {
+  device_guard g(s.device);
+  const auto bytes = static_cast<std::size_t>(n) * sizeof(float);
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(m, host_m, bytes, cudaMemcpyHostToDevice, s.ctx.stream()),
+        "cudaMemcpyAsync(moments)");
+  check(cudaMemcpyAsync(v, host_v, bytes, cudaMemcpyHostToDevice, s.ctx.stream()),
+        "cudaMemcpyAsync(moments)");
+  s.ctx.synchronize();  // from pageable memory the copy may not be done at return
+}
+}  // namespace
+
+std::pair<std::vector<float>, std::vector<float>> gpu_chunk::moments() const {
+  if (!impl_->m) throw std::logic_error("gpu_chunk: no optimizer state (ZeRO holds the moments)");
+  return moments_to_host(*impl_, impl_->m, impl_->v, impl_->P);
 }
 
 void gpu_chunk::load_moments(const float* m, const float* v) {
   if (!impl_->m) throw std::logic_error("gpu_chunk: no optimizer state (ZeRO holds the moments)");
-  device_guard g(impl_->device);
-  const auto bytes = static_cast<std::size_t>(impl_->P) * sizeof(float);
-  check(cudaMemcpyAsync(impl_->m, m, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
-        "cudaMemcpyAsync(moments)");
-  check(cudaMemcpyAsync(impl_->v, v, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
-        "cudaMemcpyAsync(moments)");
-  impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
+  moments_from_host(*impl_, impl_->m, impl_->v, m, v, impl_->P);
 }
 
 gpu_chunk::state_fill gpu_chunk::begin_state_copy(bool with_moments) {
@@ -1164,28 +1179,11 @@ void gpu_chunk::parameters_changed(std::int64_t at, std::int64_t n) {
 }
 
 std::pair<std::vector<float>, std::vector<float>> gpu_chunk::owned_moments() const {
-  device_guard g(impl_->device);
-  impl_->ctx.synchronize();
-  const auto n = static_cast<std::size_t>(impl_->owned_floats);
-  std::pair<std::vector<float>, std::vector<float>> out{std::vector<float>(n),
-                                                        std::vector<float>(n)};
-  if (n == 0) return out;
-  check(cudaMemcpy(out.first.data(), impl_->owned_m, n * sizeof(float), cudaMemcpyDeviceToHost),
-        "cudaMemcpy(owned moments)");
-  check(cudaMemcpy(out.second.data(), impl_->owned_v, n * sizeof(float), cudaMemcpyDeviceToHost),
-        "cudaMemcpy(owned moments)");
-  return out;
+  return moments_to_host(*impl_, impl_->owned_m, impl_->owned_v, impl_->owned_floats);
 }
 
 void gpu_chunk::load_owned_moments(const float* m, const float* v) {
-  device_guard g(impl_->device);
-  const auto bytes = static_cast<std::size_t>(impl_->owned_floats) * sizeof(float);
-  if (bytes == 0) return;
-  check(cudaMemcpyAsync(impl_->owned_m, m, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
-        "cudaMemcpyAsync(owned moments)");
-  check(cudaMemcpyAsync(impl_->owned_v, v, bytes, cudaMemcpyHostToDevice, impl_->ctx.stream()),
-        "cudaMemcpyAsync(owned moments)");
-  impl_->ctx.synchronize();  // from pageable memory the copy may not be done at return
+  moments_from_host(*impl_, impl_->owned_m, impl_->owned_v, m, v, impl_->owned_floats);
 }
 
 std::int64_t gpu_chunk::device_bytes() const { return impl_->arena.bytes(); }

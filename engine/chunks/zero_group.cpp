@@ -26,37 +26,19 @@ class host_zero_group final : public replicas_zero_group {
   std::vector<void*> run(op o, const std::vector<float_ranges>& ranges,
                          const std::vector<void*>&) override {
     const int d = replicas();
-    const std::int64_t n = total(ranges[0]);
-    std::vector<float> sum;
     for (int c = 0; c < d; ++c) {
-      const auto [b, e] = owned_chunk_bounds(n, d, c);
       const auto& owner = ranges[static_cast<std::size_t>(chunk_owner(c, d))];
       if (o == op::all_gather) {
-        sum.resize(static_cast<std::size_t>(e - b));
-        for_each_piece(owner, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
-          std::memcpy(sum.data() + off, p, static_cast<std::size_t>(k) * sizeof(float));
-        });
-        for (int r = 0; r < d; ++r)
-          if (r != chunk_owner(c, d))
-            for_each_piece(ranges[static_cast<std::size_t>(r)], b, e,
-                           [&](float* p, std::int64_t k, std::int64_t off) {
-                             std::memcpy(p, sum.data() + off,
-                                         static_cast<std::size_t>(k) * sizeof(float));
-                           });
+        const auto values = copy_chunk_out(owner, d, c);
+        for (const auto& r : ranges)
+          if (&r != &owner) copy_chunk_in(r, d, c, values.data());
         continue;
       }
-      sum.assign(static_cast<std::size_t>(e - b), 0.0f);
-      for (int k = 0; k < d; ++k)
-        for_each_piece(ranges[static_cast<std::size_t>((c + k) % d)], b, e,
-                       [&](float* p, std::int64_t cnt, std::int64_t off) {
-                         float* s = sum.data() + off;
-                         for (std::int64_t i = 0; i < cnt; ++i) s[i] = k == 0 ? p[i] : s[i] + p[i];
-                       });
-      const float scale = 1.0f / static_cast<float>(d);
-      for (float& v : sum) v = v * scale;
-      for_each_piece(owner, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
-        std::memcpy(p, sum.data() + off, static_cast<std::size_t>(k) * sizeof(float));
-      });
+      std::vector<std::vector<float>> copies;
+      std::vector<const float*> by_replica;
+      for (const auto& r : ranges) copies.push_back(copy_chunk_out(r, d, c));
+      for (const auto& x : copies) by_replica.push_back(x.data());
+      copy_chunk_in(owner, d, c, ring_chunk_mean(by_replica, c, copies[0].size()).data());
     }
     return std::vector<void*>(ranges.size(), nullptr);
   }
@@ -131,6 +113,35 @@ void replicas_zero_group::call(op o, int step, int bucket, int replica, const fl
     events = run(o, p.ranges, p.ready);
   }
   for (std::size_t r = 0; r < p.done.size(); ++r) p.done[r](events.at(r));
+}
+
+std::vector<float> copy_chunk_out(const zero_group::float_ranges& ranges, int d, int c) {
+  const auto [b, e] = owned_chunk_bounds(total(ranges), d, c);
+  std::vector<float> out(static_cast<std::size_t>(e - b));
+  for_each_piece(ranges, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
+    std::memcpy(out.data() + off, p, static_cast<std::size_t>(k) * sizeof(float));
+  });
+  return out;
+}
+
+void copy_chunk_in(const zero_group::float_ranges& ranges, int d, int c, const float* values) {
+  const auto [b, e] = owned_chunk_bounds(total(ranges), d, c);
+  for_each_piece(ranges, b, e, [&](float* p, std::int64_t k, std::int64_t off) {
+    std::memcpy(p, values + off, static_cast<std::size_t>(k) * sizeof(float));
+  });
+}
+
+std::vector<float> ring_chunk_mean(const std::vector<const float*>& by_replica, int c,
+                                   std::size_t n) {
+  const int d = static_cast<int>(by_replica.size());
+  std::vector<float> sum(n);
+  for (int k = 0; k < d; ++k) {
+    const float* x = by_replica[static_cast<std::size_t>((c + k) % d)];
+    for (std::size_t i = 0; i < n; ++i) sum[i] = k == 0 ? x[i] : sum[i] + x[i];
+  }
+  const float scale = 1.0f / static_cast<float>(d);
+  for (float& v : sum) v = v * scale;
+  return sum;
 }
 
 std::shared_ptr<zero_group> make_host_zero_group(int replicas, std::string name) {

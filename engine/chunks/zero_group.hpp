@@ -37,6 +37,14 @@ void for_each_piece(const zero_group::float_ranges& ranges, std::int64_t begin, 
   }
 }
 
+// Ring chunk c of a bucket's ranges (d replicas' chunks) copied out of them, and into them.
+std::vector<float> copy_chunk_out(const zero_group::float_ranges& ranges, int d, int c);
+void copy_chunk_in(const zero_group::float_ranges& ranges, int d, int c, const float* values);
+// Chunk c's mean over the d replicas' copies of it (by replica, n floats each), summed in the
+// ring's order (x_c + x_{c+1} + ... + x_{c+d-1}) and scaled by 1/d: bitwise what the ring leaves.
+std::vector<float> ring_chunk_mean(const std::vector<const float*>& by_replica, int c,
+                                   std::size_t n);
+
 // Calls meet by their place in each replica's sequence: the k-th call of every replica is one
 // collective, and must name the same (operation, step, bucket) or the group throws, naming both:
 // the order NCCL needs of every rank (zero_group's callers keep one order), checked here on every

@@ -131,11 +131,6 @@ namespace {
 
 // pp > 1 or tp > 1: every rank's chunks as device stage actors hold them (device_stage_slots
 // each); with tensor parallelism, one shard's.
-// ZeRO-1/2 through the devices' groups: the chunks hold the owned floats' moments.
-bool owned_moments(const recipe& r) {
-  return r.parallel.zero_on_device && r.parallel.zero > 0 && r.parallel.zero < 3;
-}
-
 std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options& o) {
   const int tp = r.parallel.tp;
   const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
@@ -146,10 +141,10 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
                           : std::string()) +
                   " (" + r.precision.dtype + " compute, " + attention_kernel_for(r) +
                   " attention, fp32 master weights, gradients" +
-                  (o.optimizer_state  ? " and AdamW moments"
-                   : owned_moments(r) ? "; the AdamW moments of the floats each replica owns "
-                                        "(ZeRO through the devices' groups)"
-                                      : "; AdamW moments in ZeRO's shards, in host memory") +
+                  (o.optimizer_state   ? " and AdamW moments"
+                   : zero_on_device(r) ? "; the AdamW moments of the floats each replica owns "
+                                         "(ZeRO through the devices' groups)"
+                                       : "; AdamW moments in ZeRO's shards, in host memory") +
                   "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
                   std::to_string(r.batch.seq_len) +
                   " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
@@ -181,7 +176,7 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
     }
     // ZeRO through the devices' groups: moments of about 1/dp of the rank's floats (each
     // bucket's ring chunk; at most one float more per bucket).
-    if (owned_moments(r))
+    if (zero_on_device(r))
       sum.model_state += (params + r.parallel.dp - 1) / r.parallel.dp * 2 *
                          static_cast<std::int64_t>(sizeof(float));
     with += sum.activations;

@@ -557,6 +557,10 @@ std::string attention_kernel_for(const recipe& r) {
   return cudnn_attention_head_size(hs) && cudnn_attention_usable() ? "cudnn" : "materialized";
 }
 
+bool zero_on_device(const recipe& r) {
+  return r.parallel.zero_on_device && r.parallel.zero > 0 && r.parallel.zero < 3;
+}
+
 bool splits_backward(const recipe& r) {
   try {
     const auto& p = r.parallel;

@@ -149,6 +149,9 @@ void validate_recipe(const recipe& r);
 // Whether the recipe's schedule splits backward (input, then weight gradients: zb_h1); false
 // for a schedule that cannot be made (validate_recipe names it).
 bool splits_backward(const recipe& r);
+// Whether ZeRO runs through the devices' groups where the chunks have them
+// (parallel.zero_on_device, with ZeRO-1 or 2; ZeRO-3 keeps the host shards).
+bool zero_on_device(const recipe& r);
 
 // The head sizes (width / heads) each GPU attention kernel takes; materialized takes any.
 bool fused_attention_head_size(int hs);  // 16, 32, 64, 128
