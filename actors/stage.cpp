@@ -262,14 +262,21 @@ class stage_impl : public stage_actor::base {
                    !zero()            ? side::none
                    : zero_on_device() ? side::device
                                       : side::host);  // the buffers ZeRO works on
-    if (zero_on_device()) {
-      if (sharded_params()) throw std::logic_error(who() + ": ZeRO-3 through the devices' groups");
-      device_zero_ = topology::device_zero(*chunks_, buckets_, cfg_.device->zero_group,
-                                           cfg_.replica, cfg_.replicas, {cfg_.tp_rank, cfg_.tp});
+    if (zero_on_device()) {  // ZeRO-3: the owned master weights from the chunks' (resumed) ones
+      device_zero_ =
+          topology::device_zero(*chunks_, buckets_, cfg_.device->zero_group, cfg_.replica,
+                                cfg_.replicas, {cfg_.tp_rank, cfg_.tp}, sharded_params());
       zero_shards_ = device_zero_.shards();
       if (!cfg_.resume.empty()) {
         const auto [m, v] = owned_checkpoint_moments(zero_shards_);
         device_zero_.load_moments(m, v);
+      }
+      if (sharded_params()) {  // the chunks' master weights hold gathered buckets only from now
+        for (int b = 0; b < buckets_.size(); ++b) device_zero_.release(b);
+        gathers_ = std::make_unique<topology::param_gathers>(
+            buckets_,
+            topology::param_gathers::bucket_memory{[this](int b) { device_zero_.release(b); },
+                                                   [this](int b) { device_zero_.acquire(b); }});
       }
     }
     if (!cfg_.resume.empty() && !zero()) {  // the chunks' moments from the checkpoint
@@ -347,7 +354,20 @@ class stage_impl : public stage_actor::base {
     }
     const auto collective = plan_collective();
     gathers_->start(std::move(uses), cfg_.zero_prefetch, [this, collective](int seq, int bucket) {
-      caf::anon_send(wiring_.reducer, zero_gather{plan_.step, collective, seq, bucket});
+      gather(plan_.step, collective, seq, bucket);
+    });
+  }
+
+  // Gather `seq` of (step, collective), of `bucket`'s parameters: by the shard actor
+  // (zero_gathered), or through the devices' group (bucket_gathered, to itself).
+  void gather(int step, zero_collective collective, int seq, int bucket) {
+    if (!zero_on_device()) {
+      caf::anon_send(wiring_.reducer, zero_gather{step, collective, seq, bucket});
+      return;
+    }
+    device_zero_.gather(step, bucket, [me = address(), step, collective, seq, bucket](void* done) {
+      if (auto self = caf::actor_cast<caf::actor>(me))
+        caf::anon_send(self, bucket_gathered{step, bucket, done, collective, seq});
     });
   }
 
@@ -375,7 +395,7 @@ class stage_impl : public stage_actor::base {
     if (!active_ || g.step != plan_.step || g.collective != plan_collective())
       throw std::logic_error("ZeRO-3: a parameter gather finished outside its plan");
     const int bucket = gathers_->gathered(g.seq);
-    if (device()) load_bucket(bucket);
+    if (device() && !zero_on_device()) load_bucket(bucket);
     advance_if_waiting();
   }
 
@@ -394,9 +414,8 @@ class stage_impl : public stage_actor::base {
     auto rp = make_response_promise<stage_snapshot>();
     if (snapshots_waiting_.empty()) {
       final_pending_ = buckets_.size();
-      gathers_->gather_all([this](int seq, int bucket) {
-        caf::anon_send(wiring_.reducer, zero_gather{0, zero_collective::final, seq, bucket});
-      });
+      gathers_->gather_all(
+          [this](int seq, int bucket) { gather(0, zero_collective::final, seq, bucket); });
     }
     snapshots_waiting_.push_back(rp);
     return rp;
@@ -443,8 +462,7 @@ class stage_impl : public stage_actor::base {
       copied_ = empty;
     }
     if (zero_on_device()) {
-      auto [m, v] = device_zero_.moments();
-      zero_part_ = zero_state{std::move(m), std::move(v), {}};
+      zero_part_ = device_zero_state();
     } else if (zero()) {
       zero_pending_ = true;
       request(wiring_.reducer, caf::infinite, zero_state_request{})
@@ -515,14 +533,20 @@ class stage_impl : public stage_actor::base {
       base.replica = cfg_.replica;
     }
     if (zero_on_device()) {
-      auto [m, v] = device_zero_.moments();
-      done(zero_snapshot(std::move(base), zero_state{std::move(m), std::move(v), {}}));
+      done(zero_snapshot(std::move(base), device_zero_state()));
       return;
     }
     request(wiring_.reducer, caf::infinite, zero_state_request{})
         .then([this, base = std::move(base), done = std::move(done)](zero_state& z) mutable {
           done(zero_snapshot(std::move(base), z));
         });
+  }
+
+  // What this replica owns, through the devices' group: from the devices, now.
+  zero_state device_zero_state() {
+    auto [m, v] = device_zero_.moments();
+    return {std::move(m), std::move(v),
+            sharded_params() ? device_zero_.parameters() : std::vector<float>{}};
   }
 
   // A ZeRO stage's state: `s` (the parameters, replica 0's lanes under ZeRO-1/2) and the owned
@@ -555,7 +579,7 @@ class stage_impl : public stage_actor::base {
   void final_gathered() {
     if (--final_pending_ > 0) return;
     consolidated_ = true;
-    if (device())  // the whole weights into the chunks, which snapshots read
+    if (device() && !zero_on_device())  // the whole weights into the chunks, which snapshots read
       for (int c = 0; c < chunks_->chunk_count(); ++c)
         chunks_->parameters_from_host(c, 0, chunks_->parameter_count(c));
     for (auto& rp : snapshots_waiting_) rp.deliver(snapshot());
@@ -1135,9 +1159,9 @@ class stage_impl : public stage_actor::base {
     flush_trace();
   }
 
-  // ZeRO-1/2 through the devices: AdamW on the owned floats, then every bucket's all-gather
-  // (bucket_gathered each). A skipped update changes nothing: every replica's parameters are
-  // still the same whole ones.
+  // ZeRO through the devices: AdamW on the owned floats, then (ZeRO-1/2) every bucket's
+  // all-gather (bucket_gathered each); ZeRO-3 gathers each bucket before its next use. A skipped
+  // update changes nothing: every replica's parameters are still the same whole ones.
   void update_on_devices(const apply_update& u) {
     update_lr_ = engine::learning_rate(cfg_.optimizer, u.step, cfg_.total_steps);
     if (u.skip || buckets_.size() == 0) {
@@ -1148,6 +1172,10 @@ class stage_impl : public stage_actor::base {
     update_lr_ =
         device_zero_.update(cfg_.optimizer, u.step, cfg_.total_steps, u.grad_norm, u.unscale);
     cfg_.trace.span("optimizer", "AdamW shard", t0, cfg_.trace.now_us(), {u.step});
+    if (sharded_params()) {
+      update_gathered(u.step);
+      return;
+    }
     gathers_pending_ = buckets_.size();
     gather_t0_ = cfg_.trace.now_us();
     for (int b = 0; b < buckets_.size(); ++b)
@@ -1158,6 +1186,12 @@ class stage_impl : public stage_actor::base {
   }
 
   void on_bucket_gathered(const bucket_gathered& g) {
+    if (g.collective != zero_collective::buckets) {  // ZeRO-3: a gather for a use
+      if (g.done) chunks_->wait_event(buckets_.bucket(g.bucket).chunk, g.done);
+      device_zero_.bucket_gathered(g.bucket);
+      on_gathered(zero_gathered{g.step, g.collective, g.seq});
+      return;
+    }
     if (gathers_pending_ <= 0) throw std::logic_error(who() + ": a gather nobody waits for");
     if (g.done) chunks_->wait_event(buckets_.bucket(g.bucket).chunk, g.done);
     if (--gathers_pending_ > 0) return;
@@ -1214,7 +1248,9 @@ class stage_impl : public stage_actor::base {
         m.buffers += engine::resident_bytes(chunks_->host_parameters(c), bytes) +
                      engine::resident_bytes(chunks_->host_gradients(c), bytes);
     }
-    m.optimizer = chunks_->optimizer_bytes();  // 0 with ZeRO: the shard holds the moments
+    if (zero_on_device() && sharded_params())  // the owned master weights, beside their moments
+      m.parameters += device_zero_.owned_floats() * static_cast<std::int64_t>(sizeof(float));
+    m.optimizer = chunks_->optimizer_bytes();  // with ZeRO: the owned floats', or none (shards)
     m.activations = chunks_->activation_bytes();
     if (gathers_) {
       m.buffers += gathers_->peak_bytes();  // ZeRO-3: the most gathered at once this step

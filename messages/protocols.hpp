@@ -91,12 +91,15 @@ struct start_run {};
 struct stage_continue {};
 // A stage's note to itself from the thread that copied a checkpoint's state aside: it is there.
 struct snapshot_copied {};
-// A stage's note to itself from its zero_group (ZeRO-1/2 on the devices, topology/device_zero.hpp):
-// bucket's parameters are all-gathered once the event `done` has passed (nullptr: now). The
+// A stage's note to itself from its zero_group (ZeRO on the devices, topology/device_zero.hpp):
+// bucket's parameters are all-gathered once the event `done` has passed (nullptr: now): after
+// the update (collective `buckets`, ZeRO-1/2), or gather `seq` of a ZeRO-3 plan. The
 // reduce-scatter's note is a grad_bucket_reduced.
 struct bucket_gathered {
   int step = 0, bucket = 0;
   void* done = nullptr;
+  zero_collective collective = zero_collective::buckets;
+  int seq = 0;
 };
 struct trace_write {
   std::string path;

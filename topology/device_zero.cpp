@@ -9,7 +9,7 @@ namespace troupe::topology {
 
 device_zero::device_zero(engine::rank_chunks& chunks, const grad_buckets& buckets,
                          std::shared_ptr<engine::zero_group> group, int replica, int replicas,
-                         engine::tensor_shard tp)
+                         engine::tensor_shard tp, bool parameters)
     : chunks_(&chunks),
       buckets_(&buckets),
       group_(std::move(group)),
@@ -30,29 +30,44 @@ device_zero::device_zero(engine::rank_chunks& chunks, const grad_buckets& bucket
       owned[static_cast<std::size_t>(s.chunk)].push_back(s);
     }
   }
-  for (int c = 0; c < n; ++c) chunks.device(c)->own(std::move(owned[static_cast<std::size_t>(c)]));
+  for (int c = 0; c < n; ++c)
+    chunks.device(c)->own(std::move(owned[static_cast<std::size_t>(c)]), parameters);
 }
 
-std::pair<std::vector<float>, std::vector<float>> device_zero::moments() {
-  std::vector<std::pair<std::vector<float>, std::vector<float>>> local;
-  for (int c = 0; c < chunks_->chunk_count(); ++c)
-    local.push_back(chunks_->device(c)->owned_moments());
+std::int64_t device_zero::owned_floats() const {
   std::int64_t total = 0;
   for (const auto& b : shards_)
     for (const auto& s : b.segments) total = std::max(total, s.at + s.numel);
-  std::pair<std::vector<float>, std::vector<float>> out{
-      std::vector<float>(static_cast<std::size_t>(total)),
-      std::vector<float>(static_cast<std::size_t>(total))};
+  return total;
+}
+
+std::vector<float> device_zero::to_shard_order(const std::vector<std::vector<float>>& local) const {
+  std::vector<float> out(static_cast<std::size_t>(owned_floats()));
   for (std::size_t b = 0; b < shards_.size(); ++b) {
     for (std::size_t i = 0; i < shards_[b].segments.size(); ++i) {
       const auto& s = shards_[b].segments[i];
-      const auto& [m, v] = local.at(static_cast<std::size_t>(s.chunk));
-      const auto from = local_[b].segments[i].at;
-      std::copy_n(m.begin() + from, s.numel, out.first.begin() + s.at);
-      std::copy_n(v.begin() + from, s.numel, out.second.begin() + s.at);
+      const auto& from = local.at(static_cast<std::size_t>(s.chunk));
+      std::copy_n(from.begin() + local_[b].segments[i].at, s.numel, out.begin() + s.at);
     }
   }
   return out;
+}
+
+std::pair<std::vector<float>, std::vector<float>> device_zero::moments() {
+  std::vector<std::vector<float>> m, v;
+  for (int c = 0; c < chunks_->chunk_count(); ++c) {
+    auto [cm, cv] = chunks_->device(c)->owned_moments();
+    m.push_back(std::move(cm));
+    v.push_back(std::move(cv));
+  }
+  return {to_shard_order(m), to_shard_order(v)};
+}
+
+std::vector<float> device_zero::parameters() {
+  std::vector<std::vector<float>> p;
+  for (int c = 0; c < chunks_->chunk_count(); ++c)
+    p.push_back(chunks_->device(c)->owned_parameters());
+  return to_shard_order(p);
 }
 
 void device_zero::load_moments(const std::vector<float>& m, const std::vector<float>& v) {
@@ -102,6 +117,39 @@ void device_zero::all_gather(int step, int b, engine::zero_group::done_fn done) 
   const auto& info = buckets_->bucket(b);
   group_->all_gather(step, b, replica_, buckets_->param_ranges(b),
                      chunks_->record_event(info.chunk), std::move(done));
+}
+
+template <class F>
+void device_zero::for_each_param_range(int b, F f) {
+  const int c = buckets_->bucket(b).chunk;
+  const float* base = chunks_->device(c)->device_parameters();
+  for (const auto& [ptr, n] : buckets_->param_ranges(b)) f(chunks_->device(c), ptr - base, n);
+}
+
+void device_zero::release(int b) {
+  for_each_param_range(b, [](engine::device_chunk* d, std::int64_t at, std::int64_t n) {
+    d->release_parameters(at, n);
+  });
+}
+
+void device_zero::acquire(int b) {
+  for_each_param_range(b, [](engine::device_chunk* d, std::int64_t at, std::int64_t n) {
+    d->acquire_parameters(at, n);
+  });
+}
+
+void device_zero::gather(int step, int b, engine::zero_group::done_fn done) {
+  const auto& info = buckets_->bucket(b);
+  chunks_->device(info.chunk)
+      ->put_owned_parameters(local_.at(static_cast<std::size_t>(b)).segments);
+  group_->all_gather(step, b, replica_, buckets_->param_ranges(b),
+                     chunks_->record_event(info.chunk), std::move(done));
+}
+
+void device_zero::bucket_gathered(int b) {
+  for_each_param_range(b, [](engine::device_chunk* d, std::int64_t at, std::int64_t n) {
+    d->parameters_changed(at, n);
+  });
 }
 
 void device_zero::gathered() {

@@ -8,7 +8,17 @@
 namespace troupe::topology {
 
 param_gathers::param_gathers(const grad_buckets& buckets, std::int64_t capacity_bytes)
-    : buckets_(buckets), pool_(capacity_bytes) {}
+    : buckets_(buckets), pool_(std::make_unique<engine::page_pool>(capacity_bytes)) {
+  memory_.release = [this](int b) {
+    for (const auto& [ptr, n] : buckets_.param_ranges(b)) pool_->release(ptr, n);
+  };
+  memory_.acquire = [this](int b) {
+    for (const auto& [ptr, n] : buckets_.param_ranges(b)) pool_->acquire(ptr, n);
+  };
+}
+
+param_gathers::param_gathers(const grad_buckets& buckets, bucket_memory memory)
+    : buckets_(buckets), memory_(std::move(memory)) {}
 
 std::vector<int> param_gathers::buckets_of(int chunk, const std::vector<int>& blocks) const {
   std::vector<int> b;
@@ -46,11 +56,11 @@ int param_gathers::gathered(int seq) {
 // release frees are the ones the gathers after it take.
 void param_gathers::apply(const engine::param_residency::changes& ch) {
   for (int b : ch.release) {
-    for (const auto& [ptr, n] : buckets_.param_ranges(b)) pool_.release(ptr, n);
+    memory_.release(b);
     gathered_ -= bucket_bytes(b);
   }
   for (int b : ch.gather) {
-    acquire(b);
+    memory_.acquire(b);
     bucket_of_seq_[seq_] = b;
     gather_(seq_++, b);
     gathered_ += bucket_bytes(b);
@@ -60,13 +70,9 @@ void param_gathers::apply(const engine::param_residency::changes& ch) {
 
 void param_gathers::gather_all(const gather_fn& gather) {
   for (int b = 0; b < buckets_.size(); ++b) {
-    acquire(b);
+    memory_.acquire(b);
     gather(b, b);
   }
-}
-
-void param_gathers::acquire(int b) {
-  for (const auto& [ptr, n] : buckets_.param_ranges(b)) pool_.acquire(ptr, n);
 }
 
 std::int64_t param_gathers::bucket_bytes(int b) const {

@@ -3,12 +3,15 @@
 // engine::param_residency, which decides what to gather and release from the order of calls
 // alone, so every replica asks for the same gathers in the same order. Released buckets' pages
 // go to a page pool and move under the next gathered bucket (engine::page_pool), so a gather
-// writes no freshly faulted page. Gathers are asked for through a callback: no CAF here.
+// writes no freshly faulted page; device chunks' go where the chunks say
+// (engine::device_chunk::release_parameters). Gathers are asked for through a callback: no CAF
+// here.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "engine/parallel/zero.hpp"
@@ -22,8 +25,19 @@ class param_gathers {
   // of the plan (the collective's id across replicas).
   using gather_fn = std::function<void(int seq, int bucket)>;
 
-  // buckets must outlive this; capacity_bytes bounds the page pool (the rank's parameters).
+  // What becomes of a bucket's parameter memory between its uses: released after the last,
+  // acquired (whole, before its gather writes it) for the next.
+  struct bucket_memory {
+    std::function<void(int bucket)> release, acquire;
+  };
+
+  // buckets must outlive this. The buckets' parameter ranges are host memory, whose pages move
+  // through a page pool of capacity_bytes (the rank's parameters).
   param_gathers(const grad_buckets& buckets, std::int64_t capacity_bytes);
+  // The buckets' parameter memory is released and acquired by `memory` (device chunks').
+  param_gathers(const grad_buckets& buckets, bucket_memory memory);
+  param_gathers(const param_gathers&) = delete;
+  param_gathers& operator=(const param_gathers&) = delete;
 
   // The sorted, distinct buckets holding `blocks` (chunk_grad_blocks indices) of `chunk`.
   std::vector<int> buckets_of(int chunk, const std::vector<int>& blocks) const;
@@ -46,15 +60,15 @@ class param_gathers {
   void gather_all(const gather_fn& gather);
 
   std::int64_t peak_bytes() const { return peak_; }  // most gathered at once since start()
-  std::int64_t pooled_bytes() const { return pool_.pooled_bytes(); }
+  std::int64_t pooled_bytes() const { return pool_ ? pool_->pooled_bytes() : 0; }
 
  private:
   void apply(const engine::param_residency::changes& ch);
   std::int64_t bucket_bytes(int b) const;
-  void acquire(int b);
 
   const grad_buckets& buckets_;
-  engine::page_pool pool_;
+  std::unique_ptr<engine::page_pool> pool_;  // host memory's
+  bucket_memory memory_;
   engine::param_residency residency_;
   gather_fn gather_;
   int cursor_ = 0;  // the plan's next use

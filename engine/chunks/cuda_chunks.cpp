@@ -117,7 +117,9 @@ class cuda_chunk final : public device_chunk {
     };
   }
   float* device_parameters() override { return s_.device_parameters(); }
-  void own(std::vector<shard_segment> segments) override { s_.own(std::move(segments)); }
+  void own(std::vector<shard_segment> segments, bool parameters) override {
+    s_.own(std::move(segments), parameters);
+  }
   double owned_square_sum(const std::vector<shard_segment>& segments) override {
     return s_.owned_square_sum(segments);
   }
@@ -133,6 +135,16 @@ class cuda_chunk final : public device_chunk {
     return s_.owned_moments();
   }
   void load_owned_moments(const float* m, const float* v) override { s_.load_owned_moments(m, v); }
+  void put_owned_parameters(const std::vector<shard_segment>& segments) override {
+    s_.put_owned_parameters(segments);
+  }
+  std::vector<float> owned_parameters() override { return s_.owned_parameters(); }
+  void release_parameters(std::int64_t at, std::int64_t n) override {
+    s_.release_parameters(at, n);
+  }
+  void acquire_parameters(std::int64_t at, std::int64_t n) override {
+    s_.acquire_parameters(at, n);
+  }
   void* record_event() override { return s_.record_event(); }
   void wait_event(void* event) override { s_.wait_event(event); }
   void copy_to_host(void* host, const void* memory, std::size_t bytes) override {

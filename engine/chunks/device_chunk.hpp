@@ -143,18 +143,22 @@ class device_chunk {
   virtual std::int64_t device_bytes() const = 0;     // what the chunk allocated
   virtual std::int64_t optimizer_bytes() const = 0;  // of which AdamW moments (owned ones too)
 
-  // ---- ZeRO-1/2 on the device (zero_group): this replica's owned floats ----------------------
+  // ---- ZeRO-1/2/3 on the device (zero_group): this replica's owned floats --------------------
   // The fp32 master weights on the device, in the flat layout (a zero_group gathers them).
   virtual float* device_parameters() = 0;
   // The segments of the flat layout this replica owns (offset, numel, decay; `at` into the
   // owned storage, which holds them one after the other); allocates their AdamW moments on the
-  // device, zeroed. Once, in a chunk made without optimizer state.
-  virtual void own(std::vector<shard_segment> segments) = 0;
+  // device, zeroed. With `parameters` (ZeRO-3) their master weights are kept in owned storage
+  // too, copied from the flat ones now: update_owned updates those, and the flat master weights
+  // hold whatever was gathered last (the stage releases them between uses). Once, in a chunk made
+  // without optimizer state.
+  virtual void own(std::vector<shard_segment> segments, bool parameters) = 0;
   // Sum of the squared gradients of `segments` (some of own()'s, counted ones only), in double,
   // in segment order, after the chunk's work so far.
   virtual double owned_square_sum(const std::vector<shard_segment>& segments) = 0;
   // update() over the owned segments alone (their gradients, unscaled and clipped, then AdamW
-  // with the owned moments); the compute copy of those weights follows. Returns the lr.
+  // with the owned moments); without owned parameters the compute copy of those weights
+  // follows. Returns the lr.
   virtual double update_owned(const optimizer_config& config, int step, int total_steps,
                               double grad_norm, double unscale) = 0;
   // The master weights [at, at + n) changed on the device (a gather wrote them): the compute
@@ -164,6 +168,17 @@ class device_chunk {
   // them.
   virtual std::pair<std::vector<float>, std::vector<float>> owned_moments() = 0;
   virtual void load_owned_moments(const float* m, const float* v) = 0;
+  // ZeRO-3 (own() with parameters): `segments` (some of own()'s) of the owned master weights
+  // into the flat ones, on the chunk's stream (a gather then sends them); the owned master
+  // weights on the host (owned storage order), after the chunk's work so far.
+  virtual void put_owned_parameters(const std::vector<shard_segment>& segments) = 0;
+  virtual std::vector<float> owned_parameters() = 0;
+  // ZeRO-3: the flat master weights [at, at + n) and their compute copy are not needed until
+  // acquired again (their memory may go back: host chunks release whole pages, CUDA chunks keep
+  // it), and are again (their values unspecified until a gather writes them). Ranges released
+  // are acquired whole, and never overlap another range held.
+  virtual void release_parameters(std::int64_t at, std::int64_t n) = 0;
+  virtual void acquire_parameters(std::int64_t at, std::int64_t n) = 0;
 
   virtual void* record_event() = 0;
   virtual void wait_event(void* event) = 0;

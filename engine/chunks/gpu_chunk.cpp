@@ -180,6 +180,7 @@ struct gpu_chunk::impl {
   std::unique_ptr<pinned_copy> state_copy;
   std::vector<shard_segment> owned;  // ZeRO through a zero_group: the owned segments
   float *owned_m = nullptr, *owned_v = nullptr;
+  float* owned_p = nullptr;  // ZeRO-3: their master weights
   std::int64_t owned_floats = 0;
   bool recompute = false;
   bool split_backward = false;  // slots keep what a split backward's W needs
@@ -719,7 +720,11 @@ struct model_impl final : gpu_chunk::impl {
   void adamw_owned(const kernels::adamw_hparams& hp, int step, float grad_multiplier) override {
     for (const auto& sg : owned) {
       const auto o = sg.offset;
-      if constexpr (std::is_same_v<D, float>) {
+      if (owned_p) {  // ZeRO-3: the owned copy; the working copy follows the next gather
+        cu::adamw_update(ctx, owned_p + sg.at, grads + o, owned_m + sg.at, owned_v + sg.at,
+                         sg.numel, hp, step, sg.decay, grad_multiplier,
+                         static_cast<cu::bf16*>(nullptr));
+      } else if constexpr (std::is_same_v<D, float>) {
         cu::adamw_update(ctx, master + o, grads + o, owned_m + sg.at, owned_v + sg.at, sg.numel, hp,
                          step, sg.decay, grad_multiplier, static_cast<cu::bf16*>(nullptr));
       } else {
@@ -1138,7 +1143,7 @@ gpu_chunk::state_fill gpu_chunk::begin_state_copy(bool with_moments) {
   };
 }
 
-void gpu_chunk::own(std::vector<shard_segment> segments) {
+void gpu_chunk::own(std::vector<shard_segment> segments, bool parameters) {
   auto& s = *impl_;
   if (s.m || s.owned_m)
     throw std::logic_error("gpu_chunk: owned segments in a chunk with optimizer state");
@@ -1154,6 +1159,10 @@ void gpu_chunk::own(std::vector<shard_segment> segments) {
   s.owned_v = s.arena.alloc<float>(std::max<std::int64_t>(n, 1));
   zero(s.ctx, s.owned_m, n);
   zero(s.ctx, s.owned_v, n);
+  if (!parameters) return;
+  s.owned_p = s.arena.alloc<float>(std::max<std::int64_t>(n, 1));
+  for (const auto& sg : s.owned)
+    engine::copy(s.ctx, s.owned_p + sg.at, s.master + sg.offset, sg.numel);
 }
 
 double gpu_chunk::owned_square_sum(const std::vector<shard_segment>& segments) {
@@ -1185,6 +1194,34 @@ std::pair<std::vector<float>, std::vector<float>> gpu_chunk::owned_moments() con
 void gpu_chunk::load_owned_moments(const float* m, const float* v) {
   moments_from_host(*impl_, impl_->owned_m, impl_->owned_v, m, v, impl_->owned_floats);
 }
+
+void gpu_chunk::put_owned_parameters(const std::vector<shard_segment>& segments) {
+  auto& s = *impl_;
+  if (!s.owned_p && !segments.empty())
+    throw std::logic_error("gpu_chunk: owned parameters put before own() with parameters");
+  device_guard g(s.device);
+  for (const auto& sg : segments) {
+    check_span(s, sg.offset, sg.numel);
+    if (sg.at < 0 || sg.at + sg.numel > s.owned_floats)
+      throw std::out_of_range("gpu_chunk: a segment outside the owned storage");
+    engine::copy(s.ctx, s.master + sg.offset, s.owned_p + sg.at, sg.numel);
+  }
+}
+
+std::vector<float> gpu_chunk::owned_parameters() const {
+  auto& s = *impl_;
+  if (!s.owned_p) return {};
+  device_guard g(s.device);
+  s.ctx.synchronize();
+  std::vector<float> out(static_cast<std::size_t>(s.owned_floats));
+  if (!out.empty())
+    check(cudaMemcpy(out.data(), s.owned_p, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
+          "cudaMemcpy(owned parameters)");
+  return out;
+}
+
+void gpu_chunk::release_parameters(std::int64_t at, std::int64_t n) { check_span(*impl_, at, n); }
+void gpu_chunk::acquire_parameters(std::int64_t at, std::int64_t n) { check_span(*impl_, at, n); }
 
 std::int64_t gpu_chunk::device_bytes() const { return impl_->arena.bytes(); }
 std::int64_t gpu_chunk::optimizer_bytes() const {

@@ -274,17 +274,24 @@ class gpu_chunk {
   using state_fill =
       std::function<void(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v)>;
   state_fill begin_state_copy(bool with_moments);
-  // ZeRO-1/2 through a zero_group (device_chunk::own and what follows it): the owned segments'
-  // AdamW moments on the device (owned storage order, counted in optimizer_bytes()), their
-  // squared gradients (counted segments, in order, fp64), AdamW on them alone (1-based step,
-  // the working copy following), and the working copy of [at, at + n) after a gather wrote
-  // the master weights.
-  void own(std::vector<shard_segment> segments);
+  // ZeRO through a zero_group (device_chunk::own and what follows it): the owned segments'
+  // AdamW moments on the device (owned storage order, counted in optimizer_bytes()) and, with
+  // `parameters` (ZeRO-3), their master weights; their squared gradients (counted segments, in
+  // order, fp64), AdamW on them alone (1-based step; the working copy following, or the owned
+  // master weights updated), and the working copy of [at, at + n) after a gather wrote the
+  // master weights. put_owned_parameters: segments of the owned master weights into the flat
+  // ones, on the stream. release / acquire_parameters: checked, the memory kept (the flat
+  // buffers are one allocation each).
+  void own(std::vector<shard_segment> segments, bool parameters);
   double owned_square_sum(const std::vector<shard_segment>& segments);
   void adamw_owned(const kernels::adamw_hparams& hp, int step, float grad_multiplier);
   void parameters_changed(std::int64_t at, std::int64_t n);
   std::pair<std::vector<float>, std::vector<float>> owned_moments() const;
   void load_owned_moments(const float* m, const float* v);
+  void put_owned_parameters(const std::vector<shard_segment>& segments);
+  std::vector<float> owned_parameters() const;
+  void release_parameters(std::int64_t at, std::int64_t n);
+  void acquire_parameters(std::int64_t at, std::int64_t n);
 
   std::int64_t device_bytes() const;     // everything this chunk allocated on the device
   std::int64_t optimizer_bytes() const;  // of which AdamW moments (0 without optimizer_state)

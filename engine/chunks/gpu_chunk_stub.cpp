@@ -104,12 +104,16 @@ void gpu_chunk::load_parameters(std::int64_t, const float*, std::int64_t) {}
 std::pair<std::vector<float>, std::vector<float>> gpu_chunk::moments() const { return {}; }
 void gpu_chunk::load_moments(const float*, const float*) {}
 gpu_chunk::state_fill gpu_chunk::begin_state_copy(bool) { return {}; }
-void gpu_chunk::own(std::vector<shard_segment>) {}
+void gpu_chunk::own(std::vector<shard_segment>, bool) {}
 double gpu_chunk::owned_square_sum(const std::vector<shard_segment>&) { return 0; }
 void gpu_chunk::adamw_owned(const kernels::adamw_hparams&, int, float) {}
 void gpu_chunk::parameters_changed(std::int64_t, std::int64_t) {}
 std::pair<std::vector<float>, std::vector<float>> gpu_chunk::owned_moments() const { return {}; }
 void gpu_chunk::load_owned_moments(const float*, const float*) {}
+void gpu_chunk::put_owned_parameters(const std::vector<shard_segment>&) {}
+std::vector<float> gpu_chunk::owned_parameters() const { return {}; }
+void gpu_chunk::release_parameters(std::int64_t, std::int64_t) {}
+void gpu_chunk::acquire_parameters(std::int64_t, std::int64_t) {}
 std::int64_t gpu_chunk::device_bytes() const { return 0; }
 std::int64_t gpu_chunk::optimizer_bytes() const { return 0; }
 std::string gpu_chunk::device_name() const { return {}; }

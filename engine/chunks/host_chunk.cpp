@@ -169,7 +169,7 @@ class host_chunk final : public device_chunk {
     compute_.optimizer(0).load_moments(m, v);
   }
   float* device_parameters() override { return compute_.chunk(0).params(); }
-  void own(std::vector<shard_segment> segments) override {
+  void own(std::vector<shard_segment> segments, bool parameters) override {
     if (!owned_.segments.empty() || compute_.optimizer_bytes() > 0)
       throw std::logic_error("host_chunk: owned segments in a chunk with optimizer state");
     std::int64_t n = 0;
@@ -180,6 +180,11 @@ class host_chunk final : public device_chunk {
     owned_.segments = std::move(segments);
     m_.assign(static_cast<std::size_t>(n), 0.0f);
     v_.assign(static_cast<std::size_t>(n), 0.0f);
+    if (!parameters) return;
+    params_.assign(static_cast<std::size_t>(n), 0.0f);
+    const float* flat = compute_.chunk(0).params();
+    for (const auto& s : owned_.segments)
+      std::copy_n(flat + s.offset, s.numel, params_.begin() + s.at);
   }
   // The host shards' arithmetic (engine::shard_square_sum, shard_adamw_step): bitwise theirs.
   double owned_square_sum(const std::vector<shard_segment>& segments) override {
@@ -190,7 +195,9 @@ class host_chunk final : public device_chunk {
   }
   double update_owned(const optimizer_config& config, int step, int total_steps, double grad_norm,
                       double unscale) override {
-    return shard_adamw_step({owned_}, views(), m_.data(), v_.data(), config, step, total_steps,
+    auto where = views();
+    if (!params_.empty()) where.shard_params = params_.data();  // ZeRO-3: the owned copy
+    return shard_adamw_step({owned_}, where, m_.data(), v_.data(), config, step, total_steps,
                             grad_norm, unscale);
   }
   void parameters_changed(std::int64_t, std::int64_t) override {}
@@ -198,6 +205,21 @@ class host_chunk final : public device_chunk {
   void load_owned_moments(const float* m, const float* v) override {
     std::copy(m, m + m_.size(), m_.begin());
     std::copy(v, v + v_.size(), v_.begin());
+  }
+  void put_owned_parameters(const std::vector<shard_segment>& segments) override {
+    if (params_.empty() && !segments.empty())
+      throw std::logic_error("host_chunk: owned parameters put before own() with parameters");
+    float* flat = compute_.chunk(0).params();
+    for (const auto& s : segments) std::copy_n(params_.begin() + s.at, s.numel, flat + s.offset);
+  }
+  std::vector<float> owned_parameters() override { return params_; }
+  // Released pages go back to the kernel (zeroed): the memory a ZeRO-3 stage holds is what its
+  // gathered buckets' pages hold.
+  void release_parameters(std::int64_t at, std::int64_t n) override {
+    release_zeroed(compute_.chunk(0).params() + checked(at, n, "released parameters"), n);
+  }
+  void acquire_parameters(std::int64_t at, std::int64_t n) override {
+    checked(at, n, "acquired parameters");
   }
   void* record_event() override { return nullptr; }
   void wait_event(void*) override {}
@@ -227,10 +249,13 @@ class host_chunk final : public device_chunk {
       throw std::out_of_range("host_chunk: slot " + std::to_string(slot));
     return slots_[static_cast<std::size_t>(slot)];
   }
-  float* span(std::int64_t at, std::int64_t n) {
+  std::int64_t checked(std::int64_t at, std::int64_t n, const char* what) const {
     if (at < 0 || n < 0 || at + n > parameter_count())
-      throw std::out_of_range("host_chunk: gradients outside the layout");
-    return compute_.chunk(0).grads() + at;
+      throw std::out_of_range(std::string("host_chunk: ") + what + " outside the layout");
+    return at;
+  }
+  float* span(std::int64_t at, std::int64_t n) {
+    return compute_.chunk(0).grads() + checked(at, n, "gradients");
   }
   // The backward pass make(doutput, din) of slot's micro-batch, writing the input's gradient
   // to `dinput`: through a scratch when that is input(slot), which the pass reads.
@@ -258,6 +283,7 @@ class host_chunk final : public device_chunk {
   std::vector<float> received_;  // gradient_scratch
   bucket_shard owned_;           // ZeRO on the device: the owned segments (chunk 0)
   std::vector<float> m_, v_;     // and their moments
+  std::vector<float> params_;    // and (ZeRO-3) their master weights
 };
 
 // Payloads queued in host memory, in send order.

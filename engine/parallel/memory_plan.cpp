@@ -174,11 +174,11 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
       const auto params_of = chunk_parameter_layout(r.model, range, {0, tp});
       if (!params_of.empty()) params += params_of.back().offset + params_of.back().numel;
     }
-    // ZeRO through the devices' groups: moments of about 1/dp of the rank's floats (each
-    // bucket's ring chunk; at most one float more per bucket).
+    // ZeRO through the devices' groups: moments (ZeRO-3: and master weights) of about 1/dp of
+    // the rank's floats (each bucket's ring chunk; at most one float more per bucket).
     if (zero_on_device(r))
-      sum.model_state += (params + r.parallel.dp - 1) / r.parallel.dp * 2 *
-                         static_cast<std::int64_t>(sizeof(float));
+      sum.model_state += (params + r.parallel.dp - 1) / r.parallel.dp *
+                         (r.parallel.zero >= 3 ? 3 : 2) * static_cast<std::int64_t>(sizeof(float));
     with += sum.activations;
     without += sum.activations_without_recompute;
     std::snprintf(line, sizeof line, "%6d %6d %12lld %12s %14s %12s\n", rank, slots,

@@ -251,10 +251,10 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
                  "[processes.md](processes.md#gpus-across-processes))")},
       {"parallel.zero_on_device",
        described(nested(&recipe::parallel, &parallel_config::zero_on_device),
-                 "ZeRO-1/2 on device chunks: reduce-scatter the gradients, keep and update the "
-                 "owned AdamW moments and all-gather the parameters in device memory, through "
-                 "each rank's data-parallel group (NCCL); false, and for ZeRO-3: through host "
-                 "shards ([zero.md](zero.md#on-device-chunks-device--cuda))")},
+                 "ZeRO on device chunks: reduce-scatter the gradients, keep and update the "
+                 "owned AdamW moments (ZeRO-3: and master weights) and all-gather the parameters "
+                 "in device memory, through each rank's data-parallel group (NCCL); false: "
+                 "through host shards ([zero.md](zero.md#on-device-chunks-device--cuda))")},
       {"precision.dtype",
        described(nested(&recipe::precision, &precision_config::dtype),
                  "`fp32`; `bf16` and `fp16` (16-bit compute, fp32 master weights and AdamW state) "
@@ -557,9 +557,7 @@ std::string attention_kernel_for(const recipe& r) {
   return cudnn_attention_head_size(hs) && cudnn_attention_usable() ? "cudnn" : "materialized";
 }
 
-bool zero_on_device(const recipe& r) {
-  return r.parallel.zero_on_device && r.parallel.zero > 0 && r.parallel.zero < 3;
-}
+bool zero_on_device(const recipe& r) { return r.parallel.zero_on_device && r.parallel.zero > 0; }
 
 bool splits_backward(const recipe& r) {
   try {

@@ -150,7 +150,7 @@ void validate_recipe(const recipe& r);
 // for a schedule that cannot be made (validate_recipe names it).
 bool splits_backward(const recipe& r);
 // Whether ZeRO runs through the devices' groups where the chunks have them
-// (parallel.zero_on_device, with ZeRO-1 or 2; ZeRO-3 keeps the host shards).
+// (parallel.zero_on_device, with ZeRO-1, 2 or 3).
 bool zero_on_device(const recipe& r);
 
 // The head sizes (width / heads) each GPU attention kernel takes; materialized takes any.

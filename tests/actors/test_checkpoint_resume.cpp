@@ -100,6 +100,7 @@ TEST_CASE("a run resumed from its checkpoint ends bitwise as the run that went t
       {"device chunks PP=2 x DP=2", {2, 2, 1, 0, 1, 4, "1f1b", true}},
       {"device chunks PP=2 x DP=2 ZeRO-1", {2, 2, 1, 1, 1, 4, "1f1b", true}},
       {"device chunks PP=2 x DP=2 ZeRO-2 on the devices", {2, 2, 1, 2, 1, 4, "1f1b", true, true}},
+      {"device chunks PP=2 x DP=3 ZeRO-3 on the devices", {2, 3, 1, 3, 1, 2, "1f1b", true, true}},
   };
   for (const auto& [name, x] : cases) {
     DYNAMIC_SECTION(name) {
@@ -154,6 +155,9 @@ TEST_CASE("a checkpoint resumes at another mesh and goes on with the same data",
       {"PP=2 x TP=2 -> device chunks PP=2 x DP=2 ZeRO-1",
        {2, 1, 2, 0, 1, 4},
        {2, 2, 1, 1, 1, 2, "1f1b", true}},
+      {"device chunks DP=2 ZeRO-3 on the devices -> PP=2 x DP=2 ZeRO-3 on the devices",
+       {1, 2, 1, 3, 1, 2, "1f1b", true, true},
+       {2, 2, 1, 3, 1, 2, "1f1b", true, true}},
   };
   for (const auto& [name, from, to] : cases) {
     DYNAMIC_SECTION(name) {
@@ -251,6 +255,7 @@ TEST_CASE("a checkpoint holds the state between its steps, however late its copy
       {"CPU chunks DP=2 ZeRO-3", {1, 2, 1, 3, 1, 2}},
       {"device chunks PP=2 x DP=2 ZeRO-2", {2, 2, 1, 2, 1, 4, "1f1b", true}},
       {"device chunks PP=2 x DP=2 ZeRO-1 on the devices", {2, 2, 1, 1, 1, 4, "1f1b", true, true}},
+      {"device chunks DP=2 ZeRO-3 on the devices", {1, 2, 1, 3, 1, 2, "1f1b", true, true}},
   };
   for (const auto& [name, x] : cases) {
     DYNAMIC_SECTION(name) { late_copy_is_exact(x); }

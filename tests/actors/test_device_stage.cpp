@@ -127,6 +127,19 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
       {"PP=3 x DP=2 ZeRO-1 on the devices, GPipe", 3, 1, 3, "gpipe", 1, false, 2, 1, 1, 1, true},
       {"PP=2 x DP=2 x TP=2 ZeRO-1 on the devices, ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 2, 1,
        true},
+      // ZeRO-3 through the devices' group: the owned master weights beside their moments, each
+      // bucket gathered into the chunk's released buffers before each use.
+      {"DP=2 ZeRO-3 on the devices", 1, 1, 2, "1f1b", 1, false, 2, 1, 1, 3, true},
+      {"PP=2 x DP=2 ZeRO-3 on the devices, grad_accum 2", 2, 1, 4, "1f1b", 2, false, 2, 2, 1, 3,
+       true},
+      {"PP=2 x DP=3 ZeRO-3 on the devices, interleaved v=2", 2, 2, 4, "interleaved_1f1b", 1, false,
+       3, 1, 1, 3, true},
+      {"PP=2 x DP=2 ZeRO-3 on the devices, ZB-H1, checkpointing", 2, 1, 4, "zb_h1", 1, true, 2, 1,
+       1, 3, true},
+      {"PP=3 x DP=2 ZeRO-3 on the devices, GPipe, checkpointing", 3, 1, 3, "gpipe", 1, true, 2, 1,
+       1, 3, true},
+      {"PP=2 x DP=2 x TP=2 ZeRO-3 on the devices, ZB-H1", 2, 1, 4, "zb_h1", 1, false, 2, 1, 2, 3,
+       true},
   };
   for (const auto& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -159,6 +172,24 @@ TEST_CASE("device stages on host chunks equal the CPU stages bitwise", "[actors]
             CHECK(m.buffers == 0);
           else
             CHECK(m.buffers > 0);
+        }
+      }
+      if (c.zero == 3 && c.zero_on_device) {
+        // The owned master weights and moments on the devices are what the CPU's shards own;
+        // the buffers hold the most gathered at once, as the CPU stages' do.
+        REQUIRE(got.steps.back().memory.size() == want.steps.back().memory.size());
+        for (const auto& m : got.steps.back().memory) {
+          INFO("replica " << m.replica << " rank " << m.rank);
+          bool found = false;
+          for (const auto& w : want.steps.back().memory) {
+            if (w.replica != m.replica || w.rank != m.rank) continue;
+            found = true;
+            CHECK(m.parameters == w.parameters);
+            CHECK(m.optimizer == w.optimizer);
+            CHECK(m.buffers > 0);
+            CHECK(m.buffers < m.gradients);  // never every bucket at once
+          }
+          CHECK(found);
         }
       }
     }

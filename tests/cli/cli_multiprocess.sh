@@ -194,17 +194,20 @@ for c in "${device_layouts[@]}"; do
 done
 multi_args=()
 
-# ZeRO-1/2 through the devices' groups (parallel.zero_on_device) on those chunks: each replica's
+# ZeRO through the devices' groups (parallel.zero_on_device) on those chunks: each replica's
 # owned chunks travel as messages between processes (topology/zero_exchange.hpp), or meet in
 # one process's group, in the order stage invariant S8 keeps (the group refuses another order);
-# no host shard, no host copy (every rank's "buffers" 0). Identical to the one-process CPU run
-# with ZeRO's host shards (NAME WORLD REFERENCE ARGS...).
+# no host shard, no host copy: every rank's "buffers" 0 under ZeRO-1/2; under ZeRO-3 the buckets
+# gathered at once, fewer than all, and no pooled host pages. Identical to the one-process CPU
+# run with ZeRO's host shards (NAME WORLD REFERENCE ARGS...).
 zero_device_layouts=(
   "hdp2z1d 2 hdp2z1 --set parallel.dp=2 --set parallel.zero=1"
   "hpp2dp2z2d 4 hpp2dp2z2 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2"
   "hpp2dp2z1zbd 4 hpp2dp2z1zb --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 --set parallel.schedule=zb_h1 --set batch.grad_accum=2"
   "hpp2dp2z1x2d 2 hpp2dp2z1x2 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1"
   "hdp2tp2z2d 4 hdp2tp2z2 --set parallel.dp=2 --set parallel.tp=2 --set parallel.zero=2"
+  "hpp2dp2z3d 4 hpp2dp2z3 --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3"
+  "hdp2z3zbd 2 hdp2z3zb --set parallel.dp=2 --set parallel.zero=3 --set parallel.pp=2 --set parallel.schedule=zb_h1"
 )
 for c in "${zero_device_layouts[@]}"; do
   read -r -a f <<<"$c"
@@ -218,9 +221,15 @@ for c in "${zero_device_layouts[@]}"; do
   "$py" - "$tmp/$name/metrics.jsonl" <<'PY' || exit 1
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-held = [m["buffers"] for r in rows if "memory" in r for m in r["memory"]]
-if not held or any(held):
-    sys.exit(f"FAIL: {sys.argv[1]}: host buffers {held[:8]}: not ZeRO through the devices' groups")
+mem = [m for r in rows if "memory" in r for m in r["memory"]]
+zero3 = "z3" in sys.argv[1]
+def wrong(m):
+    if zero3:
+        return not 0 < m["buffers"] < m["gradients"] or m["pooled"]
+    return m["buffers"]
+bad = [m for m in mem if wrong(m)]
+if not mem or bad:
+    sys.exit(f"FAIL: {sys.argv[1]}: memory {bad[:4]}: not ZeRO through the devices' groups")
 PY
 done
 
