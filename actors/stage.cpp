@@ -18,12 +18,13 @@
 //      next update waits for the copy first. ZeRO: the shard is asked for its owned floats at
 //      the capture, before the update this stage sends it later (one sender, one order), so its
 //      answer holds them as they were between the steps.
-//  S8. ZeRO-1/2 through the devices' zero_group: buckets go to the group in the order they
-//      became final, except a bucket holding a tied wte copy, which goes once the exchange is
-//      done and every other bucket of the rank has gone (a place the same on every replica), so
-//      every replica, in every process, enqueues the same collectives in the same order (NCCL's
-//      rule) while the other buckets overlap backward; the parameters are all-gathered after
-//      the update and the next step waits for them.
+//  S8. ZeRO through the devices' zero_group: buckets go to the group in the order they became
+//      final, except a bucket holding a tied wte copy, which goes once the exchange is done and
+//      every other bucket of the rank has gone (a place the same on every replica, after the
+//      rank's last ZeRO-3 gather of the step), so every replica, in every process, enqueues the
+//      same collectives in the same order (NCCL's rule) while the other buckets overlap
+//      backward; ZeRO-1/2 all-gather the parameters after the update and the next step waits
+//      for them; ZeRO-3 gathers (S6) go to the same group.
 //  S6. ZeRO-3: an action's pass stops before each piece that reads parameters; it goes on only
 //      once the piece's buckets are gathered. Gathers and releases follow the plan's sequence of
 //      uses (engine::param_residency, kept by topology::param_gathers), never timing, so every
@@ -157,7 +158,7 @@ class stage_impl : public stage_actor::base {
            (cfg_.tp > 1 ? " tp " + std::to_string(cfg_.tp_rank) : "");
   }
   bool device() const { return cfg_.device != nullptr; }
-  // ZeRO-1/2 through the devices' zero_group (topology/device_zero.hpp), not a shard actor.
+  // ZeRO through the devices' zero_group (topology/device_zero.hpp), not a shard actor.
   bool zero_on_device() const { return device() && cfg_.device->zero_group != nullptr; }
   bool staged_buckets() const { return device() && cfg_.device->stage_buckets; }
   // This shard's place among all stage actors of a rank, as the coordinator counts them.
@@ -1341,7 +1342,7 @@ class stage_impl : public stage_actor::base {
   std::vector<int> tied_waiting_;          // ZeRO: complete buckets waiting for the tied exchange
   int untied_left_ = 0;                    // and (S8) the other buckets not sent yet this step
   std::vector<engine::bucket_shard> zero_shards_;  // ZeRO: what this replica owns, by bucket
-  topology::device_zero device_zero_;              // ZeRO-1/2 through the devices' group
+  topology::device_zero device_zero_;              // ZeRO through the devices' group
   int gathers_pending_ = 0;                        // and its update's all-gathers still running
   double update_lr_ = 0, gather_t0_ = 0;
   std::shared_ptr<engine::action_watchdog::entry> watch_;  // this stage's watchdog record

@@ -49,7 +49,7 @@ struct device_chunks_config {
   // through host memory and travel inside the messages. stage_buckets: the replicas' reducer
   // takes host ranges (a ring reducer across processes), so gradient buckets are staged too.
   bool stage_buckets = false;
-  // ZeRO-1/2 through the devices (parallel.zero_on_device): the data-parallel group of this
+  // ZeRO through the devices (parallel.zero_on_device): the data-parallel group of this
   // rank's tensor shard that reduce-scatters and all-gathers the chunks' buckets in device
   // memory (topology/device_zero.hpp); no zero shard actor then. Null: ZeRO's host shards.
   std::shared_ptr<engine::zero_group> zero_group;

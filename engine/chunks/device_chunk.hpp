@@ -217,8 +217,9 @@ class replica_group {
   virtual std::string describe() const = 0;
 };
 
-// ZeRO-1/2 through the devices: the data-parallel replicas of one pipeline rank's tensor shard
-// reduce-scatter each gradient bucket and all-gather its parameters in the chunks' own memory.
+// ZeRO through the devices: the data-parallel replicas of one pipeline rank's tensor shard
+// reduce-scatter each gradient bucket and all-gather its parameters in the chunks' own memory
+// (ZeRO-1/2 after the update, ZeRO-3 before each use).
 // A bucket is the concatenation of its ranges, cut into ring chunks (topology::ring_chunk_bounds)
 // of which replica r owns chunk topology::ring_owned_chunk(r, d), as engine::make_bucket_shard
 // says. One object serves this process's replicas of the group: each calls with its own copy of
@@ -266,7 +267,7 @@ struct chunk_factory {
   // replicas. Unset: the chunks' gradients are host memory, and the host's ring-order mean
   // (topology::ring_order_mean) serves them.
   std::function<std::shared_ptr<replica_group>(int rank, int shard, int replicas)> make_group;
-  // ZeRO-1/2 through the devices: the data-parallel group of tensor shard `shard` of pipeline
+  // ZeRO through the devices: the data-parallel group of tensor shard `shard` of pipeline
   // rank `rank` over its `replicas` replicas, all in this process. Unset: this kind has none
   // (ZeRO runs in host shards). Across processes, make_process_group's groups are zero_groups
   // too where the kind has them, and host_memory kinds exchange messages.

@@ -16,6 +16,7 @@
 
 #include "kernels/cuda/cuda_ops.hpp"
 #include "kernels/cuda/device_info.hpp"
+#include "kernels/cuda/paged_buffer.hpp"
 
 namespace troupe::engine {
 namespace cu = kernels::cuda;
@@ -158,6 +159,9 @@ struct gpu_chunk::impl {
   std::array<cudaEvent_t, 32> events{};
   std::size_t next_event = 0;
   device_arena arena;
+  // ZeRO-3 through the devices (gpu_trainer_options::paged_parameters): the master weights and
+  // their 16-bit copy mapped by granule, so released buckets give their memory back.
+  std::unique_ptr<cu::paged_buffer> paged_master, paged_working;
   float *master = nullptr, *grads = nullptr, *m = nullptr, *v = nullptr;
   float* scratch = nullptr;  // gradient_scratch()
   std::int64_t scratch_floats = 0;
@@ -295,7 +299,13 @@ struct model_impl final : gpu_chunk::impl {
     const int C = config.width;
     const std::int64_t N = std::int64_t{B} * T_max, NC = N * C, NCl = NC / shard.size;
     if constexpr (!std::is_same_v<D, float>) {
-      working = arena.alloc<D>(P);
+      if (paged_master) {
+        paged_working =
+            std::make_unique<cu::paged_buffer>(device, static_cast<std::size_t>(P) * sizeof(D));
+        working = static_cast<D*>(paged_working->data());
+      } else {
+        working = arena.alloc<D>(P);
+      }
       cu::convert(ctx, working, master, P);
     }
     if (recompute && layers() > 0) shared = alloc_block(N, NC);
@@ -825,7 +835,13 @@ gpu_chunk::gpu_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_o
   s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
   s.P = weights.parameter_count();
-  s.master = s.arena.alloc<float>(s.P);
+  if (options.paged_parameters) {
+    s.paged_master =
+        std::make_unique<cu::paged_buffer>(device, static_cast<std::size_t>(s.P) * sizeof(float));
+    s.master = static_cast<float*>(s.paged_master->data());
+  } else {
+    s.master = s.arena.alloc<float>(s.P);
+  }
   s.grads = s.arena.alloc<float>(s.P);
   if (options.optimizer_state) {
     s.m = s.arena.alloc<float>(s.P);
@@ -1220,10 +1236,32 @@ std::vector<float> gpu_chunk::owned_parameters() const {
   return out;
 }
 
-void gpu_chunk::release_parameters(std::int64_t at, std::int64_t n) { check_span(*impl_, at, n); }
-void gpu_chunk::acquire_parameters(std::int64_t at, std::int64_t n) { check_span(*impl_, at, n); }
+// Without paged parameters the memory stays: the span is only checked.
+void gpu_chunk::release_parameters(std::int64_t at, std::int64_t n) {
+  auto& s = *impl_;
+  check_span(s, at, n);
+  device_guard g(s.device);
+  const auto k = static_cast<std::size_t>(at), bytes = static_cast<std::size_t>(n);
+  if (s.paged_master) s.paged_master->release(k * sizeof(float), bytes * sizeof(float), stream());
+  if (s.paged_working)
+    s.paged_working->release(k * s.element_bytes, bytes * s.element_bytes, stream());
+}
 
-std::int64_t gpu_chunk::device_bytes() const { return impl_->arena.bytes(); }
+void gpu_chunk::acquire_parameters(std::int64_t at, std::int64_t n) {
+  auto& s = *impl_;
+  check_span(s, at, n);
+  device_guard g(s.device);
+  const auto k = static_cast<std::size_t>(at), bytes = static_cast<std::size_t>(n);
+  if (s.paged_master) s.paged_master->acquire(k * sizeof(float), bytes * sizeof(float));
+  if (s.paged_working) s.paged_working->acquire(k * s.element_bytes, bytes * s.element_bytes);
+}
+
+std::int64_t gpu_chunk::device_bytes() const {
+  const auto& s = *impl_;
+  return s.arena.bytes() +
+         static_cast<std::int64_t>((s.paged_master ? s.paged_master->size() : 0) +
+                                   (s.paged_working ? s.paged_working->size() : 0));
+}
 std::int64_t gpu_chunk::optimizer_bytes() const {
   return (impl_->m ? 2 * impl_->P : 2 * impl_->owned_floats) *
          static_cast<std::int64_t>(sizeof(float));

@@ -77,6 +77,9 @@ struct gpu_trainer_options {
   // A checkpoint's capture (begin_state_copy): into pinned host memory on a stream of the
   // chunk's own, overlapping its later work; false: copied before begin_state_copy returns.
   bool pinned_state_copy = false;
+  // ZeRO-3 through the devices' groups: the flat master weights and their 16-bit copy are
+  // mapped by granule (release_parameters gives memory back), not one allocation each.
+  bool paged_parameters = false;
 };
 
 struct recipe;
@@ -280,8 +283,10 @@ class gpu_chunk {
   // order, fp64), AdamW on them alone (1-based step; the working copy following, or the owned
   // master weights updated), and the working copy of [at, at + n) after a gather wrote the
   // master weights. put_owned_parameters: segments of the owned master weights into the flat
-  // ones, on the stream. release / acquire_parameters: checked, the memory kept (the flat
-  // buffers are one allocation each).
+  // ones, on the stream. release / acquire_parameters: with paged_parameters, the granules of the
+  // master weights and their 16-bit copy that no held range covers are unmapped once the stream
+  // has passed the release, and mapped again when acquired (kernels::cuda::paged_buffer);
+  // without, the span is checked and the memory stays.
   void own(std::vector<shard_segment> segments, bool parameters);
   double owned_square_sum(const std::vector<shard_segment>& segments);
   void adamw_owned(const kernels::adamw_hparams& hp, int step, float grad_multiplier);

@@ -53,7 +53,7 @@ class rank_chunks {
   virtual float* gradients(int c) = 0;
   // CPU chunks: the chunk's gpt_chunk (ZeRO works on its host buffers); nullptr otherwise.
   virtual gpt_chunk* cpu_chunk(int c) = 0;
-  // Device chunks: the chunk itself (ZeRO-1/2 through a zero_group works on its owned floats);
+  // Device chunks: the chunk itself (ZeRO through a zero_group works on its owned floats);
   // nullptr otherwise.
   virtual device_chunk* device(int c) = 0;
   // The master weights, copied to the host.

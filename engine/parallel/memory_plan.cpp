@@ -135,20 +135,24 @@ std::string format_gpu_pipeline_plan(const recipe& r, const gpu_trainer_options&
   const int tp = r.parallel.tp;
   const auto layout = make_pipeline_layout(r.model, r.parallel.pp, r.parallel.virtual_stages,
                                            r.parallel.layer_split);
-  std::string s = "device memory plan, a pipeline of " + std::to_string(r.parallel.pp) +
-                  " device stages" +
-                  (tp > 1 ? " of " + std::to_string(tp) + " tensor shards (one shard's figures)"
-                          : std::string()) +
-                  " (" + r.precision.dtype + " compute, " + attention_kernel_for(r) +
-                  " attention, fp32 master weights, gradients" +
-                  (o.optimizer_state   ? " and AdamW moments"
-                   : zero_on_device(r) ? "; the AdamW moments of the floats each replica owns "
-                                         "(ZeRO through the devices' groups)"
-                                       : "; AdamW moments in ZeRO's shards, in host memory") +
-                  "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
-                  std::to_string(r.batch.seq_len) +
-                  " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
-                  "adds one when an activation arrives ahead under its link credit):\n";
+  std::string s =
+      "device memory plan, a pipeline of " + std::to_string(r.parallel.pp) + " device stages" +
+      (tp > 1 ? " of " + std::to_string(tp) + " tensor shards (one shard's figures)"
+              : std::string()) +
+      " (" + r.precision.dtype + " compute, " + attention_kernel_for(r) +
+      " attention, fp32 master weights, gradients" +
+      (o.optimizer_state   ? " and AdamW moments"
+       : zero_on_device(r) ? std::string("; the AdamW moments of the floats each replica owns") +
+                                 (r.parallel.zero >= 3
+                                      ? " and their master weights (ZeRO-3 through the devices' "
+                                        "groups: the weights' buffers hold the buckets gathered at "
+                                        "once between uses, all of them at most)"
+                                      : " (ZeRO through the devices' groups)")
+                           : "; AdamW moments in ZeRO's shards, in host memory") +
+      "), micro-batch " + std::to_string(r.batch.micro_batch) + " x " +
+      std::to_string(r.batch.seq_len) +
+      " tokens; slots: the micro-batches a chunk holds at the schedule's peak (a chunk "
+      "adds one when an activation arrives ahead under its link credit):\n";
   char line[256];
   std::snprintf(line, sizeof line, "%6s %6s %12s %12s %14s %12s\n", "rank", "slots", "parameters",
                 "model state", "activations", "total");

@@ -70,7 +70,7 @@ struct parallel_config {
   int zero = 0;                   // ZeRO stage over each rank's DP group: 0 (DDP), 1, 2
   int zero_prefetch = 1;          // ZeRO-3: layers gathered ahead of use
   bool nccl_links = true;         // device payloads and groups between processes by NCCL
-  bool zero_on_device = false;    // ZeRO-1/2 of device chunks through their DP groups
+  bool zero_on_device = false;    // ZeRO of device chunks through their DP groups
 };
 
 // Number formats and loss scaling (docs/recipe.md, [precision]).

@@ -134,6 +134,10 @@ run gpuz1dev --device cuda --set parallel.pp=2 --set parallel.dp=2 --set paralle
   --set parallel.zero_on_device=true
 run gpuz2devzb --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 \
   --set parallel.schedule=zb_h1 --set parallel.zero_on_device=true
+# ZeRO-3 through it: owned master weights on the device, each bucket gathered before each use.
+run gpuz3devzbac --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3 \
+  --set parallel.schedule=zb_h1 --set activation_checkpoint.mode=full \
+  --set parallel.zero_on_device=true
 run gpuz3zbac --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3 \
   --set parallel.schedule=zb_h1 --set activation_checkpoint.mode=full
 run gpuck --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
@@ -193,6 +197,8 @@ nccl_case gpuz2x4nccl 4 "4 pipeline links, 4 tied wte links, 0 data-parallel gro
 # reduce-scatters (ncclReduce to each chunk's owner) and all-gathers (ncclBroadcast).
 nccl_case gpuz2x4ncclz 4 "4 pipeline links, 4 tied wte links, 2 data-parallel groups, 0 tensor groups" \
   --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 --set parallel.zero_on_device=true
+nccl_case gpuz3x4ncclz 4 "4 pipeline links, 4 tied wte links, 2 data-parallel groups, 0 tensor groups" \
+  --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=3 --set parallel.zero_on_device=true
 run_job gpu3dx8 8 --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.tp=2 \
   --set parallel.nccl_links=false
 # A process of such a job killed (SIGKILL) in steady state: the others, whose links and
@@ -293,6 +299,8 @@ close(rows("cpudp"), rows("gpuz1dev"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 ZeRO-1 through the device's group vs CPU")
 close(rows("cpudp"), rows("gpuz2devzb"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 ZeRO-2 ZB-H1 through the device's group vs CPU")
+close(rows("cpudp"), rows("gpuz3devzbac"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 ZeRO-3 ZB-H1 with checkpointing through the device's group vs CPU")
 close(rows("cpudp"), rows("gpuz3zbac"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 ZeRO-3 ZB-H1 with checkpointing (W gathers what it recomputes) vs CPU")
 close(rows("cpudp"), rows("gpuz2x4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes vs CPU")
@@ -313,6 +321,8 @@ close(rows("cpudp"), rows("gpuz2x4nccl"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes, NCCL links, vs CPU")
 close(rows("cpudp"), rows("gpuz2x4ncclz"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 ZeRO-2 as 4 processes through NCCL data-parallel groups vs CPU")
+close(rows("cpudp"), rows("gpuz3x4ncclz"), 1e-4, 1e-3,
+      "fp32 GPU PP=2 x DP=2 ZeRO-3 as 4 processes through NCCL data-parallel groups vs CPU")
 close(rows("cpudp"), rows("gpu3dx8"), 1e-4, 1e-3,
       "fp32 GPU PP=2 x DP=2 x TP=2 as 8 processes, staged through host memory, vs CPU")
 close(rows("cpudp"), rows("gpudpx4"), 1e-4, 1e-3, "fp32 GPU PP=2 x DP=2 as 4 processes vs CPU")

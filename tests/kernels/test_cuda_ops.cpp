@@ -15,6 +15,7 @@
 
 #include "kernels/cpu_ops.hpp"
 #include "kernels/cuda/cuda_ops.hpp"
+#include "kernels/cuda/paged_buffer.hpp"
 #include "tests/kernels/cuda_test_util.hpp"
 
 using namespace cuda_test;
@@ -398,6 +399,50 @@ TEST_CASE("the GPU sum of squares matches the CPU gradient norm and repeats bitw
   REQUIRE(sums.size() == spans.size());
   for (std::size_t i = 0; i < spans.size(); ++i)
     CHECK(sums[i] == cu::square_sum(ctx, spans[i].first, spans[i].second));
+}
+
+// ZeRO-3's paged parameter buffers (gpu_chunk with paged_parameters): a granule is mapped while
+// any byte of it is held, unmapped once the stream has passed its release, and what stayed held
+// keeps its values.
+TEST_CASE("a paged buffer maps granules while they are held", "[gpu]") {
+  cu::context ctx;
+  const std::size_t G = cu::paged_buffer(0, 1).granularity();
+  REQUIRE(G > 0);
+  const std::size_t bytes = 5 * G + 123, floats = bytes / sizeof(float);
+  cu::paged_buffer buf(0, bytes);
+  CHECK(buf.mapped_bytes() == 6 * G);
+  auto* p = static_cast<float*>(buf.data());
+  const auto values = random_values(floats, 3);
+  REQUIRE(cudaMemcpy(p, values.data(), floats * sizeof(float), cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+  // Granules 0 and 1 wholly, granule 2 in part: 0 and 1 go once the stream passed the release.
+  buf.release(0, 2 * G + 16, ctx.stream());
+  ctx.synchronize();
+  CHECK(buf.mapped_bytes() == 4 * G);
+  buf.acquire(0, 2 * G + 16);
+  CHECK(buf.mapped_bytes() == 6 * G);
+  std::vector<float> back(floats);
+  REQUIRE(cudaMemcpy(back.data(), p, floats * sizeof(float), cudaMemcpyDeviceToHost) ==
+          cudaSuccess);
+  const std::size_t kept = (2 * G + 16) / sizeof(float);
+  CHECK(std::equal(back.begin() + static_cast<std::ptrdiff_t>(kept), back.end(),
+                   values.begin() + static_cast<std::ptrdiff_t>(kept)));
+  // The acquired range is writable again.
+  const std::vector<float> ones(kept, 1.0f);
+  REQUIRE(cudaMemcpy(p, ones.data(), kept * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemcpy(back.data(), p, kept * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(std::equal(ones.begin(), ones.end(), back.begin()));
+  // Acquired again before the stream passed the release: the mapping and values stay.
+  buf.release(3 * G, G, ctx.stream());
+  buf.acquire(3 * G, G);
+  ctx.synchronize();
+  CHECK(buf.mapped_bytes() == 6 * G);
+  REQUIRE(cudaMemcpy(back.data(), p, floats * sizeof(float), cudaMemcpyDeviceToHost) ==
+          cudaSuccess);
+  CHECK(std::equal(back.begin() + static_cast<std::ptrdiff_t>(kept), back.end(),
+                   values.begin() + static_cast<std::ptrdiff_t>(kept)));
+  CHECK_THROWS_WITH(buf.acquire(0, 16), Catch::Contains("acquired twice"));
+  CHECK_THROWS_WITH(buf.release(bytes - 4, 8, ctx.stream()), Catch::Contains("outside"));
 }
 
 TEST_CASE("the replicas' mean on one device sums in replica order, into every copy", "[gpu]") {

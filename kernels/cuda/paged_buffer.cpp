@@ -1,0 +1,218 @@
+// Device memory mapped by granule. See paged_buffer.hpp.
+#include "kernels/cuda/paged_buffer.hpp"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/cuda/cuda_ops.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+// The driver's virtual memory calls, resolved once through the runtime.
+struct vmm_api {
+  decltype(&cuDeviceGet) device = nullptr;
+  decltype(&cuDeviceGetAttribute) attribute = nullptr;
+  decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&cuMemAddressReserve) reserve = nullptr;
+  decltype(&cuMemAddressFree) free = nullptr;
+  decltype(&cuMemCreate) create = nullptr;
+  decltype(&cuMemRelease) release = nullptr;
+  decltype(&cuMemMap) map = nullptr;
+  decltype(&cuMemUnmap) unmap = nullptr;
+  decltype(&cuMemSetAccess) set_access = nullptr;
+};
+
+template <class F>
+void resolve(const char* symbol, F& fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  const cudaError_t e =
+      cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &status);
+  if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || !p)
+    throw cuda_error(std::string("paged_buffer: the driver has no ") + symbol);
+  fn = reinterpret_cast<F>(p);
+}
+
+const vmm_api& api() {
+  static const vmm_api a = [] {
+    vmm_api v;
+    resolve("cuDeviceGet", v.device);
+    resolve("cuDeviceGetAttribute", v.attribute);
+    resolve("cuMemGetAllocationGranularity", v.granularity);
+    resolve("cuMemAddressReserve", v.reserve);
+    resolve("cuMemAddressFree", v.free);
+    resolve("cuMemCreate", v.create);
+    resolve("cuMemRelease", v.release);
+    resolve("cuMemMap", v.map);
+    resolve("cuMemUnmap", v.unmap);
+    resolve("cuMemSetAccess", v.set_access);
+    return v;
+  }();
+  return a;
+}
+
+void check(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS)
+    throw cuda_error(std::string("paged_buffer: ") + what + " failed (CUresult " +
+                     std::to_string(static_cast<int>(r)) + ")");
+}
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw cuda_error(std::string("paged_buffer: ") + what + ": " + cudaGetErrorString(e));
+}
+
+CUmemAllocationProp properties(int device) {
+  CUmemAllocationProp p{};
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = device;
+  return p;
+}
+
+}  // namespace
+
+paged_buffer::paged_buffer(int device, std::size_t bytes) : device_(device), bytes_(bytes) {
+  const auto& a = api();
+  CUdevice dev = 0;
+  int supported = 0;
+  check(a.device(&dev, device), "cuDeviceGet");
+  check(a.attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
+        "cuDeviceGetAttribute");
+  if (!supported)
+    throw cuda_error("paged_buffer: device " + std::to_string(device) +
+                     " has no virtual memory management");
+  const auto prop = properties(device);
+  check(a.granularity(&granule_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+        "cuMemGetAllocationGranularity");
+  const std::size_t granules = std::max<std::size_t>(1, (bytes + granule_ - 1) / granule_);
+  reserved_ = granules * granule_;
+  CUdeviceptr base = 0;
+  check(a.reserve(&base, reserved_, granule_, 0, 0), "cuMemAddressReserve");
+  base_ = static_cast<std::uintptr_t>(base);
+  held_.assign(granules, 0);
+  handle_.assign(granules, 0);
+  released_.assign(granules, 0);
+  try {
+    for (std::size_t g = 0; g < granules; ++g) {
+      held_[g] = std::min(granule_, bytes_ > g * granule_ ? bytes_ - g * granule_ : 0);
+      map(g);
+    }
+  } catch (...) {
+    for (std::size_t g = 0; g < granules; ++g)
+      if (handle_[g]) unmap(g);
+    a.free(base, reserved_);
+    throw;
+  }
+}
+
+paged_buffer::~paged_buffer() {
+  try {
+    reap(true);
+  } catch (...) {  // a failed device: what is left goes with the context
+  }
+  const auto& a = api();
+  for (std::size_t g = 0; g < handle_.size(); ++g) {
+    if (!handle_[g]) continue;
+    a.unmap(static_cast<CUdeviceptr>(base_ + g * granule_), granule_);
+    a.release(static_cast<CUmemGenericAllocationHandle>(handle_[g]));
+  }
+  if (base_) a.free(static_cast<CUdeviceptr>(base_), reserved_);
+}
+
+template <class F>
+void paged_buffer::for_each_granule(std::size_t offset, std::size_t bytes, F f) {
+  if (offset > bytes_ || bytes > bytes_ - offset)
+    throw cuda_error("paged_buffer: bytes [" + std::to_string(offset) + ", " +
+                     std::to_string(offset + bytes) + ") outside its " + std::to_string(bytes_));
+  for (std::size_t at = offset; at < offset + bytes;) {
+    const std::size_t g = at / granule_;
+    const std::size_t end = std::min(offset + bytes, (g + 1) * granule_);
+    f(g, end - at);
+    at = end;
+  }
+}
+
+void paged_buffer::release(std::size_t offset, std::size_t bytes, void* stream) {
+  reap(false);
+  pending p;
+  for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
+    if (held_[g] < n) throw cuda_error("paged_buffer: a range released that was not held");
+    held_[g] -= n;
+    if (held_[g] == 0) p.granules.emplace_back(g, ++released_[g]);
+  });
+  if (p.granules.empty()) return;
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  p.event = e;
+  pending_.push_back(std::move(p));
+  check(cudaEventRecord(e, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+}
+
+void paged_buffer::acquire(std::size_t offset, std::size_t bytes) {
+  reap(false);
+  for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
+    if (held_[g] + n > granule_) throw cuda_error("paged_buffer: a range acquired twice");
+    if (held_[g] == 0 && !handle_[g]) map(g);  // still mapped: its unmapping is called off
+    held_[g] += n;
+  });
+}
+
+std::size_t paged_buffer::mapped_bytes() {
+  reap(false);
+  std::size_t n = 0;
+  for (const auto h : handle_) n += h ? granule_ : 0;
+  return n;
+}
+
+void paged_buffer::map(std::size_t g) {
+  const auto& a = api();
+  const auto prop = properties(device_);
+  CUmemGenericAllocationHandle h = 0;
+  check(a.create(&h, granule_, &prop, 0), "cuMemCreate (out of device memory?)");
+  const auto at = static_cast<CUdeviceptr>(base_ + g * granule_);
+  CUresult r = a.map(at, granule_, 0, h, 0);
+  if (r == CUDA_SUCCESS) {
+    CUmemAccessDesc access{};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = a.set_access(at, granule_, &access, 1);
+    if (r != CUDA_SUCCESS) a.unmap(at, granule_);
+  }
+  if (r != CUDA_SUCCESS) {
+    a.release(h);
+    check(r, "cuMemMap");
+  }
+  handle_[g] = h;
+}
+
+void paged_buffer::unmap(std::size_t g) {
+  const auto& a = api();
+  check(a.unmap(static_cast<CUdeviceptr>(base_ + g * granule_), granule_), "cuMemUnmap");
+  check(a.release(static_cast<CUmemGenericAllocationHandle>(handle_[g])), "cuMemRelease");
+  handle_[g] = 0;
+}
+
+void paged_buffer::reap(bool wait) {
+  while (!pending_.empty()) {
+    auto& p = pending_.front();
+    auto e = static_cast<cudaEvent_t>(p.event);
+    if (wait) {
+      check(cudaEventSynchronize(e), "cudaEventSynchronize");
+    } else {
+      const cudaError_t q = cudaEventQuery(e);
+      if (q == cudaErrorNotReady) return;  // later ones are later on the stream
+      check(q, "cudaEventQuery");
+    }
+    // Not acquired again meanwhile, nor released again since (a later event covers that).
+    for (const auto& [g, n] : p.granules)
+      if (held_[g] == 0 && handle_[g] && released_[g] == n) unmap(g);
+    cudaEventDestroy(e);
+    pending_.pop_front();
+  }
+}
+
+}  // namespace troupe::kernels::cuda
