@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 
@@ -214,12 +216,25 @@ class host_chunk final : public device_chunk {
   }
   std::vector<float> owned_parameters() override { return params_; }
   // Released pages go back to the kernel (zeroed): the memory a ZeRO-3 stage holds is what its
-  // gathered buckets' pages hold.
+  // gathered buckets' pages hold. The contract's discipline is checked as a CUDA chunk's paged
+  // buffer checks it: a range released overlaps none released, and is acquired whole.
   void release_parameters(std::int64_t at, std::int64_t n) override {
-    release_zeroed(compute_.chunk(0).params() + checked(at, n, "released parameters"), n);
+    checked(at, n, "released parameters");
+    auto next = released_.lower_bound(at);
+    if ((next != released_.end() && next->first < at + n) ||
+        (next != released_.begin() && std::prev(next)->second > at))
+      throw std::logic_error("host_chunk: parameters [" + std::to_string(at) + ", " +
+                             std::to_string(at + n) + ") released twice");
+    released_.emplace(at, at + n);
+    release_zeroed(compute_.chunk(0).params() + at, n);
   }
   void acquire_parameters(std::int64_t at, std::int64_t n) override {
     checked(at, n, "acquired parameters");
+    const auto r = released_.find(at);
+    if (r == released_.end() || r->second != at + n)
+      throw std::logic_error("host_chunk: parameters [" + std::to_string(at) + ", " +
+                             std::to_string(at + n) + ") acquired, not released as a whole");
+    released_.erase(r);
   }
   void* record_event() override { return nullptr; }
   void wait_event(void*) override {}
@@ -284,6 +299,7 @@ class host_chunk final : public device_chunk {
   bucket_shard owned_;           // ZeRO on the device: the owned segments (chunk 0)
   std::vector<float> m_, v_;     // and their moments
   std::vector<float> params_;    // and (ZeRO-3) their master weights
+  std::map<std::int64_t, std::int64_t> released_;  // ZeRO-3: released parameters, [at, end)
 };
 
 // Payloads queued in host memory, in send order.
