@@ -48,7 +48,9 @@
 //  D6. ZeRO-3: the shard gathers a bucket into the chunks' host copy of the parameters; the
 //      stage copies it into the chunk (rank_chunks::parameters_from_host) when zero_gathered
 //      arrives, before resuming the pass stopped for it, so the copy precedes on the chunk's
-//      stream every piece that reads it. The final weights are copied whole.
+//      stream every piece that reads it. The final weights are copied whole. Through the
+//      devices' group the gather writes the chunk's own buffers: when bucket_gathered arrives
+//      the chunk waits for its event and its compute copy follows, before the pass resumes.
 #include "actors/stage.hpp"
 
 #include <algorithm>
@@ -1054,6 +1056,12 @@ class stage_impl : public stage_actor::base {
 
   void flush_tied_waiting() {
     if (!tied_.done() || (zero_on_device() && untied_left_ > 0)) return;
+    // S8 under ZeRO-3: the group's order across replicas needs the tied reduce-scatter after the
+    // plan's last gather, which no message's timing may move.
+    if (zero_on_device() && gathering() && !tied_waiting_.empty() && !gathers_->all_issued())
+      throw std::logic_error(who() +
+                             ": the tied bucket's reduce-scatter before the plan's last "
+                             "gather (stage invariant S8)");
     for (int b : tied_waiting_) send_bucket(b);
     tied_waiting_.clear();
   }

@@ -56,6 +56,9 @@ class param_gathers {
   // Gather number `seq` of the plan completed; returns its bucket.
   int gathered(int seq);
 
+  // Every use of the plan is issued: no gather of the plan is left to ask for.
+  bool all_issued() const { return residency_.all_issued(); }
+
   // Every bucket gathered once more, kept from then on (the final weights): gather(b, b).
   void gather_all(const gather_fn& gather);
 

@@ -139,6 +139,7 @@ class cuda_chunk final : public device_chunk {
     s_.put_owned_parameters(segments);
   }
   std::vector<float> owned_parameters() override { return s_.owned_parameters(); }
+  std::int64_t owned_parameter_bytes() const override { return s_.owned_parameter_bytes(); }
   void release_parameters(std::int64_t at, std::int64_t n) override {
     s_.release_parameters(at, n);
   }

@@ -173,10 +173,11 @@ class device_chunk {
   // weights on the host (owned storage order), after the chunk's work so far.
   virtual void put_owned_parameters(const std::vector<shard_segment>& segments) = 0;
   virtual std::vector<float> owned_parameters() = 0;
+  virtual std::int64_t owned_parameter_bytes() const = 0;  // of device_bytes()
   // ZeRO-3: the flat master weights [at, at + n) and their compute copy are not needed until
-  // acquired again (their memory may go back: host chunks release whole pages, CUDA chunks keep
-  // it), and are again (their values unspecified until a gather writes them). Ranges released
-  // are acquired whole, and never overlap another range held.
+  // acquired again (their memory may go back: host chunks release whole pages, CUDA chunks with
+  // paged parameters their granules), and are again (their values unspecified until a gather
+  // writes them). Ranges released are acquired whole, and never overlap another range held.
   virtual void release_parameters(std::int64_t at, std::int64_t n) = 0;
   virtual void acquire_parameters(std::int64_t at, std::int64_t n) = 0;
 

@@ -835,7 +835,7 @@ gpu_chunk::gpu_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_o
   s.layout = weights.parameters();
   for (const auto& p : s.layout) s.by_name.emplace(p.name, &p);
   s.P = weights.parameter_count();
-  if (options.paged_parameters) {
+  if (options.paged_parameters && cu::paged_buffer::supported(device)) {
     s.paged_master =
         std::make_unique<cu::paged_buffer>(device, static_cast<std::size_t>(s.P) * sizeof(float));
     s.master = static_cast<float*>(s.paged_master->data());
@@ -1234,6 +1234,10 @@ std::vector<float> gpu_chunk::owned_parameters() const {
     check(cudaMemcpy(out.data(), s.owned_p, out.size() * sizeof(float), cudaMemcpyDeviceToHost),
           "cudaMemcpy(owned parameters)");
   return out;
+}
+
+std::int64_t gpu_chunk::owned_parameter_bytes() const {
+  return impl_->owned_p ? impl_->owned_floats * static_cast<std::int64_t>(sizeof(float)) : 0;
 }
 
 // Without paged parameters the memory stays: the span is only checked.

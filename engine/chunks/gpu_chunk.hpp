@@ -78,7 +78,8 @@ struct gpu_trainer_options {
   // chunk's own, overlapping its later work; false: copied before begin_state_copy returns.
   bool pinned_state_copy = false;
   // ZeRO-3 through the devices' groups: the flat master weights and their 16-bit copy are
-  // mapped by granule (release_parameters gives memory back), not one allocation each.
+  // mapped by granule (release_parameters gives memory back), not one allocation each, where the
+  // device has CUDA's virtual memory management (otherwise one allocation each, kept).
   bool paged_parameters = false;
 };
 
@@ -295,6 +296,7 @@ class gpu_chunk {
   void load_owned_moments(const float* m, const float* v);
   void put_owned_parameters(const std::vector<shard_segment>& segments);
   std::vector<float> owned_parameters() const;
+  std::int64_t owned_parameter_bytes() const;
   void release_parameters(std::int64_t at, std::int64_t n);
   void acquire_parameters(std::int64_t at, std::int64_t n);
 

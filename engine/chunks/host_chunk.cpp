@@ -153,8 +153,11 @@ class host_chunk final : public device_chunk {
   }
   std::int64_t device_bytes() const override {
     return 2 * parameter_count() * static_cast<std::int64_t>(sizeof(float)) + optimizer_bytes() +
-           compute_.activation_bytes() +
+           owned_parameter_bytes() + compute_.activation_bytes() +
            static_cast<std::int64_t>(received_.size() * sizeof(float));
+  }
+  std::int64_t owned_parameter_bytes() const override {
+    return static_cast<std::int64_t>(params_.size() * sizeof(float));
   }
   std::int64_t optimizer_bytes() const override {
     return compute_.optimizer_bytes() +

@@ -372,7 +372,7 @@ class device_rank_chunks final : public rank_chunks {
     std::int64_t bytes = 0;
     for (const auto& ch : chunks_)
       bytes += std::max<std::int64_t>(
-          0, ch->device_bytes() - ch->optimizer_bytes() -
+          0, ch->device_bytes() - ch->optimizer_bytes() - ch->owned_parameter_bytes() -
                  2 * ch->parameter_count() * static_cast<std::int64_t>(sizeof(float)));
     return bytes;
   }

@@ -106,6 +106,7 @@ class param_residency {
   bool ready(int use) const;  // every bucket of the issued use is gathered
   changes finished(int use);  // uses finish in order; throws std::logic_error otherwise
   bool holds_nothing() const { return refs_.empty(); }
+  bool all_issued() const { return issued_ >= uses(); }  // every use's gathers asked for
 
  private:
   void issue(changes& out);

@@ -75,19 +75,37 @@ CUmemAllocationProp properties(int device) {
 
 }  // namespace
 
+bool paged_buffer::supported(int device) {
+  try {
+    const auto& a = api();
+    CUdevice dev = 0;
+    int yes = 0;
+    return a.device(&dev, device) == CUDA_SUCCESS &&
+           a.attribute(&yes, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) ==
+               CUDA_SUCCESS &&
+           yes != 0;
+  } catch (const cuda_error&) {  // a driver without the calls
+    return false;
+  }
+}
+
 paged_buffer::paged_buffer(int device, std::size_t bytes) : device_(device), bytes_(bytes) {
-  const auto& a = api();
-  CUdevice dev = 0;
-  int supported = 0;
-  check(a.device(&dev, device), "cuDeviceGet");
-  check(a.attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
-        "cuDeviceGetAttribute");
-  if (!supported)
+  if (!supported(device))
     throw cuda_error("paged_buffer: device " + std::to_string(device) +
                      " has no virtual memory management");
+  const auto& a = api();
   const auto prop = properties(device);
   check(a.granularity(&granule_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
         "cuMemGetAllocationGranularity");
+  // Every device that can reach this one directly may read and write it (NCCL's peers in one
+  // process): peer access does not extend to these mappings by itself.
+  int devices = 0;
+  check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  for (int d = 0; d < devices; ++d) {
+    int reach = d == device ? 1 : 0;
+    if (d != device) check(cudaDeviceCanAccessPeer(&reach, d, device), "cudaDeviceCanAccessPeer");
+    if (reach) access_.push_back(d);
+  }
   const std::size_t granules = std::max<std::size_t>(1, (bytes + granule_ - 1) / granule_);
   reserved_ = granules * granule_;
   CUdeviceptr base = 0;
@@ -102,29 +120,37 @@ paged_buffer::paged_buffer(int device, std::size_t bytes) : device_(device), byt
       map(g);
     }
   } catch (...) {
-    for (std::size_t g = 0; g < granules; ++g)
-      if (handle_[g]) unmap(g);
-    a.free(base, reserved_);
+    unmap_all();
     throw;
   }
 }
 
+// Kernels and the groups' copies may still use what is mapped: the device's work ends first.
 paged_buffer::~paged_buffer() {
-  try {
-    reap(true);
-  } catch (...) {  // a failed device: what is left goes with the context
+  int current = 0;
+  if (cudaGetDevice(&current) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
+    cudaDeviceSynchronize();
+    cudaSetDevice(current);
   }
+  for (auto& p : pending_) cudaEventDestroy(static_cast<cudaEvent_t>(p.event));
+  pending_.clear();
+  unmap_all();
+}
+
+void paged_buffer::unmap_all() noexcept {
   const auto& a = api();
   for (std::size_t g = 0; g < handle_.size(); ++g) {
     if (!handle_[g]) continue;
     a.unmap(static_cast<CUdeviceptr>(base_ + g * granule_), granule_);
     a.release(static_cast<CUmemGenericAllocationHandle>(handle_[g]));
+    handle_[g] = 0;
   }
   if (base_) a.free(static_cast<CUdeviceptr>(base_), reserved_);
+  base_ = 0;
 }
 
 template <class F>
-void paged_buffer::for_each_granule(std::size_t offset, std::size_t bytes, F f) {
+void paged_buffer::for_each_granule(std::size_t offset, std::size_t bytes, F f) const {
   if (offset > bytes_ || bytes > bytes_ - offset)
     throw cuda_error("paged_buffer: bytes [" + std::to_string(offset) + ", " +
                      std::to_string(offset + bytes) + ") outside its " + std::to_string(bytes_));
@@ -136,26 +162,42 @@ void paged_buffer::for_each_granule(std::size_t offset, std::size_t bytes, F f) 
   }
 }
 
+std::size_t paged_buffer::granule_bytes(std::size_t g) const {
+  return std::min(granule_, bytes_ - g * granule_);
+}
+
+// Checked whole before anything changes, the event recorded before it is trusted.
 void paged_buffer::release(std::size_t offset, std::size_t bytes, void* stream) {
   reap(false);
-  pending p;
   for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
     if (held_[g] < n) throw cuda_error("paged_buffer: a range released that was not held");
+  });
+  pending p;
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  if (const cudaError_t r = cudaEventRecord(e, static_cast<cudaStream_t>(stream));
+      r != cudaSuccess) {
+    cudaEventDestroy(e);
+    check(r, "cudaEventRecord");
+  }
+  p.event = e;
+  for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
     held_[g] -= n;
     if (held_[g] == 0) p.granules.emplace_back(g, ++released_[g]);
   });
-  if (p.granules.empty()) return;
-  cudaEvent_t e = nullptr;
-  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  p.event = e;
+  if (p.granules.empty()) {
+    cudaEventDestroy(e);
+    return;
+  }
   pending_.push_back(std::move(p));
-  check(cudaEventRecord(e, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
 }
 
 void paged_buffer::acquire(std::size_t offset, std::size_t bytes) {
   reap(false);
   for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
-    if (held_[g] + n > granule_) throw cuda_error("paged_buffer: a range acquired twice");
+    if (held_[g] + n > granule_bytes(g)) throw cuda_error("paged_buffer: a range acquired twice");
+  });
+  for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
     if (held_[g] == 0 && !handle_[g]) map(g);  // still mapped: its unmapping is called off
     held_[g] += n;
   });
@@ -168,23 +210,35 @@ std::size_t paged_buffer::mapped_bytes() {
   return n;
 }
 
+// Out of device memory while releases are still waiting for the stream: they are waited for,
+// and the granule tried again.
 void paged_buffer::map(std::size_t g) {
   const auto& a = api();
   const auto prop = properties(device_);
   CUmemGenericAllocationHandle h = 0;
-  check(a.create(&h, granule_, &prop, 0), "cuMemCreate (out of device memory?)");
-  const auto at = static_cast<CUdeviceptr>(base_ + g * granule_);
-  CUresult r = a.map(at, granule_, 0, h, 0);
-  if (r == CUDA_SUCCESS) {
-    CUmemAccessDesc access{};
-    access.location = prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    r = a.set_access(at, granule_, &access, 1);
-    if (r != CUDA_SUCCESS) a.unmap(at, granule_);
+  CUresult r = a.create(&h, granule_, &prop, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY && !pending_.empty()) {
+    reap(true);
+    r = a.create(&h, granule_, &prop, 0);
   }
+  check(r, "cuMemCreate");
+  const auto at = static_cast<CUdeviceptr>(base_ + g * granule_);
+  r = a.map(at, granule_, 0, h, 0);
   if (r != CUDA_SUCCESS) {
     a.release(h);
     check(r, "cuMemMap");
+  }
+  std::vector<CUmemAccessDesc> access(access_.size());
+  for (std::size_t i = 0; i < access_.size(); ++i) {
+    access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access[i].location.id = access_[i];
+    access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  r = a.set_access(at, granule_, access.data(), access.size());
+  if (r != CUDA_SUCCESS) {
+    a.unmap(at, granule_);
+    a.release(h);
+    check(r, "cuMemSetAccess");
   }
   handle_[g] = h;
 }

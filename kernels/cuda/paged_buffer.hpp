@@ -9,8 +9,11 @@
 //    granularity, 2 MiB on current GPUs). A granule is mapped while any byte of it is held.
 //  - Everything is held at construction. release(offset, bytes, stream) lets go of a range: a
 //    granule no longer held is unmapped only once the work enqueued on `stream` so far (what read
-//    or wrote it) is done, at a later call (or the destructor); acquire() of it before then keeps
-//    its mapping. Ranges released are acquired whole, and one byte is never held twice. Every
+//    or wrote it) is done, at the first call after that; acquire() of it before then keeps its
+//    mapping. Where the device is out of memory, acquire() waits for the releases still pending
+//    and tries again. The destructor waits for the device's work first.
+//  - Every device that can reach this one directly (peer access) may read and write it. Ranges
+//  released are acquired whole, and one byte is never held twice. Every
 //    release names the same stream (the chunk's), so events pass in the order they were made.
 //  - An acquired range's contents are unspecified until written.
 //  - Not thread-safe: one owner (a chunk, on its stage's thread).
@@ -29,6 +32,8 @@ class paged_buffer {
   // `bytes` on `device` (the current device while this is used), all of it mapped. Throws
   // cuda_error naming the call where the device or driver has no virtual memory management.
   paged_buffer(int device, std::size_t bytes);
+  // Whether the device and driver have CUDA's virtual memory management.
+  static bool supported(int device);
   ~paged_buffer();
   paged_buffer(const paged_buffer&) = delete;
   paged_buffer& operator=(const paged_buffer&) = delete;
@@ -47,14 +52,17 @@ class paged_buffer {
     std::vector<std::pair<std::size_t, std::uint64_t>> granules;  // (granule, its release)
   };
   template <class F>
-  void for_each_granule(std::size_t offset, std::size_t bytes, F f);
+  void for_each_granule(std::size_t offset, std::size_t bytes, F f) const;
+  std::size_t granule_bytes(std::size_t g) const;  // of the buffer in granule g
   void map(std::size_t g);
   void unmap(std::size_t g);
-  void reap(bool wait);  // unmaps what passed events (all of it, waiting, with wait)
+  void unmap_all() noexcept;  // and the address range
+  void reap(bool wait);       // unmaps what passed events (all of it, waiting, with wait)
 
   int device_ = 0;
   std::size_t bytes_ = 0, granule_ = 0;
   std::uintptr_t base_ = 0;
+  std::vector<int> access_;  // devices granted access
   std::size_t reserved_ = 0;
   std::vector<std::size_t> held_;           // by granule: bytes held
   std::vector<unsigned long long> handle_;  // by granule: 0 while unmapped
