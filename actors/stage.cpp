@@ -279,7 +279,8 @@ class stage_impl : public stage_actor::base {
         gathers_ = std::make_unique<topology::param_gathers>(
             buckets_,
             topology::param_gathers::bucket_memory{[this](int b) { device_zero_.release(b); },
-                                                   [this](int b) { device_zero_.acquire(b); }});
+                                                   [this](int b) { device_zero_.acquire(b); },
+                                                   [this] { device_zero_.parameter_round(); }});
       }
     }
     if (!cfg_.resume.empty() && !zero()) {  // the chunks' moments from the checkpoint

@@ -138,6 +138,10 @@ void device_zero::acquire(int b) {
   });
 }
 
+void device_zero::parameter_round() {
+  for (int c = 0; c < chunks_->chunk_count(); ++c) chunks_->device(c)->parameter_round();
+}
+
 void device_zero::gather(int step, int b, engine::zero_group::done_fn done) {
   const auto& info = buckets_->bucket(b);
   chunks_->device(info.chunk)

@@ -56,6 +56,7 @@ class device_zero {
   // Bucket b's master weights may go / are needed again (engine::device_chunk::release_parameters).
   void release(int b);
   void acquire(int b);
+  void parameter_round();  // engine::device_chunk::parameter_round of every chunk
   // Bucket b (acquired) gathered: this replica's owned master weights into it, then the
   // all-gather; once its event was waited for, bucket_gathered(b) makes the compute copy follow.
   void gather(int step, int b, engine::zero_group::done_fn done);

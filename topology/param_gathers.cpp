@@ -55,6 +55,7 @@ int param_gathers::gathered(int seq) {
 // Releases first: at most prefetch + 1 uses' buckets are ever in the buffers, and the pages a
 // release frees are the ones the gathers after it take.
 void param_gathers::apply(const engine::param_residency::changes& ch) {
+  if (memory_.round && (!ch.release.empty() || !ch.gather.empty())) memory_.round();
   for (int b : ch.release) {
     memory_.release(b);
     gathered_ -= bucket_bytes(b);

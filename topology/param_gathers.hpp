@@ -27,8 +27,10 @@ class param_gathers {
 
   // What becomes of a bucket's parameter memory between its uses: released after the last,
   // acquired (whole, before its gather writes it) for the next.
+  // round (if set) runs before each use's releases and acquires.
   struct bucket_memory {
     std::function<void(int bucket)> release, acquire;
+    std::function<void()> round;
   };
 
   // buckets must outlive this. The buckets' parameter ranges are host memory, whose pages move

@@ -140,6 +140,7 @@ class cuda_chunk final : public device_chunk {
   }
   std::vector<float> owned_parameters() override { return s_.owned_parameters(); }
   std::int64_t owned_parameter_bytes() const override { return s_.owned_parameter_bytes(); }
+  void parameter_round() override { s_.parameter_round(); }
   void release_parameters(std::int64_t at, std::int64_t n) override {
     s_.release_parameters(at, n);
   }

@@ -180,6 +180,11 @@ class device_chunk {
   // writes them). Ranges released are acquired whole, and never overlap another range held.
   virtual void release_parameters(std::int64_t at, std::int64_t n) = 0;
   virtual void acquire_parameters(std::int64_t at, std::int64_t n) = 0;
+  // ZeRO-3: a round of releases and acquires begins (one per parameter use). A chunk whose
+  // released memory goes back once its stream has passed the release (CUDA's paged parameters)
+  // waits here for the releases of two rounds ago, so the host runs at most two uses ahead of the
+  // device and the memory held is that of the buckets held (FSDP's limit_all_gathers).
+  virtual void parameter_round() = 0;
 
   virtual void* record_event() = 0;
   virtual void wait_event(void* event) = 0;

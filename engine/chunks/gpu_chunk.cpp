@@ -1251,6 +1251,13 @@ void gpu_chunk::release_parameters(std::int64_t at, std::int64_t n) {
     s.paged_working->release(k * s.element_bytes, bytes * s.element_bytes, stream());
 }
 
+void gpu_chunk::parameter_round() {
+  auto& s = *impl_;
+  device_guard g(s.device);
+  if (s.paged_master) s.paged_master->next_round();
+  if (s.paged_working) s.paged_working->next_round();
+}
+
 void gpu_chunk::acquire_parameters(std::int64_t at, std::int64_t n) {
   auto& s = *impl_;
   check_span(s, at, n);

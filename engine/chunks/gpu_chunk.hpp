@@ -297,6 +297,7 @@ class gpu_chunk {
   void put_owned_parameters(const std::vector<shard_segment>& segments);
   std::vector<float> owned_parameters() const;
   std::int64_t owned_parameter_bytes() const;
+  void parameter_round();
   void release_parameters(std::int64_t at, std::int64_t n);
   void acquire_parameters(std::int64_t at, std::int64_t n);
 

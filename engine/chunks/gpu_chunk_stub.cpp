@@ -113,6 +113,7 @@ void gpu_chunk::load_owned_moments(const float*, const float*) {}
 void gpu_chunk::put_owned_parameters(const std::vector<shard_segment>&) {}
 std::vector<float> gpu_chunk::owned_parameters() const { return {}; }
 std::int64_t gpu_chunk::owned_parameter_bytes() const { return 0; }
+void gpu_chunk::parameter_round() {}
 void gpu_chunk::release_parameters(std::int64_t, std::int64_t) {}
 void gpu_chunk::acquire_parameters(std::int64_t, std::int64_t) {}
 std::int64_t gpu_chunk::device_bytes() const { return 0; }

@@ -231,6 +231,7 @@ class host_chunk final : public device_chunk {
     released_.emplace(at, at + n);
     release_zeroed(compute_.chunk(0).params() + at, n);
   }
+  void parameter_round() override {}  // pages go back when released
   void acquire_parameters(std::int64_t at, std::int64_t n) override {
     checked(at, n, "acquired parameters");
     const auto r = released_.find(at);

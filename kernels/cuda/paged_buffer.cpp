@@ -168,7 +168,7 @@ std::size_t paged_buffer::granule_bytes(std::size_t g) const {
 
 // Checked whole before anything changes, the event recorded before it is trusted.
 void paged_buffer::release(std::size_t offset, std::size_t bytes, void* stream) {
-  reap(false);
+  reap(0);
   for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
     if (held_[g] < n) throw cuda_error("paged_buffer: a range released that was not held");
   });
@@ -181,6 +181,7 @@ void paged_buffer::release(std::size_t offset, std::size_t bytes, void* stream) 
     check(r, "cudaEventRecord");
   }
   p.event = e;
+  p.round = round_;
   for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
     held_[g] -= n;
     if (held_[g] == 0) p.granules.emplace_back(g, ++released_[g]);
@@ -193,7 +194,7 @@ void paged_buffer::release(std::size_t offset, std::size_t bytes, void* stream) 
 }
 
 void paged_buffer::acquire(std::size_t offset, std::size_t bytes) {
-  reap(false);
+  reap(0);
   for_each_granule(offset, bytes, [&](std::size_t g, std::size_t n) {
     if (held_[g] + n > granule_bytes(g)) throw cuda_error("paged_buffer: a range acquired twice");
   });
@@ -204,7 +205,7 @@ void paged_buffer::acquire(std::size_t offset, std::size_t bytes) {
 }
 
 std::size_t paged_buffer::mapped_bytes() {
-  reap(false);
+  reap(0);
   std::size_t n = 0;
   for (const auto h : handle_) n += h ? granule_ : 0;
   return n;
@@ -218,7 +219,7 @@ void paged_buffer::map(std::size_t g) {
   CUmemGenericAllocationHandle h = 0;
   CUresult r = a.create(&h, granule_, &prop, 0);
   if (r == CUDA_ERROR_OUT_OF_MEMORY && !pending_.empty()) {
-    reap(true);
+    reap(round_ + 1);
     r = a.create(&h, granule_, &prop, 0);
   }
   check(r, "cuMemCreate");
@@ -250,11 +251,16 @@ void paged_buffer::unmap(std::size_t g) {
   handle_[g] = 0;
 }
 
-void paged_buffer::reap(bool wait) {
+void paged_buffer::next_round() {
+  ++round_;
+  reap(round_ - 1);
+}
+
+void paged_buffer::reap(std::uint64_t wait_before) {
   while (!pending_.empty()) {
     auto& p = pending_.front();
     auto e = static_cast<cudaEvent_t>(p.event);
-    if (wait) {
+    if (p.round < wait_before) {
       check(cudaEventSynchronize(e), "cudaEventSynchronize");
     } else {
       const cudaError_t q = cudaEventQuery(e);

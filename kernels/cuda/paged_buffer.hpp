@@ -42,6 +42,11 @@ class paged_buffer {
   std::size_t size() const { return bytes_; }
   void release(std::size_t offset, std::size_t bytes, void* stream);
   void acquire(std::size_t offset, std::size_t bytes);
+  // A round of releases and acquires begins: waits until the releases made before the previous
+  // round are past on the stream, and unmaps what they let go of. Called once per parameter use,
+  // it keeps the host at most two uses ahead of the device in memory (as FSDP's
+  // limit_all_gathers does), so the mapped granules stay close to those of the buckets held.
+  void next_round();
   // Granules mapped now, after unmapping those whose release the stream has passed.
   std::size_t mapped_bytes();
   std::size_t granularity() const { return granule_; }
@@ -49,6 +54,7 @@ class paged_buffer {
  private:
   struct pending {  // granules let go of once `event` has passed
     void* event = nullptr;
+    std::uint64_t round = 0;
     std::vector<std::pair<std::size_t, std::uint64_t>> granules;  // (granule, its release)
   };
   template <class F>
@@ -57,7 +63,8 @@ class paged_buffer {
   void map(std::size_t g);
   void unmap(std::size_t g);
   void unmap_all() noexcept;  // and the address range
-  void reap(bool wait);       // unmaps what passed events (all of it, waiting, with wait)
+  // Unmaps what passed events, waiting for those of rounds before `wait_before`.
+  void reap(std::uint64_t wait_before);
 
   int device_ = 0;
   std::size_t bytes_ = 0, granule_ = 0;
@@ -68,6 +75,7 @@ class paged_buffer {
   std::vector<unsigned long long> handle_;  // by granule: 0 while unmapped
   std::vector<std::uint64_t> released_;     // by granule: times it was let go of
   std::deque<pending> pending_;             // in stream order
+  std::uint64_t round_ = 0;
 };
 
 }  // namespace troupe::kernels::cuda
