@@ -267,6 +267,8 @@ TEST_CASE("ZeRO-3 gathers each use's buckets ahead, never a held bucket, within 
     for (int k = j; k < std::min<int>(j + prefetch + 1, int(uses.size())); ++k)
       window.insert(uses[std::size_t(k)].begin(), uses[std::size_t(k)].end());
     REQUIRE(held == window);
+    // Every gather is asked for once the last use is issued (stage S8's point for ZeRO-3).
+    REQUIRE(r.all_issued() == (j + prefetch + 1 >= static_cast<int>(uses.size())));
     const auto& u = uses[std::size_t(j)];
     REQUIRE(r.ready(j) ==
             std::none_of(u.begin(), u.end(), [&](int b) { return in_flight.count(b); }));
