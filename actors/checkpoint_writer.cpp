@@ -1,8 +1,10 @@
 // The checkpoint writer. See checkpoint_writer.hpp.
 #include "actors/checkpoint_writer.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
+#include <stdexcept>
 
 #include "actors/error_text.hpp"
 
@@ -81,7 +83,7 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     pending_ = lanes * cfg_.pp;
     for (int lane = 0; lane < lanes; ++lane) {
       for (const auto& stage : cfg_.stages.at(static_cast<std::size_t>(lane))) {
-        request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true, true})
+        request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true, true, {}})
             .then(
                 [this, rp, lanes, gen = generation_](stage_snapshot&) mutable {
                   if (gen != generation_) return;  // abandoned
@@ -94,16 +96,30 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     }
   }
 
-  // Every captured state, then the files (W1).
+  // Every captured state, then the files (W1). Format 2: each stage writes its part into the
+  // step's directory and answers with its name, size and xxh64; the commit lists them (W5).
   void collect(int lanes) {
     pending_ = lanes * cfg_.pp;
+    std::string dir;
+    if (cfg_.parts) {
+      try {
+        dir = engine::prepare_checkpoint_dir(cfg_.root, state_.step).string();
+      } catch (const std::exception& e) {
+        quit(caf::make_error(caf::sec::runtime_error, e.what()));
+        return;
+      }
+      parts_.clear();
+    }
     for (int lane = 0; lane < lanes; ++lane) {
       for (const auto& stage : cfg_.stages.at(static_cast<std::size_t>(lane))) {
-        request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true})
+        request(stage, std::chrono::minutes(10), snapshot_request{state_.step, true, false, dir})
             .then(
                 [this, lane, gen = generation_](stage_snapshot& s) {
                   if (gen != generation_) return;  // abandoned
-                  add(s, lane);
+                  if (cfg_.parts)
+                    parts_.push_back(std::move(s.part));
+                  else
+                    add(s, lane);
                   if (--pending_ == 0) write();
                 },
                 [this, gen = generation_](caf::error& e) { failed(gen, e); });
@@ -133,9 +149,19 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
   // W1: on this actor's thread; messages wait meanwhile.
   void write() {
     const double t_copied = cfg_.trace.now_us();
-    const auto tensors = assembler_->finish();
+    if (cfg_.parts) {
+      for (const auto& p : parts_)
+        if (p.name.empty())
+          throw std::logic_error("checkpoint: a stage answered without its part file");
+      std::sort(parts_.begin(), parts_.end(),
+                [](const auto& a, const auto& b) { return a.name < b.name; });
+      engine::commit_checkpoint_parts(cfg_.root, parts_, state_, cfg_.keep);
+      parts_.clear();
+    } else {
+      const auto tensors = assembler_->finish();
+      engine::write_checkpoint(cfg_.root, cfg_.model, tensors, state_, cfg_.keep);
+    }
     assembler_.reset();
-    engine::write_checkpoint(cfg_.root, cfg_.model, tensors, state_, cfg_.keep);
     cfg_.trace.span("checkpoint", "write step " + std::to_string(state_.step), t_copied,
                     cfg_.trace.now_us(), {state_.step - 1});
     cfg_.trace.span("checkpoint", "collect", t0_, t_copied, {state_.step - 1});
@@ -159,6 +185,7 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
   double t0_ = 0;
   engine::checkpoint_state state_;
   std::optional<engine::checkpoint_assembler> assembler_;
+  std::vector<engine::checkpoint_file> parts_;  // format 2: the stages' part files
   std::vector<caf::typed_response_promise<bool>> flushes_;
   std::vector<std::pair<checkpoint_begin, caf::typed_response_promise<checkpoint_copied>>>
       deferred_;  // W1: begun while another was collected or written

@@ -16,6 +16,10 @@
 //  W3. checkpoint_flush is answered after every checkpoint begun before it is committed; with
 //      abandon, a checkpoint still being collected is dropped (never written: the last committed
 //      one stays the newest) and the answer is immediate; its stages' late answers are ignored.
+//  W5. Format 2 (checkpoint.format, parts): the writer prepares the step's directory, each stage
+//      writes its own part file there on a thread of its own (snapshot_request's part_dir) and
+//      answers with its name, size and xxh64, and the writer commits them (trainer state, then
+//      the manifest listing every part); no tensor crosses to the writer's process.
 #pragma once
 
 #include <filesystem>
@@ -34,6 +38,7 @@ struct checkpoint_writer_config {
   bool zero = false;
   std::filesystem::path root;  // checkpoint.dir
   int keep = 2;
+  bool parts = false;  // format 2: every stage writes its part (engine::write_checkpoint_part)
   // What every checkpoint's trainer state holds beyond the coordinator's part.
   engine::checkpoint_mesh mesh;
   std::string schedule, recipe_text;

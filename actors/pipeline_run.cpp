@@ -162,7 +162,7 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
     try {
       in.resume_dir = engine::find_checkpoint(o.resume, say);
       in.resumed = engine::read_checkpoint_state(in.resume_dir);
-      engine::check_hf_weights(r.model, in.resume_dir / "model.safetensors");
+      engine::check_checkpoint_model(in.resume_dir, r.model);
     } catch (const engine::recipe_error&) {
       throw;
     } catch (const std::exception& e) {
@@ -359,6 +359,7 @@ void training_job::spawn(caf::actor_system& sys, const caf::actor& client) {
     wc.zero = r.parallel.zero > 0;
     wc.root = r.checkpoint_path();
     wc.keep = r.checkpoint.keep;
+    wc.parts = r.checkpoint.parts(s_->o.launch.world);
     const auto& p = r.parallel;
     wc.mesh = {p.pp,
                p.dp,

@@ -386,10 +386,7 @@ void spawn_stages(caf::actor_system& sys, run_actors& a, const build_inputs& in)
       c.layout = in.layout;
       c.seed = static_cast<std::uint64_t>(r.seed);
       c.init = r.init;
-      if (!in.resume_dir.empty()) {
-        c.init = (in.resume_dir / "model.safetensors").string();
-        c.resume = in.resume_dir.string();
-      }
+      if (!in.resume_dir.empty()) c.resume = in.resume_dir.string();  // it, not c.init
       c.optimizer = r.optimizer;
       c.total_steps = r.steps;
       c.link_credits =

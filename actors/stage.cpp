@@ -146,14 +146,21 @@ class stage_impl : public stage_actor::base {
         [this](stage_continue) { advance(); },
         [this](snapshot_request& r) -> caf::result<stage_snapshot> {
           if (r.capture) return on_capture();
-          return r.state ? on_state() : on_snapshot();
+          return r.state ? on_state(std::move(r.part_dir)) : on_snapshot();
         },
         [this](snapshot_copied) { on_copied(); },
+        [this](part_written& w) { on_part_written(w); },
         [this](bucket_gathered& g) { on_bucket_gathered(g); },
     };
   }
 
  private:
+  // A checkpoint's state request (snapshot_request::state) waiting for its answer.
+  struct state_request {
+    caf::typed_response_promise<stage_snapshot> rp;
+    std::string part_dir;  // format 2: where its part is written
+  };
+
   std::string who() const {
     return std::string(device() ? "device " : "") + "stage rank " + std::to_string(cfg_.rank) +
            " replica " + std::to_string(cfg_.replica) +
@@ -435,8 +442,8 @@ class stage_impl : public stage_actor::base {
   // stage sends it later; or, through the devices' group, from the devices now.
   caf::result<stage_snapshot> on_capture() {
     if (copying_.valid()) copying_.get();  // an abandoned checkpoint's (a failed job's)
-    for (auto& rp : state_waiting_)        // and its state requests
-      rp.deliver(caf::make_error(caf::sec::runtime_error, "a checkpoint abandoned"));
+    for (auto& q : state_waiting_)         // and its state requests
+      q.rp.deliver(caf::make_error(caf::sec::runtime_error, "a checkpoint abandoned"));
     state_waiting_.clear();
     captured_.reset();
     copied_.reset();
@@ -494,31 +501,82 @@ class stage_impl : public stage_actor::base {
     copied_.reset();
     zero_part_.reset();
     if (state_waiting_.empty()) return;
-    for (auto& rp : state_waiting_) rp.deliver(*captured_);
+    for (auto& q : state_waiting_) answer_state(q, *captured_);
     state_waiting_.clear();
     captured_.reset();
   }
 
   // A checkpoint's state (snapshot_request::state): what the capture took, or, without one, the
-  // state now.
-  caf::result<stage_snapshot> on_state() {
+  // state now; with a part directory, written there as this stage's part (format 2).
+  caf::result<stage_snapshot> on_state(std::string part_dir) {
     if (copying_.valid() &&
         copying_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
       copied_ = copying_.get();
       assemble_capture();
     }
+    state_request q{make_response_promise<stage_snapshot>(), std::move(part_dir)};
+    auto rp = q.rp;
     if (captured_) {
       stage_snapshot s = std::move(*captured_);
       captured_.reset();
-      return s;
+      answer_state(q, std::move(s));
+    } else if (copying_.valid() || copied_ || zero_pending_) {  // once the capture is in
+      state_waiting_.push_back(std::move(q));
+    } else {
+      take_state([this, q](stage_snapshot s) mutable { answer_state(q, std::move(s)); });
     }
-    auto rp = make_response_promise<stage_snapshot>();
-    if (copying_.valid() || copied_ || zero_pending_) {  // answered once the capture is in
-      state_waiting_.push_back(rp);
-      return rp;
-    }
-    take_state([rp](stage_snapshot s) mutable { rp.deliver(std::move(s)); });
     return rp;
+  }
+
+  void answer_state(state_request& q, stage_snapshot s) {
+    if (q.part_dir.empty())
+      q.rp.deliver(std::move(s));
+    else
+      write_part(q, std::move(s));
+  }
+
+  // W5: the state written as this stage's part on a thread (part_written when done), while the
+  // stage goes on; the answer is the part's name, size and xxh64.
+  void write_part(const state_request& q, stage_snapshot s) {
+    if (writing_.valid()) writing_.get();  // the previous checkpoint's (one at a time: W1)
+    const int token = ++parts_asked_;
+    parts_waiting_.emplace(token, q.rp);
+    writing_ = std::async(
+        std::launch::async, [me = address(), token, dir = std::filesystem::path(q.part_dir),
+                             name = engine::checkpoint_part_name(my_rank(), lane()),
+                             shard = cfg_.tp_rank, s = std::move(s)] {
+          part_written w{token, {}, {}};
+          try {
+            using role = engine::checkpoint_assembler::role;
+            std::vector<engine::checkpoint_piece> pieces;
+            for (const auto& [n, v] : s.parameters)
+              pieces.push_back(
+                  {role::parameter, n, shard, 0, v.data(), static_cast<std::int64_t>(v.size())});
+            for (const auto& p : s.pieces)
+              pieces.push_back({static_cast<role>(p.role), p.name, shard, p.offset, p.values.data(),
+                                static_cast<std::int64_t>(p.values.size())});
+            w.file = engine::write_checkpoint_part(dir, name, pieces);
+          } catch (const std::exception& e) {
+            w.error = e.what();
+          }
+          if (auto self = caf::actor_cast<caf::actor>(me)) caf::anon_send(self, std::move(w));
+        });
+  }
+
+  void on_part_written(part_written& w) {
+    const auto it = parts_waiting_.find(w.token);
+    if (it == parts_waiting_.end()) return;
+    auto rp = it->second;
+    parts_waiting_.erase(it);
+    if (!w.error.empty()) {
+      rp.deliver(caf::make_error(caf::sec::runtime_error, w.error));
+      return;
+    }
+    stage_snapshot s;
+    s.rank = my_rank();
+    s.replica = cfg_.replica;
+    s.part = std::move(w.file);
+    rp.deliver(std::move(s));
   }
 
   // The parameters and the AdamW moments; where the ZeRO shard holds them, as the pieces it owns.
@@ -1341,7 +1399,10 @@ class stage_impl : public stage_actor::base {
   std::optional<zero_state> zero_part_;              // ZeRO's owned floats
   bool zero_pending_ = false;                        // asked of the shard, not in yet
   int captures_ = 0;                                 // captures begun
-  std::vector<caf::typed_response_promise<stage_snapshot>> state_waiting_;
+  std::vector<state_request> state_waiting_;
+  std::future<void> writing_;  // W5: this stage's part being written
+  int parts_asked_ = 0;
+  std::map<int, caf::typed_response_promise<stage_snapshot>> parts_waiting_;
   bool active_ = false, compute_done_ = false, grads_sent_ = false;
   double waiting_since_ = -1, dp_wait_since_ = 0;
   double loss_sum_ = 0;

@@ -1,8 +1,9 @@
 // libFuzzer target: the checkpoint reader (engine/training/checkpoint.hpp) on hostile files. A
-// valid checkpoint of a tiny model is written once; each input replaces one of its files (the first
-// byte picks which, the rest is the content), then the checkpoint is verified, its trainer state
-// read and its tensor files loaded as a stage would, and the replaced file is also parsed
-// directly, past the checksums. Every input must end in a refusal (an exception) or a load;
+// valid checkpoint of a tiny model is written once in each format (whole-model files; a part per
+// stage); each input replaces one of their files (the first byte picks which, the rest is the
+// content), then the checkpoint is verified, its trainer state read and its tensors loaded as a
+// stage would and put together whole, and the replaced file is also parsed directly, past the
+// checksums. Every input must end in a refusal (an exception) or a load;
 // anything else (a crash, a sanitizer report) is a finding. With FUZZ_WRITE_SEEDS=DIR it writes
 // each file of the valid checkpoint, behind its selector byte, into DIR as the seed corpus.
 #include <unistd.h>
@@ -23,8 +24,15 @@ namespace {
 namespace fs = std::filesystem;
 using namespace troupe::engine;
 
-const char* const files[] = {"manifest.json", "trainer_state.json", "model.safetensors",
-                             "exp_avg.safetensors", "lm_head.safetensors"};
+struct target {
+  bool parts;  // the checkpoint of format 2
+  const char* name;
+};
+const target files[] = {{false, "manifest.json"},          {false, "trainer_state.json"},
+                        {false, "model.safetensors"},      {false, "exp_avg.safetensors"},
+                        {false, "lm_head.safetensors"},    {true, "manifest.json"},
+                        {true, "trainer_state.json"},      {true, "part-000-000.safetensors"},
+                        {true, "part-000-001.safetensors"}};
 
 gpt_config model() {
   gpt_config c;
@@ -38,7 +46,7 @@ gpt_config model() {
 }
 
 struct fixture {
-  fs::path root, dir, pristine;
+  fs::path root, dir, pristine, parts_dir, parts_pristine;
   fixture() {
     char tmpl[] = "/tmp/troupe-fuzz-XXXXXX";
     root = ::mkdtemp(tmpl);
@@ -58,6 +66,25 @@ struct fixture {
     write_checkpoint(root / "pristine", c, t, s, 1);
     pristine = checkpoint_dir(root / "pristine", 3);
     dir = checkpoint_dir(root / "work", 3);
+    // Format 2: two stages' parts, the second holding the moments' second halves.
+    parts_pristine = prepare_checkpoint_dir(root / "pristine_parts", 3);
+    std::vector<checkpoint_piece> first, second;
+    using role = checkpoint_assembler::role;
+    for (const auto& [name, v] : t.params) {
+      const auto n = static_cast<std::int64_t>(v.size()), half = n / 2;
+      first.push_back({role::parameter, name, 0, 0, v.data(), n});
+      for (const auto r : {role::exp_avg, role::exp_avg_sq}) {
+        const auto& m = r == role::exp_avg ? t.exp_avg.at(name) : t.exp_avg_sq.at(name);
+        first.push_back({r, name, 0, 0, m.data(), half});
+        second.push_back({r, name, 0, half, m.data() + half, n - half});
+      }
+    }
+    commit_checkpoint_parts(
+        root / "pristine_parts",
+        {write_checkpoint_part(parts_pristine, "part-000-000.safetensors", first),
+         write_checkpoint_part(parts_pristine, "part-000-001.safetensors", second)},
+        s, 1);
+    parts_dir = checkpoint_dir(root / "work_parts", 3);
   }
   ~fixture() {
     std::error_code ec;
@@ -76,7 +103,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   if (const char* dir = std::getenv("FUZZ_WRITE_SEEDS")) {
     auto& f = the_fixture();
     for (std::size_t i = 0; i < sizeof files / sizeof *files; ++i) {
-      std::ifstream in(f.pristine / files[i], std::ios::binary);
+      std::ifstream in((files[i].parts ? f.parts_pristine : f.pristine) / files[i].name,
+                       std::ios::binary);
       const std::string text((std::istreambuf_iterator<char>(in)), {});
       std::ofstream out(std::string(dir) + "/seed-" + std::to_string(i), std::ios::binary);
       out.put(static_cast<char>(i));
@@ -91,20 +119,23 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (size < 1) return 0;
   auto& f = the_fixture();
   std::error_code ec;
-  if (!fs::exists(f.dir / "manifest.json", ec)) {
-    fs::create_directories(f.dir.parent_path(), ec);
-    fs::copy(f.pristine, f.dir, fs::copy_options::recursive, ec);
+  const auto& pick = files[data[0] % (sizeof files / sizeof *files)];
+  const fs::path dir = pick.parts ? f.parts_dir : f.dir;
+  const fs::path pristine = pick.parts ? f.parts_pristine : f.pristine;
+  if (!fs::exists(dir / "manifest.json", ec)) {
+    fs::create_directories(dir.parent_path(), ec);
+    fs::copy(pristine, dir, fs::copy_options::recursive, ec);
   }
-  const std::string name = files[data[0] % (sizeof files / sizeof *files)];
+  const std::string name = pick.name;
   struct restore {  // the pristine file back for the next input
-    const fixture& f;
+    const fs::path &from, &to;
     const std::string& name;
     ~restore() {
       std::error_code ec;
-      fs::copy_file(f.pristine / name, f.dir / name, fs::copy_options::overwrite_existing, ec);
+      fs::copy_file(from / name, to / name, fs::copy_options::overwrite_existing, ec);
     }
-  } restore_after{f, name};
-  std::ofstream(f.dir / name, std::ios::binary | std::ios::trunc)
+  } restore_after{pristine, dir, name};
+  std::ofstream(dir / name, std::ios::binary | std::ios::trunc)
       .write(reinterpret_cast<const char*>(data + 1), static_cast<std::streamsize>(size - 1));
   const auto c = model();
   auto attempt = [](auto&& fn) {
@@ -113,13 +144,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     } catch (const std::exception&) {
     }
   };
-  attempt([&] { (void)verify_checkpoint(f.dir); });
-  attempt([&] { (void)find_checkpoint(f.dir.parent_path(), {}); });
-  attempt([&] { (void)read_checkpoint_state(f.dir); });
-  attempt([&] { check_hf_weights(c, f.dir / name); });
-  attempt([&] { safetensors_file file(f.dir / name); });
+  attempt([&] { (void)verify_checkpoint(dir); });
+  attempt([&] { (void)find_checkpoint(dir.parent_path(), {}); });
+  attempt([&] { (void)read_checkpoint_state(dir); });
+  attempt([&] { check_hf_weights(c, dir / name); });
+  attempt([&] { check_checkpoint_model(dir, c); });
+  attempt([&] { safetensors_file file(dir / name); });
+  attempt([&] { (void)read_checkpoint_tensors(dir, c); });
   for (const char* which : {"model", "exp_avg"})
     for (const auto& range : {chunk_range::whole(c), partition_layers(c, 2)[1]})
-      attempt([&] { (void)load_checkpoint_tensors(f.dir, which, c, range, {0, 1}); });
+      attempt([&] { (void)load_checkpoint_tensors(dir, which, c, range, {0, 1}); });
   return 0;
 }

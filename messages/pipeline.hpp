@@ -227,6 +227,9 @@ struct snapshot_request {
   int step = 0;
   bool state = false;
   bool capture = false;
+  // With state (a checkpoint of format 2): the stage writes its state as its part file into this
+  // step directory and answers with the part alone.
+  std::string part_dir;
 };
 enum class tensor_role : int { parameter = 0, exp_avg = 1, exp_avg_sq = 2 };
 // Values [offset, offset + size) of a named tensor's flat elements (Troupe layout; a tensor
@@ -241,6 +244,7 @@ struct stage_snapshot {
   int rank = 0, replica = 0;
   std::vector<std::pair<std::string, std::vector<float>>> parameters;
   std::vector<tensor_piece> pieces;
+  engine::checkpoint_file part;  // the part file written (part.name empty: none)
 };
 
 // Checkpoints (docs/checkpoints.md), between actors of the control process:

@@ -101,6 +101,13 @@ struct bucket_gathered {
   zero_collective collective = zero_collective::buckets;
   int seq = 0;
 };
+// A stage's note to itself from the thread that wrote its part of a checkpoint (format 2): the
+// file, or the error that stopped it.
+struct part_written {
+  int token = 0;
+  engine::checkpoint_file file;
+  std::string error;
+};
 struct trace_write {
   std::string path;
   trace_finish finish;
@@ -131,6 +138,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::start_run)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::stage_continue)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::snapshot_copied)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::bucket_gathered)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::part_written)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::trace_write)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::ring_wiring)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::messages::remote_down)
@@ -143,7 +151,8 @@ using stage_actor = caf::typed_actor<
     caf::reacts_to<link_credit>, caf::reacts_to<batch_message>, caf::reacts_to<grad_bucket_reduced>,
     caf::reacts_to<tied_grad>, caf::reacts_to<apply_update>, caf::reacts_to<zero_update_done>,
     caf::reacts_to<zero_gathered>, caf::reacts_to<stage_continue>, caf::reacts_to<snapshot_copied>,
-    caf::reacts_to<bucket_gathered>, caf::replies_to<snapshot_request>::with<stage_snapshot>>;
+    caf::reacts_to<bucket_gathered>, caf::reacts_to<part_written>,
+    caf::replies_to<snapshot_request>::with<stage_snapshot>>;
 
 using loader_actor = caf::typed_actor<caf::reacts_to<loader_wiring>, caf::reacts_to<batch_credit>,
                                       caf::reacts_to<begin_eval>>;

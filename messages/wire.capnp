@@ -157,6 +157,7 @@ struct SnapshotRequest {
   step @0 :Int32;
   state @1 :Bool;           # a checkpoint's: moments too, pieces where ZeRO shards hold them
   capture @2 :Bool;         # the checkpoint's first phase: take the state aside, answer empty
+  partDir @3 :Text;         # with state: write it as a part file there, answer with its name
 }
 
 struct TensorPiece {
@@ -176,6 +177,9 @@ struct StageSnapshot {
   replica @1 :Int32;
   parameters @2 :List(NamedTensor);
   pieces @3 :List(TensorPiece);
+  part @4 :Text;            # the part file written (snapshot_request's partDir): name, size, xxh64
+  partBytes @5 :UInt64;
+  partXxh64 @6 :UInt64;
 }
 
 # engine::trace::event, field by field.

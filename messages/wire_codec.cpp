@@ -370,11 +370,15 @@ void writer::body(s::Envelope::Body::Builder b, const wire::body& msg) {
       o.setStep(m.step);
       o.setState(m.state);
       o.setCapture(m.capture);
+      if (!m.part_dir.empty()) o.setPartDir(text(m.part_dir));
     }
     void operator()(const stage_snapshot& m) {
       auto o = b.initStageSnapshot();
       o.setRank(m.rank);
       o.setReplica(m.replica);
+      if (!m.part.name.empty()) o.setPart(text(m.part.name));
+      o.setPartBytes(m.part.bytes);
+      o.setPartXxh64(m.part.xxh64);
       auto list = o.initParameters(static_cast<unsigned>(m.parameters.size()));
       for (unsigned i = 0; i < list.size(); ++i) {
         const auto& [name, values] = m.parameters[i];

@@ -289,13 +289,15 @@ body reader::message(s::Envelope::Body::Reader b) {
     }
     case B::SNAPSHOT_REQUEST: {
       const auto r = b.getSnapshotRequest();
-      return snapshot_request{r.getStep(), r.getState(), r.getCapture()};
+      return snapshot_request{r.getStep(), r.getState(), r.getCapture(),
+                              at("partDir").str(r.hasPartDir(), r.getPartDir())};
     }
     case B::STAGE_SNAPSHOT: {
       const auto r = b.getStageSnapshot();
       stage_snapshot m;
       m.rank = r.getRank();
       m.replica = r.getReplica();
+      m.part = {at("part").str(r.hasPart(), r.getPart()), r.getPartBytes(), r.getPartXxh64()};
       field = "parameters";
       const auto params = r.getParameters();
       list(params.size());

@@ -6,11 +6,14 @@
 //   export CHECKPOINT OUT   Hugging Face GPT-2 weights (safetensors) of a checkpoint (a step
 //                           directory, or the newest that verifies under a checkpoint.dir);
 //                           OUT must not exist
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <string>
 
+#include "engine/model/gpt_weights.hpp"
 #include "engine/training/checkpoint.hpp"
+#include "engine/training/recipe.hpp"
 #include "tools/commands.hpp"
 
 namespace troupe::tools {
@@ -96,6 +99,26 @@ int export_weights(const fs::path& from, const fs::path& out) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "troupe ckpt: %s\n", e.what());
     return exit_bad_input;
+  }
+  if (!fs::exists(dir / "model.safetensors", ec)) {
+    // Parts (format 2): put together for the model its trainer state names, written whole.
+    try {
+      const auto state = engine::read_checkpoint_state(dir);
+      const auto model =
+          engine::parse_recipe(state.recipe_text, (dir / "trainer_state.json").string(),
+                               state.overrides)
+              .model;
+      engine::gpt_chunk whole(model, engine::chunk_range::whole(model));
+      const auto values =
+          engine::load_checkpoint_tensors(dir, "model", model, engine::chunk_range::whole(model));
+      std::copy(values.begin(), values.end(), whole.params());
+      engine::save_hf_weights(whole, out);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "troupe ckpt: %s\n", e.what());
+      return exit_failure;
+    }
+    std::printf("wrote %s (Hugging Face GPT-2 weights of %s)\n", out.c_str(), dir.c_str());
+    return exit_ok;
   }
   // model.safetensors is Hugging Face GPT-2 layout already; copied through a temporary name.
   const fs::path tmp = out.string() + ".tmp";

@@ -29,6 +29,7 @@
 #include "engine/model/gpt_weights.hpp"
 #include "engine/model/safetensors.hpp"
 #include "engine/model/sample.hpp"
+#include "engine/training/checkpoint.hpp"
 #include "engine/training/gpu_trainer.hpp"
 #include "engine/training/recipe.hpp"
 #include "kernels/cpu_threads.hpp"
@@ -67,6 +68,7 @@ std::string read_text(const fs::path& path) {
 // The weights file WEIGHTS names, and the trainer_state.json beside it ("" if none).
 struct model_files {
   fs::path weights;
+  fs::path checkpoint;  // a step directory of part files (format 2): no weights file
   fs::path state;
   std::string note;  // said on stderr once the model is loaded
 };
@@ -79,6 +81,8 @@ model_files find_model_files(const fs::path& where) {
   } else if (fs::is_directory(where, ec)) {
     if (fs::is_regular_file(where / "model.safetensors", ec)) {
       f.weights = where / "model.safetensors";
+    } else if (fs::is_regular_file(where / "manifest.json", ec)) {  // a step directory of parts
+      f.checkpoint = where;
     } else {
       // A checkpoint root: the newest step directory that has a manifest (committed).
       long newest = -1;
@@ -98,15 +102,17 @@ model_files find_model_files(const fs::path& where) {
         throw bad_input(where.string() +
                         ": no model.safetensors and no step-* directory with a manifest.json");
       f.weights = dir / "model.safetensors";
-      if (!fs::is_regular_file(f.weights, ec))
-        throw bad_input(f.weights.string() + ": no such file (checkpoint " + dir.string() + ")");
+      if (!fs::is_regular_file(f.weights, ec)) {
+        f.weights.clear();
+        f.checkpoint = dir;
+      }
       f.note = "checkpoint " + dir.string();
     }
   } else {
     throw bad_input(where.string() + ": no such file or directory");
   }
-  if (const fs::path s = f.weights.parent_path() / "trainer_state.json"; fs::is_regular_file(s, ec))
-    f.state = s;
+  const fs::path beside = f.weights.empty() ? f.checkpoint : f.weights.parent_path();
+  if (const fs::path s = beside / "trainer_state.json"; fs::is_regular_file(s, ec)) f.state = s;
   return f;
 }
 
@@ -254,8 +260,10 @@ loaded_model load_model(const options& o) {
     shape = shape_from_recipe(read_text(o.recipe), o.recipe, {});
   else if (!files.state.empty())
     shape = shape_from_state(files.state);
-  else
+  else if (!files.weights.empty())
     shape = shape_from_tensors(files.weights);
+  else
+    throw bad_input(files.checkpoint.string() + ": no trainer_state.json (pass --recipe)");
   try {
     shape.config.validate();
   } catch (const std::invalid_argument& e) {
@@ -272,7 +280,13 @@ loaded_model load_model(const options& o) {
   m.model =
       std::make_unique<engine::gpt_chunk>(shape.config, engine::chunk_range::whole(shape.config));
   try {
-    engine::load_hf_weights(*m.model, files.weights);
+    if (files.weights.empty()) {  // the parts put together (engine::load_checkpoint_tensors)
+      const auto values = engine::load_checkpoint_tensors(files.checkpoint, "model", shape.config,
+                                                          engine::chunk_range::whole(shape.config));
+      std::copy(values.begin(), values.end(), m.model->params());
+    } else {
+      engine::load_hf_weights(*m.model, files.weights);
+    }
   } catch (const std::runtime_error& e) {
     throw bad_input(std::string(e.what()) + " (the model of " + shape.source + ")");
   }

@@ -226,7 +226,7 @@ void checkpoint_assembler::add(role r, const std::string& name, int shard, std::
   add(r, name, shard, offset, values.data(), n);
 }
 
-checkpoint_tensors checkpoint_assembler::finish() {
+checkpoint_tensors checkpoint_assembler::finish(int only) {
   checkpoint_tensors out;
   named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
   const auto whole = chunk_parameter_layout(model_, chunk_range::whole(model_));
@@ -243,6 +243,7 @@ checkpoint_tensors checkpoint_assembler::finish() {
     }
   }
   for (int r = 0; r < 3; ++r) {
+    if (only >= 0 && r != only) continue;
     for (const auto& p : tensors) {
       auto& dst = (*maps[r])[p.name];
       if (tp_ > 1) dst.assign(static_cast<std::size_t>(p.numel), 0.0f);
@@ -276,26 +277,66 @@ fs::path checkpoint_dir(const fs::path& root, int step) {
   return root / name;
 }
 
+fs::path prepare_checkpoint_dir(const fs::path& root, int step) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) throw ckpt_error(root, "cannot create: " + ec.message());
+  const fs::path dir = checkpoint_dir(root, step);
+  // A committed checkpoint of this step that verifies is never replaced; a torn or corrupt one
+  // (the run resumed from an older one after it failed to verify) is.
+  if (fs::exists(dir / "manifest.json", ec) && verify_checkpoint(dir).empty())
+    throw ckpt_error(
+        dir, "a committed checkpoint of step " + std::to_string(step) + " is there already");
+  fs::remove_all(dir, ec);
+  if (ec) throw ckpt_error(dir, "cannot remove a torn checkpoint: " + ec.message());
+  fs::create_directory(dir, ec);
+  if (ec) throw ckpt_error(dir, "cannot create: " + ec.message());
+  return dir;
+}
+
+namespace {
+
+// trainer_state.json, then the manifest listing `files` and it (the commit), then the older
+// checkpoints beyond `keep` and torn directories go.
+void commit(const fs::path& root, json files, const checkpoint_state& state, int version, int keep,
+            const checkpoint_hook& hook) {
+  auto point = [&](const std::string& p) {
+    if (hook) hook(p);
+  };
+  const fs::path dir = checkpoint_dir(root, state.step);
+  const auto d = write_text(dir / "trainer_state.json", state_json(state).dump(1) + "\n");
+  files.push_back({{"name", "trainer_state.json"}, {"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}});
+  point("wrote trainer_state.json");
+  fsync_dir(dir);
+  point("before manifest");
+  const json manifest = {
+      {"magic", checkpoint_magic}, {"version", version}, {"step", state.step}, {"files", files}};
+  write_text(dir / "manifest.json", manifest.dump(1) + "\n");
+  fsync_dir(dir);
+  fsync_dir(root);
+  point("committed");
+
+  // The newest `keep` committed checkpoints stay; older ones and torn directories go.
+  int committed = 0;
+  std::error_code ec;
+  for (const auto& e : list_checkpoints(root)) {
+    if (e.committed && ++committed <= keep) continue;
+    if (!e.committed && e.step > state.step) continue;  // not ours to judge
+    fs::remove_all(e.dir, ec);
+    if (ec) throw ckpt_error(e.dir, "cannot remove: " + ec.message());
+    point("removed " + e.dir.filename().string());
+  }
+}
+
+}  // namespace
+
 void write_checkpoint(const fs::path& root, const gpt_config& model,
                       const checkpoint_tensors& tensors, const checkpoint_state& state, int keep,
                       const checkpoint_hook& hook) {
   auto point = [&](const std::string& p) {
     if (hook) hook(p);
   };
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) throw ckpt_error(root, "cannot create: " + ec.message());
-  const fs::path dir = checkpoint_dir(root, state.step);
-  // A committed checkpoint of this step that verifies is never replaced; a torn or corrupt one
-  // (the run resumed from an older one after it failed to verify) is.
-  if (fs::exists(dir / "manifest.json", ec) && verify_checkpoint(dir).empty())
-    throw ckpt_error(
-        dir, "a committed checkpoint of step " + std::to_string(state.step) + " is there already");
-  fs::remove_all(dir, ec);
-  if (ec) throw ckpt_error(dir, "cannot remove a torn checkpoint: " + ec.message());
-  fs::create_directory(dir, ec);
-  if (ec) throw ckpt_error(dir, "cannot create: " + ec.message());
-
+  const fs::path dir = prepare_checkpoint_dir(root, state.step);
   json files = json::array();
   auto add = [&](const std::string& name, file_digest d) {
     files.push_back({{"name", name}, {"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}});
@@ -334,28 +375,39 @@ void write_checkpoint(const fs::path& root, const gpt_config& model,
     add("lm_head.safetensors",
         write_safetensors(dir / "lm_head.safetensors", out, {{"format", "pt"}}));
   }
-  add("trainer_state.json",
-      write_text(dir / "trainer_state.json", state_json(state).dump(1) + "\n"));
-  fsync_dir(dir);
-  point("before manifest");
-  const json manifest = {{"magic", checkpoint_magic},
-                         {"version", checkpoint_format_version},
-                         {"step", state.step},
-                         {"files", files}};
-  write_text(dir / "manifest.json", manifest.dump(1) + "\n");
-  fsync_dir(dir);
-  fsync_dir(root);
-  point("committed");
+  commit(root, std::move(files), state, checkpoint_format_version, keep, hook);
+}
 
-  // The newest `keep` committed checkpoints stay; older ones and torn directories go.
-  int committed = 0;
-  for (const auto& e : list_checkpoints(root)) {
-    if (e.committed && ++committed <= keep) continue;
-    if (!e.committed && e.step > state.step) continue;  // not ours to judge
-    fs::remove_all(e.dir, ec);
-    if (ec) throw ckpt_error(e.dir, "cannot remove: " + ec.message());
-    point("removed " + e.dir.filename().string());
+std::string checkpoint_part_name(int rank, int lane) {
+  char name[48];
+  std::snprintf(name, sizeof name, "part-%03d-%03d.safetensors", rank, lane);
+  return name;
+}
+
+checkpoint_file write_checkpoint_part(const fs::path& dir, const std::string& name,
+                                      const std::vector<checkpoint_piece>& pieces) {
+  std::map<std::string, safetensors_tensor> out;
+  for (const auto& p : pieces) {
+    if (p.role < 0 || p.role > 2 || p.n < 0 || p.offset < 0 ||
+        p.name.find('/') != std::string::npos)
+      throw std::logic_error("checkpoint: a malformed piece of " + p.name);
+    const std::string key = std::string(tensor_files[p.role]) + "/" + p.name + "/" +
+                            std::to_string(p.shard) + "/" + std::to_string(p.offset);
+    const auto [it, fresh] = out.emplace(
+        key, safetensors_tensor{"F32", {p.n}, p.values, static_cast<std::size_t>(p.n) * 4});
+    if (!fresh) throw std::logic_error("checkpoint: the piece " + key + " twice in one part");
   }
+  const auto d = write_safetensors(dir / name, out, {{"format", "troupe-part"}});
+  return {name, d.bytes, d.xxh64};
+}
+
+void commit_checkpoint_parts(const fs::path& root, const std::vector<checkpoint_file>& parts,
+                             const checkpoint_state& state, int keep, const checkpoint_hook& hook) {
+  json files = json::array();
+  for (const auto& p : parts)
+    files.push_back({{"name", p.name}, {"bytes", p.bytes}, {"xxh64", hex64(p.xxh64)}});
+  fsync_dir(checkpoint_dir(root, state.step));  // the parts' renames
+  commit(root, std::move(files), state, checkpoint_parts_version, keep, hook);
 }
 
 std::vector<checkpoint_entry> list_checkpoints(const fs::path& root) {
@@ -386,17 +438,23 @@ std::string verify_checkpoint(const fs::path& dir) {
   if (!m.is_object() || m.value("magic", std::string()) != checkpoint_magic)
     return mpath.string() + ": not a Troupe checkpoint manifest (magic)";
   if (!m.contains("version") || !m["version"].is_number_integer() ||
-      m["version"].get<int>() != checkpoint_format_version)
+      (m["version"].get<int>() != checkpoint_format_version &&
+       m["version"].get<int>() != checkpoint_parts_version))
     return mpath.string() + ": format version " +
            (m.contains("version") ? m["version"].dump() : std::string("missing")) +
-           " (this Troupe reads " + std::to_string(checkpoint_format_version) + ")";
+           " (this Troupe reads " + std::to_string(checkpoint_format_version) + " and " +
+           std::to_string(checkpoint_parts_version) + ")";
+  const bool parts = m["version"].get<int>() == checkpoint_parts_version;
   const int expected_step = step_of(dir.filename().string());
   if (!m.contains("step") || !m["step"].is_number_integer() ||
       (expected_step >= 0 && m["step"].get<int>() != expected_step))
     return mpath.string() + ": the manifest is of another step than its directory";
   if (!m.contains("files") || !m["files"].is_array()) return mpath.string() + ": no file list";
-  std::vector<std::string> required = {"model.safetensors", "exp_avg.safetensors",
+  std::vector<std::string> required =
+      parts ? std::vector<std::string>{"trainer_state.json"}
+            : std::vector<std::string>{"model.safetensors", "exp_avg.safetensors",
                                        "exp_avg_sq.safetensors", "trainer_state.json"};
+  int part_files = 0;
   for (const auto& f : m["files"]) {
     if (!f.is_object() || !f.contains("name") || !f["name"].is_string() || !f.contains("bytes") ||
         !f["bytes"].is_number_unsigned() || !f.contains("xxh64") || !f["xxh64"].is_string())
@@ -405,6 +463,7 @@ std::string verify_checkpoint(const fs::path& dir) {
     if (name.find('/') != std::string::npos || name == ".." || name == ".")
       return mpath.string() + ": a file entry outside the checkpoint (" + name + ")";
     std::erase(required, name);
+    part_files += name.starts_with("part-") ? 1 : 0;
     const fs::path path = dir / name;
     if (!fs::exists(path, ec)) return path.string() + ": missing";
     std::uint64_t size = 0, hash = 0;
@@ -423,6 +482,7 @@ std::string verify_checkpoint(const fs::path& dir) {
              " (corrupt or replaced)";
   }
   if (!required.empty()) return mpath.string() + ": lists no " + required.front();
+  if (parts && part_files == 0) return mpath.string() + ": lists no part file";
   try {
     read_checkpoint_state(dir);
   } catch (const std::exception& e) {
@@ -465,10 +525,108 @@ checkpoint_state read_checkpoint_state(const fs::path& dir) {
   }
 }
 
+namespace {
+
+// The manifest's format version and file names (verified before: verify_checkpoint).
+std::pair<int, std::vector<std::string>> manifest_files(const fs::path& dir) {
+  const fs::path path = dir / "manifest.json";
+  try {
+    const json m = json::parse(read_text(path));
+    std::vector<std::string> names;
+    for (const auto& f : m.at("files")) names.push_back(f.at("name").get<std::string>());
+    return {m.at("version").get<int>(), names};
+  } catch (const std::exception& e) {
+    throw ckpt_error(path, std::string("unreadable manifest: ") + e.what());
+  }
+}
+
+// Format 2: the parts' pieces of `only` (a role; -1: every role) put together.
+checkpoint_tensors assemble_parts(const fs::path& dir, const gpt_config& model, int only) {
+  checkpoint_assembler a(model, read_checkpoint_state(dir).mesh.tp);
+  for (const auto& name : manifest_files(dir).second) {
+    if (!name.starts_with("part-")) continue;
+    const safetensors_file file(dir / name);
+    for (const auto& [key, entry] : file.entries()) {
+      // ROLE/NAME/SHARD/OFFSET
+      const auto a1 = key.find('/'), a3 = key.rfind('/');
+      const auto a2 =
+          a3 == std::string::npos || a3 == 0 ? std::string::npos : key.rfind('/', a3 - 1);
+      int role = -1;
+      for (int r = 0; r < 3 && a1 != std::string::npos; ++r)
+        if (key.compare(0, a1, tensor_files[r]) == 0) role = r;
+      if (role < 0 || a2 == std::string::npos || a2 <= a1)
+        throw ckpt_error(file.path(), "a tensor not named ROLE/NAME/SHARD/OFFSET: " + key);
+      if (only >= 0 && role != only) continue;
+      int shard = 0;
+      std::int64_t offset = 0;
+      try {
+        std::size_t used = 0;
+        shard = std::stoi(key.substr(a2 + 1, a3 - a2 - 1), &used);
+        if (used != a3 - a2 - 1) throw std::invalid_argument("shard");
+        offset = std::stoll(key.substr(a3 + 1), &used);
+        if (used != key.size() - a3 - 1) throw std::invalid_argument("offset");
+      } catch (const std::exception&) {
+        throw ckpt_error(file.path(), "a tensor not named ROLE/NAME/SHARD/OFFSET: " + key);
+      }
+      const auto t = file.read_f32(key);
+      try {
+        a.add(static_cast<checkpoint_assembler::role>(role), key.substr(a1 + 1, a2 - a1 - 1), shard,
+              offset, t.f32(), t.numel());
+      } catch (const std::exception& e) {
+        throw ckpt_error(file.path(), e.what());
+      }
+    }
+  }
+  try {
+    return a.finish(only);
+  } catch (const std::exception& e) {
+    throw ckpt_error(dir, e.what());
+  }
+}
+
+}  // namespace
+
+void check_checkpoint_model(const fs::path& dir, const gpt_config& model) {
+  if (manifest_files(dir).first == checkpoint_parts_version)
+    assemble_parts(dir, model, checkpoint_assembler::parameter);
+  else
+    check_hf_weights(model, dir / "model.safetensors");
+}
+
+checkpoint_tensors read_checkpoint_tensors(const fs::path& dir, const gpt_config& model) {
+  if (manifest_files(dir).first == checkpoint_parts_version) return assemble_parts(dir, model, -1);
+  checkpoint_tensors out;
+  named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
+  const auto whole = chunk_range::whole(model);
+  const auto layout = chunk_parameter_layout(model, whole);
+  for (int r = 0; r < 3; ++r) {
+    const auto flat = load_checkpoint_tensors(dir, tensor_files[r], model, whole);
+    for (const auto& p : layout)
+      (*maps[r])[p.name].assign(flat.begin() + p.offset, flat.begin() + p.offset + p.numel);
+  }
+  return out;
+}
+
 std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::string& which,
                                            const gpt_config& model, const chunk_range& range,
                                            tensor_shard shard) {
   gpt_chunk st(model, range, shard);
+  if (manifest_files(dir).first == checkpoint_parts_version) {
+    int role = -1;
+    for (int r = 0; r < 3; ++r)
+      if (which == tensor_files[r]) role = r;
+    if (role < 0) throw std::logic_error("checkpoint: no tensor file " + which);
+    auto t = assemble_parts(dir, model, role);
+    const named_tensors& values = role == 0 ? t.params : role == 1 ? t.exp_avg : t.exp_avg_sq;
+    for (const auto& p : st.parameters()) {
+      // A head range without the embedding takes the head's own copy of wte, where saved.
+      const bool head_copy = range.head && !range.embedding && p.name == "transformer.wte.weight" &&
+                             values.count(checkpoint_head_copy);
+      const auto& whole = values.at(head_copy ? std::string(checkpoint_head_copy) : p.name);
+      take_shard(p, st.shard(), whole.data(), st.params() + p.offset);
+    }
+    return {st.params(), st.params() + st.parameter_count()};
+  }
   load_hf_weights(st, dir / (which + ".safetensors"));
   std::error_code ec;
   if (range.head && !range.embedding && fs::exists(dir / "lm_head.safetensors", ec)) {

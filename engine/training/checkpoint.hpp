@@ -14,6 +14,15 @@
 // The tensors are whole-model tensors whatever the mesh that saved them, so a checkpoint loads
 // at any pipeline, data, tensor or ZeRO layout.
 //
+// A job of several processes writes format 2 instead, where each stage writes what it holds
+// itself, in parallel, and nothing crosses to one process (as torch's distributed checkpoint):
+//   part-RRR-LLL.safetensors  stage (rank R, lane L)'s pieces: tensor "ROLE/NAME/SHARD/OFFSET"
+//                             (ROLE model, exp_avg or exp_avg_sq; Troupe's names and layout),
+//                             F32, its values [OFFSET, OFFSET + n) of tensor shard SHARD's slice
+//   trainer_state.json, manifest.json (version 2: every part's size and xxh64)
+// Loading assembles whole tensors from the parts (checkpoint_assembler), so format 2 loads at
+// any mesh too, and `troupe ckpt export` writes it as Hugging Face weights.
+//
 // Invariants:
 //  - The manifest is the commit marker: written after every other file is on disk (each file
 //    and the manifest: tmp, fsync, rename; then fsync of the directory). A directory without a
@@ -38,6 +47,7 @@
 namespace troupe::engine {
 
 constexpr int checkpoint_format_version = 1;
+constexpr int checkpoint_parts_version = 2;  // format 2: a part file per stage
 inline constexpr const char* checkpoint_magic = "troupe-checkpoint";
 // The name of a head chunk's own copy of the tied wte in checkpoint tensors.
 inline constexpr const char* checkpoint_head_copy = "lm_head.weight";
@@ -85,7 +95,8 @@ class checkpoint_assembler {
            std::vector<float>&& values);
   // Throws std::runtime_error naming the first tensor some part of which nobody sent. Takes
   // the slices' values (a tensor without tensor shards is moved, not copied): call it once.
-  checkpoint_tensors finish();
+  // only >= 0: that role's tensors alone (the others are left empty).
+  checkpoint_tensors finish(int only = -1);
 
  private:
   // The slice's element count; throws for an unknown shard or name, or a range outside it.
@@ -114,6 +125,41 @@ void write_checkpoint(const std::filesystem::path& root, const gpt_config& model
                       const checkpoint_tensors& tensors, const checkpoint_state& state, int keep,
                       const checkpoint_hook& hook = {});
 
+// ---- format 2: a part per stage ----
+// One piece of a part: values [offset, offset + n) of tensor shard `shard`'s slice of `name`
+// (checkpoint_assembler::add's arguments).
+struct checkpoint_piece {
+  checkpoint_assembler::role role = checkpoint_assembler::parameter;
+  std::string name;
+  int shard = 0;
+  std::int64_t offset = 0;
+  const float* values = nullptr;
+  std::int64_t n = 0;
+};
+struct checkpoint_file {  // a file as the manifest lists it
+  std::string name;
+  std::uint64_t bytes = 0, xxh64 = 0;
+};
+// The step directory of `step` under root, made ready for its parts: a torn one (or one that
+// no longer verifies) removed, an empty one created. Throws when a committed checkpoint of the
+// step that verifies is there.
+std::filesystem::path prepare_checkpoint_dir(const std::filesystem::path& root, int step);
+// The part file of the stage of pipeline rank `rank` and lane `lane`.
+std::string checkpoint_part_name(int rank, int lane);
+// Writes a part into dir (name.tmp, fsync, rename), straight from the pieces' values.
+checkpoint_file write_checkpoint_part(const std::filesystem::path& dir, const std::string& name,
+                                      const std::vector<checkpoint_piece>& pieces);
+// Commits the checkpoint of state.step whose parts are written into its prepared directory:
+// trainer_state.json, then the manifest (format 2) listing the parts; then removes what
+// write_checkpoint removes. The hook sees the same points from "wrote trainer_state.json" on.
+void commit_checkpoint_parts(const std::filesystem::path& root,
+                             const std::vector<checkpoint_file>& parts,
+                             const checkpoint_state& state, int keep,
+                             const checkpoint_hook& hook = {});
+// The whole-model tensors of a checkpoint of either format.
+checkpoint_tensors read_checkpoint_tensors(const std::filesystem::path& dir,
+                                           const gpt_config& model);
+
 struct checkpoint_entry {
   std::filesystem::path dir;
   int step = 0;
@@ -133,6 +179,9 @@ std::filesystem::path find_checkpoint(const std::filesystem::path& where,
                                       const std::function<void(const std::string&)>& say);
 
 checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
+// Throws std::runtime_error naming the file and tensor where the checkpoint's weights are not
+// those of `model` (another shape): format 1's model.safetensors, or every part's pieces.
+void check_checkpoint_model(const std::filesystem::path& dir, const gpt_config& model);
 
 // One of the checkpoint's tensor files ("model", "exp_avg", "exp_avg_sq") as a stage's flat
 // buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`. A head range

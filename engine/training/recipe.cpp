@@ -199,6 +199,12 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
                  "`device = \"cuda\"`: each chunk copies its state into pinned host memory on "
                  "a stream of its own while the next step runs; false: before it begins "
                  "([checkpoints.md](checkpoints.md#how-a-checkpoint-is-taken))")},
+      {"checkpoint.format",
+       described(nested(&recipe::checkpoint, &checkpoint_config::format),
+                 "\"auto\" | \"whole\" | \"parts\": whole-model Hugging Face files written "
+                 "by one writer, or a part file per stage written by the stage itself; auto: parts "
+                 "for a job of several processes "
+                 "([checkpoints.md](checkpoints.md#what-a-checkpoint-holds))")},
       {"watchdog.action_timeout",
        described(nested(&recipe::watchdog, &watchdog_config::action_timeout),
                  "seconds a stage may spend in one action before it is reported and its process "
@@ -616,6 +622,9 @@ void validate_recipe(const recipe& r) {
   require(r.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: no checkpoints)");
   require(!r.checkpoint.dir.empty(), "checkpoint.dir", "must not be empty");
   require(r.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1");
+  const auto& cf = r.checkpoint.format;
+  require(cf == "auto" || cf == "whole" || cf == "parts", "checkpoint.format",
+          "must be \"auto\", \"whole\" or \"parts\" (got \"" + cf + "\")");
   require(std::isfinite(r.watchdog.action_timeout) && r.watchdog.action_timeout >= 0,
           "watchdog.action_timeout", "must be >= 0 seconds (0: no watchdog)");
 }

@@ -53,6 +53,13 @@ struct checkpoint_config {
   std::string dir = "checkpoints";
   int keep = 2;
   bool pinned_copy = false;  // CUDA: the state copied to pinned memory while the next step runs
+  // "whole": whole-model Hugging Face files, written by one writer; "parts": a part file per
+  // stage, each written by its stage (format 2); "auto": parts for a job of several processes.
+  std::string format = "auto";
+  // Whether a job of `processes` processes writes format 2.
+  bool parts(int processes) const {
+    return format == "parts" || (format == "auto" && processes > 1);
+  }
 };
 
 // How the model is spread over actors (docs/pipeline.md, docs/zero.md, docs/tensor_parallel.md).

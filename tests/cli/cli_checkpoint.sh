@@ -77,6 +77,11 @@ common=(--threads 1 --peer-timeout 5)
 "$troupe" ckpt ls "$tmp/through/checkpoints" >"$tmp/ls.out" || fail "ckpt ls"
 grep -q "^step-00000196  step 196  ok  .*pp 2 x dp 2, zero 1" "$tmp/ls.out" || { cat "$tmp/ls.out" >&2; fail "ckpt ls: no step 196"; }
 [ "$(wc -l <"$tmp/ls.out")" -eq 2 ] || fail "checkpoint.keep = 2 kept $(wc -l <"$tmp/ls.out")"
+# Several processes write format 2: each stage its own part, no whole-model file.
+for part in part-000-000 part-000-001 part-001-000 part-001-001; do
+  [ -f "$tmp/through/checkpoints/step-00000196/$part.safetensors" ] || fail "no $part in step 196"
+done
+[ ! -e "$tmp/through/checkpoints/step-00000196/model.safetensors" ] || fail "a whole-model file"
 
 # 2. The same job, killed at random times, restarted by the launcher.
 "$troupe" launch --nproc 4 --max-restarts 8 --restart-window 600 --grace 2 -- \
@@ -132,16 +137,16 @@ same_run "$tmp/through" "$tmp/killed"
 mkdir -p "$tmp/damaged"
 cp -r "$tmp/through/checkpoints" "$tmp/damaged/"
 newest="$tmp/damaged/checkpoints/step-00000196"
-printf '\x55' | dd of="$newest/exp_avg.safetensors" bs=1 seek=4000 conv=notrunc status=none
+printf '\x55' | dd of="$newest/part-000-001.safetensors" bs=1 seek=4000 conv=notrunc status=none
 if "$troupe" ckpt verify "$tmp/damaged/checkpoints" >"$tmp/verify.out" 2>&1; then
   fail "ckpt verify passed a damaged checkpoint"
 fi
-grep -q "step-00000196/exp_avg.safetensors: xxh64 [0-9a-f]*, the manifest says [0-9a-f]*" "$tmp/verify.out" ||
+grep -q "step-00000196/part-000-001.safetensors: xxh64 [0-9a-f]*, the manifest says [0-9a-f]*" "$tmp/verify.out" ||
   { cat "$tmp/verify.out" >&2; fail "ckpt verify did not name the file and checksums"; }
 grep -q "step-00000189: ok" "$tmp/verify.out" || fail "ckpt verify: step 189"
 "$troupe" train "$tmp/recipe.toml" "${common[@]}" --set "output.dir=$tmp/damaged" --resume \
   >"$tmp/damaged.log" 2>&1 || { cat "$tmp/damaged.log" >&2; fail "resume past a damaged checkpoint"; }
-grep -q "step-00000196 is unusable: .*exp_avg.safetensors: xxh64" "$tmp/damaged.log" ||
+grep -q "step-00000196 is unusable: .*part-000-001.safetensors: xxh64" "$tmp/damaged.log" ||
   { cat "$tmp/damaged.log" >&2; fail "resume did not say which checkpoint was unusable"; }
 grep -q "falling back to step-00000189" "$tmp/damaged.log" || fail "no fallback line"
 "$py" - "$tmp/through/metrics.jsonl" "$tmp/damaged/metrics.jsonl" <<'PY' || fail "damaged: metrics differ"
@@ -165,6 +170,13 @@ PY
 if "$troupe" ckpt export "$tmp/through/checkpoints" "$tmp/exported.safetensors" 2>"$tmp/err"; then
   fail "export overwrote a file"
 fi
+# A step directory's parts, put together, and text from them.
+"$troupe" ckpt export "$tmp/through/checkpoints/step-00000196" "$tmp/step196.safetensors" >/dev/null ||
+  fail "export of a step"
+cmp -s "$tmp/exported.safetensors" "$tmp/step196.safetensors" || fail "export: the root's newest is not step 196"
+"$troupe" sample "$tmp/through/checkpoints" --prompt "The " --tokens 4 --temperature 0 \
+  >"$tmp/sample.out" 2>"$tmp/sample.err" || { cat "$tmp/sample.err" >&2; fail "sample of parts"; }
+[[ $(head -c 4 "$tmp/sample.out") == "The " ]] || fail "sample of parts: $(cat "$tmp/sample.out")"
 
 # 5. Bad input: one line, exit 2.
 expect_bad() {  # expect_bad WHAT PATTERN COMMAND...

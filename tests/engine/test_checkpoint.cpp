@@ -151,6 +151,89 @@ TEST_CASE("a checkpoint reads back exactly what was written", "[checkpoint]") {
   }
 }
 
+// Format 2 (a job of several processes): each stage writes its own part, the commit lists them.
+// Stages of two pipeline ranges; the first range's moments split between two ZeRO replicas.
+TEST_CASE("a checkpoint of parts reads back exactly, at any range", "[checkpoint]") {
+  temp_root root;
+  const auto c = tiny_model();
+  const auto t = make_tensors(c, 4);
+  const auto ranges = partition_layers(c, 2);
+  using role = checkpoint_assembler::role;
+  const named_tensors* maps[] = {&t.params, &t.exp_avg, &t.exp_avg_sq};
+  auto write_parts = [&](int step, const std::string& skip) {
+    const auto dir = prepare_checkpoint_dir(root.path, step);
+    std::vector<checkpoint_file> parts;
+    for (int rank = 0; rank < 2; ++rank) {
+      const gpt_chunk st(c, ranges[static_cast<std::size_t>(rank)]);
+      for (int lane = 0; lane < (rank == 0 ? 2 : 1); ++lane) {
+        std::vector<checkpoint_piece> pieces;
+        for (const auto& p : st.parameters()) {
+          if (p.name == skip) continue;
+          for (int r = 0; r < 3; ++r) {
+            const auto& v = maps[r]->at(p.name);
+            const auto n = static_cast<std::int64_t>(v.size());
+            if (r == 0 && lane == 0) pieces.push_back({role::parameter, p.name, 0, 0, v.data(), n});
+            if (r > 0 && rank == 0) {  // half each
+              const std::int64_t at = lane == 0 ? 0 : n / 2, len = lane == 0 ? n / 2 : n - n / 2;
+              pieces.push_back({static_cast<role>(r), p.name, 0, at, v.data() + at, len});
+            } else if (r > 0) {
+              pieces.push_back({static_cast<role>(r), p.name, 0, 0, v.data(), n});
+            }
+          }
+        }
+        const auto name = checkpoint_part_name(rank, lane);
+        parts.push_back(write_checkpoint_part(dir, name, pieces));
+        CHECK(parts.back().bytes == fs::file_size(dir / name));
+      }
+    }
+    commit_checkpoint_parts(root.path, parts, make_state(step), 3);
+    return dir;
+  };
+  const auto dir = write_parts(5, "");
+  CHECK(fs::exists(dir / "part-000-001.safetensors"));
+  CHECK(verify_checkpoint(dir).empty());
+  CHECK(find_checkpoint(root.path, recorder()) == dir);
+  CHECK(read_checkpoint_state(dir).step == 5);
+  const auto whole = read_checkpoint_tensors(dir, c);
+  CHECK(whole.params == t.params);
+  CHECK(whole.exp_avg == t.exp_avg);
+  CHECK(whole.exp_avg_sq == t.exp_avg_sq);
+  const char* files[] = {"model", "exp_avg", "exp_avg_sq"};
+  for (int r = 0; r < 3; ++r) {
+    for (const auto& range : {chunk_range::whole(c), ranges[0], ranges[1]}) {
+      const auto flat = load_checkpoint_tensors(dir, files[r], c, range);
+      gpt_chunk st(c, range);
+      for (const auto& p : st.parameters()) {
+        INFO(files[r] << " " << p.name);
+        const auto& want = maps[r]->at(p.name);
+        CHECK(std::equal(want.begin(), want.end(), flat.begin() + p.offset));
+      }
+    }
+  }
+  // A flipped bit in a part is named, with both checksums; the previous checkpoint is taken.
+  const auto later = write_parts(6, "");
+  flip_bit(later / "part-000-001.safetensors", 300);
+  CHECK_THAT(verify_checkpoint(later), Catch::Contains("part-000-001.safetensors") &&
+                                           Catch::Contains("xxh64") &&
+                                           Catch::Contains("the manifest says"));
+  CHECK(find_checkpoint(root.path, recorder()) == dir);
+  // Parts that leave a tensor out: named when loaded.
+  const auto partial = write_parts(7, "transformer.h.1.attn.c_proj.bias");
+  CHECK(verify_checkpoint(partial).empty());
+  CHECK_THROWS_WITH(
+      read_checkpoint_tensors(partial, c),
+      Catch::Contains("transformer.h.1.attn.c_proj.bias") && Catch::Contains("never sent"));
+  // A committed step is never written over; a commit stopped before its manifest is torn.
+  CHECK_THROWS_WITH(prepare_checkpoint_dir(root.path, 5), Catch::Contains("there already"));
+  const auto torn = prepare_checkpoint_dir(root.path, 8);
+  CHECK_THROWS(
+      commit_checkpoint_parts(root.path, {}, make_state(8), 3, [](const std::string& point) {
+        if (point == "before manifest") throw std::runtime_error("stopped");
+      }));
+  CHECK_FALSE(fs::exists(torn / "manifest.json"));
+  CHECK(find_checkpoint(root.path, recorder()) == partial);
+}
+
 TEST_CASE("the newest `keep` committed checkpoints stay", "[checkpoint]") {
   temp_root root;
   const auto c = tiny_model();
@@ -257,7 +340,7 @@ TEST_CASE("a damaged checkpoint is named and passed over for the previous one", 
     REQUIRE(at != std::string::npos);
     text.replace(at, 12, "\"version\": 7");
     std::ofstream(newest / "manifest.json", std::ios::trunc) << text;
-    expect_fallback("format version 7 (this Troupe reads 1)");
+    expect_fallback("format version 7 (this Troupe reads 1 and 2)");
   }
   SECTION("no manifest: torn") {
     fs::remove(newest / "manifest.json");

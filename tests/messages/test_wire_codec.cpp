@@ -113,11 +113,14 @@ struct checker {
   }
   void operator()(const snapshot_request& w) {
     const auto& g = as<snapshot_request>();
-    CHECK(std::tie(w.step, w.state, w.capture) == std::tie(g.step, g.state, g.capture));
+    CHECK(std::tie(w.step, w.state, w.capture, w.part_dir) ==
+          std::tie(g.step, g.state, g.capture, g.part_dir));
   }
   void operator()(const stage_snapshot& w) {
     const auto& g = as<stage_snapshot>();
     CHECK(std::tie(w.rank, w.replica) == std::tie(g.rank, g.replica));
+    CHECK(std::tie(w.part.name, w.part.bytes, w.part.xxh64) ==
+          std::tie(g.part.name, g.part.bytes, g.part.xxh64));
     REQUIRE(g.parameters.size() == w.parameters.size());
     for (std::size_t i = 0; i < w.parameters.size(); ++i) {
       const auto& [wn, wv] = w.parameters[i];
@@ -386,6 +389,7 @@ TEST_CASE("a frame is one segment with its payloads inside, unless the builder n
         1,
         0,
         {{"a", std::vector<float>(3, 1.5f)}, {"b", {}}, {"c", std::vector<float>(17, -2.0f)}},
+        {},
         {}};
     const frame f = encode({0, 0, 0, false, m});
     CHECK(segments_of(f) == 1);
@@ -414,7 +418,7 @@ TEST_CASE("a frame is one segment with its payloads inside, unless the builder n
     }
   }
   SECTION("a message too big for one builder segment: one segment per piece, still exact") {
-    stage_snapshot m{1, 0, {}, {}};
+    stage_snapshot m{1, 0, {}, {}, {}};
     for (int i = 0; i < 200; ++i)
       m.parameters.push_back({"layer." + std::to_string(i) + ".weight",
                               std::vector<float>(static_cast<std::size_t>(i % 7 + 1), float(i))});

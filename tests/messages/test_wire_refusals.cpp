@@ -111,7 +111,7 @@ TEST_CASE("tensors, lists, shapes and plans beyond the limits or the payload are
               encode({0, 0, 0, false, link_credit{header(link_kind::gradient, {1, 1, 1, 1})}}),
               lim) ==
           "wire: link_credit.header.shape: list of 4 elements exceeds max_list_elements 3");
-    const stage_snapshot snap{0, 0, {{"a", {}}, {"b", {}}, {"c", {}}, {"d", {}}}, {}};
+    const stage_snapshot snap{0, 0, {{"a", {}}, {"b", {}}, {"c", {}}, {"d", {}}}, {}, {}};
     CHECK_THAT(refused_with(encode({0, 0, 0, false, snap}), lim),
                Catch::StartsWith("wire: stage_snapshot.parameters: list of 4 elements"));
     const auto plan = std::make_shared<const engine::pipeline_plan>(

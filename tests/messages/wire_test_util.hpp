@@ -123,7 +123,7 @@ inline body sample(std::size_t kind) {
     case 11:
       return tied_grad{6, 1, floats(33, 2)};
     case 12:
-      return snapshot_request{12, true, true};
+      return snapshot_request{12, true, true, "runs/x/checkpoints/step-00000012"};
     case 13: {
       const auto p = floats(5, 3);
       return stage_snapshot{
@@ -131,7 +131,8 @@ inline body sample(std::size_t kind) {
           2,
           {{"transformer.wte.weight", {p->begin(), p->end()}}, {"", {}}},
           {{tensor_role::exp_avg_sq, "transformer.wpe.weight", 1234, {p->begin(), p->end()}},
-           {tensor_role::parameter, "", 0, {}}}};
+           {tensor_role::parameter, "", 0, {}}},
+          {"part-001-002.safetensors", 123456789, 0xfedcba9876543210ull}};
     }
     case 14: {
       engine::trace::event a{engine::trace::event_kind::span, 3, "compute", "F", 12.5, 3.25};
