@@ -72,10 +72,11 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     collecting_ = true;
     state_ = std::move(b.state);
     state_.mesh = cfg_.mesh;
+    state_.model = cfg_.model;
     state_.schedule = cfg_.schedule;
     state_.recipe_text = cfg_.recipe_text;
     state_.overrides = cfg_.overrides;
-    assembler_.emplace(cfg_.model, cfg_.tp);
+    if (!cfg_.parts) assembler_.emplace(cfg_.model, cfg_.tp);
     t0_ = cfg_.trace.now_us();
     // W2: replica 0's lanes, or every replica's with ZeRO. W4: every stage captures its state
     // first; the next step may begin once all have, and their states are then collected.
@@ -103,7 +104,9 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     std::string dir;
     if (cfg_.parts) {
       try {
-        dir = engine::prepare_checkpoint_dir(cfg_.root, state_.step).string();
+        // Absolute: stages in other processes resolve it against their own working directory.
+        dir = std::filesystem::absolute(engine::prepare_checkpoint_dir(cfg_.root, state_.step))
+                  .string();
       } catch (const std::exception& e) {
         quit(caf::make_error(caf::sec::runtime_error, e.what()));
         return;

@@ -117,6 +117,10 @@ class stage_impl : public stage_actor::base {
     // a collective: they throw, naming this stage, and stop too.
     if (cfg_.tp_member) cfg_.tp_member->abort(who() + " stopped");
     if (copying_.valid()) copying_.wait();  // it reads the chunks
+    if (writing_.valid()) writing_.wait();  // not left to a destructor on its own thread
+    for (auto& [token, rp] : parts_waiting_)
+      rp.deliver(caf::make_error(caf::sec::runtime_error, who() + " stopped"));
+    parts_waiting_.clear();
     wiring_ = {};
     held_.clear();
     stash_links_.clear();
@@ -501,7 +505,9 @@ class stage_impl : public stage_actor::base {
     copied_.reset();
     zero_part_.reset();
     if (state_waiting_.empty()) return;
-    for (auto& q : state_waiting_) answer_state(q, *captured_);
+    for (std::size_t i = 0; i + 1 < state_waiting_.size(); ++i)
+      answer_state(state_waiting_[i], *captured_);
+    answer_state(state_waiting_.back(), std::move(*captured_));
     state_waiting_.clear();
     captured_.reset();
   }

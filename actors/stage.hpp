@@ -69,8 +69,8 @@ struct stage_config {
   engine::pipeline_layout layout;
   std::uint64_t seed = 0;
   std::string init;  // Hugging Face safetensors; empty: GPT-2 init from seed
-  // Resuming: the checkpoint directory whose AdamW moments the chunks (or, ZeRO, the shard)
-  // start from (`init` is its model.safetensors).
+  // Resuming: the checkpoint directory whose weights and AdamW moments the chunks (or, ZeRO,
+  // the shard) start from (in place of `init`).
   std::string resume;
   engine::optimizer_config optimizer;
   int total_steps = 1;

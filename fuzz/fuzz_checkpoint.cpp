@@ -61,6 +61,9 @@ struct fixture {
       }
     checkpoint_state s;
     s.step = 3;
+    s.recipe_text =  // the model saved, as verifying format 2 reads it
+        "[model]\nvocab_size = 30\npadded_vocab_size = 32\ncontext = 8\nlayers = 2\nheads = 2\n"
+        "width = 8\n[data]\nformat = \"shards\"\n[batch]\nseq_len = 8\n";
     s.guard.loss.values.assign(4, 1.0);
     s.guard.grad_norm.values.assign(4, 1.0);
     write_checkpoint(root / "pristine", c, t, s, 1);

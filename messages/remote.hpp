@@ -14,7 +14,7 @@ namespace troupe::messages {
 
 // Bumped whenever a schema in messages/*.capnp changes incompatibly. Rendezvous refuses a process
 // that speaks another version.
-inline constexpr std::uint32_t protocol_version = 3;
+inline constexpr std::uint32_t protocol_version = 4;
 
 // Where a process sits in the job's mesh.
 struct mesh_coords {

@@ -100,14 +100,15 @@ int export_weights(const fs::path& from, const fs::path& out) {
     std::fprintf(stderr, "troupe ckpt: %s\n", e.what());
     return exit_bad_input;
   }
-  if (!fs::exists(dir / "model.safetensors", ec)) {
+  if (engine::checkpoint_format(dir) == engine::checkpoint_parts_version) {
     // Parts (format 2): put together for the model its trainer state names, written whole.
     try {
       const auto state = engine::read_checkpoint_state(dir);
       const auto model =
-          engine::parse_recipe(state.recipe_text, (dir / "trainer_state.json").string(),
-                               state.overrides)
-              .model;
+          state.model ? *state.model
+                      : engine::parse_recipe(state.recipe_text,
+                                             (dir / "trainer_state.json").string(), state.overrides)
+                            .model;
       engine::gpt_chunk whole(model, engine::chunk_range::whole(model));
       const auto values =
           engine::load_checkpoint_tensors(dir, "model", model, engine::chunk_range::whole(model));

@@ -8,16 +8,19 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
 #include "engine/model/gpt_weights.hpp"
 #include "engine/model/safetensors.hpp"
+#include "engine/training/recipe.hpp"
 
 namespace troupe::engine {
 namespace {
@@ -113,7 +116,7 @@ outlier_detector::state window_from(const json& j) {
 
 json state_json(const checkpoint_state& s) {
   const auto& m = s.mesh;
-  return {
+  json out = {
       {"step", s.step},
       {"tokens", s.tokens},
       {"micro_batches", s.micro_batches},
@@ -137,6 +140,12 @@ json state_json(const checkpoint_state& s) {
       {"recipe", s.recipe_text},
       {"overrides", s.overrides},
   };
+  if (s.model)
+    out["model"] = {
+        {"vocab_size", s.model->vocab_size}, {"padded_vocab_size", s.model->padded_vocab_size},
+        {"context", s.model->context},       {"layers", s.model->layers},
+        {"heads", s.model->heads},           {"width", s.model->width}};
+  return out;
 }
 
 checkpoint_state state_from(const json& j) {
@@ -162,6 +171,13 @@ checkpoint_state state_from(const json& j) {
             m.at("micro_batch").get<int>()};
   s.recipe_text = j.at("recipe").get<std::string>();
   s.overrides = j.at("overrides").get<std::vector<std::string>>();
+  if (j.contains("model")) {
+    const auto& g = j.at("model");
+    s.model = gpt_config{g.at("vocab_size").get<int>(), g.at("padded_vocab_size").get<int>(),
+                         g.at("context").get<int>(),    g.at("layers").get<int>(),
+                         g.at("heads").get<int>(),      g.at("width").get<int>()};
+    s.model->validate();
+  }
   return s;
 }
 
@@ -180,6 +196,7 @@ int step_of(const std::string& name) {
 
 checkpoint_assembler::checkpoint_assembler(const gpt_config& model, int tp)
     : model_(model), tp_(tp) {
+  check_tensor_parallel(model, tp);  // tp >= 1 dividing the model (a checkpoint's mesh may lie)
   for (int j = 0; j < tp; ++j) {
     auto& l = layouts_.emplace_back();
     for (const auto& p : chunk_parameter_layout(model, chunk_range::whole(model), {j, tp})) {
@@ -198,7 +215,7 @@ std::int64_t checkpoint_assembler::slice_numel(const std::string& name, int shar
   const auto it = layout.find(name);
   if (it == layout.end()) throw std::runtime_error("checkpoint: no parameter " + name);
   const std::int64_t numel = it->second.numel;
-  if (offset < 0 || n < 0 || offset + n > numel)
+  if (offset < 0 || n < 0 || offset > numel || n > numel - offset)
     throw std::runtime_error("checkpoint: " + name + " values [" + std::to_string(offset) + ", " +
                              std::to_string(offset + n) + ") outside its " + std::to_string(numel));
   return numel;
@@ -226,27 +243,34 @@ void checkpoint_assembler::add(role r, const std::string& name, int shard, std::
   add(r, name, shard, offset, values.data(), n);
 }
 
-checkpoint_tensors checkpoint_assembler::finish(int only) {
-  checkpoint_tensors out;
-  named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
-  const auto whole = chunk_parameter_layout(model_, chunk_range::whole(model_));
+void checkpoint_assembler::cover(role r, const std::string& name, int shard, std::int64_t offset,
+                                 std::int64_t n) {
+  slice_numel(name, shard, offset, n);
+  slices_[{r, name, shard}].covered.emplace_back(offset, n);
+}
+
+std::vector<parameter_info> checkpoint_assembler::tensors(
+    const std::set<std::string>& names) const {
   // The head's copy of wte, when any stage sent one.
   bool head_copy = false;
   for (const auto& [key, s] : slices_)
     head_copy = head_copy || std::get<1>(key) == checkpoint_head_copy;
-  std::vector<parameter_info> tensors = whole;
-  if (head_copy) {
-    for (const auto& p : whole) {
-      if (p.name != "transformer.wte.weight") continue;
-      tensors.push_back(p);
-      tensors.back().name = checkpoint_head_copy;
+  std::vector<parameter_info> out;
+  for (const auto& p : chunk_parameter_layout(model_, chunk_range::whole(model_))) {
+    if (names.empty() || names.count(p.name)) out.push_back(p);
+    if (head_copy && p.name == "transformer.wte.weight" &&
+        (names.empty() || names.count(checkpoint_head_copy))) {
+      out.push_back(p);
+      out.back().name = checkpoint_head_copy;
     }
   }
+  return out;
+}
+
+void checkpoint_assembler::check_covered(int only, const std::set<std::string>& names) const {
   for (int r = 0; r < 3; ++r) {
     if (only >= 0 && r != only) continue;
-    for (const auto& p : tensors) {
-      auto& dst = (*maps[r])[p.name];
-      if (tp_ > 1) dst.assign(static_cast<std::size_t>(p.numel), 0.0f);
+    for (const auto& p : tensors(names)) {
       for (int j = 0; j < tp_; ++j) {
         const auto it = slices_.find({r, p.name, j});
         const auto& info = layouts_[static_cast<std::size_t>(j)].at(p.name);
@@ -261,10 +285,29 @@ checkpoint_tensors checkpoint_assembler::finish(int only) {
           throw std::runtime_error(std::string("checkpoint: ") + tensor_files[r] + " of " + p.name +
                                    (tp_ > 1 ? " shard " + std::to_string(j) : "") +
                                    ": elements from " + std::to_string(reach) + " never sent");
+      }
+    }
+  }
+}
+
+checkpoint_tensors checkpoint_assembler::finish(int only, const std::set<std::string>& names) {
+  check_covered(only, names);
+  checkpoint_tensors out;
+  named_tensors* maps[] = {&out.params, &out.exp_avg, &out.exp_avg_sq};
+  for (int r = 0; r < 3; ++r) {
+    if (only >= 0 && r != only) continue;
+    for (const auto& p : tensors(names)) {
+      auto& dst = (*maps[r])[p.name];
+      if (tp_ > 1) dst.assign(static_cast<std::size_t>(p.numel), 0.0f);
+      for (int j = 0; j < tp_; ++j) {
+        auto& slice = slices_.at({r, p.name, j});
+        const auto& info = layouts_[static_cast<std::size_t>(j)].at(p.name);
+        if (static_cast<std::int64_t>(slice.values.size()) != info.numel)
+          throw std::logic_error("checkpoint: " + p.name + " covered, never given");
         if (tp_ == 1)  // the one shard is the tensor: taken, not copied
-          dst = std::move(it->second.values);
+          dst = std::move(slice.values);
         else
-          put_shard(info, {j, tp_}, it->second.values.data(), dst.data());
+          put_shard(info, {j, tp_}, slice.values.data(), dst.data());
       }
     }
   }
@@ -398,17 +441,37 @@ checkpoint_file write_checkpoint_part(const fs::path& dir, const std::string& na
     if (!fresh) throw std::logic_error("checkpoint: the piece " + key + " twice in one part");
   }
   const auto d = write_safetensors(dir / name, out, {{"format", "troupe-part"}});
+  fsync_dir(dir);  // the rename, on a file system where another process commits
   return {name, d.bytes, d.xxh64};
 }
 
 void commit_checkpoint_parts(const fs::path& root, const std::vector<checkpoint_file>& parts,
                              const checkpoint_state& state, int keep, const checkpoint_hook& hook) {
+  // Every part listed is there, once, as its stage said: a stage that wrote elsewhere (another
+  // file system) must not commit a checkpoint that cannot load, nor remove older ones.
+  const fs::path dir = checkpoint_dir(root, state.step);
   json files = json::array();
-  for (const auto& p : parts)
+  std::set<std::string> names;
+  for (const auto& p : parts) {
+    std::error_code ec;
+    if (!p.name.starts_with("part-") || p.name.find('/') != std::string::npos ||
+        !names.insert(p.name).second)
+      throw ckpt_error(dir / p.name, "not a part of its own");
+    const auto size = fs::file_size(dir / p.name, ec);
+    if (ec || size != p.bytes)
+      throw ckpt_error(
+          dir / p.name,
+          ec ? "missing: its stage wrote it where this process does not see it (is "
+               "checkpoint.dir on a file system every process shares?)"
+             : std::to_string(size) + " bytes, its stage wrote " + std::to_string(p.bytes));
     files.push_back({{"name", p.name}, {"bytes", p.bytes}, {"xxh64", hex64(p.xxh64)}});
-  fsync_dir(checkpoint_dir(root, state.step));  // the parts' renames
+  }
   commit(root, std::move(files), state, checkpoint_parts_version, keep, hook);
 }
+
+namespace {
+std::string check_parts_cover(const fs::path& dir);
+}  // namespace
 
 std::vector<checkpoint_entry> list_checkpoints(const fs::path& root) {
   std::vector<checkpoint_entry> out;
@@ -483,6 +546,9 @@ std::string verify_checkpoint(const fs::path& dir) {
   }
   if (!required.empty()) return mpath.string() + ": lists no " + required.front();
   if (parts && part_files == 0) return mpath.string() + ": lists no part file";
+  if (parts) {
+    if (std::string problem = check_parts_cover(dir); !problem.empty()) return problem;
+  }
   try {
     read_checkpoint_state(dir);
   } catch (const std::exception& e) {
@@ -527,64 +593,116 @@ checkpoint_state read_checkpoint_state(const fs::path& dir) {
 
 namespace {
 
-// The manifest's format version and file names (verified before: verify_checkpoint).
+// The manifest's format version and file names (each a plain name in dir).
 std::pair<int, std::vector<std::string>> manifest_files(const fs::path& dir) {
   const fs::path path = dir / "manifest.json";
+  std::pair<int, std::vector<std::string>> out;
   try {
     const json m = json::parse(read_text(path));
-    std::vector<std::string> names;
-    for (const auto& f : m.at("files")) names.push_back(f.at("name").get<std::string>());
-    return {m.at("version").get<int>(), names};
+    for (const auto& f : m.at("files")) out.second.push_back(f.at("name").get<std::string>());
+    out.first = m.at("version").get<int>();
   } catch (const std::exception& e) {
     throw ckpt_error(path, std::string("unreadable manifest: ") + e.what());
   }
+  for (const auto& name : out.second)
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      throw ckpt_error(path, "a file entry outside the checkpoint (" + name + ")");
+  return out;
 }
 
-// Format 2: the parts' pieces of `only` (a role; -1: every role) put together.
-checkpoint_tensors assemble_parts(const fs::path& dir, const gpt_config& model, int only) {
-  checkpoint_assembler a(model, read_checkpoint_state(dir).mesh.tp);
+// A part's tensor name ROLE/NAME/SHARD/OFFSET (SHARD and OFFSET decimal digits); false for
+// anything else.
+struct piece_key {
+  int role = -1;
+  std::string name;
+  int shard = 0;
+  std::int64_t offset = 0;
+};
+bool parse_piece_key(const std::string& key, piece_key& k) {
+  const auto a1 = key.find('/'), a3 = key.rfind('/');
+  if (a1 == std::string::npos || a3 == a1) return false;
+  const auto a2 = key.rfind('/', a3 - 1);
+  if (a2 == a1 || a2 + 1 >= a3 || a3 + 1 >= key.size()) return false;
+  k.role = -1;
+  for (int r = 0; r < 3; ++r)
+    if (key.compare(0, a1, tensor_files[r]) == 0 && std::strlen(tensor_files[r]) == a1) k.role = r;
+  k.name = key.substr(a1 + 1, a2 - a1 - 1);
+  auto number = [&](std::size_t from, std::size_t to, auto& value) {
+    for (std::size_t i = from; i < to; ++i)
+      if (key[i] < '0' || key[i] > '9') return false;
+    const auto [end, ec] = std::from_chars(key.data() + from, key.data() + to, value);
+    return ec == std::errc() && end == key.data() + to;
+  };
+  return k.role >= 0 && !k.name.empty() && number(a2 + 1, a3, k.shard) &&
+         number(a3 + 1, key.size(), k.offset);
+}
+
+// Format 2: every piece of the parts as `f(file, key, entry)` (its header read, not its data).
+template <class F>
+void for_each_part_piece(const fs::path& dir, F f) {
   for (const auto& name : manifest_files(dir).second) {
     if (!name.starts_with("part-")) continue;
     const safetensors_file file(dir / name);
     for (const auto& [key, entry] : file.entries()) {
-      // ROLE/NAME/SHARD/OFFSET
-      const auto a1 = key.find('/'), a3 = key.rfind('/');
-      const auto a2 =
-          a3 == std::string::npos || a3 == 0 ? std::string::npos : key.rfind('/', a3 - 1);
-      int role = -1;
-      for (int r = 0; r < 3 && a1 != std::string::npos; ++r)
-        if (key.compare(0, a1, tensor_files[r]) == 0) role = r;
-      if (role < 0 || a2 == std::string::npos || a2 <= a1)
+      piece_key k;
+      if (!parse_piece_key(key, k))
         throw ckpt_error(file.path(), "a tensor not named ROLE/NAME/SHARD/OFFSET: " + key);
-      if (only >= 0 && role != only) continue;
-      int shard = 0;
-      std::int64_t offset = 0;
       try {
-        std::size_t used = 0;
-        shard = std::stoi(key.substr(a2 + 1, a3 - a2 - 1), &used);
-        if (used != a3 - a2 - 1) throw std::invalid_argument("shard");
-        offset = std::stoll(key.substr(a3 + 1), &used);
-        if (used != key.size() - a3 - 1) throw std::invalid_argument("offset");
-      } catch (const std::exception&) {
-        throw ckpt_error(file.path(), "a tensor not named ROLE/NAME/SHARD/OFFSET: " + key);
-      }
-      const auto t = file.read_f32(key);
-      try {
-        a.add(static_cast<checkpoint_assembler::role>(role), key.substr(a1 + 1, a2 - a1 - 1), shard,
-              offset, t.f32(), t.numel());
+        f(file, key, k, entry);
       } catch (const std::exception& e) {
         throw ckpt_error(file.path(), e.what());
       }
     }
   }
+}
+
+// Format 2: the parts' pieces of role `only` (-1: every role) and of the tensors `names` (all
+// if empty) put together; the others are not read.
+checkpoint_tensors assemble_parts(const fs::path& dir, const gpt_config& model, int only,
+                                  const std::set<std::string>& names = {}) {
+  checkpoint_assembler a(model, read_checkpoint_state(dir).mesh.tp);
+  for_each_part_piece(dir, [&](const safetensors_file& file, const std::string& key,
+                               const piece_key& k, const safetensors_entry&) {
+    if ((only >= 0 && k.role != only) || (!names.empty() && !names.count(k.name))) return;
+    const auto t = file.read_f32(key);
+    a.add(static_cast<checkpoint_assembler::role>(k.role), k.name, k.shard, k.offset, t.f32(),
+          t.numel());
+  });
   try {
-    return a.finish(only);
+    return a.finish(only, names);
   } catch (const std::exception& e) {
     throw ckpt_error(dir, e.what());
   }
 }
 
+// Format 2: "" or the problem, when the parts' pieces (their headers) leave an element of the
+// model its trainer state names uncovered.
+std::string check_parts_cover(const fs::path& dir) {
+  try {
+    const auto state = read_checkpoint_state(dir);
+    const auto model = state.model
+                           ? *state.model
+                           : parse_recipe(state.recipe_text, (dir / "trainer_state.json").string(),
+                                          state.overrides)
+                                 .model;
+    checkpoint_assembler a(model, state.mesh.tp);
+    for_each_part_piece(dir, [&](const safetensors_file&, const std::string&, const piece_key& k,
+                                 const safetensors_entry& e) {
+      if (e.dtype != "F32" || e.shape.size() != 1)
+        throw std::runtime_error("a piece not 1-D F32: " + k.name);
+      a.cover(static_cast<checkpoint_assembler::role>(k.role), k.name, k.shard, k.offset,
+              e.shape[0]);
+    });
+    a.check_covered();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
+
+int checkpoint_format(const fs::path& dir) { return manifest_files(dir).first; }
 
 void check_checkpoint_model(const fs::path& dir, const gpt_config& model) {
   if (manifest_files(dir).first == checkpoint_parts_version)
@@ -616,7 +734,9 @@ std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::strin
     for (int r = 0; r < 3; ++r)
       if (which == tensor_files[r]) role = r;
     if (role < 0) throw std::logic_error("checkpoint: no tensor file " + which);
-    auto t = assemble_parts(dir, model, role);
+    std::set<std::string> names = {checkpoint_head_copy};  // the chunk's tensors alone
+    for (const auto& p : st.parameters()) names.insert(p.name);
+    auto t = assemble_parts(dir, model, role, names);
     const named_tensors& values = role == 0 ? t.params : role == 1 ? t.exp_avg : t.exp_avg_sq;
     for (const auto& p : st.parameters()) {
       // A head range without the embedding takes the head's own copy of wte, where saved.

@@ -14,8 +14,9 @@
 // The tensors are whole-model tensors whatever the mesh that saved them, so a checkpoint loads
 // at any pipeline, data, tensor or ZeRO layout.
 //
-// A job of several processes writes format 2 instead, where each stage writes what it holds
-// itself, in parallel, and nothing crosses to one process (as torch's distributed checkpoint):
+// With checkpoint.format "parts" (by default, a job of several processes) format 2 instead,
+// where each stage writes what it holds itself, in parallel, and nothing crosses to one
+// process (as torch's distributed checkpoint):
 //   part-RRR-LLL.safetensors  stage (rank R, lane L)'s pieces: tensor "ROLE/NAME/SHARD/OFFSET"
 //                             (ROLE model, exp_avg or exp_avg_sq; Troupe's names and layout),
 //                             F32, its values [OFFSET, OFFSET + n) of tensor shard SHARD's slice
@@ -37,6 +38,8 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -66,7 +69,8 @@ struct checkpoint_state {
   update_guard::state guard;       // loss scale, skip counters, outlier windows
   std::string schedule;            // the schedule in effect
   checkpoint_mesh mesh;
-  std::string recipe_text;  // the recipe's TOML and its overrides
+  std::optional<gpt_config> model;  // the model saved (checkpoints written before it: unset)
+  std::string recipe_text;          // the recipe's TOML and its overrides
   std::vector<std::string> overrides;
 };
 
@@ -93,12 +97,20 @@ class checkpoint_assembler {
   // is kept as it is (moved, not copied).
   void add(role r, const std::string& name, int shard, std::int64_t offset,
            std::vector<float>&& values);
-  // Throws std::runtime_error naming the first tensor some part of which nobody sent. Takes
-  // the slices' values (a tensor without tensor shards is moved, not copied): call it once.
-  // only >= 0: that role's tensors alone (the others are left empty).
-  checkpoint_tensors finish(int only = -1);
+  // A range [offset, offset + n) as add() takes it, counted as covered but not kept (checking
+  // a checkpoint's parts from their headers alone).
+  void cover(role r, const std::string& name, int shard, std::int64_t offset, std::int64_t n);
+  // Throws std::runtime_error naming the first tensor some part of which nobody sent (or
+  // covered). only >= 0: that role's tensors alone; names (if any): those tensors alone.
+  void check_covered(int only = -1, const std::set<std::string>& names = {}) const;
+  // check_covered, then the tensors. Takes the slices' values (a tensor without tensor shards
+  // is moved, not copied): call it once. The roles and tensors left out are left empty.
+  checkpoint_tensors finish(int only = -1, const std::set<std::string>& names = {});
 
  private:
+  // The whole model's tensors among `names` (every one if empty), with the head's copy of wte
+  // when a piece of it came.
+  std::vector<parameter_info> tensors(const std::set<std::string>& names) const;
   // The slice's element count; throws for an unknown shard or name, or a range outside it.
   std::int64_t slice_numel(const std::string& name, int shard, std::int64_t offset,
                            std::int64_t n) const;
@@ -179,6 +191,8 @@ std::filesystem::path find_checkpoint(const std::filesystem::path& where,
                                       const std::function<void(const std::string&)>& say);
 
 checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
+// The checkpoint's format version (its manifest's): 1, or checkpoint_parts_version.
+int checkpoint_format(const std::filesystem::path& dir);
 // Throws std::runtime_error naming the file and tensor where the checkpoint's weights are not
 // those of `model` (another shape): format 1's model.safetensors, or every part's pieces.
 void check_checkpoint_model(const std::filesystem::path& dir, const gpt_config& model);

@@ -201,7 +201,7 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
                  "([checkpoints.md](checkpoints.md#how-a-checkpoint-is-taken))")},
       {"checkpoint.format",
        described(nested(&recipe::checkpoint, &checkpoint_config::format),
-                 "\"auto\" | \"whole\" | \"parts\": whole-model Hugging Face files written "
+                 "\"auto\", \"whole\" or \"parts\": whole-model Hugging Face files written "
                  "by one writer, or a part file per stage written by the stage itself; auto: parts "
                  "for a job of several processes "
                  "([checkpoints.md](checkpoints.md#what-a-checkpoint-holds))")},

@@ -13,6 +13,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/model/gpt_weights.hpp"
@@ -106,7 +107,8 @@ TEST_CASE("a checkpoint reads back exactly what was written", "[checkpoint]") {
   temp_root root;
   const auto c = tiny_model();
   const auto t = make_tensors(c, 1);
-  const auto s = make_state(12);
+  auto s = make_state(12);
+  s.model = c;
   write_checkpoint(root.path, c, t, s, 2);
   const auto dir = checkpoint_dir(root.path, 12);
   CHECK(dir.filename() == "step-00000012");
@@ -133,6 +135,10 @@ TEST_CASE("a checkpoint reads back exactly what was written", "[checkpoint]") {
   CHECK(got.mesh.micro_batch == 5);
   CHECK(got.recipe_text == s.recipe_text);
   CHECK(got.overrides == s.overrides);
+  REQUIRE(got.model.has_value());
+  CHECK(std::tie(got.model->vocab_size, got.model->padded_vocab_size, got.model->layers,
+                 got.model->width) ==
+        std::tie(c.vocab_size, c.padded_vocab_size, c.layers, c.width));
 
   // Each tensor file is a Hugging Face GPT-2 file, loadable by any stage of any layout.
   check_hf_weights(c, dir / "model.safetensors");
@@ -186,7 +192,12 @@ TEST_CASE("a checkpoint of parts reads back exactly, at any range", "[checkpoint
         CHECK(parts.back().bytes == fs::file_size(dir / name));
       }
     }
-    commit_checkpoint_parts(root.path, parts, make_state(step), 3);
+    auto state = make_state(step);  // its recipe's model is the one saved: verify checks it
+    state.recipe_text =
+        "[model]\nvocab_size = 61\npadded_vocab_size = 64\ncontext = 16\nlayers = 2\n"
+        "heads = 2\nwidth = 16\n[data]\nformat = \"shards\"\n[batch]\nseq_len = 16\n";
+    state.overrides.clear();
+    commit_checkpoint_parts(root.path, parts, state, 3);
     return dir;
   };
   const auto dir = write_parts(5, "");
@@ -217,21 +228,37 @@ TEST_CASE("a checkpoint of parts reads back exactly, at any range", "[checkpoint
                                            Catch::Contains("xxh64") &&
                                            Catch::Contains("the manifest says"));
   CHECK(find_checkpoint(root.path, recorder()) == dir);
-  // Parts that leave a tensor out: named when loaded.
+  // Parts that leave a tensor out: named by verify (from the parts' headers) and when loaded;
+  // the previous checkpoint is taken.
   const auto partial = write_parts(7, "transformer.h.1.attn.c_proj.bias");
-  CHECK(verify_checkpoint(partial).empty());
+  CHECK_THAT(verify_checkpoint(partial),
+             Catch::Contains("transformer.h.1.attn.c_proj.bias") && Catch::Contains("never sent"));
   CHECK_THROWS_WITH(
       read_checkpoint_tensors(partial, c),
       Catch::Contains("transformer.h.1.attn.c_proj.bias") && Catch::Contains("never sent"));
+  CHECK(find_checkpoint(root.path, recorder()) == dir);
+  // A piece at an offset past any tensor: refused, named.
+  const auto hostile = prepare_checkpoint_dir(root.path, 9);
+  const float one = 1;
+  const auto bad = write_checkpoint_part(
+      hostile, checkpoint_part_name(0, 0),
+      {{role::parameter, "transformer.wte.weight", 0, 9223372036854775807LL, &one, 1}});
+  commit_checkpoint_parts(root.path, {bad}, make_state(9), 5);
+  CHECK_THAT(verify_checkpoint(hostile), Catch::Contains("outside"));
+  CHECK_THROWS_WITH(read_checkpoint_tensors(hostile, c), Catch::Contains("outside"));
+  // A part its stage says it wrote, which is not there, is not committed.
+  CHECK_THROWS_WITH(
+      commit_checkpoint_parts(root.path, {{"part-001-000.safetensors", 10, 0}}, make_state(10), 5),
+      Catch::Contains("part-001-000.safetensors") && Catch::Contains("missing"));
   // A committed step is never written over; a commit stopped before its manifest is torn.
   CHECK_THROWS_WITH(prepare_checkpoint_dir(root.path, 5), Catch::Contains("there already"));
   const auto torn = prepare_checkpoint_dir(root.path, 8);
   CHECK_THROWS(
-      commit_checkpoint_parts(root.path, {}, make_state(8), 3, [](const std::string& point) {
+      commit_checkpoint_parts(root.path, {}, make_state(8), 5, [](const std::string& point) {
         if (point == "before manifest") throw std::runtime_error("stopped");
       }));
   CHECK_FALSE(fs::exists(torn / "manifest.json"));
-  CHECK(find_checkpoint(root.path, recorder()) == partial);
+  CHECK(find_checkpoint(root.path, recorder()) == dir);
 }
 
 TEST_CASE("the newest `keep` committed checkpoints stay", "[checkpoint]") {
