@@ -103,6 +103,24 @@ auto recorder() {
   return [](const std::string& s) { said.push_back(s); };
 }
 
+// Each tensor file loads as the stage of each range would hold it: `t`'s values.
+void loads_at(const fs::path& dir, const gpt_config& c, const checkpoint_tensors& t,
+              const std::vector<chunk_range>& ranges) {
+  const named_tensors* maps[] = {&t.params, &t.exp_avg, &t.exp_avg_sq};
+  const char* files[] = {"model", "exp_avg", "exp_avg_sq"};
+  for (int r = 0; r < 3; ++r) {
+    for (const auto& range : ranges) {
+      const auto flat = load_checkpoint_tensors(dir, files[r], c, range);
+      gpt_chunk st(c, range);
+      for (const auto& p : st.parameters()) {
+        INFO(files[r] << " " << p.name);
+        const auto& want = maps[r]->at(p.name);
+        CHECK(std::equal(want.begin(), want.end(), flat.begin() + p.offset));
+      }
+    }
+  }
+}
+
 TEST_CASE("a checkpoint reads back exactly what was written", "[checkpoint]") {
   temp_root root;
   const auto c = tiny_model();
@@ -142,19 +160,7 @@ TEST_CASE("a checkpoint reads back exactly what was written", "[checkpoint]") {
 
   // Each tensor file is a Hugging Face GPT-2 file, loadable by any stage of any layout.
   check_hf_weights(c, dir / "model.safetensors");
-  const named_tensors* maps[] = {&t.params, &t.exp_avg, &t.exp_avg_sq};
-  const char* files[] = {"model", "exp_avg", "exp_avg_sq"};
-  for (int r = 0; r < 3; ++r) {
-    for (const auto& range : {chunk_range::whole(c), partition_layers(c, 2)[1]}) {
-      const auto flat = load_checkpoint_tensors(dir, files[r], c, range);
-      gpt_chunk st(c, range);
-      for (const auto& p : st.parameters()) {
-        INFO(files[r] << " " << p.name);
-        const auto& want = maps[r]->at(p.name);
-        CHECK(std::equal(want.begin(), want.end(), flat.begin() + p.offset));
-      }
-    }
-  }
+  loads_at(dir, c, t, {chunk_range::whole(c), partition_layers(c, 2)[1]});
 }
 
 // Format 2 (a job of several processes): each stage writes its own part, the commit lists them.
@@ -209,18 +215,7 @@ TEST_CASE("a checkpoint of parts reads back exactly, at any range", "[checkpoint
   CHECK(whole.params == t.params);
   CHECK(whole.exp_avg == t.exp_avg);
   CHECK(whole.exp_avg_sq == t.exp_avg_sq);
-  const char* files[] = {"model", "exp_avg", "exp_avg_sq"};
-  for (int r = 0; r < 3; ++r) {
-    for (const auto& range : {chunk_range::whole(c), ranges[0], ranges[1]}) {
-      const auto flat = load_checkpoint_tensors(dir, files[r], c, range);
-      gpt_chunk st(c, range);
-      for (const auto& p : st.parameters()) {
-        INFO(files[r] << " " << p.name);
-        const auto& want = maps[r]->at(p.name);
-        CHECK(std::equal(want.begin(), want.end(), flat.begin() + p.offset));
-      }
-    }
-  }
+  loads_at(dir, c, t, {chunk_range::whole(c), ranges[0], ranges[1]});
   // A flipped bit in a part is named, with both checksums; the previous checkpoint is taken.
   const auto later = write_parts(6, "");
   flip_bit(later / "part-000-001.safetensors", 300);
