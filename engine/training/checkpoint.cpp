@@ -216,8 +216,8 @@ std::int64_t checkpoint_assembler::slice_numel(const std::string& name, int shar
   if (it == layout.end()) throw std::runtime_error("checkpoint: no parameter " + name);
   const std::int64_t numel = it->second.numel;
   if (offset < 0 || n < 0 || offset > numel || n > numel - offset)
-    throw std::runtime_error("checkpoint: " + name + " values [" + std::to_string(offset) + ", " +
-                             std::to_string(offset + n) + ") outside its " + std::to_string(numel));
+    throw std::runtime_error("checkpoint: " + name + ": " + std::to_string(n) + " values from " +
+                             std::to_string(offset) + " run outside its " + std::to_string(numel));
   return numel;
 }
 
