@@ -15,9 +15,10 @@
 //      Without ZeRO: each chunk's copy begins when the capture arrives (rank_chunks::
 //      capture_state: device chunks into pinned host memory on a stream of their own) and a
 //      thread takes it while the next step runs, which only reads parameters and moments; the
-//      next update waits for the copy first. ZeRO: the shard is asked for its owned floats at
-//      the capture, before the update this stage sends it later (one sender, one order), so its
-//      answer holds them as they were between the steps.
+//      next update waits until the copy no longer reads the chunks' state (CPU chunks: until
+//      the snapshot is made; device chunks: until their copies are on the host). ZeRO: the
+//      shard is asked for its owned floats at the capture, before the update this stage sends
+//      it later (one sender, one order), so its answer holds them as they were between steps.
 //  S8. ZeRO through the devices' zero_group: buckets go to the group in the order they became
 //      final, except a bucket holding a tied wte copy, which goes once the exchange is done and
 //      every other bucket of the rank has gone (a place the same on every replica, after the
@@ -446,7 +447,8 @@ class stage_impl : public stage_actor::base {
   // stage sends it later; or, through the devices' group, from the devices now.
   caf::result<stage_snapshot> on_capture() {
     if (copying_.valid()) copying_.get();  // an abandoned checkpoint's (a failed job's)
-    for (auto& q : state_waiting_)         // and its state requests
+    copies_taken_ = {};
+    for (auto& q : state_waiting_)  // and its state requests
       q.rp.deliver(caf::make_error(caf::sec::runtime_error, "a checkpoint abandoned"));
     state_waiting_.clear();
     captured_.reset();
@@ -464,20 +466,37 @@ class stage_impl : public stage_actor::base {
       for (int c = 0; c < chunks_->chunk_count(); ++c)
         copies.push_back(chunks_->capture_state(c, moments));
       caf::actor me = caf::actor_cast<caf::actor>(this);
-      copying_ = std::async(std::launch::async, [this, me, copies = std::move(copies), moments] {
-        if (cfg_.test_capture_delay_ms > 0)
-          std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
-        std::vector<engine::rank_chunks::host_state> states;
-        for (const auto& copy : copies) states.push_back(copy());
-        auto s = snapshot_of(states, true, moments);
-        caf::anon_send(me, snapshot_copied{});
-        return s;
+      auto taken = std::make_shared<std::promise<void>>();
+      copies_taken_ = taken->get_future();
+      copying_ = std::async(std::launch::async, [this, me, copies = std::move(copies), moments,
+                                                 taken] {
+        bool told = false;  // the update told it may run
+        try {
+          if (cfg_.test_capture_delay_ms > 0)
+            std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
+          std::vector<engine::rank_chunks::host_state> states;
+          for (const auto& copy : copies) states.push_back(copy());
+          // Copies (device chunks'): the update need not wait for the snapshot's tensors.
+          if (std::all_of(states.begin(), states.end(), [](const auto& h) { return h.detached; })) {
+            taken->set_value();
+            told = true;
+          }
+          auto s = snapshot_of(states, true, moments);
+          if (!told) taken->set_value();
+          told = true;
+          caf::anon_send(me, snapshot_copied{});
+          return s;
+        } catch (...) {
+          if (!told) taken->set_exception(std::current_exception());
+          throw;
+        }
       });
     } else {  // ZeRO-3 (or a replica past 0): the stage holds nothing of the state to copy
       copied_ = empty;
     }
     if (zero_on_device()) {
       zero_part_ = device_zero_state();
+      assemble_capture();  // where nothing is left to copy
     } else if (zero()) {
       zero_pending_ = true;
       request(wiring_.reducer, caf::infinite, zero_state_request{})
@@ -493,8 +512,13 @@ class stage_impl : public stage_actor::base {
 
   // The copy's thread is done, or about to return its copy (it says so just before).
   void on_copied() { finish_capture(); }
-  // The copy, once done (waiting for it: the next update does, S7), with ZeRO's part once in, to
-  // the state requests waiting for it: so a state leaves before the update's update_done does.
+  // S7: the next update waits until the capture no longer reads the chunks' state: until the
+  // chunks' copies are taken (device chunks, whose copies the thread then makes the snapshot's
+  // tensors of while the update runs), or until the snapshot is made (CPU chunks, read in place).
+  void wait_for_capture_copies() {
+    if (copies_taken_.valid()) copies_taken_.get();
+  }
+  // The copy, once done, with ZeRO's part once in, to the state requests waiting for it.
   void finish_capture() {
     if (copying_.valid()) copied_ = copying_.get();
     assemble_capture();
@@ -1213,7 +1237,7 @@ class stage_impl : public stage_actor::base {
   // A skipped update (the coordinator's guard) drops the step's gradients and leaves the
   // parameters and moments as they are.
   void on_update(const apply_update& u) {
-    finish_capture();
+    wait_for_capture_copies();
     if (zero_on_device()) {
       update_on_devices(u);
       return;
@@ -1401,6 +1425,7 @@ class stage_impl : public stage_actor::base {
   std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;
   // A checkpoint's state (S7): being copied, taken, and the state requests waiting for it.
   std::future<stage_snapshot> copying_;
+  std::future<void> copies_taken_;  // S7: the capture reads the chunks' state no longer
   std::optional<stage_snapshot> copied_, captured_;  // the thread's part; the whole state
   std::optional<zero_state> zero_part_;              // ZeRO's owned floats
   bool zero_pending_ = false;                        // asked of the shard, not in yet

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -149,6 +150,173 @@ std::string format_checkpoint_report(const std::vector<checkpoint_case>& cases) 
   }
   s += "goal: overhead < 5% with a checkpoint every step\n";
   return s;
+}
+
+namespace {
+
+// A run of `steps` steps on the GPU; the step times (ms) after the warm-up, by step (1-based),
+// zero before it.
+std::vector<double> device_step_ms(const engine::recipe& r) {
+  const auto t = run(r).step_end_s;
+  std::vector<double> ms(t.size() + 1, 0.0);
+  for (std::size_t i = 1; i < t.size(); ++i) ms[i + 1] = (t[i] - t[i - 1]) * 1e3;
+  return ms;
+}
+
+double mean_of(const std::vector<double>& ms, int from, int to) {
+  double sum = 0;
+  for (int i = from; i <= to; ++i) sum += ms[static_cast<std::size_t>(i)];
+  return to >= from ? sum / (to - from + 1) : 0;
+}
+
+std::vector<double> slice(const std::vector<double>& ms, int from, int to) {
+  return {ms.begin() + from, ms.begin() + to + 1};
+}
+
+}  // namespace
+
+std::vector<checkpoint_device_run> run_checkpoint_device_bench(const checkpoint_device_options& o) {
+  std::vector<std::string> overrides;
+  if (!o.data.empty()) overrides.push_back("data.train=" + o.data);
+  engine::recipe g = engine::load_recipe(o.recipe, overrides);
+  g.device = "cuda";
+  g.model.vocab_size = 50257;
+  g.model.padded_vocab_size = 50304;
+  g.model.layers = 12;
+  g.model.heads = 12;
+  g.model.width = 768;
+  g.model.context = 1024;
+  g.batch.seq_len = 1024;
+  g.batch.micro_batch = o.batch;
+  g.batch.grad_accum = 1;
+  g.parallel.pp = 1;
+  g.parallel.dp = 1;
+  g.parallel.micro_batches = 1;
+  g.precision.dtype = "bf16";
+  g.kernels.attention = "cudnn";
+  g.kernels.fast_paths = true;
+  g.eval_interval = 0;
+  g.output.weights = "";
+  g.checkpoint.keep = 1;
+  engine::validate_recipe(g);
+  const int smallest = *std::min_element(o.every.begin(), o.every.end());
+  auto steps_for = [&](int every) {
+    return std::max(o.checkpoints * smallest, 2 * every) + o.window;
+  };
+  int longest = 0;
+  for (const int e : o.every) longest = std::max(longest, steps_for(e));
+  char tmpl[] = "/tmp/troupe-bench-ckpt-XXXXXX";
+  const fs::path dir = ::mkdtemp(tmpl);
+  std::vector<checkpoint_device_run> out;
+  std::vector<double> without;
+  auto measure_run = [&](const std::string& copy, int every) {
+    checkpoint_device_run x;
+    x.copy = copy;
+    x.every = every;
+    x.steps = every > 0 ? steps_for(every) : longest;
+    std::fprintf(
+        stderr, "  %d steps, %s...\n", x.steps,
+        every > 0 ? ("a checkpoint every " + std::to_string(every) + ", " + copy + " copy").c_str()
+                  : "no checkpoints");
+    try {
+      engine::recipe r = g;
+      r.steps = x.steps;
+      r.checkpoint.every = every;
+      r.checkpoint.pinned_copy = copy != "pageable";
+      r.output.dir = (dir / (copy + std::to_string(every))).string();
+      const auto ms = device_step_ms(r);
+      const int from = o.warmup + 1, to = x.steps;
+      x.step_ms_median = median(slice(ms, from, to));
+      x.step_ms_mean = mean_of(ms, from, to);
+      if (every == 0) {
+        without = ms;
+      } else {
+        const double base = mean_of(without, from, to);
+        x.overhead = base > 0 ? x.step_ms_mean / base - 1 : 0;
+        for (int s = every; s + o.window <= to; s += every) {
+          if (s < from) continue;
+          double extra = 0;
+          for (int i = s + 1; i <= s + o.window; ++i)
+            extra += ms[static_cast<std::size_t>(i)] - x.step_ms_median;
+          x.stall_ms.push_back(extra);
+        }
+        x.stall_ms_median = median(x.stall_ms);
+        const double step = median(slice(without, from, to));
+        x.stall_steps = step > 0 ? x.stall_ms_median / step : 0;
+        const auto last = engine::list_checkpoints(r.checkpoint_path()).at(0).dir;
+        for (const auto& f : fs::directory_iterator(last)) x.checkpoint_bytes += f.file_size();
+      }
+    } catch (const std::exception& e) {
+      x.error = e.what();
+    }
+    std::error_code ec;
+    fs::remove_all(dir / (copy + std::to_string(every)), ec);
+    out.push_back(x);
+  };
+  measure_run("", 0);
+  if (!out.back().error.empty()) return out;
+  for (const int e : o.every)
+    for (const char* copy : {"pinned", "pageable"}) measure_run(copy, e);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  return out;
+}
+
+std::string format_checkpoint_device_report(const std::vector<checkpoint_device_run>& runs) {
+  std::string s =
+      "troupe bench checkpoint --device cuda: GPT-2 small on one GPU, one process; the median "
+      "step, the mean step against the run without checkpoints, and each checkpoint's stall "
+      "(the steps after it beyond the median step), in ms and in steps\n";
+  char line[400];
+  std::snprintf(line, sizeof line, "%-9s %6s %6s %10s %10s %9s %11s %7s %10s  %s\n", "copy",
+                "every", "steps", "ms/step", "mean ms", "overhead", "stall ms", "steps",
+                "checkpoint", "stall per checkpoint (ms)");
+  s += line;
+  for (const auto& x : runs) {
+    const std::string copy = x.every > 0 ? x.copy : "none";
+    if (!x.error.empty()) {
+      s += (x.every > 0 ? copy + " copy, a checkpoint every " + std::to_string(x.every)
+                        : std::string("the run without checkpoints")) +
+           ": failed: " + x.error + "\n";
+      continue;
+    }
+    std::string each;
+    for (const double v : x.stall_ms) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%s%.0f", each.empty() ? "" : " ", v);
+      each += b;
+    }
+    std::snprintf(line, sizeof line,
+                  "%-9s %6d %6d %10.2f %10.2f %8.1f%% %11.1f %7.2f %7.0f MB  %s\n", copy.c_str(),
+                  x.every, x.steps, x.step_ms_median, x.step_ms_mean, x.overhead * 100,
+                  x.stall_ms_median, x.stall_steps, static_cast<double>(x.checkpoint_bytes) / 1e6,
+                  each.c_str());
+    s += line;
+  }
+  s += "goal: a checkpoint stalls the run at most one step\n";
+  return s;
+}
+
+std::string checkpoint_device_report_json(const std::vector<checkpoint_device_run>& runs) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& x : runs) {
+    nlohmann::json r = {{"copy", x.copy}, {"every", x.every}, {"steps", x.steps}};
+    if (!x.error.empty()) {
+      r["error"] = x.error;
+    } else {
+      r["step_ms_median"] = x.step_ms_median;
+      r["step_ms_mean"] = x.step_ms_mean;
+      r["overhead"] = x.overhead;
+      r["stall_ms"] = x.stall_ms;
+      r["stall_ms_median"] = x.stall_ms_median;
+      r["stall_steps"] = x.stall_steps;
+      r["checkpoint_bytes"] = x.checkpoint_bytes;
+    }
+    j.push_back(r);
+  }
+  return nlohmann::json{
+      {"benchmark", "checkpoint"}, {"device", "cuda"}, {"goal_stall_steps", 1}, {"runs", j}}
+      .dump();
 }
 
 std::string checkpoint_report_json(const std::vector<checkpoint_case>& cases) {

@@ -46,7 +46,9 @@ PY
 # The GPU machine needs g++, nvcc (/usr/local/cuda), meson, ninja and dpkg-deb; python3 with
 # torch for the peer. BENCH_ARGS replaces the bench's options (prebuilt's default: "--batch 16,64
 # --breakdown": the default kernels at B = 16 and 64, the time per op family, the peers). TESTS
-# names the test programs to run (default all three), CLI=0 leaves out cli_gpu_train.
+# names the test programs to run (default all three), CLI=0 leaves out cli_gpu_train, BENCH=0 the
+# train-step bench; CHECKPOINT=1 adds `troupe bench checkpoint --device cuda` in both formats,
+# first. TEST_TIMEOUT, CLI_TIMEOUT and CHECKPOINT_TIMEOUT bound each part (seconds).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -105,18 +107,38 @@ prebuilt() {
   export TROUPE_SOURCE_DIR="$PWD"  # the bench's PyTorch peer script
   machine 2>&1 | tee "$out/machine.txt"
   local failed=0 t
+  # What a checkpoint costs on the GPU (docs/checkpoints.md), in each format; and what the
+  # machine's disk writes and syncs, the bound of a checkpoint's write.
+  if [ "${CHECKPOINT:-0}" = 1 ]; then
+    cat docs/*.md >/tmp/troupe-corpus.txt
+    dd if=/dev/zero of=/tmp/troupe-dd bs=16M count=64 conv=fdatasync 2>&1 | tail -n 1 |
+      sed 's/^/gpu_run: disk: 1 GiB written and synced: /'
+    rm -f /tmp/troupe-dd
+    local format
+    for format in whole parts; do
+      sed "s/^\[output\]/[checkpoint]\nformat = \"$format\"\n\n[output]/" examples/default.toml \
+        >"/tmp/troupe-ckpt-$format.toml"
+      timeout -k 5 "${CHECKPOINT_TIMEOUT:-200}" "$bins/troupe" bench checkpoint --device cuda \
+        --recipe "/tmp/troupe-ckpt-$format.toml" --data /tmp/troupe-corpus.txt \
+        >"$out/bench_checkpoint_$format.txt" 2>&1 || failed=1
+      echo "gpu_run: bench checkpoint ($format):"
+      cat "$out/bench_checkpoint_$format.txt"
+    done
+  fi
   # shellcheck disable=SC2086
   for t in ${TESTS:-test_cuda_ops test_nccl_group test_gpu_trainer}; do
-    timeout -k 5 300 "$bins/$t" --durations yes >"$out/$t.log" 2>&1 || failed=1
+    timeout -k 5 "${TEST_TIMEOUT:-300}" "$bins/$t" --durations yes >"$out/$t.log" 2>&1 || failed=1
     echo "gpu_run: $t: $(tail -n 2 "$out/$t.log" | head -n 1)"
   done
   if [ "${CLI:-1}" = 1 ]; then
-    timeout -k 5 600 bash tests/cli/cli_gpu_train.sh "$bins/troupe" >"$out/cli_gpu_train.log" 2>&1 ||
-      failed=1
+    timeout -k 5 "${CLI_TIMEOUT:-600}" bash tests/cli/cli_gpu_train.sh "$bins/troupe" \
+      >"$out/cli_gpu_train.log" 2>&1 || failed=1
     echo "gpu_run: cli_gpu_train: $(tail -n 1 "$out/cli_gpu_train.log")"
   fi
   # shellcheck disable=SC2086
-  if timeout -k 5 600 "$bins/troupe" bench train-step --device cuda --json \
+  if [ "${BENCH:-1}" = 0 ]; then
+    :
+  elif timeout -k 5 600 "$bins/troupe" bench train-step --device cuda --json \
     ${BENCH_ARGS:---batch 16,64 --breakdown} \
     >"$out/bench_train_step.json" 2>"$out/bench_train_step.err"; then
     bench_summary "$out/bench_train_step.json"

@@ -51,6 +51,8 @@ struct bench_options {
   std::vector<int> zero_levels = {0, 1, 2, 3};
   std::vector<int> zero_dps = {2, 4};
   bench::checkpoint_bench_options checkpoint{TROUPE_SOURCE_DIR "/examples/default.toml"};
+  std::string checkpoint_device = "cpu";
+  bench::checkpoint_device_options checkpoint_gpu;
 };
 
 std::string find_python(const bench_options& o) {
@@ -237,6 +239,22 @@ int run_zero(const bench_options& o) {
 }
 
 int run_checkpoint(const bench_options& o) {
+  if (o.checkpoint_device == "cuda") {
+    std::vector<bench::checkpoint_device_run> runs;
+    auto d = o.checkpoint_gpu;
+    d.recipe = o.checkpoint.recipe;
+    try {
+      runs = bench::run_checkpoint_device_bench(d);
+    } catch (const engine::recipe_error& e) {
+      std::fprintf(stderr, "troupe bench checkpoint: %s\n", e.what());
+      return exit_bad_input;
+    }
+    std::fputs((o.json_output ? bench::checkpoint_device_report_json(runs) + "\n"
+                              : bench::format_checkpoint_device_report(runs))
+                   .c_str(),
+               stdout);
+    return runs.empty() || !runs.front().error.empty() ? exit_failure : exit_ok;
+  }
   std::vector<bench::checkpoint_case> cases;
   try {
     cases = bench::run_checkpoint_bench(o.checkpoint);
@@ -343,6 +361,18 @@ std::function<int()> add_bench_command(CLI::App& app) {
                    "Runs of each kind (without, with checkpoints), alternating")
       ->check(CLI::Range(1, 100));
   ckpt->add_option("--recipe", opts->checkpoint.recipe, "Recipe (default: examples/default.toml)")
+      ->check(CLI::ExistingFile);
+  ckpt->add_option("--device", opts->checkpoint_device,
+                   "cpu (the recipe's shape and GPT-2 small, a checkpoint every step) or cuda "
+                   "(GPT-2 small on one GPU, a checkpoint every --every steps)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  ckpt->add_option("--every", opts->checkpoint_gpu.every, "--device cuda: checkpoint.every values")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 100000));
+  ckpt->add_option("--batch", opts->checkpoint_gpu.batch, "--device cuda: the micro-batch")
+      ->check(CLI::Range(1, 1024));
+  ckpt->add_option("--data", opts->checkpoint_gpu.data,
+                   "--device cuda: data.train instead of the recipe's")
       ->check(CLI::ExistingFile);
   // Hidden (empty group): the peer process that `bench transport` starts.
   auto* peer = bench->add_subcommand("transport-peer", "The peer process of bench transport");

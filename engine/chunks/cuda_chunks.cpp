@@ -102,17 +102,20 @@ class cuda_chunk final : public device_chunk {
   std::int64_t optimizer_bytes() const override { return s_.optimizer_bytes(); }
   std::pair<std::vector<float>, std::vector<float>> moments() override { return s_.moments(); }
   void load_moments(const float* m, const float* v) override { s_.load_moments(m, v); }
-  // checkpoint.pinned_copy: into pinned memory while the chunk goes on; otherwise copied now.
+  // checkpoint.pinned_copy: into pinned memory while the chunk goes on, given as views of it;
+  // otherwise copied now.
   std::function<state_copy()> begin_state_copy(bool with_moments) override {
     if (!pinned_copy_) {
-      auto s = std::make_shared<state_copy>();
-      s->params = s_.parameters();
-      if (with_moments) std::tie(s->m, s->v) = s_.moments();
+      auto s = std::make_shared<state_copy>(device_chunk::begin_state_copy(with_moments)());
       return [s] { return std::move(*s); };
     }
-    return [fill = s_.begin_state_copy(with_moments)] {
+    return [view = s_.begin_state_copy(with_moments), P = s_.parameter_count(), with_moments] {
       state_copy s;
-      fill(s.params, s.m, s.v);
+      s.params = view();
+      if (with_moments) {
+        s.m = s.params + P;
+        s.v = s.params + 2 * P;
+      }
       return s;
     };
   }

@@ -124,19 +124,28 @@ class device_chunk {
   virtual void load_moments(const float* m, const float* v) = 0;
   // A checkpoint's capture: begins copying the master weights and (with_moments) the AdamW
   // moments to host memory now, after the chunk's work so far, and returns the call that waits
-  // for the copy and gives it (parameter_count() floats each; m and v empty without moments), on
-  // any thread. Until it returns the chunk may run work that reads them, never update(). The
-  // default copies when called (parameters(), moments()): for kinds whose calls are safe from
-  // another thread while the chunk works (host chunks); CUDA chunks copy into pinned host
-  // memory on a stream of their own, overlapping the chunk's later work.
+  // for the copy and gives it (parameter_count() floats each; m and v null without moments), on
+  // any thread. Until it returns the chunk may run work that reads them, never update(); once it
+  // has, the floats it gives are the chunk's no longer, and stay valid until the next
+  // begin_state_copy (or until the state_copy goes, where it owns them). The default copies when
+  // called (parameters(), moments()): for kinds whose calls are safe from another thread while
+  // the chunk works (host chunks); CUDA chunks copy into pinned host memory on a stream of their
+  // own, overlapping the chunk's later work, and give views of it.
   struct state_copy {
-    std::vector<float> params, m, v;
+    const float* params = nullptr;
+    const float* m = nullptr;
+    const float* v = nullptr;
+    std::vector<float> owned_params, owned_m, owned_v;  // where the copy owns its floats
   };
   virtual std::function<state_copy()> begin_state_copy(bool with_moments) {
     return [this, with_moments] {
       state_copy s;
-      s.params = parameters();
-      if (with_moments) std::tie(s.m, s.v) = moments();
+      s.owned_params = parameters();
+      s.params = s.owned_params.data();
+      if (!with_moments) return s;
+      std::tie(s.owned_m, s.owned_v) = moments();
+      s.m = s.owned_m.data();
+      s.v = s.owned_v.data();
       return s;
     };
   }

@@ -796,6 +796,32 @@ std::unique_ptr<gpu_chunk::impl> make_impl(compute_dtype dtype, int device) {
 
 }  // namespace
 
+namespace {
+// The capture's pinned buffer, copy stream and events, with room for `floats` (made or grown
+// once; kept).
+gpu_chunk::impl::pinned_copy& reserve_state_copy(gpu_chunk::impl& s, std::int64_t floats) {
+  auto& c = s.state_copy;
+  if (!c) {
+    c = std::make_unique<gpu_chunk::impl::pinned_copy>();
+    check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate(copy)");
+    check(cudaEventCreateWithFlags(&c->start, cudaEventDisableTiming), "cudaEventCreate");
+    // The capture's thread sleeps on it instead of spinning a core for the copy's length.
+    check(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming | cudaEventBlockingSync),
+          "cudaEventCreate");
+  }
+  if (c->floats < floats) {
+    if (c->host) check(cudaFreeHost(c->host), "cudaFreeHost");
+    c->host = nullptr;
+    c->floats = 0;
+    check(cudaMallocHost(reinterpret_cast<void**>(&c->host),
+                         static_cast<std::size_t>(floats) * sizeof(float)),
+          "cudaMallocHost(checkpoint copy)");
+    c->floats = floats;
+  }
+  return *c;
+}
+}  // namespace
+
 gpu_chunk::gpu_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_options& options,
                      int slots, int device, std::shared_ptr<device_tensor_group> group) {
   const gpt_config& config = weights.config();
@@ -858,6 +884,9 @@ gpu_chunk::gpu_chunk(const gpt_chunk& weights, int B, int T, const gpu_trainer_o
     zero(s.ctx, s.v, s.P);
   }
   s.allocate();
+  // Pinned memory is slow to allocate (a large buffer takes a good part of a second): with the
+  // chunk, not at the first checkpoint, whose capture would hold the step up.
+  if (options.pinned_state_copy) reserve_state_copy(s, s.P * (s.m ? 3 : 1));
   s.ctx.synchronize();
 }
 
@@ -1112,50 +1141,28 @@ void gpu_chunk::load_moments(const float* m, const float* v) {
   moments_from_host(*impl_, impl_->m, impl_->v, m, v, impl_->P);
 }
 
-gpu_chunk::state_fill gpu_chunk::begin_state_copy(bool with_moments) {
+gpu_chunk::state_view gpu_chunk::begin_state_copy(bool with_moments) {
   auto& s = *impl_;
   if (with_moments && !s.m)
     throw std::logic_error("gpu_chunk: no optimizer state (ZeRO holds the moments)");
   device_guard g(s.device);
-  auto& c = s.state_copy;
-  if (!c) {
-    c = std::make_unique<impl::pinned_copy>();
-    check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate(copy)");
-    check(cudaEventCreateWithFlags(&c->start, cudaEventDisableTiming), "cudaEventCreate");
-    // The capture's thread sleeps on it instead of spinning a core for the copy's length.
-    check(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming | cudaEventBlockingSync),
-          "cudaEventCreate");
-  }
-  const std::int64_t n = s.P * (with_moments ? 3 : 1);
-  if (c->floats < n) {
-    if (c->host) check(cudaFreeHost(c->host), "cudaFreeHost");
-    c->host = nullptr;
-    c->floats = 0;
-    check(cudaMallocHost(reinterpret_cast<void**>(&c->host),
-                         static_cast<std::size_t>(n) * sizeof(float)),
-          "cudaMallocHost(checkpoint copy)");
-    c->floats = n;
-  }
-  check(cudaEventRecord(c->start, s.ctx.stream()), "cudaEventRecord");
-  check(cudaStreamWaitEvent(c->stream, c->start, 0), "cudaStreamWaitEvent");
+  auto& c = reserve_state_copy(s, s.P * (with_moments ? 3 : 1));
+  check(cudaEventRecord(c.start, s.ctx.stream()), "cudaEventRecord");
+  check(cudaStreamWaitEvent(c.stream, c.start, 0), "cudaStreamWaitEvent");
   const auto bytes = static_cast<std::size_t>(s.P) * sizeof(float);
-  check(cudaMemcpyAsync(c->host, s.master, bytes, cudaMemcpyDeviceToHost, c->stream),
+  check(cudaMemcpyAsync(c.host, s.master, bytes, cudaMemcpyDeviceToHost, c.stream),
         "cudaMemcpyAsync(checkpoint copy)");
   if (with_moments) {
-    check(cudaMemcpyAsync(c->host + s.P, s.m, bytes, cudaMemcpyDeviceToHost, c->stream),
+    check(cudaMemcpyAsync(c.host + s.P, s.m, bytes, cudaMemcpyDeviceToHost, c.stream),
           "cudaMemcpyAsync(checkpoint copy)");
-    check(cudaMemcpyAsync(c->host + 2 * s.P, s.v, bytes, cudaMemcpyDeviceToHost, c->stream),
+    check(cudaMemcpyAsync(c.host + 2 * s.P, s.v, bytes, cudaMemcpyDeviceToHost, c.stream),
           "cudaMemcpyAsync(checkpoint copy)");
   }
-  check(cudaEventRecord(c->done, c->stream), "cudaEventRecord");
-  return [copy = c.get(), device = s.device, P = s.P, with_moments](
-             std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) {
+  check(cudaEventRecord(c.done, c.stream), "cudaEventRecord");
+  return [copy = &c, device = s.device]() -> const float* {
     device_guard g(device);
     check(cudaEventSynchronize(copy->done), "cudaEventSynchronize(checkpoint copy)");
-    params.assign(copy->host, copy->host + P);
-    if (!with_moments) return;
-    m.assign(copy->host + P, copy->host + 2 * P);
-    v.assign(copy->host + 2 * P, copy->host + 3 * P);
+    return copy->host;
   };
 }
 

@@ -74,8 +74,9 @@ struct gpu_trainer_options {
   bool split_backward = false;
   // false: no AdamW moments on the device (ZeRO: its shards hold them); adamw throws.
   bool optimizer_state = true;
-  // A checkpoint's capture (begin_state_copy): into pinned host memory on a stream of the
-  // chunk's own, overlapping its later work; false: copied before begin_state_copy returns.
+  // A checkpoint's capture (the cuda rank chunks' device_chunk::begin_state_copy): into pinned
+  // host memory on a stream of the chunk's own, overlapping its later work, the memory allocated
+  // with the chunk; false: into pageable memory before the capture returns.
   bool pinned_state_copy = false;
   // ZeRO-3 through the devices' groups: the flat master weights and their 16-bit copy are
   // mapped by granule (release_parameters gives memory back), not one allocation each, where the
@@ -271,13 +272,14 @@ class gpu_chunk {
   std::pair<std::vector<float>, std::vector<float>> moments() const;
   void load_moments(const float* m, const float* v);
   // A checkpoint's capture (device_chunk::begin_state_copy): the master weights and (with
-  // moments) the AdamW moments copied into pinned host memory (allocated at the first call, kept)
-  // on a stream of the chunk's own, after what the chunk's stream has enqueued, while its later
-  // work runs; the returned call waits for the copy (any thread) and fills the vectors. The
-  // chunk's AdamW must not run before it returned; the next begin neither.
-  using state_fill =
-      std::function<void(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v)>;
-  state_fill begin_state_copy(bool with_moments);
+  // moments) the AdamW moments copied into pinned host memory (allocated once: at construction
+  // with gpu_trainer_options::pinned_state_copy, else at the first call; kept) on a stream of
+  // the chunk's own, after what the chunk's stream has enqueued, while its later work runs. The
+  // returned call waits for the copy (any thread, sleeping) and gives the pinned floats: the
+  // master weights, then with moments m and v, parameter_count() each; they stay valid until the
+  // next begin_state_copy. The chunk's AdamW must not run before the call returned.
+  using state_view = std::function<const float*()>;
+  state_view begin_state_copy(bool with_moments);
   // ZeRO through a zero_group (device_chunk::own and what follows it): the owned segments'
   // AdamW moments on the device (owned storage order, counted in optimizer_bytes()) and, with
   // `parameters` (ZeRO-3), their master weights; their squared gradients (counted segments, in

@@ -103,7 +103,7 @@ void gpu_chunk::copy_parameters_to(gpt_chunk&) const {}
 void gpu_chunk::load_parameters(std::int64_t, const float*, std::int64_t) {}
 std::pair<std::vector<float>, std::vector<float>> gpu_chunk::moments() const { return {}; }
 void gpu_chunk::load_moments(const float*, const float*) {}
-gpu_chunk::state_fill gpu_chunk::begin_state_copy(bool) { return {}; }
+gpu_chunk::state_view gpu_chunk::begin_state_copy(bool) { return {}; }
 void gpu_chunk::own(std::vector<shard_segment>, bool) {}
 double gpu_chunk::owned_square_sum(const std::vector<shard_segment>&) { return 0; }
 void gpu_chunk::adamw_owned(const kernels::adamw_hparams&, int, float) {}

@@ -39,7 +39,7 @@ gpu_trainer_options gpu_options(const recipe& r) {
   o.recompute = r.activation_checkpoint.full();
   o.attention = parse_attention_kernel(attention_kernel_for(r));
   o.fast_kernels = r.kernels.fast_paths;
-  o.pinned_state_copy = r.checkpoint.pinned_copy;
+  o.pinned_state_copy = r.checkpoint.pinned_copy && r.checkpoint.every > 0;
   o.paged_parameters = zero_on_device(r) && r.parallel.zero >= 3;
   return o;
 }

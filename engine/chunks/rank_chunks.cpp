@@ -444,17 +444,16 @@ class device_rank_chunks final : public rank_chunks {
 
 std::function<rank_chunks::host_state()> rank_chunks::capture_state(int c, bool with_moments) {
   if (auto* d = device(c)) {
-    return [copy = d->begin_state_copy(with_moments), with_moments] {
+    return [copy = d->begin_state_copy(with_moments)] {
       auto s = copy();
       host_state h;
-      h.owned_params = std::move(s.params);
-      h.params = h.owned_params.data();
-      if (with_moments) {
-        h.owned_m = std::move(s.m);
-        h.owned_v = std::move(s.v);
-        h.m = h.owned_m.data();
-        h.v = h.owned_v.data();
-      }
+      h.params = s.params;
+      h.m = s.m;
+      h.v = s.v;
+      h.owned_params = std::move(s.owned_params);  // the pointers stay with the moved buffers
+      h.owned_m = std::move(s.owned_m);
+      h.owned_v = std::move(s.owned_v);
+      h.detached = true;
       return h;
     };
   }

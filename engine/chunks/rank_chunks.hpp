@@ -146,13 +146,18 @@ class rank_chunks {
     const float* m = nullptr;
     const float* v = nullptr;
     std::vector<float> owned_params, owned_m, owned_v;
+    // capture_state's: the floats are no longer the chunk's (a copy), so its update may run
+    // while they are read; false: views of the chunk's buffers, read before its update.
+    bool detached = false;
   };
   virtual host_state state_on_host(int c, bool with_moments);
   // A checkpoint's capture (actors/stage.cpp, S7): begins taking c's master weights and
   // (with_moments) AdamW moments to the host now, after c's work so far, and returns the call
   // that waits for them and gives them as state_on_host does, on any thread. Until it returns,
-  // c may run work that only reads them (forward, backward), never its update. CPU chunks: the
-  // call gives views of the chunks' buffers; device chunks: device_chunk::begin_state_copy.
+  // c may run work that only reads them (forward, backward), never its update; and until what it
+  // gave has been read, unless it is detached. CPU chunks: the call gives views of the chunks'
+  // buffers; device chunks: device_chunk::begin_state_copy's copy (detached; CUDA: views of
+  // pinned memory valid until c's next capture).
   virtual std::function<host_state()> capture_state(int c, bool with_moments);
 
   // ---- memory --------------------------------------------------------------------------

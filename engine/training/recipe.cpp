@@ -196,8 +196,9 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
                                     "after a newer one is committed")},
       {"checkpoint.pinned_copy",
        described(nested(&recipe::checkpoint, &checkpoint_config::pinned_copy),
-                 "`device = \"cuda\"`: each chunk copies its state into pinned host memory on "
-                 "a stream of its own while the next step runs; false: before it begins "
+                 "`device = \"cuda\"` with `checkpoint.every`: each chunk copies its state "
+                 "into pinned host memory (allocated at start) on a stream of its own while the "
+                 "next step runs; false: into pageable memory before it begins "
                  "([checkpoints.md](checkpoints.md#how-a-checkpoint-is-taken))")},
       {"checkpoint.format",
        described(nested(&recipe::checkpoint, &checkpoint_config::format),

@@ -52,7 +52,7 @@ struct checkpoint_config {
   int every = 0;
   std::string dir = "checkpoints";
   int keep = 2;
-  bool pinned_copy = false;  // CUDA: the state copied to pinned memory while the next step runs
+  bool pinned_copy = true;  // CUDA: the state copied to pinned memory while the next step runs
   // "whole": whole-model Hugging Face files, written by one writer; "parts": a part file per
   // stage, each written by its stage (format 2); "auto": parts for a job of several processes.
   std::string format = "auto";

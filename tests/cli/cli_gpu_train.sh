@@ -145,11 +145,12 @@ run gpuck --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.z
 run gpuckr --device cuda --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
   --resume "$tmp/gpuck/checkpoints/step-00000004"
 run gpuckv --device cuda --set parallel.pp=2 --set parallel.micro_batches=4 --resume "$tmp/gpuck/checkpoints/step-00000004"
-# checkpoint.pinned_copy: the state copied into pinned memory on a stream of its own while the
-# next step runs; the checkpoints are byte for byte those copied before the next step.
-run gpucks --device cuda --set parallel.pp=2 --set parallel.dp=2 --set checkpoint.every=4
-run gpuckp --device cuda --set parallel.pp=2 --set parallel.dp=2 --set checkpoint.every=4 \
-  --set checkpoint.pinned_copy=true
+# checkpoint.pinned_copy (the default): the state copied into pinned memory on a stream of its
+# own while the next step runs, its update waiting only for that copy; the checkpoints are byte
+# for byte those copied before the next step (pinned_copy = false).
+run gpucks --device cuda --set parallel.pp=2 --set parallel.dp=2 --set checkpoint.every=4 \
+  --set checkpoint.pinned_copy=false
+run gpuckp --device cuda --set parallel.pp=2 --set parallel.dp=2 --set checkpoint.every=4
 for step in 00000008 00000012; do
   for f in model exp_avg exp_avg_sq lm_head; do
     cmp "$tmp/gpucks/checkpoints/step-$step/$f.safetensors" "$tmp/gpuckp/checkpoints/step-$step/$f.safetensors" ||

@@ -382,3 +382,50 @@ TEST_CASE("a GPU chunk's passes stop before each piece reading parameters, chang
       CHECK(whole.gradients() == pieces.gradients());
     }
 }
+
+// A checkpoint's capture (begin_state_copy): the copy into pinned memory begins behind the
+// chunk's work so far and overlaps the forward and backward that follow; once its call returns,
+// the floats are the master weights and moments as they were at the capture, bitwise, and stay
+// so while the chunk updates (so the stage's update waits for the call alone); the next capture
+// takes the new state. With the memory reserved at construction or at the first capture alike.
+TEST_CASE("a GPU chunk's checkpoint copy holds the state of its capture while it trains on",
+          "[gpu][stage]") {
+  for (const bool reserved : {true, false}) {
+    INFO("pinned memory allocated " << (reserved ? "with the chunk" : "at the first capture"));
+    gpt_chunk host(kConfig, chunk_range::whole(kConfig));
+    host.init_gpt2(5);
+    gpu_trainer_options options;
+    options.pinned_state_copy = reserved;
+    gpu_chunk chunk(host, kB, kT, options, 1);
+    const auto P = static_cast<std::size_t>(chunk.parameter_count());
+    optimizer_config oc;
+    oc.warmup_steps = 1;
+    auto train = [&](int step, std::uint64_t salt) {
+      const auto b = make_batch(salt);
+      chunk.zero_grad();
+      chunk.forward(0, b.inputs.data(), b.targets.data());
+      chunk.backward(0, nullptr);
+      chunk.adamw(adamw_hparams_at(oc, learning_rate(oc, step, 4)), step + 1, 1.0f);
+    };
+    train(0, 1);
+    const auto params = chunk.parameters();
+    const auto [m, v] = chunk.moments();
+    auto view = chunk.begin_state_copy(true);
+    const auto b = make_batch(2);  // the next step's passes read what is being copied
+    chunk.zero_grad();
+    chunk.forward(0, b.inputs.data(), b.targets.data());
+    chunk.backward(0, nullptr);
+    const float* copy = view();
+    auto floats = [&](std::size_t at) { return std::vector<float>(copy + at, copy + at + P); };
+    CHECK(floats(0) == params);
+    CHECK(floats(P) == m);
+    CHECK(floats(2 * P) == v);
+    chunk.adamw(adamw_hparams_at(oc, learning_rate(oc, 1, 4)), 2, 1.0f);
+    const auto updated = chunk.parameters();
+    REQUIRE(updated != params);
+    CHECK(floats(0) == params);  // the update changed the chunk, not the copy
+    CHECK(floats(2 * P) == v);
+    const float* again = chunk.begin_state_copy(false)();
+    CHECK(std::vector<float>(again, again + P) == updated);
+  }
+}
