@@ -7,10 +7,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu_ops.hpp"
@@ -432,9 +434,19 @@ TEST_CASE("a paged buffer maps granules while they are held", "[gpu]") {
   REQUIRE(cudaMemcpy(p, ones.data(), kept * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
   REQUIRE(cudaMemcpy(back.data(), p, kept * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
   CHECK(std::equal(ones.begin(), ones.end(), back.begin()));
-  // Acquired again before the stream passed the release: the mapping and values stay.
+  // Acquired again before the stream passed the release: the mapping and values stay. The
+  // stream is held at a gate (a host function waiting for the test) so that it cannot pass the
+  // release before the acquire, however fast the device.
+  std::atomic<bool> open{false};
+  REQUIRE(cudaLaunchHostFunc(
+              ctx.stream(),
+              [](void* gate) {
+                while (!static_cast<std::atomic<bool>*>(gate)->load()) std::this_thread::yield();
+              },
+              &open) == cudaSuccess);
   buf.release(3 * G, G, ctx.stream());
   buf.acquire(3 * G, G);
+  open = true;
   ctx.synchronize();
   CHECK(buf.mapped_bytes() == 6 * G);
   REQUIRE(cudaMemcpy(back.data(), p, floats * sizeof(float), cudaMemcpyDeviceToHost) ==
