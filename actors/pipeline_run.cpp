@@ -26,6 +26,7 @@
 #include "engine/model/gpt_weights.hpp"
 #include "engine/parallel/memory_plan.hpp"
 #include "engine/parallel/support.hpp"
+#include "engine/training/checkpoint_identity.hpp"
 #include "topology/placement.hpp"
 #include "transport/rendezvous.hpp"
 #include "transport/ucx_transport.hpp"
@@ -70,7 +71,8 @@ namespace {
 // address or the peer.
 std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options& o,
                                       const topology::job_placement& pl, std::string device,
-                                      std::vector<std::vector<std::uint8_t>> nccl_ids, welcome* w) {
+                                      std::vector<std::vector<std::uint8_t>> nccl_ids,
+                                      std::string resume, welcome* w) {
   const auto& env = o.launch;
   auto transport = std::make_unique<transport::ucx_transport>(env.rank);
   hello h;
@@ -85,6 +87,7 @@ std::unique_ptr<remote_mesh> join_job(const engine::recipe& r, const run_options
   h.host = host;
   h.worker_address = transport->address();
   h.device = std::move(device);
+  h.resume = std::move(resume);
   if (env.rank == 0) h.nccl_ids = std::move(nccl_ids);
   transport::rendezvous_options ro{env.master_addr, env.master_port, o.rendezvous_timeout};
   *w = env.rank == 0 ? transport::rendezvous_serve(ro, h) : transport::rendezvous_join(ro, h);
@@ -267,8 +270,10 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
       }
     }
     welcome w;
-    mesh = join_job(r, o, in.placement, nccl ? in.chunks->device_identity() : "",
-                    std::move(offered), &w);
+    // Every process must resume the same checkpoint: the rendezvous compares their choices.
+    mesh =
+        join_job(r, o, in.placement, nccl ? in.chunks->device_identity() : "", std::move(offered),
+                 in.resume_dir.empty() ? "" : engine::checkpoint_identity(in.resume_dir), &w);
     in.mesh = mesh.get();
     in.origin = trace::trace_clock::now();  // all processes leave the rendezvous together
     in.nccl_ids = std::move(w.nccl_ids);

@@ -1,6 +1,6 @@
 // `troupe bench checkpoint`: what checkpoints cost. For each model shape (the recipe's, and
 // GPT-2 small's: 12 layers, width 768, 50257 tokens) it runs the same steps without checkpoints
-// and with a checkpoint after every step, in one process on the recipe's pipeline, alternating
+// and with a checkpoint every `every` steps, in one process on the recipe's pipeline, alternating
 // the two `rounds` times (so that a drift of the machine's speed falls on both alike), and
 // reports the median wall time of a step of each (a checkpoint's collection holds training up;
 // its writing runs beside the next steps and competes for the cores), the overhead, the
@@ -20,6 +20,7 @@ struct checkpoint_bench_options {
   int gpt2_steps = 4;  // per run of the GPT-2 small shape (0: not run)
   int warmup = 2;      // leading steps of each run left out of the step time
   int rounds = 2;      // runs of each kind, alternating
+  int every = 1;       // checkpoint.every of the runs with checkpoints
 };
 
 struct checkpoint_case {
@@ -28,9 +29,12 @@ struct checkpoint_case {
   int steps = 0;
   std::string error;  // non-empty: a run failed; the figures are unset
   int rounds = 0;
-  double step_ms_without = 0;  // median wall time of a step, no checkpoints
-  double step_ms_every = 0;    // median wall time of a step, a checkpoint after every step
-  double overhead = 0;         // step_ms_every / step_ms_without - 1
+  int every = 1;
+  // Wall time of a step without checkpoints and with one every `every` steps: the median with
+  // one after every step, else the mean (a median would leave the checkpoints' steps out).
+  double step_ms_without = 0;
+  double step_ms_every = 0;
+  double overhead = 0;  // step_ms_every / step_ms_without - 1
   std::int64_t checkpoint_bytes = 0;
   double first_step_fresh_s = 0;   // start of the run to its first step, fresh
   double first_step_resume_s = 0;  // the same, resuming from the last checkpoint

@@ -31,6 +31,9 @@ struct hello {
   std::string host;
   std::vector<std::uint8_t> worker_address;  // UCX worker address blob
   std::string device;  // the CUDA device of its chunks (PCI bus id, NCCL host id); empty: none
+  // The checkpoint it resumes (engine::checkpoint_identity); empty: a fresh start. Rank 0
+  // refuses a process that names another one, and ends the rendezvous, naming both.
+  std::string resume;
   // Rank 0 only (never sent): NCCL unique ids (128 bytes each) it offers, one per communicator
   // between processes (links and groups, in actors/pipeline_wiring.hpp's nccl_plan order), for
   // the welcome.

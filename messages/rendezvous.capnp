@@ -10,7 +10,7 @@ $import "/capnp/c++.capnp".namespace("troupe::messages::rendezvous_wire");
 const rendezvousMagic :UInt64 = 0x74726f7570655256;
 
 # Bumped when this file changes incompatibly; rank 0 refuses a Hello with another value.
-const rendezvousSchemaVersion :UInt32 = 1;
+const rendezvousSchemaVersion :UInt32 = 2;
 
 struct Hello {
   schemaVersion @0 :UInt32;     # rendezvousSchemaVersion of the sender
@@ -24,6 +24,8 @@ struct Hello {
   workerAddress @8 :Data;       # UCX worker address blob
   device @9 :Text;              # its chunks' CUDA device (PCI bus id, NCCL host id); empty: none
   ncclIds @10 :List(Data);      # rank 0's own hello only: ids offered (128 bytes each)
+  resume @11 :Text;             # the checkpoint it resumes ("step-N, manifest xxh64 H"); empty:
+                                # a fresh start. Every process of a job must name the same one.
 }
 
 struct Peer {

@@ -68,7 +68,7 @@ constexpr std::size_t max_pending_connections = 1024;
 constexpr std::size_t frame_overhead_bytes = 512;
 constexpr std::size_t max_hello_bytes = frame_overhead_bytes + max_job_token_bytes +
                                         max_host_bytes + 8 + max_worker_address_bytes + 8 +
-                                        max_device_bytes;
+                                        max_device_bytes + 8 + max_resume_bytes;
 constexpr std::size_t max_peer_bytes =
     32 + max_host_bytes + 8 + max_worker_address_bytes + 8 + max_device_bytes + 32;
 std::size_t max_welcome_bytes(int world) {
@@ -132,6 +132,7 @@ kj::Array<capnp::word> encode_hello(const messages::hello& h) {
   w.setHost(h.host);
   w.setWorkerAddress(kj::arrayPtr(h.worker_address.data(), h.worker_address.size()));
   w.setDevice(h.device);
+  w.setResume(h.resume);
   return capnp::messageToFlatArray(m);
 }
 
@@ -241,7 +242,22 @@ std::string check_hello(wire::Hello::Reader h, const messages::hello& own) {
     return "worker address longer than " + std::to_string(max_worker_address_bytes) + " bytes";
   if (h.getDevice().size() > max_device_bytes)
     return "device name longer than " + std::to_string(max_device_bytes) + " bytes";
+  if (h.getResume().size() > max_resume_bytes)
+    return "checkpoint name longer than " + std::to_string(max_resume_bytes) + " bytes";
   return "";
+}
+
+// A hello that resumes another checkpoint than rank 0 (or starts fresh where rank 0 resumes, or
+// the other way round): "" if the same.
+std::string resume_mismatch(wire::Hello::Reader h, const messages::hello& own) {
+  const auto theirs = h.getResume();
+  const std::string_view joiner(theirs.begin(), theirs.size());
+  if (joiner == own.resume) return "";
+  auto name = [](std::string_view s) {
+    return s.empty() ? std::string("starts fresh") : "resumes " + std::string(s);
+  };
+  return "rank " + std::to_string(h.getRank()) + " " + name(joiner) + ", but rank 0 " +
+         name(own.resume) + ": every process must resume the same checkpoint";
 }
 
 void check_own(const messages::hello& own, const char* who) {
@@ -249,9 +265,10 @@ void check_own(const messages::hello& own, const char* who) {
     throw rendezvous_error(std::string(who) + ": world size " + std::to_string(own.coords.world) +
                            " is outside 1-" + std::to_string(max_world));
   if (own.job_token.size() > max_job_token_bytes || own.host.size() > max_host_bytes ||
-      own.worker_address.size() > max_worker_address_bytes || own.device.size() > max_device_bytes)
-    throw rendezvous_error(std::string(who) +
-                           ": job token, host name, worker address or device name too long");
+      own.worker_address.size() > max_worker_address_bytes ||
+      own.device.size() > max_device_bytes || own.resume.size() > max_resume_bytes)
+    throw rendezvous_error(std::string(who) + ": job token, host name, worker address, device " +
+                           "name or checkpoint name too long");
   if (own.nccl_ids.size() > max_nccl_ids)
     throw rendezvous_error(std::string(who) + ": " + std::to_string(own.nccl_ids.size()) +
                            " NCCL ids, at most " + std::to_string(max_nccl_ids));
@@ -360,6 +377,10 @@ class server {
   }
   void refuse(connection& c, const std::string& reason, int rank);
   std::string missing() const;
+  bool replying() const {
+    return std::any_of(conns_.begin(), conns_.end(),
+                       [](const auto& c) { return c->at == connection::phase::replying; });
+  }
 
   rendezvous_options o_;
   const messages::hello& own_;
@@ -370,6 +391,9 @@ class server {
   std::vector<messages::peer_address> peers_ = std::vector<messages::peer_address>(holder_.size());
   messages::welcome welcome_;
   std::vector<std::string> refusals_;
+  // A process that resumes another checkpoint: the job cannot go on; rank 0 ends once its
+  // refusal has gone out.
+  std::string fatal_;
 };
 
 void server::accept_all() {
@@ -413,6 +437,10 @@ void server::on_hello(connection& c) {
   if (reason.empty() && (rank == 0 || holder_alive(rank)))
     reason = "rank " + std::to_string(rank) + " already joined";
   if (!reason.empty()) return refuse(c, reason, rank);
+  if (const std::string mismatch = resume_mismatch(h, own_); !mismatch.empty()) {
+    if (fatal_.empty()) fatal_ = mismatch;
+    return refuse(c, mismatch, rank);
+  }
   c.at = connection::phase::joined;
   c.rank = rank;
   holder_[static_cast<std::size_t>(rank)] = &c;
@@ -504,6 +532,8 @@ messages::welcome server::run() {
       for (auto& h : holder_) h = nullptr;
     }
     if (welcoming && conns_.empty()) return welcome_;
+    if (!fatal_.empty() && !replying())
+      throw rendezvous_error("rendezvous at " + where(o_) + ": " + fatal_);
     if (!welcoming && now >= deadline_)
       throw rendezvous_error("rendezvous at " + where(o_) + " timed out after " +
                              std::to_string(o_.timeout.count()) + " ms: " + missing());

@@ -35,6 +35,7 @@ struct rendezvous_options {
 inline constexpr std::size_t max_host_bytes = 255;
 inline constexpr std::size_t max_worker_address_bytes = 4096;
 inline constexpr std::size_t max_device_bytes = 64;
+inline constexpr std::size_t max_resume_bytes = 512;
 // NCCL ids a welcome carries at most (one per communicator between processes: pipeline and tied
 // wte links, data-parallel and tensor groups), of these bytes.
 // (Rank 0's NCCL keeps a bootstrap thread and socket per id until both ends have joined.)

@@ -7,6 +7,8 @@
 #    final weights equal the run that was never killed, bitwise;
 #  - a damaged newest checkpoint: `troupe ckpt verify` names the file and both checksums,
 #    `troupe train --resume` says so, falls back to the previous one and still ends bitwise;
+#  - processes that would resume different checkpoints: refused at the rendezvous, each naming
+#    both, before any step;
 #  - `troupe ckpt ls` and `export`; bad input (nothing to resume, a fresh run over another run's
 #    checkpoints) is one line and exit 2; more restarts than allowed is exit 3 with a report;
 #  - hangs: a stage stuck in an action (the watchdog names it) and a SIGSTOPped process (lost
@@ -158,6 +160,43 @@ for x in a[189:]:
     assert (x["loss"], x["grad_norm"]) == (y["loss"], y["grad_norm"]), x["step"]
 PY
 cmp "$tmp/through/final.safetensors" "$tmp/damaged/final.safetensors" || fail "damaged: final weights"
+
+# 3b. Processes that would resume different checkpoints (each sees a checkpoint.dir of its own,
+# and rank 1's newest is damaged, so it falls back): the rendezvous refuses the job before any
+# step, both processes naming both checkpoints; no checkpoint is written.
+mkdir -p "$tmp/mismatch0" "$tmp/mismatch1"
+cp -r "$tmp/through/checkpoints" "$tmp/mismatch0/"
+cp -r "$tmp/through/checkpoints" "$tmp/mismatch1/"
+printf '\x55' | dd of="$tmp/mismatch1/checkpoints/step-00000196/part-000-001.safetensors" bs=1 \
+  seek=4000 conv=notrunc status=none
+port=$((20000 + RANDOM % 12000))
+for tries in $(seq 1 50); do
+  "$py" -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))' "$port" 2>/dev/null && break
+  port=$((port >= 32700 ? 20000 : port + 1))
+done
+pids=()
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    TROUPE_JOB_TOKEN=cli-mismatch timeout -k 5 120 "$troupe" train "$tmp/recipe.toml" \
+    "${common[@]}" --set parallel.dp=1 --set "output.dir=$tmp/mismatch$r" \
+    --resume "$tmp/mismatch$r/checkpoints" >"$tmp/mismatch.$r.log" 2>&1 &
+  pids+=($!)
+done
+for r in 0 1; do
+  if wait "${pids[$r]}"; then fail "rank $r of a job resuming two checkpoints succeeded"; fi
+done
+line="rank 1 resumes step-00000189 (manifest xxh64 [0-9a-f]*), but rank 0 resumes step-00000196 (manifest xxh64 [0-9a-f]*): every process must resume the same checkpoint"
+for r in 0 1; do
+  grep -q "$line" "$tmp/mismatch.$r.log" ||
+    { cat "$tmp/mismatch.$r.log" >&2; fail "rank $r did not name both checkpoints"; }
+done
+for r in 0 1; do
+  [ "$(ls "$tmp/mismatch$r/checkpoints")" = "$(ls "$tmp/through/checkpoints")" ] ||
+    fail "the refused job changed rank $r's checkpoints"
+done
+echo "3b: a job whose processes resume different checkpoints is refused, naming both"
 
 # 4. Export: the weights of a checkpoint as a Hugging Face file; never over a file.
 "$troupe" ckpt export "$tmp/through/checkpoints" "$tmp/exported.safetensors" >/dev/null || fail "export"

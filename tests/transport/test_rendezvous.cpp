@@ -311,6 +311,41 @@ TEST_CASE("wrong hellos are refused with their reason; the job completes", "[uni
   }
 }
 
+// Every process must resume the same checkpoint (messages::hello::resume): one that names
+// another, or starts fresh where rank 0 resumes, is refused naming both, and rank 0 ends the
+// job with the same line instead of waiting for it.
+TEST_CASE("a process resuming another checkpoint than rank 0 ends the rendezvous, naming both",
+          "[unit][rendezvous]") {
+  const std::string newest = "step-00000004 (manifest xxh64 00000000000000aa)";
+  const std::string older = "step-00000002 (manifest xxh64 00000000000000bb)";
+  for (const std::string& theirs : {older, std::string()}) {
+    INFO("rank 2 " << (theirs.empty() ? "starts fresh" : "resumes " + theirs));
+    const auto o = options(fresh_port());
+    auto own = hello_of(0, 3), same_one = hello_of(1, 3), other = hello_of(2, 3);
+    own.resume = same_one.resume = newest;
+    other.resume = theirs;
+    auto server = start(true, o, own);
+    auto f1 = start(false, options(o.port, 3000ms), same_one);
+    auto f2 = start(false, o, other);
+    const std::string line =
+        "rank 2 " + (theirs.empty() ? std::string("starts fresh") : "resumes " + theirs) +
+        ", but rank 0 resumes " + newest + ": every process must resume the same checkpoint";
+    CHECK_THAT(get(f2).error, Contains("refused this process: " + line));
+    const outcome s = get(server);
+    CHECK_FALSE(s.welcome);
+    CHECK(s.error == "rendezvous at 127.0.0.1:" + std::to_string(o.port) + ": " + line);
+    CHECK_FALSE(get(f1).welcome);  // its rank 0 is gone
+  }
+  // The same checkpoint everywhere: the job joins.
+  const auto o = options(fresh_port());
+  auto own = hello_of(0, 2), joiner = hello_of(1, 2);
+  own.resume = joiner.resume = newest;
+  auto server = start(true, o, own);
+  auto f1 = start(false, o, joiner);
+  check_welcome(get(server), 2);
+  check_welcome(get(f1), 2);
+}
+
 TEST_CASE("rank 0 names the ranks still missing at its deadline", "[unit][rendezvous]") {
   const auto o = options(fresh_port(), 3000ms);
   auto server = start(true, o, hello_of(0, 5));
