@@ -11,14 +11,9 @@
 //  S5. ZeRO: a bucket holding a tied wte copy goes to the shard only after the tied exchange
 //      (the shard reduces gradients the stage will never see whole again); the squared norm
 //      is the sum of the shard's per-bucket reports, in bucket order.
-//  S7. A checkpoint's capture (snapshot_request::capture) takes the state between steps.
-//      Without ZeRO: each chunk's copy begins when the capture arrives (rank_chunks::
-//      capture_state: device chunks into pinned host memory on a stream of their own) and a
-//      thread takes it while the next step runs, which only reads parameters and moments; the
-//      next update waits until the copy no longer reads the chunks' state (CPU chunks: until
-//      the snapshot is made; device chunks: until their copies are on the host). ZeRO: the
-//      shard is asked for its owned floats at the capture, before the update this stage sends
-//      it later (one sender, one order), so its answer holds them as they were between steps.
+//  S7. A checkpoint's capture (snapshot_request::capture) takes the state between steps, and
+//      the next update waits until the copy no longer reads the chunks' state: the capture
+//      unit's invariant (topology/stage_capture.hpp), with W5 (a stage writes its part).
 //  S8. ZeRO through the devices' zero_group: buckets go to the group in the order they became
 //      final, except a bucket holding a tied wte copy, which goes once the exchange is done and
 //      every other bucket of the rank has gone (a place the same on every replica, after the
@@ -80,6 +75,7 @@
 #include "topology/link_credits.hpp"
 #include "topology/param_gathers.hpp"
 #include "topology/payload_links.hpp"
+#include "topology/stage_capture.hpp"
 #include "topology/tied_wte.hpp"
 
 namespace troupe::actors {
@@ -117,11 +113,7 @@ class stage_impl : public stage_actor::base {
     // A shard that stops (failed, or the run is torn down) must not leave its peers waiting in
     // a collective: they throw, naming this stage, and stop too.
     if (cfg_.tp_member) cfg_.tp_member->abort(who() + " stopped");
-    if (copying_.valid()) copying_.wait();  // it reads the chunks
-    if (writing_.valid()) writing_.wait();  // not left to a destructor on its own thread
-    for (auto& [token, rp] : parts_waiting_)
-      rp.deliver(caf::make_error(caf::sec::runtime_error, who() + " stopped"));
-    parts_waiting_.clear();
+    if (capture_) capture_->stop(who() + " stopped");
     wiring_ = {};
     held_.clear();
     stash_links_.clear();
@@ -134,6 +126,7 @@ class stage_impl : public stage_actor::base {
     if (!device()) kernels::set_compute_threads(cfg_.compute_threads);
     if (cfg_.watchdog) watch_ = cfg_.watchdog->enroll(who());
     init_chunks();
+    capture_ = std::make_unique<topology::stage_capture>(capture_hooks());
     return {
         [this](stage_wiring& w) {
           wiring_ = std::move(w);
@@ -153,19 +146,13 @@ class stage_impl : public stage_actor::base {
           if (r.capture) return on_capture();
           return r.state ? on_state(std::move(r.part_dir)) : on_snapshot();
         },
-        [this](snapshot_copied) { on_copied(); },
-        [this](part_written& w) { on_part_written(w); },
+        [this](snapshot_copied) { capture_->copied(); },
+        [this](part_written& w) { capture_->part_written(w.token, std::move(w.file), w.error); },
         [this](bucket_gathered& g) { on_bucket_gathered(g); },
     };
   }
 
  private:
-  // A checkpoint's state request (snapshot_request::state) waiting for its answer.
-  struct state_request {
-    caf::typed_response_promise<stage_snapshot> rp;
-    std::string part_dir;  // format 2: where its part is written
-  };
-
   std::string who() const {
     return std::string(device() ? "device " : "") + "stage rank " + std::to_string(cfg_.rank) +
            " replica " + std::to_string(cfg_.replica) +
@@ -437,176 +424,74 @@ class stage_impl : public stage_actor::base {
     return rp;
   }
 
-  // A checkpoint's first phase (S7): the state taken aside, answered with an empty snapshot once
-  // the next step may begin.
-  // The capture is answered at once. The chunks' copies of what the stage holds (parameters,
-  // and without ZeRO the moments; under ZeRO-1/2 replica 0's lanes alone send parameters) begin
-  // now (device chunks: into pinned host memory on a stream of their own) and are taken on a
-  // thread; they only read, while the stage thread meanwhile writes activations and gradients.
-  // ZeRO's owned floats come from the shard, asked now: it answers before the update this
-  // stage sends it later; or, through the devices' group, from the devices now.
+  // A checkpoint's first phase (S7, topology/stage_capture.hpp): the state taken aside,
+  // answered with an empty snapshot at once, so that the next step may begin. The chunks'
+  // copies of what the stage holds (parameters, and without ZeRO the moments; under ZeRO-1/2
+  // replica 0's lanes alone send parameters) begin now. ZeRO's owned floats come from the
+  // shard, asked now: it answers before the update this stage sends it later; or, through the
+  // devices' group, from the devices now.
   caf::result<stage_snapshot> on_capture() {
-    if (copying_.valid()) copying_.get();  // an abandoned checkpoint's (a failed job's)
-    copies_taken_ = {};
-    for (auto& q : state_waiting_)  // and its state requests
-      q.rp.deliver(caf::make_error(caf::sec::runtime_error, "a checkpoint abandoned"));
-    state_waiting_.clear();
-    captured_.reset();
-    copied_.reset();
-    zero_part_.reset();
-    zero_pending_ = false;
-    const int capture = ++captures_;
     stage_snapshot empty;
     empty.rank = my_rank();
     empty.replica = cfg_.replica;
     const bool params = !zero() || (!sharded_params() && cfg_.replica == 0);
     const bool moments = !zero();
-    if (params) {
-      std::vector<std::function<engine::rank_chunks::host_state()>> copies;
-      for (int c = 0; c < chunks_->chunk_count(); ++c)
-        copies.push_back(chunks_->capture_state(c, moments));
-      caf::actor me = caf::actor_cast<caf::actor>(this);
-      auto taken = std::make_shared<std::promise<void>>();
-      copies_taken_ = taken->get_future();
-      copying_ = std::async(std::launch::async, [this, me, copies = std::move(copies), moments,
-                                                 taken] {
-        bool told = false;  // the update told it may run
-        try {
-          if (cfg_.test_capture_delay_ms > 0)
-            std::this_thread::sleep_for(std::chrono::milliseconds(cfg_.test_capture_delay_ms));
-          std::vector<engine::rank_chunks::host_state> states;
-          for (const auto& copy : copies) states.push_back(copy());
-          // Copies (device chunks'): the update need not wait for the snapshot's tensors.
-          if (std::all_of(states.begin(), states.end(), [](const auto& h) { return h.detached; })) {
-            taken->set_value();
-            told = true;
-          }
-          auto s = snapshot_of(states, true, moments);
-          if (!told) taken->set_value();
-          told = true;
-          caf::anon_send(me, snapshot_copied{});
-          return s;
-        } catch (...) {
-          if (!told) taken->set_exception(std::current_exception());
-          throw;
-        }
-      });
-    } else {  // ZeRO-3 (or a replica past 0): the stage holds nothing of the state to copy
-      copied_ = empty;
-    }
+    auto copies = [this, params, moments] {
+      topology::stage_capture::chunk_copies c;
+      if (params)
+        for (int k = 0; k < chunks_->chunk_count(); ++k)
+          c.push_back(chunks_->capture_state(k, moments));
+      return c;
+    };
+    using zero_part = topology::stage_capture::zero_part;
     if (zero_on_device()) {
-      zero_part_ = device_zero_state();
-      assemble_capture();  // where nothing is left to copy
+      capture_->begin(copies, moments, empty, zero_part::now, device_zero_state());
     } else if (zero()) {
-      zero_pending_ = true;
+      const int capture = capture_->begin(copies, moments, empty, zero_part::pending);
       request(wiring_.reducer, caf::infinite, zero_state_request{})
-          .then([this, capture](zero_state& z) {
-            if (capture != captures_) return;  // an abandoned checkpoint's
-            zero_part_ = std::move(z);
-            zero_pending_ = false;
-            assemble_capture();
-          });
+          .then([this, capture](zero_state& z) { capture_->zero_arrived(capture, std::move(z)); });
+    } else {
+      capture_->begin(copies, moments, empty, zero_part::none);
     }
     return empty;
-  }
-
-  // The copy's thread is done, or about to return its copy (it says so just before).
-  void on_copied() { finish_capture(); }
-  // S7: the next update waits until the capture no longer reads the chunks' state: until the
-  // chunks' copies are taken (device chunks, whose copies the thread then makes the snapshot's
-  // tensors of while the update runs), or until the snapshot is made (CPU chunks, read in place).
-  void wait_for_capture_copies() {
-    if (copies_taken_.valid()) copies_taken_.get();
-  }
-  // The copy, once done, with ZeRO's part once in, to the state requests waiting for it.
-  void finish_capture() {
-    if (copying_.valid()) copied_ = copying_.get();
-    assemble_capture();
-  }
-  void assemble_capture() {
-    if (!copied_ || zero_pending_) return;
-    captured_ = zero() ? zero_snapshot(std::move(*copied_), *zero_part_) : std::move(*copied_);
-    copied_.reset();
-    zero_part_.reset();
-    if (state_waiting_.empty()) return;
-    for (std::size_t i = 0; i + 1 < state_waiting_.size(); ++i)
-      answer_state(state_waiting_[i], *captured_);
-    answer_state(state_waiting_.back(), std::move(*captured_));
-    state_waiting_.clear();
-    captured_.reset();
   }
 
   // A checkpoint's state (snapshot_request::state): what the capture took, or, without one, the
   // state now; with a part directory, written there as this stage's part (format 2).
   caf::result<stage_snapshot> on_state(std::string part_dir) {
-    if (copying_.valid() &&
-        copying_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
-      copied_ = copying_.get();
-      assemble_capture();
-    }
-    state_request q{make_response_promise<stage_snapshot>(), std::move(part_dir)};
-    auto rp = q.rp;
-    if (captured_) {
-      stage_snapshot s = std::move(*captured_);
-      captured_.reset();
-      answer_state(q, std::move(s));
-    } else if (copying_.valid() || copied_ || zero_pending_) {  // once the capture is in
-      state_waiting_.push_back(std::move(q));
-    } else {
-      take_state([this, q](stage_snapshot s) mutable { answer_state(q, std::move(s)); });
-    }
+    auto rp = make_response_promise<stage_snapshot>();
+    topology::stage_capture::request q{[rp](stage_snapshot s) mutable { rp.deliver(std::move(s)); },
+                                       [rp](const std::string& why) mutable {
+                                         rp.deliver(caf::make_error(caf::sec::runtime_error, why));
+                                       },
+                                       std::move(part_dir)};
+    capture_->state(std::move(q), [this](std::function<void(stage_snapshot)> done) {
+      take_state(std::move(done));
+    });
     return rp;
   }
 
-  void answer_state(state_request& q, stage_snapshot s) {
-    if (q.part_dir.empty())
-      q.rp.deliver(std::move(s));
-    else
-      write_part(q, std::move(s));
-  }
-
-  // W5: the state written as this stage's part on a thread (part_written when done), while the
-  // stage goes on; the answer is the part's name, size and xxh64.
-  void write_part(const state_request& q, stage_snapshot s) {
-    if (writing_.valid()) writing_.get();  // the previous checkpoint's (one at a time: W1)
-    const int token = ++parts_asked_;
-    parts_waiting_.emplace(token, q.rp);
-    writing_ = std::async(
-        std::launch::async, [me = address(), token, dir = std::filesystem::path(q.part_dir),
-                             name = engine::checkpoint_part_name(my_rank(), lane()),
-                             shard = cfg_.tp_rank, s = std::move(s)] {
-          part_written w{token, {}, {}};
-          try {
-            using role = engine::checkpoint_assembler::role;
-            std::vector<engine::checkpoint_piece> pieces;
-            for (const auto& [n, v] : s.parameters)
-              pieces.push_back(
-                  {role::parameter, n, shard, 0, v.data(), static_cast<std::int64_t>(v.size())});
-            for (const auto& p : s.pieces)
-              pieces.push_back({static_cast<role>(p.role), p.name, shard, p.offset, p.values.data(),
-                                static_cast<std::int64_t>(p.values.size())});
-            w.file = engine::write_checkpoint_part(dir, name, pieces);
-          } catch (const std::exception& e) {
-            w.error = e.what();
-          }
-          if (auto self = caf::actor_cast<caf::actor>(me)) caf::anon_send(self, std::move(w));
-        });
-  }
-
-  void on_part_written(part_written& w) {
-    const auto it = parts_waiting_.find(w.token);
-    if (it == parts_waiting_.end()) return;
-    auto rp = it->second;
-    parts_waiting_.erase(it);
-    if (!w.error.empty()) {
-      rp.deliver(caf::make_error(caf::sec::runtime_error, w.error));
-      return;
-    }
-    stage_snapshot s;
-    s.rank = my_rank();
-    s.replica = cfg_.replica;
-    s.part = std::move(w.file);
-    rp.deliver(std::move(s));
+  // What the capture unit needs of this stage.
+  topology::stage_capture::hooks capture_hooks() {
+    topology::stage_capture::hooks h;
+    h.snapshot_of = [this](const std::vector<engine::rank_chunks::host_state>& states,
+                           bool moments) { return snapshot_of(states, true, moments); };
+    h.with_zero = [this](stage_snapshot s, const zero_state& z) {
+      return zero_snapshot(std::move(s), z);
+    };
+    h.post_copied = [me = address()] {
+      if (auto self = caf::actor_cast<caf::actor>(me)) caf::anon_send(self, snapshot_copied{});
+    };
+    h.post_part = [me = address()](int token, engine::checkpoint_file file, std::string error) {
+      if (auto self = caf::actor_cast<caf::actor>(me))
+        caf::anon_send(self, part_written{token, std::move(file), std::move(error)});
+    };
+    h.part_name = engine::checkpoint_part_name(my_rank(), lane());
+    h.rank = my_rank();
+    h.replica = cfg_.replica;
+    h.shard = cfg_.tp_rank;
+    h.delay_ms = cfg_.test_capture_delay_ms;
+    return h;
   }
 
   // The parameters and the AdamW moments; where the ZeRO shard holds them, as the pieces it owns.
@@ -1237,7 +1122,7 @@ class stage_impl : public stage_actor::base {
   // A skipped update (the coordinator's guard) drops the step's gradients and leaves the
   // parameters and moments as they are.
   void on_update(const apply_update& u) {
-    wait_for_capture_copies();
+    capture_->wait_for_copies();  // S7
     if (zero_on_device()) {
       update_on_devices(u);
       return;
@@ -1423,17 +1308,7 @@ class stage_impl : public stage_actor::base {
   bool consolidated_ = false;  // the final weights are gathered: nothing is released any more
   int final_pending_ = 0;
   std::vector<caf::typed_response_promise<stage_snapshot>> snapshots_waiting_;
-  // A checkpoint's state (S7): being copied, taken, and the state requests waiting for it.
-  std::future<stage_snapshot> copying_;
-  std::future<void> copies_taken_;  // S7: the capture reads the chunks' state no longer
-  std::optional<stage_snapshot> copied_, captured_;  // the thread's part; the whole state
-  std::optional<zero_state> zero_part_;              // ZeRO's owned floats
-  bool zero_pending_ = false;                        // asked of the shard, not in yet
-  int captures_ = 0;                                 // captures begun
-  std::vector<state_request> state_waiting_;
-  std::future<void> writing_;  // W5: this stage's part being written
-  int parts_asked_ = 0;
-  std::map<int, caf::typed_response_promise<stage_snapshot>> parts_waiting_;
+  std::unique_ptr<topology::stage_capture> capture_;  // S7, W5: its checkpoints
   bool active_ = false, compute_done_ = false, grads_sent_ = false;
   double waiting_since_ = -1, dp_wait_since_ = 0;
   double loss_sum_ = 0;
