@@ -117,6 +117,15 @@ checkpoint_case measure(const std::string& shape, engine::recipe r, int steps, i
   return c;
 }
 
+// GPT-2 small's model (12 layers, width 768, 50257 tokens) in recipe `r`.
+void gpt2_small(engine::recipe& r) {
+  r.model.vocab_size = 50257;
+  r.model.padded_vocab_size = 50304;
+  r.model.layers = 12;
+  r.model.heads = 12;
+  r.model.width = 768;
+}
+
 }  // namespace
 
 std::vector<checkpoint_case> run_checkpoint_bench(const checkpoint_bench_options& o) {
@@ -125,11 +134,7 @@ std::vector<checkpoint_case> run_checkpoint_bench(const checkpoint_bench_options
   out.push_back(measure("recipe", base, o.steps, o.warmup, o.rounds, o.every));
   if (o.gpt2_steps > 0) {
     engine::recipe g = base;  // GPT-2 small on the recipe's data, pipeline and micro-batches
-    g.model.vocab_size = 50257;
-    g.model.padded_vocab_size = 50304;
-    g.model.layers = 12;
-    g.model.heads = 12;
-    g.model.width = 768;
+    gpt2_small(g);
     g.model.context = std::max(g.model.context, g.batch.seq_len);
     engine::validate_recipe(g);
     out.push_back(measure("GPT-2 small", g, o.gpt2_steps, 1, o.rounds, o.every));
@@ -193,11 +198,7 @@ std::vector<checkpoint_device_run> run_checkpoint_device_bench(const checkpoint_
   if (!o.data.empty()) overrides.push_back("data.train=" + o.data);
   engine::recipe g = engine::load_recipe(o.recipe, overrides);
   g.device = "cuda";
-  g.model.vocab_size = 50257;
-  g.model.padded_vocab_size = 50304;
-  g.model.layers = 12;
-  g.model.heads = 12;
-  g.model.width = 768;
+  gpt2_small(g);
   g.model.context = 1024;
   g.batch.seq_len = 1024;
   g.batch.micro_batch = o.batch;
