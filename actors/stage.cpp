@@ -76,6 +76,7 @@
 #include "topology/param_gathers.hpp"
 #include "topology/payload_links.hpp"
 #include "topology/stage_capture.hpp"
+#include "topology/stage_state.hpp"
 #include "topology/tied_wte.hpp"
 
 namespace troupe::actors {
@@ -528,29 +529,8 @@ class stage_impl : public stage_actor::base {
 
   // A ZeRO stage's state: `s` (the parameters, replica 0's lanes under ZeRO-1/2) and the owned
   // pieces.
-  stage_snapshot zero_snapshot(stage_snapshot s, const zero_state& z) {
-    for (const auto& b : zero_shards_) {
-      for (const auto& seg : b.segments) {
-        const auto& p = parameter_at(seg.chunk, seg.offset);
-        const std::int64_t offset = seg.offset - p.offset;
-        const auto name = state_name(seg.chunk, p);
-        auto piece = [&](tensor_role role, const std::vector<float>& from) {
-          s.pieces.push_back(
-              {role, name, offset, {from.data() + seg.at, from.data() + seg.at + seg.numel}});
-        };
-        piece(tensor_role::exp_avg, z.m);
-        piece(tensor_role::exp_avg_sq, z.v);
-        if (sharded_params()) piece(tensor_role::parameter, z.params);
-      }
-    }
-    return s;
-  }
-
-  // The parameter of chunk c whose elements hold flat offset `offset`.
-  const engine::parameter_info& parameter_at(int c, std::int64_t offset) const {
-    for (const auto& p : chunks_->layout(c))
-      if (p.offset <= offset && offset < p.offset + p.numel) return p;
-    throw std::logic_error(who() + ": no parameter at offset " + std::to_string(offset));
+  stage_snapshot zero_snapshot(stage_snapshot s, const zero_state& z) const {
+    return topology::with_owned_pieces(std::move(s), *chunks_, zero_shards_, z, sharded_params());
   }
 
   void final_gathered() {
@@ -1248,41 +1228,17 @@ class stage_impl : public stage_actor::base {
       caf::anon_send(wiring_.tracer, trace_batch{cfg_.trace.take()});
   }
 
-  // state: a checkpoint's, where a head chunk's own copy of the tied wte is "lm_head.weight"
-  // (the two copies are summed in different orders over the replicas, so they may differ in
-  // their last bits, and exact resume needs both); with moments, the AdamW moments as pieces.
+  // state: a checkpoint's (parameters under their checkpoint names); with moments, the AdamW
+  // moments as pieces (topology/stage_state.hpp).
   stage_snapshot snapshot(bool state = false, bool moments = false) {
     std::vector<engine::rank_chunks::host_state> states;
     for (int c = 0; c < chunks_->chunk_count(); ++c)
       states.push_back(chunks_->state_on_host(c, moments));
     return snapshot_of(states, state, moments);
   }
-  // The same from chunk states taken already (by chunk); reads only what chunks_ keeps constant.
   stage_snapshot snapshot_of(const std::vector<engine::rank_chunks::host_state>& states, bool state,
                              bool moments) const {
-    stage_snapshot s;
-    s.rank = my_rank();
-    s.replica = cfg_.replica;
-    for (int c = 0; c < chunks_->chunk_count(); ++c) {
-      const auto& h = states.at(static_cast<std::size_t>(c));
-      auto values = [](const float* base, const engine::parameter_info& q) {
-        return std::vector<float>(base + q.offset, base + q.offset + q.numel);
-      };
-      for (const auto& p : chunks_->layout(c)) {
-        const auto name = state ? state_name(c, p) : p.name;
-        s.parameters.emplace_back(name, values(h.params, p));
-        if (!moments) continue;
-        s.pieces.push_back({tensor_role::exp_avg, name, 0, values(h.m, p)});
-        s.pieces.push_back({tensor_role::exp_avg_sq, name, 0, values(h.v, p)});
-      }
-    }
-    return s;
-  }
-  std::string state_name(int c, const engine::parameter_info& p) const {
-    const auto& r = chunks_->range(c);
-    return r.head && !r.embedding && p.name == "transformer.wte.weight"
-               ? engine::checkpoint_head_copy
-               : p.name;
+    return topology::snapshot_of(*chunks_, states, state, moments, my_rank(), cfg_.replica);
   }
 
   stage_config cfg_;
