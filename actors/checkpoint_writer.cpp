@@ -76,6 +76,7 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     state_.schedule = cfg_.schedule;
     state_.recipe_text = cfg_.recipe_text;
     state_.overrides = cfg_.overrides;
+    state_.recipe_changes = cfg_.recipe_changes;
     if (!cfg_.parts) assembler_.emplace(cfg_.model, cfg_.tp);
     t0_ = cfg_.trace.now_us();
     // W2: replica 0's lanes, or every replica's with ZeRO. W4: every stage captures its state

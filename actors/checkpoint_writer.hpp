@@ -43,7 +43,8 @@ struct checkpoint_writer_config {
   engine::checkpoint_mesh mesh;
   std::string schedule, recipe_text;
   std::vector<std::string> overrides;
-  std::vector<std::vector<caf::actor>> stages;  // [lane][rank], lane = replica * tp + shard
+  std::vector<engine::recipe_change> recipe_changes;  // allowed on resume, oldest first
+  std::vector<std::vector<caf::actor>> stages;        // [lane][rank], lane = replica * tp + shard
   engine::trace::recorder trace;
   caf::actor tracer;
 };

@@ -49,7 +49,10 @@ class coordinator_impl : public coordinator_actor::base {
         },
         [this](start_run) {
           start_ = clock_type::now();
-          go_on(cfg_.start_step);
+          if (cfg_.start_step >= cfg_.steps)  // resumed after the last step: nothing to run
+            finish(true, "");
+          else
+            go_on(cfg_.start_step);
         },
         [this](stop_run) {  // now, or after the step in flight
           stopping_ = true;

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include <unistd.h>
 
@@ -27,6 +28,7 @@
 #include "engine/parallel/memory_plan.hpp"
 #include "engine/parallel/support.hpp"
 #include "engine/training/checkpoint_identity.hpp"
+#include "engine/training/resume_check.hpp"
 #include "topology/placement.hpp"
 #include "transport/rendezvous.hpp"
 #include "transport/ucx_transport.hpp"
@@ -125,6 +127,46 @@ void check_job(const engine::recipe& r, const run_options& o,
                                " chunks in a job of several processes: not built");
 }
 
+// Resuming (docs/checkpoints.md, "Resume"): the recipe against the checkpoint's, key by key, its
+// tensors against the model, and the checkpoint.dir's committed checkpoints newer than the one
+// resumed, refused or (rank 0,
+// --set-aside-newer) moved aside. Returns the trajectory changes allowed now.
+std::vector<engine::recipe_change> check_resume(
+    const engine::recipe& r, const run_options& o, const std::filesystem::path& dir,
+    const engine::checkpoint_state& saved, int rank,
+    const std::function<void(const std::string&)>& say) {
+  std::vector<engine::recipe_change> allowed;
+  if (const auto before = engine::saved_recipe(saved, dir)) {
+    auto review = engine::review_resume(*before, r, saved.step, o.allow_change);
+    for (const auto& m : review.mesh) say("resharding: " + m);
+    for (const auto& c : review.allowed)
+      say("changed with --allow-change: " + c.key + " " + c.from + " -> " + c.to);
+    allowed = std::move(review.allowed);
+  } else if (!o.allow_change.empty()) {
+    throw engine::recipe_error("--allow-change: checkpoint " + dir.string() +
+                               " holds no recipe to compare with");
+  }
+  try {
+    engine::check_checkpoint_model(dir, r.model);
+  } catch (const std::exception& e) {
+    throw engine::recipe_error(e.what());
+  }
+  if (rank != 0 && o.set_aside_newer) return allowed;  // rank 0 moves them
+  const auto newer = engine::newer_checkpoints(r.checkpoint_path(), saved.step);
+  if (newer.empty()) return allowed;
+  std::string names;
+  for (const auto& e : newer) names += (names.empty() ? "" : ", ") + e.dir.filename().string();
+  if (!o.set_aside_newer)
+    throw engine::recipe_error("key checkpoint.dir: " + r.checkpoint_path().string() +
+                               " holds checkpoints newer than " + dir.filename().string() + " (" +
+                               names +
+                               "): resume the newest, or --set-aside-newer to move them "
+                               "aside");
+  const auto aside = engine::set_aside_checkpoints(r.checkpoint_path(), newer, saved.step);
+  say("set aside " + names + " into " + aside.string());
+  return allowed;
+}
+
 }  // namespace
 
 struct training_job::state {
@@ -138,6 +180,9 @@ struct training_job::state {
   run_result res;
   std::unique_ptr<remote_mesh> mesh;
   run_actors a;
+  // Resuming: every trajectory change allowed in this run's history (the next checkpoint keeps
+  // them), and this resume's, for the first step's metrics line.
+  std::vector<engine::recipe_change> recipe_changes, changes_to_note;
   void say(const std::string& s) const {
     if (cb.on_message && my_rank == 0) cb.on_message(s);
   }
@@ -165,18 +210,24 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
     try {
       in.resume_dir = engine::find_checkpoint(o.resume, say);
       in.resumed = engine::read_checkpoint_state(in.resume_dir);
-      engine::check_checkpoint_model(in.resume_dir, r.model);
     } catch (const engine::recipe_error&) {
       throw;
     } catch (const std::exception& e) {
       throw engine::recipe_error(e.what());
     }
-    if (in.resumed.step >= r.steps)
+    if (in.resumed.step > r.steps)
       throw engine::recipe_error("key steps: " + std::to_string(r.steps) + ", but checkpoint " +
                                  in.resume_dir.string() + " has done " +
                                  std::to_string(in.resumed.step) + " steps: nothing to run");
+    s_->changes_to_note = check_resume(r, o, in.resume_dir, in.resumed, my_rank, say);
+    s_->recipe_changes = in.resumed.recipe_changes;
+    s_->recipe_changes.insert(s_->recipe_changes.end(), s_->changes_to_note.begin(),
+                              s_->changes_to_note.end());
     say("resuming from " + in.resume_dir.string() + " after step " +
-        std::to_string(in.resumed.step));
+        std::to_string(in.resumed.step) +
+        (in.resumed.step == r.steps
+             ? ": all " + std::to_string(r.steps) + " steps are done; the final weights are its own"
+             : ""));
   } else if ((r.checkpoint.every > 0 || o.checkpoint_writer) && my_rank == 0) {
     // A fresh run never writes over another run's checkpoints (nor does a trainer, which can
     // take one whenever asked).
@@ -377,6 +428,7 @@ void training_job::spawn(caf::actor_system& sys, const caf::actor& client) {
     wc.schedule = p.schedule;
     wc.recipe_text = r.source_text;
     wc.overrides = r.overrides;
+    wc.recipe_changes = s_->recipe_changes;
     wc.stages = a.stages;
     wc.trace = add_track(a, in, "checkpoint writer", "checkpoint", -1, -1);
     wc.tracer = a.tracer;
@@ -399,7 +451,7 @@ int training_job::start_step() const { return s_->in_ptr->resumed.step; }
 
 void training_job::record(const engine::step_metrics& m) {
   auto& res = s_->res;
-  if (s_->metrics) s_->metrics->write(m);
+  if (s_->metrics) s_->metrics->write(m, std::exchange(s_->changes_to_note, {}));
   res.steps.push_back(m);
   if (s_->cb.on_step) s_->cb.on_step(m);
   res.summary.final_loss = m.loss;

@@ -59,6 +59,11 @@ struct run_options {
   // Resume from a checkpoint (docs/checkpoints.md): a step directory, or a checkpoint root (its
   // newest committed checkpoint that verifies). Empty: a fresh run.
   std::string resume;
+  // Resuming: the trajectory keys (and global_batch) the recipe may change against the
+  // checkpoint's, each recorded; and whether newer checkpoints of checkpoint.dir than the one
+  // resumed are moved aside (set-aside-<step>-<time>/) rather than refused.
+  std::vector<std::string> allow_change;
+  bool set_aside_newer = false;
   // Testing the watchdog: the first action of step test_stall_step (0-based) of the stage of
   // pipeline rank test_stall_rank (replica 0) never ends.
   int test_stall_rank = -1, test_stall_step = -1;

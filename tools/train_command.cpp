@@ -51,6 +51,8 @@ std::function<int()> add_train_command(CLI::App& app) {
     std::string test_chunks;  // "host": stages on device chunks of the host kind
     std::string resume;       // with resume_given: a checkpoint dir; empty: checkpoint.dir
     std::string test_stall;   // "RANK:STEP": that stage's first action of STEP never ends
+    std::vector<std::string> allow_change;  // trajectory keys a resume may change
+    bool set_aside_newer = false;
   };
   auto opts = std::make_shared<options>();
   auto* cmd = app.add_subcommand(
@@ -100,6 +102,14 @@ std::function<int()> add_train_command(CLI::App& app) {
       },
       "Print every recipe key with its type, default and meaning (a Markdown table; "
       "docs/recipe.md)");
+  cmd->add_flag_callback(
+      "--help-key-classes",
+      [] {
+        std::fputs(engine::format_key_classes().c_str(), stdout);
+        throw CLI::Success();
+      },
+      "Print every recipe key's class on resume: model, trajectory, mesh or free (a Markdown "
+      "table; docs/checkpoints.md)");
   cmd->add_option("--test-chunks", opts->test_chunks,
                   "Testing: stages on device chunks of the host kind, the GPU pipeline's protocol "
                   "(slots, links, payloads staged through host memory across processes) on the "
@@ -116,6 +126,14 @@ std::function<int()> add_train_command(CLI::App& app) {
                       "DIR (a checkpoint directory, or one step-N directory of it); without DIR, "
                       "under the recipe's checkpoint.dir (docs/checkpoints.md)")
           ->expected(0, 1);
+  cmd->add_option("--allow-change", opts->allow_change,
+                  "Resuming: trajectory keys (or global_batch) that may differ from the "
+                  "checkpoint's recipe, comma-separated; each change is recorded in metrics.jsonl "
+                  "and the next checkpoint (docs/checkpoints.md)")
+      ->delimiter(',');
+  cmd->add_flag("--set-aside-newer", opts->set_aside_newer,
+                "Resuming an older checkpoint: move the newer ones of checkpoint.dir into "
+                "checkpoint.dir/set-aside-STEP-TIME/ instead of refusing");
   cmd->add_flag("--report-peak-rss", opts->report_peak_rss,
                 "At the end, every process prints its peak resident memory as one JSON line on "
                 "stderr");
@@ -163,6 +181,11 @@ std::function<int()> add_train_command(CLI::App& app) {
         std::fprintf(stderr, "troupe train: restarted (%s=%s): resuming from %s\n", key,
                      it->second.c_str(), r.checkpoint_path().c_str());
     }
+    if (!resume && (!opts->allow_change.empty() || opts->set_aside_newer)) {
+      std::fprintf(stderr, "troupe train: %s needs --resume\n",
+                   opts->set_aside_newer ? "--set-aside-newer" : "--allow-change");
+      return exit_bad_input;
+    }
     const bool checkpoints = resume || r.checkpoint.every > 0;
     if (opts->engine.empty())
       opts->engine = gpu && r.parallel.pp == 1 && r.parallel.tp == 1 && launch.world == 1 &&
@@ -207,6 +230,8 @@ std::function<int()> add_train_command(CLI::App& app) {
         o.launch = launch;
         o.compute_threads = opts->threads;
         if (resume) o.resume = opts->resume.empty() ? r.checkpoint_path().string() : opts->resume;
+        o.allow_change = opts->allow_change;
+        o.set_aside_newer = opts->set_aside_newer;
         const auto restarted = env.find("TROUPE_RESTART_COUNT");
         if (!opts->test_stall.empty() && (restarted == env.end() || restarted->second == "0")) {
           const auto colon = opts->test_stall.find(':');

@@ -140,7 +140,11 @@ json state_json(const checkpoint_state& s) {
         {"micro_batch", m.micro_batch}}},
       {"recipe", s.recipe_text},
       {"overrides", s.overrides},
+      {"recipe_changes", json::array()},
   };
+  for (const auto& c : s.recipe_changes)
+    out["recipe_changes"].push_back(
+        {{"step", c.step}, {"key", c.key}, {"from", c.from}, {"to", c.to}});
   if (s.model)
     out["model"] = {
         {"vocab_size", s.model->vocab_size}, {"padded_vocab_size", s.model->padded_vocab_size},
@@ -172,6 +176,10 @@ checkpoint_state state_from(const json& j) {
             m.at("micro_batch").get<int>()};
   s.recipe_text = j.at("recipe").get<std::string>();
   s.overrides = j.at("overrides").get<std::vector<std::string>>();
+  if (j.contains("recipe_changes"))
+    for (const auto& c : j.at("recipe_changes"))
+      s.recipe_changes.push_back({c.at("step").get<int>(), c.at("key").get<std::string>(),
+                                  c.at("from").get<std::string>(), c.at("to").get<std::string>()});
   if (j.contains("model")) {
     const auto& g = j.at("model");
     s.model = gpt_config{g.at("vocab_size").get<int>(), g.at("padded_vocab_size").get<int>(),

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "engine/model/gpt_model.hpp"
+#include "engine/training/recipe.hpp"
 #include "engine/training/update_guard.hpp"
 
 namespace troupe::engine {
@@ -72,6 +73,9 @@ struct checkpoint_state {
   std::optional<gpt_config> model;  // the model saved (checkpoints written before it: unset)
   std::string recipe_text;          // the recipe's TOML and its overrides
   std::vector<std::string> overrides;
+  // Every trajectory key changed with --allow-change at a resume of this run, oldest first
+  // (checkpoints written before it: none).
+  std::vector<recipe_change> recipe_changes;
 };
 
 // Whole-model tensors by parameter name in Troupe's layout (gpt_chunk with chunk_range::whole:

@@ -2,6 +2,8 @@
 #include "engine/training/metrics.hpp"
 
 #include <cmath>
+#include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -11,30 +13,74 @@ namespace troupe::engine {
 
 namespace {
 
-// The lines of `path` whose "step" is at most `step` (none when the file does not exist).
-std::string lines_through(const std::filesystem::path& path, int step) {
+// The lines of `path` (none when the file does not exist): those of steps after `step`, and the
+// others.
+struct split_lines {
+  std::string kept, later;
+};
+split_lines lines_through(const std::filesystem::path& path, int step) {
   std::ifstream in(path);
-  std::string kept, line;
+  split_lines out;
+  std::string line;
   while (std::getline(in, line)) {
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
-        j["step"].get<int>() <= step)
-      kept += line + "\n";
+    const bool later = j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+                       j["step"].get<int>() > step;
+    (later ? out.later : out.kept) += line + "\n";
   }
-  return kept;
+  return out;
+}
+
+// Writes text to path through a temporary name (path is whole or untouched).
+void write_whole(const std::filesystem::path& path, const std::string& text) {
+  auto tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) throw std::runtime_error(tmp.string() + ": cannot write");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error(path.string() + ": cannot write: " + ec.message());
 }
 
 }  // namespace
 
-jsonl_writer::jsonl_writer(const std::filesystem::path& path, int keep_through_step) : path_(path) {
-  const std::string kept = keep_through_step >= 0 ? lines_through(path, keep_through_step) : "";
-  out_.open(path, std::ios::trunc);
-  if (!out_) throw std::runtime_error(path.string() + ": cannot open for writing");
-  out_ << kept;
-  out_.flush();
+std::string set_aside_name(const std::filesystem::path& dir, int step, const std::string& prefix) {
+  char when[32] = "";
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  std::strftime(when, sizeof when, "%Y%m%dT%H%M%SZ", &utc);
+  char steps[16];
+  std::snprintf(steps, sizeof steps, "%08d", step);
+  const std::string base = prefix + "set-aside-" + steps + "-" + when;
+  std::string name = base;
+  std::error_code ec;
+  for (int n = 2; std::filesystem::exists(dir / name, ec); ++n)
+    name = base + "-" + std::to_string(n);
+  return name;
 }
 
-void jsonl_writer::write(const step_metrics& m) {
+jsonl_writer::jsonl_writer(const std::filesystem::path& path, int keep_through_step) : path_(path) {
+  if (keep_through_step >= 0) {
+    const auto lines = lines_through(path, keep_through_step);
+    if (!lines.later.empty()) {
+      const auto dir = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
+      set_aside_ = dir / set_aside_name(dir, keep_through_step, path.filename().string() + ".");
+      write_whole(set_aside_, lines.later);
+    }
+    write_whole(path, lines.kept);
+    out_.open(path, std::ios::app);
+  } else {
+    out_.open(path, std::ios::trunc);
+  }
+  if (!out_) throw std::runtime_error(path.string() + ": cannot open for writing");
+}
+
+void jsonl_writer::write(const step_metrics& m, const std::vector<recipe_change>& changes) {
   nlohmann::json j = {
       {"step", m.step},
       {"loss", m.loss},
@@ -49,6 +95,9 @@ void jsonl_writer::write(const step_metrics& m) {
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   if (!m.skipped.empty()) j["skipped"] = m.skipped;
   if (m.loss_scale) j["loss_scale"] = *m.loss_scale;
+  for (const auto& c : changes)
+    j["recipe_changes"].push_back(
+        {{"step", c.step}, {"key", c.key}, {"from", c.from}, {"to", c.to}});
   for (const auto& r : m.memory)
     j["memory"].push_back({{"replica", r.replica},
                            {"rank", r.rank},

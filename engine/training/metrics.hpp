@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/data/corpus.hpp"
+#include "engine/training/recipe.hpp"
 
 namespace troupe::engine {
 
@@ -49,14 +50,25 @@ struct step_metrics {
 class jsonl_writer {
  public:
   // Truncates; throws naming the file. keep_through_step >= 0 (a resumed run): the file's lines
-  // of steps up to it stay (later ones were trained again).
+  // of steps up to it stay, and its later lines (trained again) are kept aside, never lost, in
+  // a file beside it, PATH.set-aside-<step>-<UTC time> (set_aside()), written before PATH is
+  // replaced.
   explicit jsonl_writer(const std::filesystem::path& path, int keep_through_step = -1);
-  void write(const step_metrics& m);
+  // One step's line; `changes` (the first step after a resume that changed trajectory keys with
+  // --allow-change) go into it as "recipe_changes": [{"step", "key", "from", "to"}, ...].
+  void write(const step_metrics& m, const std::vector<recipe_change>& changes = {});
+  // The file the later lines went to; empty when there were none.
+  const std::filesystem::path& set_aside() const { return set_aside_; }
 
  private:
-  std::filesystem::path path_;
+  std::filesystem::path path_, set_aside_;
   std::ofstream out_;
 };
+
+// A name under dir not taken yet: PREFIX + "set-aside-<step, 8 digits>-<UTC time>", with "-2",
+// "-3", ... added where it is.
+std::string set_aside_name(const std::filesystem::path& dir, int step,
+                           const std::string& prefix = "");
 
 // Shannon entropy of the corpus's token frequencies, in nats per token: the loss of the best
 // model that ignores context. A trained model must end well below it.

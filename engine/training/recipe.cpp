@@ -25,7 +25,9 @@ struct field {
   std::function<void(recipe&, const toml::node&)> set;
   std::function<std::string(const recipe&)> get;  // the value as the keys table writes it
   std::string doc;                                // what the key does: the keys table's last column
-  std::string default_text;  // the table's default where it is derived, not a value
+  std::string default_text;         // the table's default where it is derived, not a value
+  key_class cls = key_class::free;  // what a resume may do with it (key_classes)
+  std::string cls_why;
 };
 
 // A value as the keys table writes it (TOML's spelling).
@@ -58,6 +60,8 @@ field int_field(T recipe::*member) {
           },
           [member](const recipe& r) { return value_text(r.*member); },
           {},
+          {},
+          key_class::free,
           {}};
 }
 
@@ -66,6 +70,8 @@ field string_field(std::string recipe::*member) {
           [member](recipe& r, const toml::node& n) { r.*member = *n.value<std::string>(); },
           [member](const recipe& r) { return value_text(r.*member); },
           {},
+          {},
+          key_class::free,
           {}};
 }
 
@@ -103,6 +109,8 @@ field nested(S recipe::*sub, T S::*member) {
           },
           [sub, member](const recipe& r) { return value_text((r.*sub).*member); },
           {},
+          {},
+          key_class::free,
           {}};
 }
 
@@ -112,8 +120,57 @@ field described(field f, std::string doc, std::string default_text = {}) {
   return f;
 }
 
-// Every key, in the order of docs/recipe.md's table (format_recipe_keys).
-const std::vector<std::pair<std::string, field>>& keys_in_order() {
+// What a resume may change (recipe.hpp, key_class): every key's class and why, by key or by
+// table ("data." covers every data key). keys_in_order() refuses a key without one.
+struct class_rule {
+  const char* key;
+  key_class cls;
+  const char* why;
+};
+const std::vector<class_rule>& key_classes() {
+  using enum key_class;
+  static const std::vector<class_rule> rules = {
+      {"seed", trajectory, "seeds the order of the data (the weights come from the checkpoint)"},
+      {"steps", free,
+       "may grow to extend the run (the learning-rate decay then spans the new total); a "
+       "checkpoint past it is refused"},
+      {"eval_interval", free, "validation only: reads the weights, changes no step"},
+      {"eval_batches", free, "validation only: reads the weights, changes no step"},
+      {"init", free, "read by a fresh run only; a resume takes the checkpoint's weights"},
+      {"device", mesh, "where the same steps run: the same numbers within rounding"},
+      {"model.", model, "the model's shape: the checkpoint's tensors are this model"},
+      {"data.", trajectory, "the tokens each step trains on"},
+      {"batch.micro_batch", trajectory,
+       "which rows make a micro-batch (the data position "
+       "counts micro-batches)"},
+      {"batch.seq_len", trajectory, "the tokens of each row"},
+      {"batch.grad_accum", mesh,
+       "the same micro-batches in other rounds, while the global batch stays (below)"},
+      {"optimizer.", trajectory, "the optimizer's path: learning rate, moments, decay, clipping"},
+      {"output.", free, "where the outputs go"},
+      {"checkpoint.", free, "when and where checkpoints are written"},
+      {"watchdog.", free, "when a stuck stage is reported"},
+      {"parallel.micro_batches", mesh,
+       "the same micro-batches in other pipeline passes, while the global batch stays (below)"},
+      {"parallel.dp", mesh,
+       "the same micro-batches over other replicas, while the global batch "
+       "stays (below)"},
+      {"parallel.link_credits", free, "messages in flight: the values are the same bit for bit"},
+      {"parallel.prefetch", free, "micro-batches kept ready: the values are the same bit for bit"},
+      {"parallel.zero_prefetch", free,
+       "parameters gathered ahead: the values are the same bit for bit"},
+      {"parallel.", mesh, "how the model is spread over actors: the sums run in another order"},
+      {"precision.", trajectory, "the arithmetic and the loss scale of every update"},
+      {"guard.", trajectory, "which updates are skipped"},
+      {"activation_checkpoint.", mesh, "memory for time: the forward is computed again"},
+      {"kernels.", mesh, "another kernel for the same arithmetic: within rounding"},
+  };
+  return rules;
+}
+
+// Every key, in the order of docs/recipe.md's table (format_recipe_keys); keys_in_order() adds
+// their classes.
+const std::vector<std::pair<std::string, field>>& keys_without_classes() {
   static const std::vector<std::pair<std::string, field>> fields = {
       {"seed", described(int_field(&recipe::seed), "initialisation and sampling seed")},
       {"steps", described(int_field(&recipe::steps), "optimizer steps")},
@@ -312,6 +369,27 @@ const std::vector<std::pair<std::string, field>>& keys_in_order() {
                  "logits once for max and sum; within rounding of the others; `false` for the "
                  "older ones ([gpu.md](gpu.md#ops-kernelscudacuda_opshpp))")},
   };
+  return fields;
+}
+
+const std::vector<std::pair<std::string, field>>& keys_in_order() {
+  static const std::vector<std::pair<std::string, field>> fields = [] {
+    auto out = keys_without_classes();
+    for (auto& [key, f] : out) {
+      const class_rule* rule = nullptr;
+      for (const auto& c : key_classes()) {
+        const std::string k = c.key;
+        if (key == k || (k.ends_with('.') && key.starts_with(k))) {
+          rule = &c;
+          break;
+        }
+      }
+      if (!rule) throw std::logic_error("recipe key " + key + " has no resume class");
+      f.cls = rule->cls;
+      f.cls_why = rule->why;
+    }
+    return out;
+  }();
   return fields;
 }
 
@@ -554,6 +632,36 @@ std::string format_recipe_keys(const recipe& defaults) {
     s += "| `" + key + "` | " + types[static_cast<int>(f.type)] + " | " +
          (f.default_text.empty() ? f.get(defaults) : f.default_text) + " | " + f.doc + " |\n";
   }
+  return s;
+}
+
+const char* key_class_name(key_class c) {
+  switch (c) {
+    case key_class::model:
+      return "model";
+    case key_class::trajectory:
+      return "trajectory";
+    case key_class::mesh:
+      return "mesh";
+    case key_class::free:
+      return "free";
+  }
+  return "?";
+}
+
+std::vector<recipe_key> recipe_keys(const recipe& r) {
+  std::vector<recipe_key> out;
+  for (const auto& [key, f] : keys_in_order()) out.push_back({key, f.cls, f.cls_why, f.get(r)});
+  return out;
+}
+
+std::string format_key_classes() {
+  std::string s = "| key | class | why |\n|---|---|---|\n";
+  for (const auto& k : recipe_keys(recipe{}))
+    s += "| `" + k.name + "` | " + key_class_name(k.cls) + " | " + k.why + " |\n";
+  s += "| global batch (derived) | trajectory | tokens per step: `parallel.dp × "
+       "parallel.micro_batches × batch.grad_accum × batch.micro_batch × batch.seq_len`; "
+       "`--allow-change global_batch` |\n";
   return s;
 }
 

@@ -173,6 +173,36 @@ std::string attention_kernel_for(const recipe& r);
 // `troupe train --help-keys`), from the schema the parser checks keys against; the defaults
 // are `defaults`' values (but where the schema says how a default is derived).
 std::string format_recipe_keys(const recipe& defaults = recipe{});
+
+// What a resume may change of the recipe the checkpoint was saved with (docs/checkpoints.md,
+// "What a resume may change"): every key has one class.
+//  - model: the model itself; never changes on resume.
+//  - trajectory: the data stream or the optimizer's path; changes only when named with
+//    `troupe train --allow-change KEY`, and is then recorded.
+//  - mesh: how the same steps are laid out on actors and kernels (the same numbers within
+//    rounding); reshards, and the run says what changed.
+//  - free: read by nothing that decides a step's numbers; changes freely.
+enum class key_class { model, trajectory, mesh, free };
+const char* key_class_name(key_class c);
+struct recipe_key {
+  std::string name;
+  key_class cls = key_class::free;
+  std::string why;    // why the key has its class
+  std::string value;  // the key's value in a recipe, as the keys table writes it
+};
+// Every key with its class and its value in r, in the keys table's order.
+std::vector<recipe_key> recipe_keys(const recipe& r);
+// The class table (`troupe train --help-key-classes`; docs/checkpoints.md).
+std::string format_key_classes();
+
+// A recipe key changed on resume by --allow-change: at the resume after step `step`, `key` went
+// from `from` to `to` (values as the keys table writes them).
+struct recipe_change {
+  int step = 0;
+  std::string key, from, to;
+  bool operator==(const recipe_change&) const = default;
+};
+
 // Checks input files exist and match the model; throws recipe_error.
 void check_recipe_inputs(const recipe& r);
 
