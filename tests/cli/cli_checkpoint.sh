@@ -180,7 +180,8 @@ pids=()
 for r in 0 1; do
   RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
     TROUPE_JOB_TOKEN=cli-mismatch timeout -k 5 120 "$troupe" train "$tmp/recipe.toml" \
-    "${common[@]}" --set parallel.dp=1 --set "output.dir=$tmp/mismatch$r" \
+    "${common[@]}" --set parallel.dp=1 --set parallel.micro_batches=4 \
+    --set "output.dir=$tmp/mismatch$r" \
     --resume "$tmp/mismatch$r/checkpoints" >"$tmp/mismatch.$r.log" 2>&1 &
   pids+=($!)
 done
@@ -233,8 +234,8 @@ expect_bad "a fresh run over checkpoints" "key checkpoint.dir.*--resume" \
   "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/through"
 expect_bad "nothing to resume" "cannot resume" \
   "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/empty" --resume
-expect_bad "everything done" "nothing to run" \
-  "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/through" --set steps=196 --resume
+expect_bad "steps fewer than the checkpoint has done" "nothing to run" \
+  "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/through" --set steps=150 --resume
 
 # 6. More failures than --max-restarts allows within the window: exit 3 and a report.
 set +e
