@@ -33,9 +33,9 @@ std::string manifest_checksum(const nlohmann::json& manifest);
 // Format 2: "" or the problem, when the parts' pieces (their headers) leave an element of the
 // model its trainer state names uncovered.
 std::string check_parts_cover(const std::filesystem::path& dir);
-// Records that dir, whose manifest file has xxh64 manifest_hash, verified in full (its files'
-// checksums were computed as they were written), so that rotation does not hash it again.
-void remember_verified(const std::filesystem::path& dir, std::uint64_t manifest_hash);
+// Records that dir, as it is now, verified in full (its files' checksums were computed as they
+// were written), so that rotation does not hash it again.
+void remember_verified(const std::filesystem::path& dir);
 // After the commit of `committed` under root: the verified checkpoints beyond the newest `keep`
 // go (never `committed`, never the newest that verifies); directories that do not verify stay
 // and are returned with their problem. `point` sees "removed step-..." after each removal.

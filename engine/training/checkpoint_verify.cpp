@@ -155,26 +155,39 @@ std::string check_contents(const fs::path& dir, const manifest_view& m) {
 // A checkpoint rotation is removing: renamed STEP + this, then removed.
 constexpr const char* removed_suffix = ".removed";
 
-// (directory, xxh64 of its manifest) verified in full by this process.
+// The checkpoints this process has verified in full, by directory, the xxh64 of the manifest
+// and the listed files' modification times (a file rewritten in place is hashed again).
 std::mutex verified_mutex;
-std::set<std::pair<std::string, std::uint64_t>> verified_dirs;
+std::set<std::string> verified_dirs;
 
-std::pair<std::string, std::uint64_t> cache_key(const fs::path& dir, std::uint64_t hash) {
+std::string cache_key(const fs::path& dir, const manifest_view& m) {
   std::error_code ec;
-  auto abs = fs::absolute(dir, ec);
-  return {(ec ? dir : abs).lexically_normal().string(), hash};
+  const auto abs = fs::absolute(dir, ec);
+  std::string key = (ec ? dir : abs).lexically_normal().string();
+  key += '\n';
+  key += hex64(m.hash);
+  for (const auto& f : m.files) {
+    key += ' ';
+    key += std::to_string(fs::last_write_time(dir / f.name, ec).time_since_epoch().count());
+  }
+  return key;
 }
 
-bool verified_before(const fs::path& dir, std::uint64_t hash) {
+bool verified_before(const fs::path& dir, const manifest_view& m) {
   std::lock_guard lock(verified_mutex);
-  return verified_dirs.count(cache_key(dir, hash)) > 0;
+  return verified_dirs.count(cache_key(dir, m)) > 0;
+}
+
+void remember(const fs::path& dir, const manifest_view& m) {
+  std::lock_guard lock(verified_mutex);
+  verified_dirs.insert(cache_key(dir, m));
 }
 
 }  // namespace
 
-void ckpt_internal::remember_verified(const fs::path& dir, std::uint64_t manifest_hash) {
-  std::lock_guard lock(verified_mutex);
-  verified_dirs.insert(cache_key(dir, manifest_hash));
+void ckpt_internal::remember_verified(const fs::path& dir) {
+  manifest_view m;
+  if (read_manifest(dir, m).empty()) remember(dir, m);
 }
 
 std::string verify_checkpoint(const fs::path& dir) {
@@ -182,7 +195,7 @@ std::string verify_checkpoint(const fs::path& dir) {
   if (std::string problem = read_manifest(dir, m); !problem.empty()) return problem;
   if (std::string problem = check_structure(dir, m); !problem.empty()) return problem;
   if (std::string problem = check_contents(dir, m); !problem.empty()) return problem;
-  remember_verified(dir, m.hash);
+  remember(dir, m);
   return "";
 }
 
@@ -190,9 +203,9 @@ std::string verify_checkpoint_cached(const fs::path& dir) {
   manifest_view m;
   if (std::string problem = read_manifest(dir, m); !problem.empty()) return problem;
   if (std::string problem = check_structure(dir, m); !problem.empty()) return problem;
-  if (verified_before(dir, m.hash)) return "";
+  if (verified_before(dir, m)) return "";
   if (std::string problem = check_contents(dir, m); !problem.empty()) return problem;
-  remember_verified(dir, m.hash);
+  remember(dir, m);
   return "";
 }
 
