@@ -225,7 +225,8 @@ void check_checkpoint_model(const std::filesystem::path& dir, const gpt_config& 
 
 // One of the checkpoint's tensor files ("model", "exp_avg", "exp_avg_sq") as a stage's flat
 // buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`. A head range
-// without the embedding takes the head's copy of wte where the checkpoint has one.
+// without the embedding takes the head's copy of wte where the manifest lists one (format 1:
+// lm_head.safetensors); only files the manifest lists are opened.
 std::vector<float> load_checkpoint_tensors(const std::filesystem::path& dir,
                                            const std::string& which, const gpt_config& model,
                                            const chunk_range& range, tensor_shard shard = {});
