@@ -110,7 +110,8 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     if (cfg_.parts) {
       try {
         // Absolute: stages in other processes resolve it against their own working directory.
-        dir = std::filesystem::absolute(engine::prepare_checkpoint_dir(cfg_.root, state_.step))
+        dir = std::filesystem::absolute(
+                  engine::prepare_checkpoint_dir(cfg_.root, state_.step, say_to_user))
                   .string();
       } catch (const std::exception& e) {
         quit(caf::make_error(caf::sec::runtime_error, e.what()));
@@ -164,16 +165,19 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     };
   }
 
+  // A line for the user, on stderr (the writer runs on the job's first process).
+  static void say_to_user(const std::string& line) {
+    std::fprintf(stderr, "troupe train: %s\n", line.c_str());
+    std::fflush(stderr);
+  }
+
   // The directories rotation left in place (they do not verify), each named once.
   void report(const std::vector<engine::checkpoint_left_alone>& left) {
-    for (const auto& l : left) {
-      if (!reported_.insert(l.dir.string() + "\n" + l.problem).second) continue;
-      std::fprintf(stderr,
-                   "troupe train: %s does not verify; it stays and does not count toward "
-                   "checkpoint.keep: %s\n",
-                   l.dir.c_str(), l.problem.c_str());
-    }
-    std::fflush(stderr);
+    for (const auto& l : left)
+      if (reported_.insert(l.dir.string() + "\n" + l.problem).second)
+        say_to_user(
+            l.dir.string() +
+            " does not verify; it stays and does not count toward checkpoint.keep: " + l.problem);
   }
 
   // W1: on this actor's thread; messages wait meanwhile.
@@ -190,7 +194,8 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
       parts_.clear();
     } else {
       const auto tensors = assembler_->finish();
-      report(engine::write_checkpoint(cfg_.root, cfg_.model, tensors, state_, cfg_.keep, hook));
+      report(engine::write_checkpoint(cfg_.root, cfg_.model, tensors, state_, cfg_.keep, hook,
+                                      say_to_user));
     }
     assembler_.reset();
     cfg_.trace.span("checkpoint", "write step " + std::to_string(state_.step), t_copied,

@@ -331,16 +331,22 @@ fs::path checkpoint_dir(const fs::path& root, int step) {
   return root / name;
 }
 
-fs::path prepare_checkpoint_dir(const fs::path& root, int step) {
+fs::path prepare_checkpoint_dir(const fs::path& root, int step, const checkpoint_say& say) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) throw ckpt_error(root, "cannot create: " + ec.message());
   const fs::path dir = checkpoint_dir(root, step);
   // A committed checkpoint of this step that verifies is never replaced; a torn or corrupt one
   // (the run resumed from an older one after it failed to verify) is.
-  if (fs::exists(dir / "manifest.json", ec) && verify_checkpoint(dir).empty())
-    throw ckpt_error(
-        dir, "a committed checkpoint of step " + std::to_string(step) + " is there already");
+  if (fs::exists(dir / "manifest.json", ec)) {
+    const std::string problem = verify_checkpoint(dir);
+    if (problem.empty())
+      throw ckpt_error(
+          dir, "a committed checkpoint of step " + std::to_string(step) + " is there already");
+    if (say) say("replacing " + dir.string() + ", which does not verify: " + problem);
+  } else if (fs::exists(dir, ec) && say) {
+    say("replacing " + dir.string() + ", torn (no manifest: never committed)");
+  }
   fs::remove_all(dir, ec);
   if (ec) throw ckpt_error(dir, "cannot remove a torn checkpoint: " + ec.message());
   fs::create_directory(dir, ec);
@@ -382,11 +388,12 @@ std::vector<checkpoint_left_alone> commit(const fs::path& root, json files,
 std::vector<checkpoint_left_alone> write_checkpoint(const fs::path& root, const gpt_config& model,
                                                     const checkpoint_tensors& tensors,
                                                     const checkpoint_state& state, int keep,
-                                                    const checkpoint_hook& hook) {
+                                                    const checkpoint_hook& hook,
+                                                    const checkpoint_say& say) {
   auto point = [&](const std::string& p) {
     if (hook) hook(p);
   };
-  const fs::path dir = prepare_checkpoint_dir(root, state.step);
+  const fs::path dir = prepare_checkpoint_dir(root, state.step, say);
   json files = json::array();
   auto add = [&](const std::string& name, file_digest d) {
     files.push_back({{"name", name}, {"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}});

@@ -147,12 +147,15 @@ struct checkpoint_left_alone {
 // Writes the checkpoint of state.step under root and commits it, then rotates: the checkpoints
 // that verify beyond the newest `keep` go (see the invariants); returns the directories left
 // in place because they do not verify. Throws std::runtime_error naming the file at fault;
-// what was committed before stays loadable.
+// what was committed before stays loadable. `say` hears of a directory of the same step that
+// is replaced (prepare_checkpoint_dir).
+using checkpoint_say = std::function<void(const std::string&)>;
 std::vector<checkpoint_left_alone> write_checkpoint(const std::filesystem::path& root,
                                                     const gpt_config& model,
                                                     const checkpoint_tensors& tensors,
                                                     const checkpoint_state& state, int keep,
-                                                    const checkpoint_hook& hook = {});
+                                                    const checkpoint_hook& hook = {},
+                                                    const checkpoint_say& say = {});
 
 // ---- format 2: a part per stage ----
 // One piece of a part: values [offset, offset + n) of tensor shard `shard`'s slice of `name`
@@ -170,9 +173,10 @@ struct checkpoint_file {  // a file as the manifest lists it
   std::uint64_t bytes = 0, xxh64 = 0;
 };
 // The step directory of `step` under root, made ready for its parts: a torn one (or one that
-// no longer verifies) removed, an empty one created. Throws when a committed checkpoint of the
-// step that verifies is there.
-std::filesystem::path prepare_checkpoint_dir(const std::filesystem::path& root, int step);
+// no longer verifies) removed and named through `say`, an empty one created. Throws when a
+// committed checkpoint of the step that verifies is there.
+std::filesystem::path prepare_checkpoint_dir(const std::filesystem::path& root, int step,
+                                             const checkpoint_say& say = {});
 // The part file of the stage of pipeline rank `rank` and lane `lane`.
 std::string checkpoint_part_name(int rank, int lane);
 // Writes a part into dir (name.tmp, fsync, rename), straight from the pieces' values.

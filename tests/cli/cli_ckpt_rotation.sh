@@ -85,6 +85,10 @@ for point in "before manifest" "committed" "removed step-00000012"; do
     { cat "$tmp/end.log" >&2; fail "killed at '$point': the resumed run"; }
   grep -q "resuming from .*step-000000$want" "$tmp/end.log" ||
     { cat "$tmp/end.log" >&2; fail "killed at '$point': not resumed from step $want"; }
+  if [ "$want" = 12 ]; then  # the torn step 14 is replaced, and said so
+    grep -q "troupe train: replacing .*step-00000014, torn" "$tmp/end.log" ||
+      { cat "$tmp/end.log" >&2; fail "the torn step 14 was replaced silently"; }
+  fi
   "$troupe" ckpt verify "$ck/step-00000016" >/dev/null || fail "killed at '$point': step 16"
   [ "$(ls "$ck" | tr '\n' ' ')" = "step-00000016 step-00000020 step-00000030 " ] ||
     fail "killed at '$point': left $(ls "$ck" | tr '\n' ' ')"

@@ -193,6 +193,21 @@ TEST_CASE("keep = 2 counts only checkpoints that verify", "[checkpoint][rotation
   CHECK(fs::exists(dir_of(r, 6)));
 }
 
+TEST_CASE("a directory of the step being written is replaced, and named, when it does not verify",
+          "[checkpoint][rotation]") {
+  temp_root root;
+  const auto& r = root.path;
+  write(r, 8, 9);
+  fs::resize_file(dir_of(r, 8) / "exp_avg.safetensors", 10);
+  std::vector<std::string> said;
+  write_checkpoint(r, model(), tensors(8), state(8), 1, {},
+                   [&](const std::string& s) { said.push_back(s); });
+  REQUIRE(said.size() == 1);
+  CHECK_THAT(said[0], Catch::Contains("replacing ") && Catch::Contains("step-00000008") &&
+                          Catch::Contains("exp_avg.safetensors: 10 bytes"));
+  CHECK(verify_checkpoint(dir_of(r, 8)).empty());
+}
+
 TEST_CASE("the manifest is the whole truth", "[checkpoint][manifest]") {
   temp_root root;
   const auto& r = root.path;
