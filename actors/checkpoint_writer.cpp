@@ -1,9 +1,14 @@
 // The checkpoint writer. See checkpoint_writer.hpp.
 #include "actors/checkpoint_writer.hpp"
 
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+
 #include <algorithm>
 #include <chrono>
 #include <optional>
+#include <set>
 #include <stdexcept>
 
 #include "actors/error_text.hpp"
@@ -106,7 +111,8 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
     if (cfg_.parts) {
       try {
         // Absolute: stages in other processes resolve it against their own working directory.
-        dir = std::filesystem::absolute(engine::prepare_checkpoint_dir(cfg_.root, state_.step))
+        dir = std::filesystem::absolute(
+                  engine::prepare_checkpoint_dir(cfg_.root, state_.step, say_to_user))
                   .string();
       } catch (const std::exception& e) {
         quit(caf::make_error(caf::sec::runtime_error, e.what()));
@@ -150,20 +156,47 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
       assembler_->add(static_cast<role>(p.role), p.name, shard, p.offset, std::move(p.values));
   }
 
+  // A test hook: TROUPE_TEST_CHECKPOINT_KILL=POINT kills this process (SIGKILL) when the
+  // write reaches POINT ("before manifest", "committed", "removed step-00000004", ...).
+  static engine::checkpoint_hook kill_hook() {
+    const char* at = std::getenv("TROUPE_TEST_CHECKPOINT_KILL");
+    if (!at || !*at) return {};
+    return [at = std::string(at)](const std::string& point) {
+      if (point == at) std::raise(SIGKILL);
+    };
+  }
+
+  // A line for the user, on stderr (the writer runs on the job's first process).
+  static void say_to_user(const std::string& line) {
+    std::fprintf(stderr, "troupe train: %s\n", line.c_str());
+    std::fflush(stderr);
+  }
+
+  // The directories rotation left in place (they do not verify), each named once.
+  void report(const std::vector<engine::checkpoint_left_alone>& left) {
+    for (const auto& l : left)
+      if (reported_.insert(l.dir.string() + "\n" + l.problem).second)
+        say_to_user(
+            l.dir.string() +
+            " does not verify; it stays and does not count toward checkpoint.keep: " + l.problem);
+  }
+
   // W1: on this actor's thread; messages wait meanwhile.
   void write() {
     const double t_copied = cfg_.trace.now_us();
+    const auto hook = kill_hook();
     if (cfg_.parts) {
       for (const auto& p : parts_)
         if (p.name.empty())
           throw std::logic_error("checkpoint: a stage answered without its part file");
       std::sort(parts_.begin(), parts_.end(),
                 [](const auto& a, const auto& b) { return a.name < b.name; });
-      engine::commit_checkpoint_parts(cfg_.root, parts_, state_, cfg_.keep);
+      report(engine::commit_checkpoint_parts(cfg_.root, parts_, state_, cfg_.keep, hook));
       parts_.clear();
     } else {
       const auto tensors = assembler_->finish();
-      engine::write_checkpoint(cfg_.root, cfg_.model, tensors, state_, cfg_.keep);
+      report(engine::write_checkpoint(cfg_.root, cfg_.model, tensors, state_, cfg_.keep, hook,
+                                      say_to_user));
     }
     assembler_.reset();
     cfg_.trace.span("checkpoint", "write step " + std::to_string(state_.step), t_copied,
@@ -191,6 +224,7 @@ class checkpoint_writer_impl : public checkpoint_writer_actor::base {
   std::optional<engine::checkpoint_assembler> assembler_;
   std::vector<engine::checkpoint_file> parts_;  // format 2: the stages' part files
   std::vector<caf::typed_response_promise<bool>> flushes_;
+  std::set<std::string> reported_;  // directories left in place, named once each
   std::vector<std::pair<checkpoint_begin, caf::typed_response_promise<checkpoint_copied>>>
       deferred_;  // W1: begun while another was collected or written
 };

@@ -3,9 +3,10 @@
 // stage); each input replaces one of their files (the first byte picks which, the rest is the
 // content), then the checkpoint is verified, its trainer state read and its tensors loaded as a
 // stage would and put together whole, and the replaced file is also parsed directly, past the
-// checksums. Every input must end in a refusal (an exception) or a load;
-// anything else (a crash, a sanitizer report) is a finding. With FUZZ_WRITE_SEEDS=DIR it writes
-// each file of the valid checkpoint, behind its selector byte, into DIR as the seed corpus.
+// checksums (the trainer state parsed on its own too). Every input must end in a refusal (an
+// exception) or a load; anything else (a crash, a sanitizer report) is a finding. With
+// FUZZ_WRITE_SEEDS=DIR it writes each file of the valid checkpoint, behind its selector byte, into
+// DIR as the seed corpus.
 #include <unistd.h>
 
 #include <cstddef>
@@ -150,6 +151,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   attempt([&] { (void)verify_checkpoint(dir); });
   attempt([&] { (void)find_checkpoint(dir.parent_path(), {}); });
   attempt([&] { (void)read_checkpoint_state(dir); });
+  attempt([&] {  // the trainer state past its checksum
+    (void)parse_checkpoint_state(std::string(reinterpret_cast<const char*>(data + 1), size - 1));
+  });
   attempt([&] { check_hf_weights(c, dir / name); });
   attempt([&] { check_checkpoint_model(dir, c); });
   attempt([&] { safetensors_file file(dir / name); });

@@ -1,8 +1,10 @@
 // `troupe ckpt ls|verify|export`: what a checkpoint directory holds (docs/checkpoints.md).
 //   ls DIR                  every step directory under DIR (a checkpoint.dir), newest first:
-//                           committed or torn, whether it verifies, step, tokens, mesh
+//                           committed or torn, whether it verifies, step, tokens, mesh; one
+//                           that does not verify is named with its problem
 //   verify DIR              verifies DIR (one step directory) or every committed checkpoint
-//                           under it; exit 1 if one does not, naming the file
+//                           under it (torn ones are named too); exit 1 if one does not,
+//                           naming the file
 //   export CHECKPOINT OUT   Hugging Face GPT-2 weights (safetensors) of a checkpoint (a step
 //                           directory, or the newest that verifies under a checkpoint.dir);
 //                           OUT must not exist
@@ -41,13 +43,15 @@ int list(const fs::path& root) {
   if (all.empty()) std::printf("%s: no checkpoints\n", root.c_str());
   for (const auto& e : all) {
     if (!e.committed) {
-      std::printf("%s  step %d  torn (no manifest: never loaded)\n", e.dir.filename().c_str(),
-                  e.step);
+      std::printf(
+          "%s  step %d  torn (no manifest: never loaded, not counted toward checkpoint.keep)\n",
+          e.dir.filename().c_str(), e.step);
       continue;
     }
     const std::string problem = engine::verify_checkpoint(e.dir);
     if (!problem.empty()) {
-      std::printf("%s  step %d  DAMAGED: %s\n", e.dir.filename().c_str(), e.step, problem.c_str());
+      std::printf("%s  step %d  DAMAGED (never loaded, not counted toward checkpoint.keep): %s\n",
+                  e.dir.filename().c_str(), e.step, problem.c_str());
       continue;
     }
     std::printf("%s  step %d  ok  %s\n", e.dir.filename().c_str(), e.step,
@@ -66,8 +70,13 @@ int verify(const fs::path& where) {
   if (is_step_dir(where)) {
     dirs.push_back(where);
   } else {
-    for (const auto& e : engine::list_checkpoints(where))
-      if (e.committed) dirs.push_back(e.dir);
+    for (const auto& e : engine::list_checkpoints(where)) {
+      if (e.committed)
+        dirs.push_back(e.dir);
+      else  // a write that was cut short: never loaded, not a damaged checkpoint
+        std::printf("%s: torn (no manifest: never loaded, not counted toward checkpoint.keep)\n",
+                    e.dir.c_str());
+    }
   }
   if (dirs.empty()) {
     std::fprintf(stderr, "troupe ckpt: no committed checkpoint in %s\n", where.c_str());

@@ -21,13 +21,13 @@
 
 #include "engine/model/gpt_weights.hpp"
 #include "engine/model/safetensors.hpp"
+#include "engine/training/checkpoint_internal.hpp"
 #include "engine/training/recipe.hpp"
 
 namespace troupe::engine {
-namespace {
-
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+namespace ckpt_internal {
 
 const char* const tensor_files[] = {"model", "exp_avg", "exp_avg_sq"};
 
@@ -41,7 +41,6 @@ std::string hex64(std::uint64_t x) {
   return text;
 }
 
-// The file's size and xxh64, read from disk.
 std::pair<std::uint64_t, std::uint64_t> size_and_hash(const fs::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw ckpt_error(path, std::string("cannot open: ") + std::strerror(errno));
@@ -190,7 +189,6 @@ checkpoint_state state_from(const json& j) {
   return s;
 }
 
-// step-00000012 -> 12; -1 for anything else.
 int step_of(const std::string& name) {
   if (name.size() != 13 || !name.starts_with("step-")) return -1;
   int step = 0;
@@ -201,7 +199,19 @@ int step_of(const std::string& name) {
   return step;
 }
 
-}  // namespace
+std::string manifest_checksum(const json& manifest) {
+  json m = manifest;
+  m.erase("checksum");
+  const std::string text = m.dump();
+  return hex64(XXH64(text.data(), text.size(), 0));
+}
+
+}  // namespace ckpt_internal
+using namespace ckpt_internal;
+
+checkpoint_state parse_checkpoint_state(const std::string& text) {
+  return state_from(json::parse(text));
+}
 
 checkpoint_assembler::checkpoint_assembler(const gpt_config& model, int tp)
     : model_(model), tp_(tp) {
@@ -329,16 +339,22 @@ fs::path checkpoint_dir(const fs::path& root, int step) {
   return root / name;
 }
 
-fs::path prepare_checkpoint_dir(const fs::path& root, int step) {
+fs::path prepare_checkpoint_dir(const fs::path& root, int step, const checkpoint_say& say) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) throw ckpt_error(root, "cannot create: " + ec.message());
   const fs::path dir = checkpoint_dir(root, step);
   // A committed checkpoint of this step that verifies is never replaced; a torn or corrupt one
   // (the run resumed from an older one after it failed to verify) is.
-  if (fs::exists(dir / "manifest.json", ec) && verify_checkpoint(dir).empty())
-    throw ckpt_error(
-        dir, "a committed checkpoint of step " + std::to_string(step) + " is there already");
+  if (fs::exists(dir / "manifest.json", ec)) {
+    const std::string problem = verify_checkpoint(dir);
+    if (problem.empty())
+      throw ckpt_error(
+          dir, "a committed checkpoint of step " + std::to_string(step) + " is there already");
+    if (say) say("replacing " + dir.string() + ", which does not verify: " + problem);
+  } else if (fs::exists(dir, ec) && say) {
+    say("replacing " + dir.string() + ", torn (no manifest: never committed)");
+  }
   fs::remove_all(dir, ec);
   if (ec) throw ckpt_error(dir, "cannot remove a torn checkpoint: " + ec.message());
   fs::create_directory(dir, ec);
@@ -348,10 +364,10 @@ fs::path prepare_checkpoint_dir(const fs::path& root, int step) {
 
 namespace {
 
-// trainer_state.json, then the manifest listing `files` and it (the commit), then the older
-// checkpoints beyond `keep` and torn directories go.
-void commit(const fs::path& root, json files, const checkpoint_state& state, int version, int keep,
-            const checkpoint_hook& hook) {
+// trainer_state.json, then the manifest listing `files` and it (the commit), then rotation.
+std::vector<checkpoint_left_alone> commit(const fs::path& root, json files,
+                                          const checkpoint_state& state, int version, int keep,
+                                          const checkpoint_hook& hook) {
   auto point = [&](const std::string& p) {
     if (hook) hook(p);
   };
@@ -361,34 +377,31 @@ void commit(const fs::path& root, json files, const checkpoint_state& state, int
   point("wrote trainer_state.json");
   fsync_dir(dir);
   point("before manifest");
-  const json manifest = {
-      {"magic", checkpoint_magic}, {"version", version}, {"step", state.step}, {"files", files}};
+  json manifest = {{"magic", checkpoint_magic},
+                   {"version", version},
+                   {"manifest_version", manifest_revision},
+                   {"step", state.step},
+                   {"files", files}};
+  manifest["checksum"] = manifest_checksum(manifest);
   write_text(dir / "manifest.json", manifest.dump(1) + "\n");
   fsync_dir(dir);
   fsync_dir(root);
+  remember_verified(dir);  // its files' checksums were taken as they were written
   point("committed");
-
-  // The newest `keep` committed checkpoints stay; older ones and torn directories go.
-  int committed = 0;
-  std::error_code ec;
-  for (const auto& e : list_checkpoints(root)) {
-    if (e.committed && ++committed <= keep) continue;
-    if (!e.committed && e.step > state.step) continue;  // not ours to judge
-    fs::remove_all(e.dir, ec);
-    if (ec) throw ckpt_error(e.dir, "cannot remove: " + ec.message());
-    point("removed " + e.dir.filename().string());
-  }
+  return rotate_checkpoints(root, dir, keep, point);
 }
 
 }  // namespace
 
-void write_checkpoint(const fs::path& root, const gpt_config& model,
-                      const checkpoint_tensors& tensors, const checkpoint_state& state, int keep,
-                      const checkpoint_hook& hook) {
+std::vector<checkpoint_left_alone> write_checkpoint(const fs::path& root, const gpt_config& model,
+                                                    const checkpoint_tensors& tensors,
+                                                    const checkpoint_state& state, int keep,
+                                                    const checkpoint_hook& hook,
+                                                    const checkpoint_say& say) {
   auto point = [&](const std::string& p) {
     if (hook) hook(p);
   };
-  const fs::path dir = prepare_checkpoint_dir(root, state.step);
+  const fs::path dir = prepare_checkpoint_dir(root, state.step, say);
   json files = json::array();
   auto add = [&](const std::string& name, file_digest d) {
     files.push_back({{"name", name}, {"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}});
@@ -441,7 +454,7 @@ void write_checkpoint(const fs::path& root, const gpt_config& model,
     add("lm_head.safetensors",
         write_safetensors(dir / "lm_head.safetensors", out, {{"format", "pt"}}));
   }
-  commit(root, std::move(files), state, checkpoint_format_version, keep, hook);
+  return commit(root, std::move(files), state, checkpoint_format_version, keep, hook);
 }
 
 std::string checkpoint_part_name(int rank, int lane) {
@@ -468,8 +481,9 @@ checkpoint_file write_checkpoint_part(const fs::path& dir, const std::string& na
   return {name, d.bytes, d.xxh64};
 }
 
-void commit_checkpoint_parts(const fs::path& root, const std::vector<checkpoint_file>& parts,
-                             const checkpoint_state& state, int keep, const checkpoint_hook& hook) {
+std::vector<checkpoint_left_alone> commit_checkpoint_parts(
+    const fs::path& root, const std::vector<checkpoint_file>& parts, const checkpoint_state& state,
+    int keep, const checkpoint_hook& hook) {
   // Every part listed is there, once, as its stage said: a stage that wrote elsewhere (another
   // file system) must not commit a checkpoint that cannot load, nor remove older ones.
   const fs::path dir = checkpoint_dir(root, state.step);
@@ -489,129 +503,7 @@ void commit_checkpoint_parts(const fs::path& root, const std::vector<checkpoint_
              : std::to_string(size) + " bytes, its stage wrote " + std::to_string(p.bytes));
     files.push_back({{"name", p.name}, {"bytes", p.bytes}, {"xxh64", hex64(p.xxh64)}});
   }
-  commit(root, std::move(files), state, checkpoint_parts_version, keep, hook);
-}
-
-namespace {
-std::string check_parts_cover(const fs::path& dir);
-}  // namespace
-
-std::vector<checkpoint_entry> list_checkpoints(const fs::path& root) {
-  std::vector<checkpoint_entry> out;
-  std::error_code ec;
-  if (!fs::is_directory(root, ec)) return out;
-  for (const auto& d : fs::directory_iterator(root, ec)) {
-    if (!d.is_directory(ec)) continue;
-    const int step = step_of(d.path().filename().string());
-    if (step < 0) continue;
-    out.push_back({d.path(), step, fs::exists(d.path() / "manifest.json", ec)});
-  }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.step > b.step; });
-  return out;
-}
-
-std::string verify_checkpoint(const fs::path& dir) {
-  const fs::path mpath = dir / "manifest.json";
-  std::error_code ec;
-  if (!fs::exists(mpath, ec))
-    return mpath.string() + ": missing (the checkpoint was not committed)";
-  json m;
-  try {
-    m = json::parse(read_text(mpath));
-  } catch (const std::exception& e) {
-    return mpath.string() + ": not a manifest (" + e.what() + ")";
-  }
-  if (!m.is_object() || m.value("magic", std::string()) != checkpoint_magic)
-    return mpath.string() + ": not a Troupe checkpoint manifest (magic)";
-  if (!m.contains("version") || !m["version"].is_number_integer() ||
-      (m["version"].get<int>() != checkpoint_format_version &&
-       m["version"].get<int>() != checkpoint_parts_version))
-    return mpath.string() + ": format version " +
-           (m.contains("version") ? m["version"].dump() : std::string("missing")) +
-           " (this Troupe reads " + std::to_string(checkpoint_format_version) + " and " +
-           std::to_string(checkpoint_parts_version) + ")";
-  const bool parts = m["version"].get<int>() == checkpoint_parts_version;
-  const int expected_step = step_of(dir.filename().string());
-  if (!m.contains("step") || !m["step"].is_number_integer() ||
-      (expected_step >= 0 && m["step"].get<int>() != expected_step))
-    return mpath.string() + ": the manifest is of another step than its directory";
-  if (!m.contains("files") || !m["files"].is_array()) return mpath.string() + ": no file list";
-  std::vector<std::string> required =
-      parts ? std::vector<std::string>{"trainer_state.json"}
-            : std::vector<std::string>{"model.safetensors", "exp_avg.safetensors",
-                                       "exp_avg_sq.safetensors", "trainer_state.json"};
-  int part_files = 0;
-  for (const auto& f : m["files"]) {
-    if (!f.is_object() || !f.contains("name") || !f["name"].is_string() || !f.contains("bytes") ||
-        !f["bytes"].is_number_unsigned() || !f.contains("xxh64") || !f["xxh64"].is_string())
-      return mpath.string() + ": a malformed file entry";
-    const std::string name = f["name"].get<std::string>();
-    if (name.find('/') != std::string::npos || name == ".." || name == ".")
-      return mpath.string() + ": a file entry outside the checkpoint (" + name + ")";
-    std::erase(required, name);
-    part_files += name.starts_with("part-") ? 1 : 0;
-    const fs::path path = dir / name;
-    if (!fs::exists(path, ec)) return path.string() + ": missing";
-    std::uint64_t size = 0, hash = 0;
-    try {
-      std::tie(size, hash) = size_and_hash(path);
-    } catch (const std::exception& e) {
-      return e.what();
-    }
-    const auto want_size = f["bytes"].get<std::uint64_t>();
-    const std::string want = f["xxh64"].get<std::string>();
-    if (size != want_size)
-      return path.string() + ": " + std::to_string(size) + " bytes, the manifest says " +
-             std::to_string(want_size) + " (truncated or replaced)";
-    if (hex64(hash) != want)
-      return path.string() + ": xxh64 " + hex64(hash) + ", the manifest says " + want +
-             " (corrupt or replaced)";
-  }
-  if (!required.empty()) return mpath.string() + ": lists no " + required.front();
-  if (parts && part_files == 0) return mpath.string() + ": lists no part file";
-  if (parts) {
-    if (std::string problem = check_parts_cover(dir); !problem.empty()) return problem;
-  }
-  try {
-    read_checkpoint_state(dir);
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
-fs::path find_checkpoint(const fs::path& where,
-                         const std::function<void(const std::string&)>& say) {
-  std::error_code ec;
-  if (step_of(where.filename().string()) >= 0 && fs::is_directory(where, ec)) {
-    const std::string problem = verify_checkpoint(where);
-    if (!problem.empty()) throw std::runtime_error("cannot resume: " + problem);
-    return where;
-  }
-  if (!fs::is_directory(where, ec))
-    throw std::runtime_error("cannot resume: " + where.string() + " is not a directory");
-  std::string passed;
-  for (const auto& e : list_checkpoints(where)) {
-    if (!e.committed) continue;  // torn: never loaded
-    const std::string problem = verify_checkpoint(e.dir);
-    if (problem.empty()) {
-      if (!passed.empty() && say) say("falling back to " + e.dir.filename().string());
-      return e.dir;
-    }
-    if (say) say("checkpoint " + e.dir.filename().string() + " is unusable: " + problem);
-    passed = e.dir.filename().string();
-  }
-  throw std::runtime_error("cannot resume: no committed checkpoint in " + where.string() +
-                           (passed.empty() ? "" : " verifies"));
-}
-
-checkpoint_state read_checkpoint_state(const fs::path& dir) {
-  const fs::path path = dir / "trainer_state.json";
-  try {
-    return state_from(json::parse(read_text(path)));
-  } catch (const std::exception& e) {
-    throw ckpt_error(path, std::string("unreadable trainer state: ") + e.what());
-  }
+  return commit(root, std::move(files), state, checkpoint_parts_version, keep, hook);
 }
 
 namespace {
@@ -698,9 +590,9 @@ checkpoint_tensors assemble_parts(const fs::path& dir, const gpt_config& model, 
   }
 }
 
-// Format 2: "" or the problem, when the parts' pieces (their headers) leave an element of the
-// model its trainer state names uncovered.
-std::string check_parts_cover(const fs::path& dir) {
+}  // namespace
+
+std::string ckpt_internal::check_parts_cover(const fs::path& dir) {
   try {
     const auto state = read_checkpoint_state(dir);
     const auto model = state.model
@@ -723,13 +615,14 @@ std::string check_parts_cover(const fs::path& dir) {
   return "";
 }
 
-}  // namespace
-
 int checkpoint_format(const fs::path& dir) { return manifest_files(dir).first; }
 
 void check_checkpoint_model(const fs::path& dir, const gpt_config& model) {
-  if (manifest_files(dir).first == checkpoint_parts_version)
+  const auto [version, listed] = manifest_files(dir);
+  if (version == checkpoint_parts_version)
     assemble_parts(dir, model, checkpoint_assembler::parameter);
+  else if (std::find(listed.begin(), listed.end(), "model.safetensors") == listed.end())
+    throw ckpt_error(dir / "manifest.json", "lists no model.safetensors");
   else
     check_hf_weights(model, dir / "model.safetensors");
 }
@@ -752,7 +645,8 @@ std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::strin
                                            const gpt_config& model, const chunk_range& range,
                                            tensor_shard shard) {
   gpt_chunk st(model, range, shard);
-  if (manifest_files(dir).first == checkpoint_parts_version) {
+  const auto [version, listed] = manifest_files(dir);
+  if (version == checkpoint_parts_version) {
     int role = -1;
     for (int r = 0; r < 3; ++r)
       if (which == tensor_files[r]) role = r;
@@ -770,9 +664,14 @@ std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::strin
     }
     return {st.params(), st.params() + st.parameter_count()};
   }
+  // Only the files the manifest lists are opened: one dropped in beside them is never read.
+  auto lists = [&](const std::string& name) {
+    return std::find(listed.begin(), listed.end(), name) != listed.end();
+  };
+  if (!lists(which + ".safetensors"))
+    throw ckpt_error(dir / "manifest.json", "lists no " + which + ".safetensors");
   load_hf_weights(st, dir / (which + ".safetensors"));
-  std::error_code ec;
-  if (range.head && !range.embedding && fs::exists(dir / "lm_head.safetensors", ec)) {
+  if (range.head && !range.embedding && lists("lm_head.safetensors")) {
     const safetensors_file file(dir / "lm_head.safetensors");
     const std::string name =
         std::string(checkpoint_head_copy) + (which == "model" ? "" : "." + which);

@@ -10,7 +10,8 @@
 //                           pipeline): that copy ("lm_head.weight") and its moments, which may
 //                           differ from wte's in their last bits (summed in another order)
 //   trainer_state.json      step, tokens, data position, update guard, schedule, mesh, recipe
-//   manifest.json           magic, format version, step, and every file's size and xxh64
+//   manifest.json           magic, format version, step, every file's size and xxh64, and the
+//                           xxh64 of its own content ("manifest_version" 2, "checksum")
 // The tensors are whole-model tensors whatever the mesh that saved them, so a checkpoint loads
 // at any pipeline, data, tensor or ZeRO layout.
 //
@@ -27,9 +28,15 @@
 // Invariants:
 //  - The manifest is the commit marker: written after every other file is on disk (each file
 //    and the manifest: tmp, fsync, rename; then fsync of the directory). A directory without a
-//    manifest is torn and is never loaded; the next write removes it.
-//  - An older checkpoint is removed only after a newer one is committed; the newest `keep`
-//    committed ones stay.
+//    manifest is torn and is never loaded; the next write of its step removes it.
+//  - The manifest is the whole truth: a checkpoint verifies only when the manifest's checksum
+//    of itself holds, every file it lists is there with its size and xxh64, nothing else is in
+//    the directory, and the manifest, the directory name and the trainer state agree on the
+//    step. Loading opens only files the manifest lists.
+//  - Rotation counts only checkpoints that verify: an older one is removed only after a newer
+//    one is committed, the newest `keep` that verify stay (the one just committed and the
+//    newest that verifies always), and a directory that does not verify is never removed by
+//    it nor counted: it stays and is reported.
 //  - Loading verifies the manifest and every file's size and xxh64 before any tensor is read;
 //    a problem is one line naming the file (and the expected and actual checksum).
 #pragma once
@@ -134,12 +141,25 @@ std::filesystem::path checkpoint_dir(const std::filesystem::path& root, int step
 // throws from it to stop the write there, as a killed writer would.
 using checkpoint_hook = std::function<void(const std::string& point)>;
 
-// Writes the checkpoint of state.step under root and commits it, then removes committed
-// checkpoints beyond the newest `keep` and torn directories. Throws std::runtime_error naming
-// the file at fault; what was committed before stays loadable.
-void write_checkpoint(const std::filesystem::path& root, const gpt_config& model,
-                      const checkpoint_tensors& tensors, const checkpoint_state& state, int keep,
-                      const checkpoint_hook& hook = {});
+// A step directory that rotation left in place because it does not verify (torn, corrupt or
+// foreign), with the one-line problem.
+struct checkpoint_left_alone {
+  std::filesystem::path dir;
+  std::string problem;
+};
+
+// Writes the checkpoint of state.step under root and commits it, then rotates: the checkpoints
+// that verify beyond the newest `keep` go (see the invariants); returns the directories left
+// in place because they do not verify. Throws std::runtime_error naming the file at fault;
+// what was committed before stays loadable. `say` hears of a directory of the same step that
+// is replaced (prepare_checkpoint_dir).
+using checkpoint_say = std::function<void(const std::string&)>;
+std::vector<checkpoint_left_alone> write_checkpoint(const std::filesystem::path& root,
+                                                    const gpt_config& model,
+                                                    const checkpoint_tensors& tensors,
+                                                    const checkpoint_state& state, int keep,
+                                                    const checkpoint_hook& hook = {},
+                                                    const checkpoint_say& say = {});
 
 // ---- format 2: a part per stage ----
 // One piece of a part: values [offset, offset + n) of tensor shard `shard`'s slice of `name`
@@ -157,9 +177,10 @@ struct checkpoint_file {  // a file as the manifest lists it
   std::uint64_t bytes = 0, xxh64 = 0;
 };
 // The step directory of `step` under root, made ready for its parts: a torn one (or one that
-// no longer verifies) removed, an empty one created. Throws when a committed checkpoint of the
-// step that verifies is there.
-std::filesystem::path prepare_checkpoint_dir(const std::filesystem::path& root, int step);
+// no longer verifies) removed and named through `say`, an empty one created. Throws when a
+// committed checkpoint of the step that verifies is there.
+std::filesystem::path prepare_checkpoint_dir(const std::filesystem::path& root, int step,
+                                             const checkpoint_say& say = {});
 // The part file of the stage of pipeline rank `rank` and lane `lane`.
 std::string checkpoint_part_name(int rank, int lane);
 // Writes a part into dir (name.tmp, fsync, rename), straight from the pieces' values.
@@ -167,11 +188,11 @@ checkpoint_file write_checkpoint_part(const std::filesystem::path& dir, const st
                                       const std::vector<checkpoint_piece>& pieces);
 // Commits the checkpoint of state.step whose parts are written into its prepared directory:
 // trainer_state.json, then the manifest (format 2) listing the parts; then removes what
-// write_checkpoint removes. The hook sees the same points from "wrote trainer_state.json" on.
-void commit_checkpoint_parts(const std::filesystem::path& root,
-                             const std::vector<checkpoint_file>& parts,
-                             const checkpoint_state& state, int keep,
-                             const checkpoint_hook& hook = {});
+// write_checkpoint removes and returns what it leaves. The hook sees the same points from
+// "wrote trainer_state.json" on.
+std::vector<checkpoint_left_alone> commit_checkpoint_parts(
+    const std::filesystem::path& root, const std::vector<checkpoint_file>& parts,
+    const checkpoint_state& state, int keep, const checkpoint_hook& hook = {});
 // The whole-model tensors of a checkpoint of either format.
 checkpoint_tensors read_checkpoint_tensors(const std::filesystem::path& dir,
                                            const gpt_config& model);
@@ -184,9 +205,14 @@ struct checkpoint_entry {
 // The step directories under root, newest first (none when root does not exist).
 std::vector<checkpoint_entry> list_checkpoints(const std::filesystem::path& root);
 
-// Verifies dir's manifest (magic, version, step) and every file it lists (present, size,
-// xxh64). Returns "" or the one-line problem, naming the file.
+// Verifies dir's manifest (magic, version, its own checksum, step), every file it lists
+// (present, size, xxh64), that nothing else is in dir, and that the trainer state's step is the
+// manifest's and the directory's. Returns "" or the one-line problem, naming the file.
 std::string verify_checkpoint(const std::filesystem::path& dir);
+// verify_checkpoint without hashing the tensor files again where this process has verified
+// the same directory with the same manifest before: the manifest, the files' presence and
+// sizes, nothing unlisted and the trainer state are checked every time.
+std::string verify_checkpoint_cached(const std::filesystem::path& dir);
 
 // The checkpoint to resume from: `where` is a step directory (which must verify) or a root
 // (its newest committed checkpoint that verifies; each one passed over is reported through
@@ -194,7 +220,11 @@ std::string verify_checkpoint(const std::filesystem::path& dir);
 std::filesystem::path find_checkpoint(const std::filesystem::path& where,
                                       const std::function<void(const std::string&)>& say);
 
+// The trainer state, checked first against the manifest (its size and xxh64 as listed, its
+// step the manifest's). Throws std::runtime_error naming the file.
 checkpoint_state read_checkpoint_state(const std::filesystem::path& dir);
+// A trainer_state.json's text parsed, unchecked (the fuzz target). Throws on malformed text.
+checkpoint_state parse_checkpoint_state(const std::string& text);
 // The checkpoint's format version (its manifest's): 1, or checkpoint_parts_version.
 int checkpoint_format(const std::filesystem::path& dir);
 // Throws std::runtime_error naming the file and tensor where the checkpoint's weights are not
@@ -203,7 +233,8 @@ void check_checkpoint_model(const std::filesystem::path& dir, const gpt_config& 
 
 // One of the checkpoint's tensor files ("model", "exp_avg", "exp_avg_sq") as a stage's flat
 // buffer: the stage of `range` and tensor shard `shard` (its slices) of `model`. A head range
-// without the embedding takes the head's copy of wte where the checkpoint has one.
+// without the embedding takes the head's copy of wte where the manifest lists one (format 1:
+// lm_head.safetensors); only files the manifest lists are opened.
 std::vector<float> load_checkpoint_tensors(const std::filesystem::path& dir,
                                            const std::string& which, const gpt_config& model,
                                            const chunk_range& range, tensor_shard shard = {});
