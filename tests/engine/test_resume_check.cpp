@@ -185,14 +185,11 @@ TEST_CASE("trainer states with and without recorded changes read") {
       "mesh": {"pp": 2, "dp": 1, "tp": 1, "zero": 0, "virtual_stages": 1, "micro_batches": 2,
                "grad_accum": 1, "micro_batch": 2},
       "recipe": "", "overrides": [])";
-  std::ofstream(dir / "trainer_state.json") << "{" << common << "}\n";
-  CHECK(read_checkpoint_state(dir).recipe_changes.empty());
-  std::ofstream(dir / "trainer_state.json")
-      << "{" << common
-      << R"(, "recipe_changes": [{"step": 4, "key": "seed", "from": "9", "to": "3"}]})"
-      << "\n";
-  CHECK(read_checkpoint_state(dir).recipe_changes ==
-        std::vector<recipe_change>{{4, "seed", "9", "3"}});
+  CHECK(parse_checkpoint_state("{" + common + "}\n").recipe_changes.empty());
+  CHECK(parse_checkpoint_state(
+            "{" + common +
+            R"(, "recipe_changes": [{"step": 4, "key": "seed", "from": "9", "to": "3"}]})")
+            .recipe_changes == std::vector<recipe_change>{{4, "seed", "9", "3"}});
   fs::remove_all(dir);
 }
 
