@@ -4,7 +4,8 @@
 #  - two jobs on one output.dir: the second is refused with exit 2 and one line naming the
 #    holder (host, pid, since when, lock file), while the first is held stopped (SIGSTOP) so
 #    that it cannot end before them; the first then ends normally with a whole, complete
-#    metrics.jsonl; the same for a shared checkpoint.dir under two output.dirs;
+#    metrics.jsonl; the same for a shared checkpoint.dir under two output.dirs, and for a
+#    resume that would set the holder's newer checkpoints aside;
 #  - a job killed by SIGKILL leaves a stale lock that the next run takes over with a notice,
 #    also the restart of `troupe launch --max-restarts`;
 #  - under `ulimit -f` a run ends with exit 1 and one line naming the file it could not write,
@@ -91,6 +92,33 @@ wait_bounded "$first" 120
 whole_metrics "$tmp/out/metrics.jsonl" 4000 || fail "race: the first job's metrics.jsonl"
 [[ ! -s $tmp/out/.troupe.lock && ! -s $tmp/ck/.troupe.lock ]] || fail "race: locks not released"
 [[ $failures -eq $before ]] && echo "ok: a second job is refused: $err"
+
+# A resume that would set newer checkpoints aside in a checkpoint.dir another job holds: refused
+# before it moves any.
+before=$failures
+"$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/p" --set checkpoint.every=20 \
+  --set steps=1000 --set "checkpoint.dir=$tmp/ck2" >/dev/null 2>"$tmp/p.err" &
+holder=$!
+started+=("$holder")
+for _ in $(seq 1 600); do # two committed: the oldest has a newer one to set aside
+  [[ $(find "$tmp/ck2" -name manifest.json 2>/dev/null | wc -l) -ge 2 ]] && break
+  sleep 0.05
+done
+kill -STOP "$holder"
+oldest=$(find "$tmp/ck2" -name manifest.json | sort | head -n 1)
+rc=0
+timeout -s KILL 60 "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/q" \
+  --set "checkpoint.dir=$tmp/ck2" --set checkpoint.every=20 --set steps=1000 \
+  --resume "$(dirname "$oldest")" --set-aside-newer >/dev/null 2>"$tmp/q.err" || rc=$?
+ls "$tmp/ck2" >"$tmp/ck2.list"
+kill -CONT "$holder"
+[[ $rc -eq 2 ]] || fail "set aside: exit code $rc, expected 2 ($(cat "$tmp/q.err"))"
+grep -q "^troupe train: key checkpoint.dir: $tmp/ck2 is in use by another job (host .*, pid $holder," \
+  "$tmp/q.err" || fail "set aside: [$(cat "$tmp/q.err")]"
+! grep -q set-aside "$tmp/ck2.list" || fail "set aside: checkpoints were moved: $(cat "$tmp/ck2.list")"
+wait_bounded "$holder" 120
+[[ $rc -eq 0 ]] || fail "set aside: the holder's exit code $rc ($(cat "$tmp/p.err"))"
+[[ $failures -eq $before ]] && echo "ok: --set-aside-newer in a held checkpoint.dir is refused"
 
 # 2. A job killed by SIGKILL: the next run takes its stale lock over.
 before=$failures
