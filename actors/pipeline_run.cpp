@@ -19,6 +19,7 @@
 
 #include "actors/checkpoint_writer.hpp"
 #include "actors/coordinator.hpp"
+#include "actors/error_text.hpp"
 #include "actors/gateway.hpp"
 #include "actors/pipeline_wiring.hpp"
 #include "actors/schedule_actor.hpp"
@@ -29,6 +30,7 @@
 #include "engine/parallel/support.hpp"
 #include "engine/training/checkpoint_identity.hpp"
 #include "engine/training/resume_check.hpp"
+#include "engine/training/run_lock.hpp"
 #include "topology/placement.hpp"
 #include "transport/rendezvous.hpp"
 #include "transport/ucx_transport.hpp"
@@ -176,6 +178,7 @@ struct training_job::state {
   bool multi = false;
   int my_rank = 0;
   std::unique_ptr<build_inputs> in_ptr;
+  std::optional<engine::run_lock> lock;  // rank 0: its directories, until after the metrics
   std::optional<engine::jsonl_writer> metrics;
   run_result res;
   std::unique_ptr<remote_mesh> mesh;
@@ -185,6 +188,17 @@ struct training_job::state {
   std::vector<engine::recipe_change> recipe_changes, changes_to_note;
   void say(const std::string& s) const {
     if (cb.on_message && my_rank == 0) cb.on_message(s);
+  }
+  // One job per directory: rank 0 locks output.dir, and checkpoint.dir where this job writes or
+  // moves checkpoints, before it writes there (engine/training/run_lock.hpp).
+  void take_lock() {
+    if (lock) return;
+    std::vector<engine::run_lock::directory> dirs{{r.output.dir, "output.dir"}};
+    if (r.checkpoint.every > 0 || o.checkpoint_writer || o.set_aside_newer)
+      dirs.push_back({r.checkpoint_path(), "checkpoint.dir"});
+    engine::run_lock_options options;
+    options.notice = [this](const std::string& s) { say(s); };
+    lock.emplace(dirs, options);
   }
 };
 
@@ -219,6 +233,7 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
       throw engine::recipe_error("key steps: " + std::to_string(r.steps) + ", but checkpoint " +
                                  in.resume_dir.string() + " has done " +
                                  std::to_string(in.resumed.step) + " steps: nothing to run");
+    if (my_rank == 0 && o.set_aside_newer) s_->take_lock();  // before checkpoints move aside
     s_->changes_to_note = check_resume(r, o, in.resume_dir, in.resumed, my_rank, say);
     s_->recipe_changes = in.resumed.recipe_changes;
     s_->recipe_changes.insert(s_->recipe_changes.end(), s_->changes_to_note.begin(),
@@ -269,6 +284,7 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
   }
   // 2. Outputs (rank 0 only).
   if (my_rank == 0) {
+    s_->take_lock();  // before anything is written there
     std::error_code ec;
     std::filesystem::create_directories(r.output.dir, ec);
     if (ec)
@@ -472,12 +488,24 @@ std::string training_job::finish(caf::actor_system& sys, std::string failure) {
   auto say = [this](const std::string& text) { s_->say(text); };
   {
     caf::scoped_actor client{sys};
-    if (a.checkpointer) {  // every checkpoint begun is committed before the job ends
+    if (a.checkpointer) {               // every checkpoint begun is committed before the job ends
+      client->monitor(a.checkpointer);  // why it stopped, should it have (a failed write)
       client->request(a.checkpointer, caf::infinite, checkpoint_flush{!failure.empty()})
           .receive([](bool) {},
                    [&](caf::error& e) {
-                     if (failure.empty()) failure = "checkpoint writer: " + to_string(e);
+                     if (!failure.empty()) return;
+                     failure = "checkpoint writer: " + to_string(e);
+                     client->receive(
+                         [&](caf::down_msg& d) {
+                           const auto why = error_text(d.reason);
+                           if (!d.reason) return;
+                           failure = why.rfind("checkpoint writer", 0) == 0
+                                         ? why
+                                         : "checkpoint writer: " + why;
+                         },
+                         caf::after(std::chrono::seconds(5)) >> [] {});
                    });
+      client->demonitor(a.checkpointer);
     }
     const bool collect = o.collect_parameters || o.check_replicas || !r.weights_path().empty();
     if (failure.empty() && my_rank == control && collect) {
@@ -586,7 +614,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
   cfg.set("work-stealing.moderate-poll-attempts", 0);
   caf::actor_system sys{cfg};
   training_job job(r, cb, o);  // destroyed before the system: its handles go first
-  std::string failure;
+  std::string failure, unrecorded;
   {
     caf::scoped_actor client{sys};
     job.spawn(sys, caf::actor_cast<caf::actor>(client));
@@ -595,7 +623,16 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
     while (running) {
       client->receive(
           [&](step_report& rep) {
-            job.record(rep.metrics);
+            if (!unrecorded.empty()) return;
+            try {
+              job.record(rep.metrics);
+            } catch (const std::exception& e) {
+              // A metrics line that cannot be written (a full disk, ulimit -f) stops the job
+              // after the step in flight, and fails it.
+              unrecorded = e.what();
+              caf::anon_send(job.coordinator(), stop_run{});
+              return;
+            }
             if (o.after_step) o.after_step(sys, handles, rep.metrics.step);
           },
           [&](training_paused&) {},
@@ -604,6 +641,7 @@ run_result run_training(const engine::recipe& r, const engine::train_callbacks& 
             if (!f.ok) failure = job.control() ? f.message : "job ended: " + f.message;
           });
     }
+    if (!unrecorded.empty()) failure = unrecorded;
   }
   if (!failure.empty() && o.launch.world > 1) arm_teardown_deadline(failure, o.launch.rank);
   failure = job.finish(sys, failure);

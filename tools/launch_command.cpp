@@ -15,7 +15,10 @@
 //   signal; not bad input, exit 2, and not a signal the launcher was sent), every child is torn
 //   down as above and the job starts again, each child with TROUPE_RESTART_COUNT=k, so that
 //   `troupe train` resumes from its last committed checkpoint. More than R restarts within
-//   --restart-window seconds: exit 3 with a report of every failure.
+//   --restart-window seconds, or more than --max-total-restarts in all (default 10 x R): exit 3
+//   with a report of every failure.
+// - A child ended by a signal is named by the signal and its meaning ("killed by SIGXFSZ (File
+//   size limit exceeded)").
 // The hidden option --program PATH runs PATH instead of this binary (tests use /bin/sh).
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -59,7 +62,8 @@ struct launch_options {
   double grace_s = 30;
   int max_restarts = 0;
   double restart_window_s = 3600;
-  std::string program;  // hidden: default this binary
+  int max_total_restarts = -1;  // -1: 10 x max_restarts
+  std::string program;          // hidden: default this binary
   std::vector<std::string> command;
   CLI::App* app = nullptr;
 };
@@ -69,9 +73,18 @@ int bad_input(const std::string& message) {
   return exit_bad_input;
 }
 
+// "SIGXFSZ (File size limit exceeded)": the signal's name and what it means.
 std::string signal_name(int sig) {
   const char* abbrev = ::sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+  const char* meaning = ::strsignal(sig);
+  return (abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig)) +
+         (meaning ? std::string(" (") + meaning + ")" : "");
+}
+
+std::string seconds_text(double s) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", s);
+  return text;
 }
 
 // A port the kernel considers free on addr now (rank 0 binds it a moment later).
@@ -329,11 +342,15 @@ int run_launch(const launch_options& o) {
   if (o.addr.empty()) return bad_input("--addr is empty");
   if (o.max_restarts < 0 || o.max_restarts > 1000000)
     return bad_input("--max-restarts " + std::to_string(o.max_restarts) + " is outside 0-1000000");
-  if (!(o.restart_window_s > 0) || o.restart_window_s > 1e9) {
-    char window[32];
-    std::snprintf(window, sizeof window, "%g", o.restart_window_s);
-    return bad_input(std::string("--restart-window ") + window + " is outside (0, 1e9] seconds");
-  }
+  if (!(o.restart_window_s > 0) || o.restart_window_s > 1e9)
+    return bad_input("--restart-window " + seconds_text(o.restart_window_s) +
+                     " is outside (0, 1e9] seconds");
+  if (o.app->count("--max-total-restarts") &&
+      (o.max_total_restarts < 0 || o.max_total_restarts > 10000000))
+    return bad_input("--max-total-restarts " + std::to_string(o.max_total_restarts) +
+                     " is outside 0-10000000");
+  const long total_cap =
+      o.app->count("--max-total-restarts") ? o.max_total_restarts : 10L * o.max_restarts;
 
   // This binary is started as /proc/self/exe (right even if its file was replaced meanwhile);
   // its path is argv[0].
@@ -380,12 +397,23 @@ int run_launch(const launch_options& o) {
     failures.emplace_back(now, s.failure());
     int recent = 0;  // failures within the window, this one included
     for (const auto& [t, what] : failures) recent += now - t <= o.restart_window_s;
-    if (recent > o.max_restarts) {
+    const long total = static_cast<long>(failures.size());
+    if (recent > o.max_restarts || total > total_cap) {
       std::string report =
-          "troupe launch: giving up: the job failed " + std::to_string(recent) + " times within " +
-          std::to_string(static_cast<long>(o.restart_window_s)) + " s, more than --max-restarts " +
-          std::to_string(o.max_restarts) + " allows (--restart-window). Failures:";
+          recent > o.max_restarts
+              ? "troupe launch: giving up: the job failed " + std::to_string(recent) +
+                    " times within " + seconds_text(o.restart_window_s) +
+                    " s, more than --max-restarts " + std::to_string(o.max_restarts) +
+                    " allows (--restart-window). Failures:"
+              : "troupe launch: giving up: the job failed " + std::to_string(total) +
+                    " times in all, more than --max-total-restarts " + std::to_string(total_cap) +
+                    " allows. Failures:";
+      // The first failures and the last ones: a long run of restarts is not listed whole.
+      constexpr std::size_t shown = 10;
       for (std::size_t i = 0; i < failures.size(); ++i) {
+        if (failures.size() > 2 * shown && i == shown)
+          report += " ... " + std::to_string(failures.size() - 2 * shown) + " more ...;";
+        if (failures.size() > 2 * shown && i >= shown && i < failures.size() - shown) continue;
         char line[64];
         std::snprintf(line, sizeof line, " attempt %zu at %.1f s: ", i + 1, failures[i].first);
         report += line + failures[i].second + ";";
@@ -397,9 +425,9 @@ int run_launch(const launch_options& o) {
       return exit_restarts_exhausted;
     }
     std::fprintf(stderr,
-                 "troupe launch: restarting the job (restart %d; %d of at most %d within %g s) "
-                 "from its last committed checkpoint\n",
-                 attempt + 1, recent, o.max_restarts, o.restart_window_s);
+                 "troupe launch: restarting the job (restart %d of at most %ld; %d of at most %d "
+                 "within %g s) from its last committed checkpoint\n",
+                 attempt + 1, total_cap, recent, o.max_restarts, o.restart_window_s);
   }
 }
 
@@ -421,6 +449,9 @@ std::function<int()> add_launch_command(CLI::App& app) {
                   "checkpoint) up to this many times within --restart-window (default 0: never)");
   cmd->add_option("--restart-window", opts->restart_window_s,
                   "Seconds over which --max-restarts counts restarts (default 3600)");
+  cmd->add_option("--max-total-restarts", opts->max_total_restarts,
+                  "Restarts in all, whatever the window, before giving up with exit 3 (default "
+                  "10 x --max-restarts)");
   cmd->add_option("--program", opts->program, "Run this program instead of troupe (tests)")
       ->group("");
   cmd->add_option("command", opts->command, "The troupe command each rank runs, after --");

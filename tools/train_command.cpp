@@ -10,6 +10,7 @@
 #include <sys/resource.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 
@@ -138,6 +139,9 @@ std::function<int()> add_train_command(CLI::App& app) {
                 "At the end, every process prints its peak resident memory as one JSON line on "
                 "stderr");
   return [opts, resume_opt]() -> int {
+    // Past a file size limit (ulimit -f) a write fails with EFBIG, reported naming the file,
+    // instead of SIGXFSZ ending the process without a word.
+    std::signal(SIGXFSZ, SIG_IGN);
     engine::recipe r;
     try {
       auto overrides = opts->overrides;

@@ -1,8 +1,14 @@
 // JSONL metrics and corpus statistics. See metrics.hpp.
 #include "engine/training/metrics.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -23,6 +29,7 @@ split_lines lines_through(const std::filesystem::path& path, int step) {
   split_lines out;
   std::string line;
   while (std::getline(in, line)) {
+    if (in.eof()) break;  // a last line without its newline is torn (a crash in it): dropped
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     const bool later = j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
                        j["step"].get<int>() > step;
@@ -73,11 +80,38 @@ jsonl_writer::jsonl_writer(const std::filesystem::path& path, int keep_through_s
       write_whole(set_aside_, lines.later);
     }
     write_whole(path, lines.kept);
-    out_.open(path, std::ios::app);
-  } else {
-    out_.open(path, std::ios::trunc);
   }
-  if (!out_) throw std::runtime_error(path.string() + ": cannot open for writing");
+  fd_ = ::open(path.c_str(),
+               O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (keep_through_step >= 0 ? 0 : O_TRUNC),
+               0644);
+  if (fd_ < 0)
+    throw std::runtime_error(path.string() + ": cannot open for writing: " + std::strerror(errno));
+}
+
+jsonl_writer::~jsonl_writer() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void jsonl_writer::append(const std::string& text) {
+  // One write(2) of the whole text: a kill leaves all of it or none. A short write (file size
+  // limit, full disk) is followed by one for the rest, which says why it stopped, and is cut off
+  // again, so the file still ends at a whole line.
+  struct stat st {};
+  const off_t before = ::fstat(fd_, &st) == 0 ? st.st_size : -1;
+  std::size_t done = 0;
+  errno = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<std::size_t>(n);
+  }
+  if (done == text.size()) return;
+  const std::string why = errno != 0 ? std::strerror(errno) : "nothing written";
+  if (done > 0 && before >= 0) {
+    [[maybe_unused]] const int rc = ::ftruncate(fd_, before);
+  }
+  throw std::runtime_error(path_.string() + ": write failed: " + why);
 }
 
 void jsonl_writer::write(const step_metrics& m, const std::vector<recipe_change>& changes) {
@@ -107,9 +141,7 @@ void jsonl_writer::write(const step_metrics& m, const std::vector<recipe_change>
                            {"buffers", r.buffers},
                            {"pooled", r.pooled},
                            {"activations", r.activations}});
-  out_ << j.dump() << '\n';
-  out_.flush();
-  if (!out_) throw std::runtime_error(path_.string() + ": write failed");
+  append(j.dump() + "\n");
 }
 
 double unigram_entropy(const data::token_corpus& corpus, int vocab_size) {

@@ -1,7 +1,9 @@
 // Per-step training metrics, their JSONL form, and the arithmetic behind them (throughput,
 // model FLOPs utilisation, corpus unigram entropy).
-// Invariants: one JSON object per line, flushed after each step, so a crash loses at most the
-// step in progress; field names are stable (docs/train.md lists them).
+// Invariants: one JSON object per line, each written whole by one write(2) to an O_APPEND
+// descriptor (a line a failed write left short is cut off again), so a crash or a kill loses at
+// most the step in progress, never leaves part of a line; field names are stable (docs/train.md
+// lists them).
 #pragma once
 
 #include <cstdint>
@@ -52,17 +54,22 @@ class jsonl_writer {
   // Truncates; throws naming the file. keep_through_step >= 0 (a resumed run): the file's lines
   // of steps up to it stay, and its later lines (trained again) are kept aside, never lost, in
   // a file beside it, PATH.set-aside-<step>-<UTC time> (set_aside()), written before PATH is
-  // replaced.
+  // replaced. A torn last line (no newline: a crash in the middle of it) is dropped.
   explicit jsonl_writer(const std::filesystem::path& path, int keep_through_step = -1);
-  // One step's line; `changes` (the first step after a resume that changed trajectory keys with
+  ~jsonl_writer();
+  jsonl_writer(const jsonl_writer&) = delete;
+  jsonl_writer& operator=(const jsonl_writer&) = delete;
+  // Appends one step's line; throws naming the file when it cannot (the file then still ends at
+  // a whole line). `changes` (the first step after a resume that changed trajectory keys with
   // --allow-change) go into it as "recipe_changes": [{"step", "key", "from", "to"}, ...].
   void write(const step_metrics& m, const std::vector<recipe_change>& changes = {});
   // The file the later lines went to; empty when there were none.
   const std::filesystem::path& set_aside() const { return set_aside_; }
 
  private:
+  void append(const std::string& text);
   std::filesystem::path path_, set_aside_;
-  std::ofstream out_;
+  int fd_ = -1;
 };
 
 // A name under dir not taken yet: PREFIX + "set-aside-<step, 8 digits>-<UTC time>", with "-2",

@@ -10,6 +10,7 @@
 #include "engine/data/sampler.hpp"
 #include "engine/model/gpt_weights.hpp"
 #include "engine/training/gpu_trainer.hpp"
+#include "engine/training/run_lock.hpp"
 #include "kernels/cpu_ops.hpp"
 
 namespace troupe::engine {
@@ -194,7 +195,10 @@ train_summary train(const recipe& r, const train_callbacks& cb) {
   }
   std::vector<std::int32_t> inputs(static_cast<std::size_t>(B) * T), targets(inputs.size());
 
-  // 2. Outputs.
+  // 2. Outputs, in a directory no other job holds (run_lock.hpp).
+  run_lock_options lock_options;
+  lock_options.notice = say;
+  const run_lock lock({{r.output.dir, "output.dir"}}, lock_options);
   std::error_code ec;
   std::filesystem::create_directories(r.output.dir, ec);
   if (ec) throw recipe_error("key output.dir: cannot create " + r.output.dir + ": " + ec.message());

@@ -5,7 +5,9 @@
 # --grace, SIGKILL 5 s later for one that ignores SIGTERM); SIGTERM, SIGHUP and SIGINT sent to
 # the launcher reach every child. Children are /bin/sh scripts run through the hidden --program
 # option; two cases run this troupe binary itself. Every wait is bounded (timeout(1) kills a
-# launcher that outlives its bound), and no child may outlive its launcher.
+# launcher that outlives its bound), and no child may outlive its launcher. Restarts stop at
+# --max-total-restarts (default 10 x --max-restarts) even where no two failures share a
+# --restart-window, and a child ended by a signal is named by the signal and its meaning.
 # Usage: cli_launch.sh TROUPE
 set -u
 troupe=${1:?usage: cli_launch.sh TROUPE}
@@ -71,6 +73,8 @@ expect_bad no-command "no command" -- --nproc 2
 expect_bad no-command-after-dashes "no command" -- --nproc 2 --
 expect_bad port-range "--port 70000" -- --nproc 2 --port 70000 -- train x.toml
 expect_bad grace-negative "--grace -1" -- --nproc 2 --grace -1 -- train x.toml
+expect_bad total-restarts-negative "--max-total-restarts -1" -- --nproc 1 --max-restarts 1 \
+  --max-total-restarts -1 -- train x.toml
 expect_bad option-without-dashes "--set" -- --nproc 2 train x.toml --set steps=1
 
 # Every rank's environment.
@@ -151,6 +155,42 @@ for sig in TERM HUP INT; do
   no_leftovers sig
   [[ $failures -eq $before ]] && echo "ok: SIG$sig reaches every child"
 done
+
+# A child that fails every 0.6 s with a 0.3 s window: the window never holds two failures, the
+# total cap ends the launcher with exit 3 and the report.
+before=$failures
+run_bounded 60 total --nproc 1 --max-restarts 1 --restart-window 0.3 --max-total-restarts 3 \
+  --program /bin/sh -- -c 'sleep 0.6; exit 1'
+[[ $rc -eq 3 ]] || fail "total: exit code $rc, expected 3 (stderr: $(cat "$tmp/total.stderr"))"
+[[ $(grep -c "restarting the job" "$tmp/total.stderr") -eq 3 ]] ||
+  fail "total: not restarted 3 times: [$(cat "$tmp/total.stderr")]"
+grep -q "giving up: the job failed 4 times in all, more than --max-total-restarts 3 allows. Failures: attempt 1 at .*attempt 4 at [0-9.]* s: rank 0 exit code 1;" \
+  "$tmp/total.stderr" || fail "total: no report: [$(cat "$tmp/total.stderr")]"
+[[ $failures -eq $before ]] && echo "ok: --max-total-restarts ends endless restarts"
+
+# The default total cap is 10 x --max-restarts.
+before=$failures
+run_bounded 30 total-default --nproc 1 --max-restarts 2 --program /bin/sh -- -c \
+  'test "$TROUPE_RESTART_COUNT" != 0'
+[[ $rc -eq 0 ]] || fail "total-default: exit code $rc (stderr: $(cat "$tmp/total-default.stderr"))"
+grep -q "restarting the job (restart 1 of at most 20; 1 of at most 2 within 3600 s)" \
+  "$tmp/total-default.stderr" || fail "total-default: [$(cat "$tmp/total-default.stderr")]"
+[[ $failures -eq $before ]] && echo "ok: the default --max-total-restarts"
+
+# A child ended by a signal: its name and meaning, in the launcher's line and in its report.
+before=$failures
+run_bounded 40 xfsz --nproc 2 --grace 0 --program /bin/sh -- -c \
+  'echo $$ >"$0/xfsz.pid.$RANK"; if [ "$RANK" = 1 ]; then kill -XFSZ $$; fi; exec sleep 30' "$tmp"
+[[ $rc -eq 153 ]] || fail "xfsz: exit code $rc, expected 153"
+[[ $(cat "$tmp/xfsz.stderr") == "troupe launch: rank 1 of 2 failed first (killed by SIGXFSZ (File size limit exceeded), exit code 153)" ]] ||
+  fail "xfsz: stderr [$(cat "$tmp/xfsz.stderr")]"
+no_leftovers xfsz
+run_bounded 40 killed --nproc 1 --max-restarts 1 --max-total-restarts 0 --program /bin/sh -- \
+  -c 'kill -KILL $$'
+[[ $rc -eq 3 ]] || fail "killed: exit code $rc, expected 3"
+grep -q "attempt 1 at [0-9.]* s: rank 0 killed by SIGKILL (Killed), exit code 137;" \
+  "$tmp/killed.stderr" || fail "killed: report [$(cat "$tmp/killed.stderr")]"
+[[ $failures -eq $before ]] && echo "ok: signals by name: $(cat "$tmp/xfsz.stderr")"
 
 # This troupe binary itself: a command that fails in every rank, and one that succeeds.
 before=$failures
