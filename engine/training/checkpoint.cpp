@@ -665,8 +665,8 @@ std::vector<float> load_checkpoint_tensors(const fs::path& dir, const std::strin
     return {st.params(), st.params() + st.parameter_count()};
   }
   // Only the files the manifest lists are opened: one dropped in beside them is never read.
-  auto lists = [&](const std::string& name) {
-    return std::find(listed.begin(), listed.end(), name) != listed.end();
+  auto lists = [&files = listed](const std::string& name) {  // (clang 14: no binding captured)
+    return std::find(files.begin(), files.end(), name) != files.end();
   };
   if (!lists(which + ".safetensors"))
     throw ckpt_error(dir / "manifest.json", "lists no " + which + ".safetensors");
