@@ -310,9 +310,11 @@ for round in 0 1 2; do
 done
 
 # A second SIGTERM while a stop waits for the step in flight (steps of seconds: a wider model,
-# longer windows, one thread per stage) ends the process at once: 143, no final weights.
+# longer windows, one thread per stage) ends the process at once: 143, no final weights. The
+# second is sent once the service has said it is stopping: two signals sent before its watch
+# thread takes the first would arrive as one.
 start e --set "output.dir=$tmp/e" --set model.width=256 --set model.layers=4 --set model.heads=4 \
-  --set model.context=128 --set batch.seq_len=128 --set batch.micro_batch=8 \
+  --set model.context=128 --set batch.seq_len=128 --set batch.micro_batch=16 \
   --set parallel.micro_batches=4 --threads 1
 expect 202 POST /train '{"steps": 100}'
 for _ in $(seq 1 600); do  # a step has just begun: right after the first one ends
@@ -322,7 +324,12 @@ for _ in $(seq 1 600); do  # a step has just begun: right after the first one en
 done
 [ "$(field 'd["step"]')" -ge 1 ] || fail "no step done in 30 s"
 kill -TERM "$pid"
-sleep 0.2
+for _ in $(seq 1 250); do
+  grep -q "SIGTERM: stopping after the step in flight" "$tmp/e.err" && break
+  sleep 0.02
+done
+grep -q "SIGTERM: stopping after the step in flight" "$tmp/e.err" ||
+  fail "no word of the first SIGTERM in 5 s"
 kill -TERM "$pid"
 wait_exit "$pid" 5
 [ "$rc" -eq 143 ] || fail "a second SIGTERM while stopping: exit $rc"
