@@ -246,12 +246,15 @@ training_job::training_job(engine::recipe recipe, engine::train_callbacks callba
   } else if ((r.checkpoint.every > 0 || o.checkpoint_writer) && my_rank == 0) {
     // A fresh run never writes over another run's checkpoints (nor does a trainer, which can
     // take one whenever asked).
+    // A job that holds them now is named first (the lock, released as this throws).
     for (const auto& e : engine::list_checkpoints(r.checkpoint_path()))
-      if (e.committed)
+      if (e.committed) {
+        s_->take_lock();
         throw engine::recipe_error("key checkpoint.dir: " + r.checkpoint_path().string() +
                                    " holds checkpoints (newest " + e.dir.filename().string() +
                                    "): resume them with --resume, or choose another " +
                                    "checkpoint.dir or output.dir");
+      }
   }
   if (in.seq_lens.empty()) in.seq_lens.push_back(r.batch.seq_len);
   in.chunks = o.device_chunks;

@@ -4,8 +4,9 @@
 #  - two jobs on one output.dir: the second is refused with exit 2 and one line naming the
 #    holder (host, pid, since when, lock file), while the first is held stopped (SIGSTOP) so
 #    that it cannot end before them; the first then ends normally with a whole, complete
-#    metrics.jsonl; the same for a shared checkpoint.dir under two output.dirs, and for a
-#    resume that would set the holder's newer checkpoints aside;
+#    metrics.jsonl; the same for a shared checkpoint.dir under two output.dirs, for a resume
+#    that would set the holder's newer checkpoints aside, and for a fresh run into a held
+#    checkpoint.dir that already holds checkpoints;
 #  - a job killed by SIGKILL leaves a stale lock that the next run takes over with a notice,
 #    also the restart of `troupe launch --max-restarts`;
 #  - under `ulimit -f` a run ends with exit 1 and one line naming the file it could not write,
@@ -111,7 +112,16 @@ timeout -s KILL 60 "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/q" 
   --set "checkpoint.dir=$tmp/ck2" --set checkpoint.every=20 --set steps=1000 \
   --resume "$(dirname "$oldest")" --set-aside-newer >/dev/null 2>"$tmp/q.err" || rc=$?
 ls "$tmp/ck2" >"$tmp/ck2.list"
+# A fresh run into the same checkpoint.dir: refused naming the job that holds it (not only that
+# the directory holds checkpoints).
+rc=0
+timeout -s KILL 60 "$troupe" train "$tmp/recipe.toml" --set "output.dir=$tmp/r" \
+  --set "checkpoint.dir=$tmp/ck2" --set checkpoint.every=20 >/dev/null 2>"$tmp/r.err" || rc=$?
 kill -CONT "$holder"
+[[ $rc -eq 2 ]] || fail "fresh over held checkpoints: exit code $rc, expected 2"
+[[ $(wc -l <"$tmp/r.err") -eq 1 ]] &&
+  grep -q "^troupe train: key checkpoint.dir: $tmp/ck2 is in use by another job (host .*, pid $holder," \
+    "$tmp/r.err" || fail "fresh over held checkpoints: [$(cat "$tmp/r.err")]"
 [[ $rc -eq 2 ]] || fail "set aside: exit code $rc, expected 2 ($(cat "$tmp/q.err"))"
 grep -q "^troupe train: key checkpoint.dir: $tmp/ck2 is in use by another job (host .*, pid $holder," \
   "$tmp/q.err" || fail "set aside: [$(cat "$tmp/q.err")]"
