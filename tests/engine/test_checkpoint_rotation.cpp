@@ -17,6 +17,7 @@
 #include "engine/model/gpt_weights.hpp"
 #include "engine/training/checkpoint.hpp"
 #include "engine/training/checkpoint_internal.hpp"
+#include "tests/data/temp_dir.hpp"
 
 namespace troupe::engine {
 namespace {
@@ -24,17 +25,7 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-struct temp_root {
-  fs::path path;
-  temp_root() {
-    char tmpl[] = "/tmp/troupe-ckrot-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~temp_root() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using temp_root = data::test::temp_dir;
 
 gpt_config model() {
   gpt_config c;
@@ -118,7 +109,7 @@ bool names(const std::vector<checkpoint_left_alone>& left, int step, const std::
 TEST_CASE("rotation counts only checkpoints that verify and removes none that does not",
           "[checkpoint][rotation]") {
   temp_root root;
-  const auto& r = root.path;
+  const auto& r = root.path();
   write(r, 4, 1);
   std::vector<checkpoint_left_alone> left;
   SECTION("a corrupt newer checkpoint") {
@@ -160,7 +151,7 @@ TEST_CASE("rotation counts only checkpoints that verify and removes none that do
 TEST_CASE("rotation keeps the newest that verifies besides the one just committed",
           "[checkpoint][rotation]") {
   temp_root root;
-  const auto& r = root.path;
+  const auto& r = root.path();
   write(r, 4, 9);
   write(r, 10, 9);  // a later checkpoint that verifies (a run resumed from an older one)
   const auto left = write(r, 8, 1);
@@ -172,7 +163,7 @@ TEST_CASE("rotation keeps the newest that verifies besides the one just committe
 
 TEST_CASE("keep = 2 counts only checkpoints that verify", "[checkpoint][rotation]") {
   temp_root root;
-  const auto& r = root.path;
+  const auto& r = root.path();
   for (int step : {2, 4, 6}) write(r, step, 9);
   fs::resize_file(dir_of(r, 6) / "model.safetensors", 100);  // corrupt
   fs::copy(dir_of(r, 4), dir_of(r, 7));                      // foreign
@@ -196,7 +187,7 @@ TEST_CASE("keep = 2 counts only checkpoints that verify", "[checkpoint][rotation
 TEST_CASE("a directory of the step being written is replaced, and named, when it does not verify",
           "[checkpoint][rotation]") {
   temp_root root;
-  const auto& r = root.path;
+  const auto& r = root.path();
   write(r, 8, 9);
   fs::resize_file(dir_of(r, 8) / "exp_avg.safetensors", 10);
   std::vector<std::string> said;
@@ -210,7 +201,7 @@ TEST_CASE("a directory of the step being written is replaced, and named, when it
 
 TEST_CASE("the manifest is the whole truth", "[checkpoint][manifest]") {
   temp_root root;
-  const auto& r = root.path;
+  const auto& r = root.path();
   write(r, 4, 9);
   const auto dir = dir_of(r, 4);
   REQUIRE(verify_checkpoint(dir).empty());
@@ -271,7 +262,7 @@ TEST_CASE("the manifest is the whole truth", "[checkpoint][manifest]") {
 TEST_CASE("a checkpoint of the previous manifest version verifies and loads",
           "[checkpoint][manifest]") {
   temp_root root;
-  const auto& r = root.path;
+  const auto& r = root.path();
   write(r, 4, 9);
   const auto dir = dir_of(r, 4);
   auto m = read_json(dir / "manifest.json");

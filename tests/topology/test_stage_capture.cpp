@@ -8,7 +8,6 @@
 // request. Every wait is bounded.
 #include <catch2/catch.hpp>
 
-#include <unistd.h>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -18,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/data/temp_dir.hpp"
 #include "topology/stage_capture.hpp"
 
 using namespace troupe;
@@ -188,8 +188,8 @@ TEST_CASE("W5: a state with a part directory is written as the stage's part", "[
   fake_stage stage;
   stage_capture c(stage.hooks());
   answers a;
-  char tmpl[] = "/tmp/troupe-test-capture-XXXXXX";
-  const std::filesystem::path dir = ::mkdtemp(tmpl);
+  const engine::data::test::temp_dir scratch;
+  const std::filesystem::path& dir = scratch.path();
   c.begin([&] { return stage.copies(false); }, true, {}, stage_capture::zero_part::none);
   REQUIRE(eventually(stage.copied));
   c.copied();
@@ -214,7 +214,6 @@ TEST_CASE("W5: a state with a part directory is written as the stage's part", "[
   CHECK(a.failures[0] == error2);
   c.part_written(token2, file2, error2);  // a stale note: nothing more
   CHECK(a.failures.size() == 1);
-  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("a stopping stage fails the requests still waiting", "[unit][capture]") {
